@@ -1,0 +1,6 @@
+"""Visual-token cache: content keys and a byte-bounded LRU."""
+
+from cache.keys import content_key
+from cache.lru import CachedEmbedding, CacheStats, EmbeddingCache
+
+__all__ = ["CacheStats", "CachedEmbedding", "EmbeddingCache", "content_key"]

@@ -1,0 +1,43 @@
+"""Content keys: xxh3-128 over length-prefixed, type-tagged parts.
+
+Each part is written as tag byte + 8-byte length + payload, so differently
+structured inputs can never produce the same byte stream (("ab", "c") and
+("a", "bc") hash apart). Mappings are canonicalised by sorting their keys.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import xxhash
+
+_TAGS = {bytes: b"b", str: b"s", int: b"i", float: b"f", dict: b"m"}
+
+
+def _encode(part: Any) -> tuple[bytes, bytes]:
+    if isinstance(part, (bytes, bytearray, memoryview)):
+        return _TAGS[bytes], bytes(part)
+    if isinstance(part, bool) or part is None or isinstance(part, (list, tuple)):
+        return _TAGS[dict], json.dumps(part).encode()
+    if isinstance(part, str):
+        return _TAGS[str], part.encode()
+    if isinstance(part, int):
+        return _TAGS[int], str(part).encode()
+    if isinstance(part, float):
+        return _TAGS[float], repr(part).encode()
+    if isinstance(part, Mapping):
+        return _TAGS[dict], json.dumps(part, sort_keys=True, separators=(",", ":")).encode()
+    raise TypeError(f"cannot hash a {type(part).__name__} into a content key")
+
+
+def content_key(*parts: Any) -> bytes:
+    """16-byte digest of the parts, in order."""
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        tag, payload = _encode(part)
+        hasher.update(tag + struct.pack("<Q", len(payload)))
+        hasher.update(payload)
+    return hasher.digest()

@@ -1,0 +1,1 @@
+"""The HTTP gateway: OpenAI-compatible API, image intake, orchestration."""

@@ -1,0 +1,26 @@
+"""Entry point: python -m gateway [--config configs/cpu-demo.yaml]"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from prism.config import load_config
+from prism.logs import setup_logging
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Prism gateway (OpenAI-compatible HTTP API)")
+    parser.add_argument("--config", type=Path, default=None)
+    args = parser.parse_args()
+    setup_logging("gateway")
+    config = load_config(GatewayConfig, "gateway", args.config)
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Per-request stage timings (names as in docs/architecture.md).
+
+The gateway times its own stages with a monotonic clock and takes the
+encoder's and engine's stages from their replies; whatever the stages do not
+cover of the measured TTFT is reported as `unaccounted`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocol.to_gateway import EncoderTimings, EngineTimings
+
+TTFT_STAGES = (
+    "parse",
+    "image_fetch",
+    "image_preprocess",
+    "cache_lookup",
+    "encode_queue",
+    "encode",
+    "embed_transfer",
+    "engine_queue",
+    "prefill",
+)
+
+
+@dataclass
+class RequestTimer:
+    arrived: float = field(default_factory=time.perf_counter)
+    stages: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TTFT_STAGES, 0.0))
+    cache_hits: int = 0
+    cache_misses: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    decode_s: float = 0.0
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.stages[stage] += seconds
+
+    def add_encoder(self, timings: EncoderTimings, round_trip_s: float) -> None:
+        self.add("cache_lookup", timings.cache_lookup_s)
+        self.add("encode_queue", timings.encode_queue_s)
+        self.add("encode", timings.encode_s)
+        self.add("embed_transfer", max(0.0, round_trip_s - timings.total_s))
+
+    def add_engine_first(self, timings: EngineTimings | None, round_trip_s: float) -> None:
+        if timings is None:
+            self.add("embed_transfer", round_trip_s)
+            return
+        self.add("engine_queue", timings.engine_queue_s)
+        self.add("prefill", timings.prefill_s)
+        self.add("embed_transfer", max(0.0, round_trip_s - timings.engine_queue_s - timings.prefill_s))
+
+    def mark_first_token(self) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    def mark_finished(self) -> None:
+        self.finished_at = time.perf_counter()
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrived
+
+    def breakdown(self) -> dict:
+        """Stages in ms, TTFT, the unaccounted remainder, E2E and cache counts."""
+        ms = {name: round(value * 1000, 3) for name, value in self.stages.items()}
+        if (ttft := self.ttft_s) is not None:
+            ms["ttft"] = round(ttft * 1000, 3)
+            ms["unaccounted"] = round((ttft - sum(self.stages.values())) * 1000, 3)
+        if self.finished_at is not None:
+            ms["e2e"] = round((self.finished_at - self.arrived) * 1000, 3)
+        return {"stages_ms": ms, "cache": {"hits": self.cache_hits, "misses": self.cache_misses}}

@@ -1,0 +1,1 @@
+"""The LLM engine service: vLLM fed with visual tokens over ZMQ."""

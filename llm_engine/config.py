@@ -1,0 +1,26 @@
+"""The LLM engine's frozen config (section `engine` of the YAML file)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from prism.config import FrozenConfig
+
+
+class EngineConfig(FrozenConfig):
+    model: str  # checkpoint directory (or hub id where there is internet)
+    served_model_name: str | None = None
+    address: str = "ipc:///tmp/prism/engine.sock"  # ROUTER bind address
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    max_model_len: int = Field(4096, ge=16)
+    max_num_seqs: int = Field(32, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    kv_cache_memory_mb: int | None = Field(1024, ge=16)  # None: vLLM's own sizing
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
+    max_images_per_prompt: int = Field(16, ge=0)
+    tensor_parallel_size: int = Field(1, ge=1)
+    seed: int = 0

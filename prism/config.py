@@ -1,0 +1,88 @@
+"""Load one service's frozen config from a YAML file plus environment overrides.
+
+The YAML file has one section per service (`gateway`, `encoder`, `engine`) and
+top-level keys shared by all of them (`model`). An environment variable
+`PRISM_<SECTION>__<KEY>` (or `PRISM_<KEY>` for a shared key) overrides the
+file; its value is parsed as YAML, so `PRISM_ENGINE__MAX_MODEL_LEN=2048` is an
+int. Validation errors name the offending key, e.g. `engine.max_model_len`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TypeVar
+
+import pydantic
+import yaml
+
+ENV_PREFIX = "PRISM_"
+SHARED_KEYS = ("model",)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "cpu-demo.yaml"
+
+C = TypeVar("C", bound=pydantic.BaseModel)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class FrozenConfig(pydantic.BaseModel):
+    """Base of every service config: immutable, unknown keys rejected."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+
+def _env_overrides(section: str, env: Mapping[str, str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for key in SHARED_KEYS:
+        if (raw := env.get(f"{ENV_PREFIX}{key.upper()}")) is not None:
+            values[key] = yaml.safe_load(raw)
+    prefix = f"{ENV_PREFIX}{section.upper()}__"
+    for name, raw in env.items():
+        if name.startswith(prefix):
+            values[name[len(prefix) :].lower()] = yaml.safe_load(raw)
+    return values
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping of sections")
+    return data
+
+
+def resolve_model(model: str) -> str:
+    """A relative checkpoint path is taken from the repo root; anything else
+    (absolute path, hub id) is returned as it is."""
+    path = Path(model)
+    if not path.is_absolute() and (path.parts[:1] == ("models",) or (REPO_ROOT / path).exists()):
+        return str(REPO_ROOT / path)
+    return model
+
+
+def load_config(
+    model: type[C], section: str, path: Path | None = None, env: Mapping[str, str] | None = None
+) -> C:
+    path = path or Path(os.environ.get(f"{ENV_PREFIX}CONFIG", DEFAULT_CONFIG))
+    data = _read_yaml(path)
+    values = dict(data.get(section) or {})
+    for key in SHARED_KEYS:
+        if key in data and key in model.model_fields:
+            values.setdefault(key, data[key])
+    overrides = _env_overrides(section, os.environ if env is None else env)
+    values.update({k: v for k, v in overrides.items() if k in model.model_fields or k not in SHARED_KEYS})
+    if isinstance(values.get("model"), str):
+        values["model"] = resolve_model(values["model"])
+    try:
+        return model.model_validate(values)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(
+            f"{section}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid config {path}: {problems}") from None

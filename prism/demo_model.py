@@ -1,0 +1,186 @@
+"""Write the embedded demo checkpoint: a tiny Qwen2-VL with random weights.
+
+The checkpoint has the real Qwen2-VL architecture, a byte-level BPE tokenizer
+with the Qwen special tokens and chat template, and the image/video processor
+configs, so every service loads it exactly like a hub checkpoint — with no hub
+access. Sizes follow what vLLM's CPU backend accepts (see docs/architecture.md):
+text head size 64, mrope_section summing to head_dim / 2.
+
+Run: python -m prism.demo_model --out models/prism-demo-qwen2vl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+SEED = 1234
+VOCAB_SIZE = 2048
+DEFAULT_MAX_PIXELS = 1024 * 1024
+DEFAULT_MIN_PIXELS = 56 * 56
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen2-VL's chat template, trimmed to what the demo needs: system default,
+# string or list content, one <|vision_start|><|image_pad|><|vision_end|> per image.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_WORDS = (
+    "the a an image picture photo shows there is are of in on with and red green "
+    "blue yellow orange purple black white gray circle square triangle shape shapes "
+    "one two three how many what colour color describe left right top bottom small "
+    "large background foreground assistant user system question answer yes no this "
+    "that it cat dog car tree house sky road person people water light dark"
+).split()
+
+
+def _corpus(seed: int, lines: int = 4000) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) for _ in range(lines)]
+
+
+def build_tokenizer(seed: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=8192,
+    )
+
+
+def build_config(tokenizer):
+    from transformers import Qwen2VLConfig
+
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # head size 64: accepted by vLLM's CPU attention
+        num_key_value_heads=1,
+        max_position_embeddings=8192,
+        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+        mlp_ratio=2,
+        hidden_size=128,  # merger output = text hidden size
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def _processor_configs(max_pixels: int, min_pixels: int) -> tuple[dict, dict]:
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": min_pixels,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    }
+    video = {**image, "video_processor_type": "Qwen2VLVideoProcessor"}
+    del video["image_processor_type"]
+    return image, video
+
+
+def write_demo_model(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(seed)
+    config = build_config(tokenizer)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    image_cfg, video_cfg = _processor_configs(max_pixels, DEFAULT_MIN_PIXELS)
+    (out / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights"}))
+    return out
+
+
+def ensure_demo_model(out: Path, seed: int = SEED) -> Path:
+    """Write the checkpoint unless a complete one is already there."""
+    if (out / "prism_demo.json").exists():
+        return out
+    return write_demo_model(out, seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("models/prism-demo-qwen2vl"))
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args()
+    print(write_demo_model(args.out, args.seed))
+
+
+if __name__ == "__main__":
+    main()

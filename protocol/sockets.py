@@ -1,0 +1,98 @@
+"""Typed ZMQ sockets: a call site reads `await engine.send(msg, frames)`.
+
+A multipart message is [header, *frames]: the header is the msgpack-encoded
+message (its class name is the tag) and each frame is one raw array buffer,
+sent and received without copies. ROUTER sockets prefix the peer identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from protocol.base import Message
+
+In = TypeVar("In")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def pack(message: Message, frames: Sequence[Any] = ()) -> list[Any]:
+    return [_encoder.encode(message), *frames]
+
+
+def bind(socket: zmq.Socket, address: str) -> None:
+    """Bind, creating the directory of an ipc:// path first."""
+    if address.startswith("ipc://"):
+        Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+    socket.bind(address)
+
+
+class _Typed(Generic[In]):
+    def __init__(self, socket: zmq.Socket, inbound: Any) -> None:
+        self.socket = socket
+        self._decoder = msgspec.msgpack.Decoder(inbound)
+
+    def unpack(self, parts: list[zmq.Frame]) -> tuple[In, list[memoryview]]:
+        header, *frames = parts
+        return self._decoder.decode(header.buffer), [f.buffer for f in frames]
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class AsyncDealer(_Typed[In]):
+    """One side of a request/reply stream to a ROUTER (gateway → service)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any) -> None:
+        socket = ctx.socket(zmq.DEALER)
+        socket.connect(address)
+        super().__init__(socket, inbound)
+
+    async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
+        await self.socket.send_multipart(pack(message, frames), copy=False)
+
+    async def recv(self) -> tuple[In, list[memoryview]]:
+        return self.unpack(await self.socket.recv_multipart(copy=False))
+
+
+class AsyncRouter(_Typed[In]):
+    """The service side: many gateways (peers) may connect."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any) -> None:
+        socket = ctx.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bind(socket, address)
+        super().__init__(socket, inbound)
+
+    async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = ()) -> None:
+        await self.socket.send_multipart([peer, *pack(message, frames)], copy=False)
+
+    async def recv(self) -> tuple[bytes, In, list[memoryview]]:
+        peer, *parts = await self.socket.recv_multipart(copy=False)
+        return peer.bytes, *self.unpack(parts)
+
+
+class SyncRouter(_Typed[In]):
+    """A ROUTER for a blocking run loop (the encoder's)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, inbound: Any) -> None:
+        socket = ctx.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        bind(socket, address)
+        super().__init__(socket, inbound)
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
+
+    def send(self, peer: bytes, message: Message, frames: Sequence[Any] = ()) -> None:
+        self.socket.send_multipart([peer, *pack(message, frames)], copy=False)
+
+    def recv(self) -> tuple[bytes, In, list[memoryview]]:
+        peer, *parts = self.socket.recv_multipart(copy=False)
+        return peer.bytes, *self.unpack(parts)

@@ -1,0 +1,27 @@
+"""Messages into the vision encoder (sent by the gateway)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.base import Hello, Message
+from protocol.tensors import ArrayMeta
+
+
+class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    # xxh3-128 over the original image bytes and the gateway's intake policy;
+    # the encoder adds its own model and processor identity to form the cache key.
+    digest: bytes
+    pixels: ArrayMeta  # uint8 (height, width, 3), one frame per image, in order
+
+
+class EncodeRequest(Message):
+    request_id: str
+    images: list[ImageInput]
+
+
+class CancelEncode(Message):
+    request_id: str
+
+
+EncoderInbound = EncodeRequest | CancelEncode | Hello

@@ -1,0 +1,80 @@
+"""Messages into the gateway (replies from the encoder and the engine).
+
+Every service measures its own durations with a monotonic clock and reports
+them here, so the gateway's per-stage breakdown holds across hosts.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.base import Message
+from protocol.tensors import ArrayMeta
+
+
+class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What the gateway needs to downscale exactly as the encoder's processor would."""
+
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+
+
+class EncoderReady(Message):
+    model: str
+    fingerprint: str  # model identity + preprocessing parameters, as hashed into the cache key
+    processor: ProcessorInfo
+
+
+class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    embeddings: ArrayMeta
+    grid_thw: tuple[int, int, int]
+    cache_hit: bool
+
+
+class EncoderTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    cache_lookup_s: float
+    encode_queue_s: float
+    encode_s: float
+    total_s: float  # arrival → reply sent; the gateway derives transfer time from it
+
+
+class EncodeResult(Message):
+    request_id: str
+    images: list[EncodedImage]
+    timings: EncoderTimings
+
+
+class EncodeFailed(Message):
+    request_id: str
+    message: str
+
+
+class EngineReady(Message):
+    model: str
+    max_model_len: int
+
+
+class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    engine_queue_s: float  # request received by the engine → first scheduled by vLLM
+    prefill_s: float  # first scheduled → first token
+    decode_s: float  # first token → last token (0 until finished)
+
+
+class TokenDelta(Message):
+    request_id: str
+    text: str
+    completion_tokens: int  # cumulative
+    prompt_tokens: int
+    finish_reason: str | None = None
+    timings: EngineTimings | None = None  # on the first delta and the last
+
+
+class GenerateFailed(Message):
+    request_id: str
+    message: str
+    status: int = 500  # 400 when the request itself was at fault
+
+
+GatewayInbound = EncoderReady | EncodeResult | EncodeFailed | EngineReady | TokenDelta | GenerateFailed

@@ -1,0 +1,1 @@
+"""The vision encoder service: batched ViT encoding with a visual-token cache."""

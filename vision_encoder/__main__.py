@@ -1,0 +1,28 @@
+"""Entry point: python -m vision_encoder [--config configs/cpu-demo.yaml]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import zmq
+
+from prism.config import load_config
+from prism.logs import setup_logging
+from vision_encoder.config import EncoderConfig
+from vision_encoder.service import EncoderService
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Prism vision encoder service")
+    parser.add_argument("--config", type=Path, default=None)
+    args = parser.parse_args()
+    setup_logging("encoder")
+    config = load_config(EncoderConfig, "encoder", args.config)
+    logging.getLogger("prism.encoder").info("config: %s", config.model_dump())
+    EncoderService.start(config, zmq.Context.instance()).run_forever()
+
+
+if __name__ == "__main__":
+    main()

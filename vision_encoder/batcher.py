@@ -1,0 +1,77 @@
+"""Dynamic batching across requests, with in-queue dedup.
+
+Jobs (one image each) wait in FIFO order. A batch closes when it holds
+`max_images` images, when adding the next would pass `max_patches`, or
+`max_wait_s` after the oldest waiting job arrived. A job whose key is already
+waiting joins that job instead of queueing a second encode.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Job:
+    key: bytes
+    pixels: Any  # numpy (h, w, 3) uint8
+    patches: int
+    arrived: float
+    # (request, image index) pairs waiting on this key's embeddings
+    waiters: list[tuple[Any, int]] = field(default_factory=list)
+
+
+class Batcher:
+    def __init__(self, max_images: int, max_patches: int, max_wait_s: float) -> None:
+        self.max_images = max_images
+        self.max_patches = max_patches
+        self.max_wait_s = max_wait_s
+        self._queue: OrderedDict[bytes, Job] = OrderedDict()
+        self.joins = 0
+
+    def add(self, key: bytes, pixels: Any, patches: int, waiter: tuple[Any, int]) -> None:
+        job = self._queue.get(key)
+        if job is None:
+            job = self._queue[key] = Job(key, pixels, patches, time.monotonic())
+        else:
+            self.joins += 1
+        job.waiters.append(waiter)
+
+    def drop_waiters(self, request: Any) -> None:
+        """Forget a cancelled request; jobs nobody waits on any more are dropped."""
+        for key in list(self._queue):
+            job = self._queue[key]
+            job.waiters = [w for w in job.waiters if w[0] is not request]
+            if not job.waiters:
+                del self._queue[key]
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def seconds_until_due(self, now: float) -> float | None:
+        """None when empty; 0 when a batch should run now."""
+        if not self._queue:
+            return None
+        if len(self._queue) >= self.max_images or self._queued_patches() >= self.max_patches:
+            return 0.0
+        oldest = next(iter(self._queue.values()))
+        return max(0.0, oldest.arrived + self.max_wait_s - now)
+
+    def _queued_patches(self) -> int:
+        return sum(job.patches for job in self._queue.values())
+
+    def take(self) -> list[Job]:
+        """The next batch: FIFO, within the image and patch budgets (always ≥ 1 job)."""
+        batch: list[Job] = []
+        patches = 0
+        while self._queue and len(batch) < self.max_images:
+            job = next(iter(self._queue.values()))
+            if batch and patches + job.patches > self.max_patches:
+                break
+            del self._queue[job.key]
+            batch.append(job)
+            patches += job.patches
+        return batch

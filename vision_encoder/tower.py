@@ -1,0 +1,148 @@
+"""The visual tower alone: HF image processor + ViT + merger, no language model.
+
+Only the checkpoint's vision weights are read from disk. Images of different
+resolutions are packed into one forward pass: Qwen2-VL's tower takes a flat
+sequence of patches plus each image's (t, h, w) grid and attends within images.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cache import content_key
+from protocol.to_gateway import ProcessorInfo
+
+# Key prefixes of the vision weights: transformers >= 4.52 saves `model.visual.`,
+# the original Qwen2-VL / Qwen2.5-VL checkpoints use `visual.`.
+_VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def _vision_class(model_type: str):
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2VisionTransformerPretrainedModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    raise ValueError(f"unsupported model_type {model_type!r}: expected qwen2_vl or qwen2_5_vl")
+
+
+def _weight_files(checkpoint: Path) -> list[Path]:
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return sorted(checkpoint / n for n in names)
+    return sorted(checkpoint.glob("*.safetensors"))
+
+
+def _load_vision_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                prefix = next((p for p in _VISION_PREFIXES if name.startswith(p)), None)
+                if prefix:
+                    state[name[len(prefix) :]] = f.get_tensor(name)
+    if not state:
+        raise ValueError(f"no vision weights (prefixes {_VISION_PREFIXES}) in {files}")
+    return state
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    pixel_values: torch.Tensor  # (Σ patches, C·T·P·P)
+    grid_thw: torch.Tensor  # (n_images, 3)
+
+
+class VisionTower:
+    def __init__(self, checkpoint: str, dtype: str, device: str, min_pixels=None, max_pixels=None):
+        from transformers import AutoConfig, AutoImageProcessor
+
+        path = Path(checkpoint)
+        config = AutoConfig.from_pretrained(path)
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+        self.model_id = str(checkpoint)
+        self.merge_size = config.vision_config.spatial_merge_size
+        self.hidden_size = config.text_config.hidden_size
+        overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+        if overrides:
+            # Qwen processors read both spellings; `size` is the one they resize by.
+            overrides["size"] = {"shortest_edge": overrides.get("min_pixels"), "longest_edge": overrides.get("max_pixels")}
+        self.processor = AutoImageProcessor.from_pretrained(path, **overrides)
+        self.model = self._build(config, path)
+        self.fingerprint = self._fingerprint(path)
+
+    def _build(self, config, path: Path) -> torch.nn.Module:
+        cls = _vision_class(config.model_type)
+        model = cls._from_config(config.vision_config, dtype=self.dtype)
+        missing, unexpected = model.load_state_dict(_load_vision_state(_weight_files(path)), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(self.device, self.dtype).eval()
+
+    @property
+    def processor_info(self) -> ProcessorInfo:
+        size = self.processor.size
+        return ProcessorInfo(
+            patch_size=self.processor.patch_size,
+            merge_size=self.processor.merge_size,
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=int(size["longest_edge"]),
+        )
+
+    def preprocessing_params(self) -> dict:
+        """Every processor parameter that changes the pixels the ViT sees."""
+        p = self.processor
+        return {
+            "class": type(p).__name__,
+            "size": dict(p.size),
+            "patch_size": p.patch_size,
+            "temporal_patch_size": p.temporal_patch_size,
+            "merge_size": p.merge_size,
+            "resample": int(p.resample),
+            "rescale_factor": float(p.rescale_factor),
+            "image_mean": list(map(float, p.image_mean)),
+            "image_std": list(map(float, p.image_std)),
+            "dtype": str(self.dtype),
+        }
+
+    def _fingerprint(self, path: Path) -> str:
+        # Weights revision: config plus every weight file's name and size; a
+        # hub revision or re-trained checkpoint changes at least one of them.
+        files = [(f.name, f.stat().st_size) for f in _weight_files(path)]
+        config_bytes = (path / "config.json").read_bytes()
+        return content_key(self.model_id, config_bytes, files, self.preprocessing_params()).hex()
+
+    def num_patches(self, height: int, width: int) -> int:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        info = self.processor_info
+        h, w = smart_resize(height, width, info.patch_size * info.merge_size, info.min_pixels, info.max_pixels)
+        return (h // info.patch_size) * (w // info.patch_size)
+
+    def preprocess(self, images: list[np.ndarray]) -> Preprocessed:
+        out = self.processor(images=images, return_tensors="pt")
+        return Preprocessed(out["pixel_values"], out["image_grid_thw"])
+
+    @torch.inference_mode()
+    def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
+        """One packed forward; each image's (tokens, hidden) embeddings and grid."""
+        pixels = batch.pixel_values.to(self.device, self.dtype)
+        merged = self.model(pixels, grid_thw=batch.grid_thw.to(self.device)).pooler_output
+        grids = [tuple(int(x) for x in row) for row in batch.grid_thw.tolist()]
+        sizes = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        return [(t.to("cpu").contiguous(), g) for t, g in zip(merged.split(sizes), grids)]
