@@ -39,11 +39,17 @@ def to_frame(array: Any) -> tuple[ArrayMeta, memoryview]:
     """Header and a zero-copy buffer for a numpy array or torch tensor."""
     if isinstance(array, np.ndarray):
         array = np.ascontiguousarray(array)
-        return ArrayMeta(array.dtype.name, tuple(array.shape)), memoryview(array).cast("B")
+        # reshape(-1).view(uint8): a flat byte view that memoryview can take even for empty arrays
+        return ArrayMeta(array.dtype.name, tuple(array.shape)), memoryview(array.reshape(-1).view(np.uint8))
     tensor = array.detach().cpu().contiguous()
     dtype = str(tensor.dtype).removeprefix("torch.")
     raw = tensor.view(-1).view(_torch_dtype("uint8")).numpy()
     return ArrayMeta(dtype, tuple(tensor.shape)), memoryview(raw)
+
+
+def _bytes_view(frame: Any) -> memoryview:
+    view = memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def _check_size(meta: ArrayMeta, buffer: memoryview, itemsize: int) -> None:
@@ -57,7 +63,7 @@ def to_numpy(meta: ArrayMeta, frame: Any) -> np.ndarray:
     if meta.dtype in _TORCH_ONLY_DTYPES:
         raise ValueError(f"{meta.dtype} has no numpy dtype; use to_torch")
     dtype = np.dtype(meta.dtype)
-    buffer = memoryview(frame).cast("B")
+    buffer = _bytes_view(frame)
     _check_size(meta, buffer, dtype.itemsize)
     return np.frombuffer(buffer, dtype=dtype).reshape(meta.shape)
 
@@ -67,7 +73,7 @@ def to_torch(meta: ArrayMeta, frame: Any):
     import torch
 
     dtype = _torch_dtype(meta.dtype)
-    buffer = memoryview(frame).cast("B")
+    buffer = _bytes_view(frame)
     _check_size(meta, buffer, torch.empty((), dtype=dtype).element_size())
     if buffer.nbytes == 0:
         return torch.empty(meta.shape, dtype=dtype)

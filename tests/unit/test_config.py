@@ -1,0 +1,54 @@
+"""Configs are frozen, validated at start-up, and errors name the key."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from gateway.config import GatewayConfig
+from llm_engine.config import EngineConfig
+from prism.config import DEFAULT_CONFIG, ConfigError, load_config
+from vision_encoder.config import EncoderConfig
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_default_config_loads_for_every_service():
+    for model, section in ((GatewayConfig, "gateway"), (EncoderConfig, "encoder"), (EngineConfig, "engine")):
+        config = load_config(model, section, DEFAULT_CONFIG, env={})
+        with pytest.raises(pydantic.ValidationError):
+            config.__setattr__(next(iter(model.model_fields)), None)  # frozen
+
+
+def test_bad_value_names_the_key(tmp_path):
+    path = write(tmp_path, "model: m\nengine:\n  max_model_len: -3\n")
+    with pytest.raises(ConfigError, match=r"engine\.max_model_len"):
+        load_config(EngineConfig, "engine", path, env={})
+
+
+def test_unknown_key_is_an_error_not_ignored(tmp_path):
+    path = write(tmp_path, "model: m\nencoder:\n  max_batch_imagez: 4\n")
+    with pytest.raises(ConfigError, match=r"encoder\.max_batch_imagez"):
+        load_config(EncoderConfig, "encoder", path, env={})
+
+
+def test_environment_overrides_the_file_with_typed_values(tmp_path):
+    path = write(tmp_path, "model: m\nengine:\n  max_model_len: 2048\n")
+    env = {"PRISM_ENGINE__MAX_MODEL_LEN": "1024", "PRISM_ENGINE__ENFORCE_EAGER": "false", "PRISM_MODEL": "/abs/ckpt"}
+    config = load_config(EngineConfig, "engine", path, env=env)
+    assert (config.max_model_len, config.enforce_eager, config.model) == (1024, False, "/abs/ckpt")
+
+
+def test_cross_field_checks(tmp_path):
+    path = write(tmp_path, "model: m\nencoder:\n  min_pixels: 5000\n  max_pixels: 4000\n")
+    with pytest.raises(ConfigError, match="min_pixels must not exceed max_pixels"):
+        load_config(EncoderConfig, "encoder", path, env={})
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(EngineConfig, "engine", tmp_path / "nope.yaml", env={})

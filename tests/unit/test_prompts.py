@@ -1,0 +1,73 @@
+"""The engine refuses embeddings that would kill vLLM's engine core."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, image_tensors
+from protocol.tensors import to_frame
+from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
+
+SHAPE = ModelShape(hidden_size=128, merge_size=2)
+
+
+class FakeTemplate:
+    """Only apply_chat_template is used; the real tokenizer is covered end to end."""
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        return "|".join(p.get("text", "<img>") for m in messages for p in m["content"])
+
+
+def request_with(tensors, grids, image_parts=None):
+    parts = [ChatPart("image")] * (len(tensors) if image_parts is None else image_parts) + [ChatPart("text", "q")]
+    images, frames = [], []
+    for tensor, grid in zip(tensors, grids):
+        meta, frame = to_frame(tensor)
+        images.append(ImageEmbedding(meta, grid))
+        frames.append(frame)
+    req = GenerateRequest("r", [ChatMessage("user", parts)], SamplingOptions(max_tokens=4), images)
+    return req, frames
+
+
+def test_valid_images_are_concatenated_flat_with_their_grids():
+    req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)])
+    embeds, grid = image_tensors(req, frames, SHAPE)
+    assert embeds.shape == (10, 128) and grid.tolist() == [[1, 4, 4], [1, 4, 6]]
+    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE)
+    assert prompt["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
+
+
+@pytest.mark.parametrize(
+    "tensor,grid,message",
+    [
+        (torch.randn(1, 4, 128), (1, 4, 4), "must be 2-D"),
+        (torch.randn(5, 128), (1, 4, 4), "does not match grid"),
+        (torch.randn(4, 64), (1, 4, 4), "does not match grid"),
+        (torch.randn(4, 128), (1, 3, 4), "multiple of merge size"),
+        (torch.randn(4, 128), (0, 4, 4), "multiple of merge size"),
+        (torch.zeros(4, 128, dtype=torch.int32), (1, 4, 4), "not a float type"),
+    ],
+    ids=["3-D", "rows", "hidden", "odd-grid", "zero-grid", "int"],
+)
+def test_bad_shapes_are_refused_before_vllm(tensor, grid, message):
+    req, frames = request_with([tensor], [grid])
+    with pytest.raises(InvalidPrompt, match=message):
+        build_prompt(req, frames, FakeTemplate(), SHAPE)
+
+
+def test_placeholder_count_must_match_images():
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], image_parts=2)
+    with pytest.raises(InvalidPrompt, match="2 image parts"):
+        build_prompt(req, frames, FakeTemplate(), SHAPE)
+
+
+def test_missing_frames_are_refused():
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
+    with pytest.raises(InvalidPrompt, match="0 embedding frames"):
+        image_tensors(req, [], SHAPE)
+
+
+def test_text_only_request_has_no_multimodal_data():
+    req, frames = request_with([], [])
+    assert "multi_modal_data" not in build_prompt(req, frames, FakeTemplate(), SHAPE)
