@@ -14,7 +14,6 @@ class GatewayConfig(FrozenConfig):
     engine_address: str = "ipc:///tmp/prism/engine.sock"
     served_model_name: str | None = None  # None: the name the engine reports
     max_images_per_request: int = Field(8, ge=0)
-    default_max_tokens: int = Field(256, ge=1)  # when a request names none
     intake_workers: int = Field(2, ge=1)  # threads decoding/resizing images
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
     encode_timeout_s: float = Field(120, gt=0)

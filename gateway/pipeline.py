@@ -57,9 +57,9 @@ def chat_messages(request: ChatCompletionRequest) -> list[ChatMessage]:
     return out
 
 
-def sampling_options(request: ChatCompletionRequest, default_max_tokens: int) -> SamplingOptions:
+def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
     return SamplingOptions(
-        max_tokens=request.output_limit(default_max_tokens),
+        max_tokens=request.max_completion_tokens or request.max_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         seed=request.seed,
@@ -120,7 +120,7 @@ class ChatPipeline:
         generate = GenerateRequest(
             request_id=request_id,
             messages=chat_messages(request),
-            sampling=sampling_options(request, self.config.default_max_tokens),
+            sampling=sampling_options(request),
             images=embeddings,
         )
         return Prepared(generate, frames)

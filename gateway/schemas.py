@@ -80,6 +80,3 @@ class ChatCompletionRequest(_Strict):
         if value != 1:
             raise PydanticCustomError("unsupported", "only n=1 is supported")
         return value
-
-    def output_limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default

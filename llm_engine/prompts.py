@@ -61,14 +61,37 @@ def image_tensors(request: GenerateRequest, frames: list, shape: ModelShape) -> 
     return flat, torch.tensor(grids, dtype=torch.int64)
 
 
-def build_prompt(request: GenerateRequest, frames: list, tokenizer, shape: ModelShape) -> dict:
+@dataclass(frozen=True)
+class Prompt:
+    inputs: dict  # what vLLM's generate() takes
+    num_tokens: int  # after each image placeholder is expanded to its visual tokens
+    max_tokens: int  # output budget, checked against the context length
+
+
+def build_prompt(request: GenerateRequest, frames: list, tokenizer, shape: ModelShape, max_model_len: int) -> Prompt:
     image_parts = sum(p.type == "image" for m in request.messages for p in m.content)
     if image_parts != len(request.images):
         raise InvalidPrompt(f"{image_parts} image parts in the messages but {len(request.images)} images sent")
     text = tokenizer.apply_chat_template(chat_dicts(request.messages), tokenize=False, add_generation_prompt=True)
-    prompt: dict = {"prompt": text}
+    inputs: dict = {"prompt": text}
     images = image_tensors(request, frames, shape)
+    visual_tokens = 0
     if images is not None:
         embeds, grid = images
-        prompt["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
-    return prompt
+        inputs["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
+        visual_tokens = embeds.shape[0] - len(request.images)  # each placeholder becomes `rows` tokens
+    num_tokens = len(tokenizer.encode(text, add_special_tokens=False)) + visual_tokens
+    return Prompt(inputs, num_tokens, _output_budget(request.sampling.max_tokens, num_tokens, max_model_len))
+
+
+def _output_budget(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    if prompt_tokens >= max_model_len:
+        raise InvalidPrompt(f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens}")
+    if requested is None:
+        return max_model_len - prompt_tokens
+    if prompt_tokens + requested > max_model_len:
+        raise InvalidPrompt(
+            f"this model's maximum context length is {max_model_len} tokens; you requested {prompt_tokens + requested} "
+            f"({prompt_tokens} in the prompt, {requested} for the completion): reduce max_tokens or the input"
+        )
+    return requested

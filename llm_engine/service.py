@@ -49,12 +49,12 @@ def engine_args(config: EngineConfig):
     )
 
 
-def sampling_params(options: SamplingOptions):
+def sampling_params(options: SamplingOptions, max_tokens: int):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     return SamplingParams(
-        max_tokens=options.max_tokens,
+        max_tokens=max_tokens,
         temperature=options.temperature,
         top_p=options.top_p,
         seed=options.seed,
@@ -126,9 +126,9 @@ class EngineService:
         received = time.monotonic()
         rid = request.request_id
         try:
-            prompt = build_prompt(request, frames, self.tokenizer, self.shape)
-            params = sampling_params(request.sampling)
-            await self._stream(peer, rid, prompt, params, received)
+            prompt = build_prompt(request, frames, self.tokenizer, self.shape, self.config.max_model_len)
+            params = sampling_params(request.sampling, prompt.max_tokens)
+            await self._stream(peer, rid, prompt.inputs, params, received)
         except asyncio.CancelledError:
             pass
         except (InvalidPrompt, ValueError, TypeError) as exc:  # vLLM raises ValueError for bad input

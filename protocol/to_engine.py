@@ -19,7 +19,7 @@ class ChatMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
-    max_tokens: int
+    max_tokens: int | None = None  # None: up to the model's context length
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None

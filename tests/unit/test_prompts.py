@@ -18,6 +18,9 @@ class FakeTemplate:
     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
         return "|".join(p.get("text", "<img>") for m in messages for p in m["content"])
 
+    def encode(self, text, add_special_tokens=False):
+        return text.split("|")
+
 
 def request_with(tensors, grids, image_parts=None):
     parts = [ChatPart("image")] * (len(tensors) if image_parts is None else image_parts) + [ChatPart("text", "q")]
@@ -34,8 +37,9 @@ def test_valid_images_are_concatenated_flat_with_their_grids():
     req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)])
     embeds, grid = image_tensors(req, frames, SHAPE)
     assert embeds.shape == (10, 128) and grid.tolist() == [[1, 4, 4], [1, 4, 6]]
-    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE)
-    assert prompt["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
+    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
+    assert prompt.inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
+    assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
 
 
 @pytest.mark.parametrize(
@@ -53,13 +57,13 @@ def test_valid_images_are_concatenated_flat_with_their_grids():
 def test_bad_shapes_are_refused_before_vllm(tensor, grid, message):
     req, frames = request_with([tensor], [grid])
     with pytest.raises(InvalidPrompt, match=message):
-        build_prompt(req, frames, FakeTemplate(), SHAPE)
+        build_prompt(req, frames, FakeTemplate(), SHAPE, 4096)
 
 
 def test_placeholder_count_must_match_images():
     req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], image_parts=2)
     with pytest.raises(InvalidPrompt, match="2 image parts"):
-        build_prompt(req, frames, FakeTemplate(), SHAPE)
+        build_prompt(req, frames, FakeTemplate(), SHAPE, 4096)
 
 
 def test_missing_frames_are_refused():
@@ -70,4 +74,18 @@ def test_missing_frames_are_refused():
 
 def test_text_only_request_has_no_multimodal_data():
     req, frames = request_with([], [])
-    assert "multi_modal_data" not in build_prompt(req, frames, FakeTemplate(), SHAPE)
+    assert "multi_modal_data" not in build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).inputs
+
+
+@pytest.mark.parametrize("max_tokens,budget", [(None, 4096 - 1), (100, 100)])
+def test_output_budget_defaults_to_the_rest_of_the_context(max_tokens, budget):
+    req, frames = request_with([], [])  # a one-token prompt: "q"
+    req = GenerateRequest(req.request_id, req.messages, SamplingOptions(max_tokens=max_tokens), [])
+    assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).max_tokens == budget
+
+
+def test_prompt_plus_output_over_the_context_is_refused():
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
+    req = GenerateRequest(req.request_id, req.messages, SamplingOptions(max_tokens=30), req.images)
+    with pytest.raises(InvalidPrompt, match="maximum context length is 32"):
+        build_prompt(req, frames, FakeTemplate(), SHAPE, 32)

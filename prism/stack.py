@@ -1,0 +1,99 @@
+"""Run the whole local stack as a child process (for tests and benchmarks).
+
+Everything the stack needs differently (port, socket paths, dtype, pixel
+budget) is passed as PRISM_* environment overrides of configs/cpu-demo.yaml.
+Readiness is the gateway's /health answering, which it does only after its
+start-up handshake with the encoder and the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from prism.config import REPO_ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalStack:
+    run_dir: Path
+    overrides: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def encoder_address(self) -> str:
+        return f"ipc://{self.run_dir}/encoder.sock"
+
+    @property
+    def engine_address(self) -> str:
+        return f"ipc://{self.run_dir}/engine.sock"
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PRISM_GATEWAY__PORT=str(self.port),
+            PRISM_GATEWAY__ENCODER_ADDRESS=self.encoder_address,
+            PRISM_ENCODER__ADDRESS=self.encoder_address,
+            PRISM_GATEWAY__ENGINE_ADDRESS=self.engine_address,
+            PRISM_ENGINE__ADDRESS=self.engine_address,
+        )
+        env.update(self.overrides)
+        return env
+
+    def start(self, timeout_s: float = 420) -> "LocalStack":
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path or self.run_dir / "stack.log", "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "prism", "serve"], cwd=REPO_ROOT, env=self.environment(),
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"stack exited with {self.process.returncode}; see {self.run_dir}/stack.log")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)  # polling an HTTP endpoint: the handshake itself is the real signal
+        self.stop()
+        raise TimeoutError(f"stack not ready within {timeout_s} s; see {self.run_dir}/stack.log")
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

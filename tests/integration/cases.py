@@ -1,0 +1,117 @@
+"""Images and conversations shared by the Prism tests and the vLLM reference run.
+
+Everything is generated from fixed seeds, so the reference (vLLM in-process,
+raw images) and Prism see byte-identical inputs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+# The pixel budget for the test stack and the reference: small enough that
+# several test images exceed it and are downscaled by the gateway.
+TEST_MAX_PIXELS = 256 * 28 * 28
+TEST_MIN_PIXELS = 56 * 56
+MAX_TOKENS = 12
+
+# name → (width, height): tiny, square, non-square, portrait, wide strip, over budget, ...
+PARITY_IMAGES = {
+    "tiny": (20, 12),
+    "square": (224, 224),
+    "landscape": (640, 480),
+    "portrait": (280, 500),
+    "strip": (600, 150),
+    "large": (1280, 960),
+    "odd": (333, 257),
+}
+# Used by the concurrency test alone, so that they reach the encoder uncached
+# and get batched together; mixed sizes, two over the budget.
+CONCURRENT_IMAGES = {f"c{i}": (64 + 61 * i, 400 - 19 * i) for i in range(14)} | {"c14": (900, 700), "c15": (500, 1000)}
+ALL_IMAGES = {**PARITY_IMAGES, **CONCURRENT_IMAGES}
+
+
+def make_image(name: str, size: tuple[int, int]) -> Image.Image:
+    """A smooth scene (gradient, shapes, mild noise): photo-like, not white noise."""
+    seed = sum(map(ord, name))
+    rng = np.random.default_rng(seed)
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x / max(w, 1), y / max(h, 1), (x + y) / max(w + h, 1)], axis=-1)
+    pixels = (base * rng.uniform(80, 255, 3) + rng.normal(0, 4, (h, w, 3))).clip(0, 255).astype(np.uint8)
+    image = Image.fromarray(pixels)
+    draw = ImageDraw.Draw(image)
+    for _ in range(3):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        r = int(rng.integers(2, max(3, min(w, h) // 3)))
+        draw.ellipse((x0 - r, y0 - r, x0 + r, y0 + r), fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
+    return image
+
+
+def write_images(directory: Path) -> dict[str, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, size in ALL_IMAGES.items():
+        path = directory / f"{name}.png"
+        make_image(name, size).save(path, format="PNG")
+        paths[name] = path
+    return paths
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+@dataclass(frozen=True)
+class Case:
+    """A conversation; image parts name an image by key ({"type": "image", "name": ...})."""
+
+    name: str
+    messages: list = field(hash=False)
+    max_tokens: int = MAX_TOKENS
+
+    def image_names(self) -> list[str]:
+        return [p["name"] for m in self.messages if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image"]
+
+    def openai_messages(self, images: dict[str, Path]) -> list[dict]:
+        """The conversation as an OpenAI client sends it (images as data: URLs)."""
+
+        def part(p):
+            if p["type"] == "image":
+                return {"type": "image_url", "image_url": {"url": data_url(images[p["name"]])}}
+            return p
+
+        return [
+            {**m, "content": m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]}
+            for m in self.messages
+        ]
+
+
+def one_image(name: str, question: str = "What is in this picture?") -> Case:
+    return Case(f"image-{name}", [{"role": "user", "content": [{"type": "image", "name": name}, {"type": "text", "text": question}]}])
+
+
+CASES = {
+    case.name: case
+    for case in [
+        *(one_image(name) for name in ALL_IMAGES),
+        Case("two-images", [{"role": "user", "content": [
+            {"type": "text", "text": "Compare these two:"},
+            {"type": "image", "name": "square"},
+            {"type": "image", "name": "portrait"},
+            {"type": "text", "text": "Which is larger?"},
+        ]}]),
+        Case("text-only", [{"role": "user", "content": "Describe a red circle on a blue background."}]),
+        Case("two-turns", [
+            {"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": [{"type": "image", "name": "odd"}, {"type": "text", "text": "What shape is there?"}]},
+            {"role": "assistant", "content": "a circle"},
+            {"role": "user", "content": "And what colour is it?"},
+        ]),
+    ]
+}

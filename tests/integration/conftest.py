@@ -1,0 +1,86 @@
+"""One Prism stack and one vLLM reference run per test session, started together."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from prism.config import REPO_ROOT
+from prism.demo_model import ensure_demo_model
+from prism.stack import LocalStack
+from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images
+
+DEMO_MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+MODEL_NAME = "prism-demo"
+
+# float32 on both sides for parity; the test budget makes the gateway downscale.
+STACK_OVERRIDES = {
+    "PRISM_ENCODER__DTYPE": "float32",
+    "PRISM_ENGINE__DTYPE": "float32",
+    "PRISM_ENCODER__MAX_PIXELS": str(TEST_MAX_PIXELS),
+    "PRISM_ENCODER__MIN_PIXELS": str(TEST_MIN_PIXELS),
+    "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
+}
+
+
+class Reference:
+    """The vLLM reference outputs, computed in a child process beside the stack."""
+
+    def __init__(self, out: Path, images: Path, log: Path) -> None:
+        self.out = out
+        self.log = log
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(DEMO_MODEL), str(images), str(out)],
+            cwd=REPO_ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        )
+        self._results: dict | None = None
+
+    def results(self) -> dict:
+        if self._results is None:
+            if self.process.wait(timeout=600) != 0:
+                raise RuntimeError(f"vLLM reference run failed; see {self.log}")
+            self._results = json.loads(self.out.read_text())
+        return self._results
+
+    def __getitem__(self, case: str) -> dict:
+        return self.results()[case]
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory) -> dict[str, Path]:
+    return write_images(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="session")
+def _started(tmp_path_factory, images):
+    ensure_demo_model(DEMO_MODEL)
+    run_dir = tmp_path_factory.mktemp("stack")
+    reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log")
+    stack = LocalStack(run_dir, STACK_OVERRIDES)
+    try:
+        stack.start()
+        yield stack, reference
+    finally:
+        stack.stop()
+        if reference.process.poll() is None:
+            reference.process.kill()
+
+
+@pytest.fixture(scope="session")
+def stack(_started) -> LocalStack:
+    return _started[0]
+
+
+@pytest.fixture(scope="session")
+def reference(_started) -> Reference:
+    return _started[1]
+
+
+@pytest.fixture(scope="session")
+def client(stack) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)

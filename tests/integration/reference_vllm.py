@@ -1,0 +1,63 @@
+"""The parity reference: vLLM's own multimodal path, in-process, raw images.
+
+vLLM loads the full checkpoint (vision tower included), runs its own HF
+processor on the undecoded-by-Prism image, and decodes greedily in float32,
+one request at a time. Writes {case name: {text, token_ids, prompt_tokens}}.
+
+Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.integration.cases import CASES, TEST_MAX_PIXELS, TEST_MIN_PIXELS  # noqa: E402
+
+
+def chat_template_messages(case) -> list[dict]:
+    def part(p):
+        return {"type": "image"} if p["type"] == "image" else p
+
+    return [{**m, "content": m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]} for m in case.messages]
+
+
+def main() -> None:
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    model, image_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    llm = LLM(
+        model,
+        dtype="float32",
+        max_model_len=4096,
+        limit_mm_per_prompt={"image": 4, "video": 0},
+        mm_processor_kwargs={"max_pixels": TEST_MAX_PIXELS, "min_pixels": TEST_MIN_PIXELS},
+        kv_cache_memory_bytes=256 * 2**20,
+        enforce_eager=True,
+        seed=0,
+    )
+    tokenizer = llm.get_tokenizer()
+    results = {}
+    for name, case in CASES.items():
+        prompt = tokenizer.apply_chat_template(chat_template_messages(case), tokenize=False, add_generation_prompt=True)
+        request: dict = {"prompt": prompt}
+        if names := case.image_names():
+            images = [Image.open(image_dir / f"{n}.png").convert("RGB") for n in names]
+            request["multi_modal_data"] = {"image": images}
+        params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0)
+        output = llm.generate([request], params, use_tqdm=False)[0]
+        results[name] = {
+            "text": output.outputs[0].text,
+            "token_ids": list(output.outputs[0].token_ids),
+            "prompt_tokens": len(output.prompt_token_ids),
+            "finish_reason": output.outputs[0].finish_reason,
+        }
+    out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

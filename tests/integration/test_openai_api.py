@@ -1,0 +1,82 @@
+"""The official openai client against the running stack."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.cases import CASES
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.helpers import ask
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+
+
+def test_non_streaming_image_request_is_well_formed(client, images, reference):
+    response = ask(client, "image-square", images)
+    expected = reference["image-square"]
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert response.model == MODEL_NAME
+    assert choice.message.role == "assistant" and choice.message.content == expected["text"]
+    assert choice.finish_reason == expected["finish_reason"] == "length"
+    assert response.usage.prompt_tokens == expected["prompt_tokens"]
+    assert response.usage.completion_tokens == len(expected["token_ids"]) == CASES["image-square"].max_tokens
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_streaming_gives_the_same_text_and_usage(client, images, reference):
+    case = CASES["image-portrait"]
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=case.openai_messages(images), max_tokens=case.max_tokens,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content_chunks = [c for c in chunks if c.choices]
+    assert content_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == reference["image-portrait"]["text"]
+    assert content_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.prompt_tokens == reference["image-portrait"]["prompt_tokens"]
+    assert usage.completion_tokens == case.max_tokens
+
+
+def test_raw_sse_stream_ends_with_done(stack, images):
+    body = {
+        "model": MODEL_NAME, "stream": True, "max_tokens": 3,
+        "messages": CASES["image-tiny"].openai_messages(images),
+    }
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
+@pytest.mark.parametrize("case", ["two-images", "text-only", "two-turns"])
+def test_conversation_shapes_match_vllm(client, images, reference, case):
+    response = ask(client, case, images)
+    assert response.choices[0].message.content == reference[case]["text"]
+    assert response.usage.prompt_tokens == reference[case]["prompt_tokens"]
+    assert response.usage.completion_tokens == len(reference[case]["token_ids"])
+
+
+def test_max_completion_tokens_and_stop_are_honoured(client, images, reference):
+    short = ask(client, "image-square", images, max_tokens=None, max_completion_tokens=3)
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+    full = reference["image-square"]["text"]
+    stop = full[4:6] if len(full) > 6 else None
+    if stop and stop.strip():
+        stopped = ask(client, "image-square", images, stop=[stop])
+        assert stopped.choices[0].finish_reason == "stop"
+        assert stopped.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_seeded_sampling_is_reproducible(client, images):
+    first = ask(client, "image-odd", images, temperature=1.0, top_p=0.9, seed=7)
+    second = ask(client, "image-odd", images, temperature=1.0, top_p=0.9, seed=7)
+    assert first.choices[0].message.content == second.choices[0].message.content
