@@ -7,12 +7,10 @@ raw images) and Prism see byte-identical inputs.
 from __future__ import annotations
 
 import base64
-import io
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-from PIL import Image, ImageDraw
+from prism.synthetic import make_image
 
 # The pixel budget for the test stack and the reference: small enough that
 # several test images exceed it and are downscaled by the gateway.
@@ -34,23 +32,6 @@ PARITY_IMAGES = {
 # and get batched together; mixed sizes, two over the budget.
 CONCURRENT_IMAGES = {f"c{i}": (64 + 61 * i, 400 - 19 * i) for i in range(14)} | {"c14": (900, 700), "c15": (500, 1000)}
 ALL_IMAGES = {**PARITY_IMAGES, **CONCURRENT_IMAGES}
-
-
-def make_image(name: str, size: tuple[int, int]) -> Image.Image:
-    """A smooth scene (gradient, shapes, mild noise): photo-like, not white noise."""
-    seed = sum(map(ord, name))
-    rng = np.random.default_rng(seed)
-    w, h = size
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([x / max(w, 1), y / max(h, 1), (x + y) / max(w + h, 1)], axis=-1)
-    pixels = (base * rng.uniform(80, 255, 3) + rng.normal(0, 4, (h, w, 3))).clip(0, 255).astype(np.uint8)
-    image = Image.fromarray(pixels)
-    draw = ImageDraw.Draw(image)
-    for _ in range(3):
-        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
-        r = int(rng.integers(2, max(3, min(w, h) // 3)))
-        draw.ellipse((x0 - r, y0 - r, x0 + r, y0 + r), fill=tuple(int(c) for c in rng.integers(0, 255, 3)))
-    return image
 
 
 def write_images(directory: Path) -> dict[str, Path]:

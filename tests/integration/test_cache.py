@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cache import content_key
 from prism.config import REPO_ROOT
-from tests.integration.cases import make_image
+from prism.synthetic import make_image
 from tests.integration.helpers import stages
 from vision_encoder.tower import VisionTower
 
