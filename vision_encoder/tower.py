@@ -38,6 +38,16 @@ def _vision_class(model_type: str):
     raise ValueError(f"unsupported model_type {model_type!r}: expected qwen2_vl or qwen2_5_vl")
 
 
+def local_checkpoint(model: str) -> Path:
+    """A checkpoint directory, or a hub id fetched (on machines with internet)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+
+
 def _weight_files(checkpoint: Path) -> list[Path]:
     index = checkpoint / "model.safetensors.index.json"
     if index.exists():
@@ -71,7 +81,7 @@ class VisionTower:
     def __init__(self, checkpoint: str, dtype: str, device: str, min_pixels=None, max_pixels=None):
         from transformers import AutoConfig, AutoImageProcessor
 
-        path = Path(checkpoint)
+        path = local_checkpoint(checkpoint)
         config = AutoConfig.from_pretrained(path)
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
