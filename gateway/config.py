@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import ipaddress
+
+from pydantic import Field, field_validator
 
 from prism.config import FrozenConfig
 
@@ -13,8 +15,39 @@ class GatewayConfig(FrozenConfig):
     encoder_address: str = "ipc:///tmp/prism/encoder.sock"
     engine_address: str = "ipc:///tmp/prism/engine.sock"
     served_model_name: str | None = None  # None: the name the engine reports
-    max_images_per_request: int = Field(8, ge=0)
-    intake_workers: int = Field(2, ge=1)  # threads decoding/resizing images
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
     encode_timeout_s: float = Field(120, gt=0)
     generate_timeout_s: float = Field(600, gt=0)
+
+    # Auth and admission. API keys may also come from the environment:
+    # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_concurrent_requests: int | None = Field(None, ge=1)  # whole gateway; past it: 429
+    max_concurrent_requests_per_key: int | None = Field(None, ge=1)
+    max_body_bytes: int = Field(64 * 2**20, ge=1024)
+
+    # Images: limits checked before any decoding.
+    max_images_per_request: int = Field(8, ge=0)
+    max_image_bytes: int = Field(20 * 2**20, ge=1)  # encoded size, data: or fetched
+    max_image_pixels: int = Field(50_000_000, ge=1)  # declared width × height (bombs)
+    min_image_side: int = Field(2, ge=1)
+    max_aspect_ratio: float = Field(200, gt=1)  # Qwen2-VL's own limit
+    max_visual_tokens_per_request: int = Field(16384, ge=1)
+    detail_low_max_pixels: int = Field(256 * 28 * 28, ge=1)  # `detail: low` budget
+    intake_workers: int = Field(2, ge=1)  # threads decoding and resizing images
+
+    # http(s) image URLs.
+    fetch_connect_timeout_s: float = Field(5, gt=0)
+    fetch_read_timeout_s: float = Field(10, gt=0)
+    fetch_total_timeout_s: float = Field(20, gt=0)
+    fetch_max_redirects: int = Field(3, ge=0)
+    fetch_allowed_domains: tuple[str, ...] = ()  # empty: any host with a public address
+    # Explicit opt-in for networks the SSRF guard refuses (loopback, private, ...).
+    fetch_allowed_networks: tuple[str, ...] = ()
+
+    @field_validator("fetch_allowed_networks")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for network in value:
+            ipaddress.ip_network(network, strict=False)  # raises with the bad value
+        return value

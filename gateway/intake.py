@@ -1,8 +1,15 @@
 """Image intake: every image is judged and shrunk here, before any model time.
 
-data: URL → bytes → decode → EXIF transpose → RGB → downscale to the encoder's
-pixel budget → uint8 (h, w, 3) array, plus a digest of the original bytes and
-the intake policy (the encoder adds its model identity to form the cache key).
+Two passes, both off the event loop:
+- `inspect` reads only the header: format by magic bytes, byte size, declared
+  pixel count (decompression bombs are refused here, before any decode),
+  minimum side, aspect ratio, and the visual tokens the image will cost.
+- `decode` (run only once every image of the request passed `inspect` and the
+  request's token total is within budget): decode, EXIF transpose, RGB,
+  downscale to the pixel budget → uint8 (h, w, 3).
+
+The digest covers the original bytes and every intake parameter that changes
+pixels; the encoder adds its model identity to form the cache key.
 """
 
 from __future__ import annotations
@@ -10,7 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,33 +26,77 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from cache import content_key
 from gateway.errors import APIError
 from gateway.resize import smart_resize
+from gateway.sniff import ALLOWED_NAMES, describe_refused, sniff
 from protocol.to_gateway import ProcessorInfo
 
-INTAKE_VERSION = "intake-v1"
+INTAKE_VERSION = "intake-v2"
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
 RESAMPLE = Image.Resampling.BICUBIC
+# Prism checks the declared size itself (ImageLimits.max_pixels) with a clear
+# error; Pillow's own bomb check would only warn below twice its default.
+Image.MAX_IMAGE_PIXELS = None
+# Pillow is a large C codec surface: whatever it raises on untrusted bytes means
+# "this image cannot be decoded" (a 400), never a server error.
+_DECODE_ERRORS = Exception
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int
+    max_pixels: int  # declared width × height, checked before decoding
+    min_side: int
+    max_aspect_ratio: float
+
+
+@dataclass(frozen=True)
+class PixelBudget:
+    min_pixels: int
+    max_pixels: int
 
 
 @dataclass(frozen=True)
 class IntakePolicy:
-    """Everything the gateway does to pixels; all of it is in the cache key."""
+    """What the gateway does to pixels. `processor` is the encoder's, from its handshake."""
 
     processor: ProcessorInfo
+    limits: ImageLimits
 
     @property
     def factor(self) -> int:
         return self.processor.patch_size * self.processor.merge_size
 
-    def as_key_part(self) -> dict:
+    @property
+    def default_budget(self) -> PixelBudget:
+        return PixelBudget(self.processor.min_pixels, self.processor.max_pixels)
+
+    def key_part(self, budget: PixelBudget) -> dict:
         return {
             "version": INTAKE_VERSION,
-            "min_pixels": self.processor.min_pixels,
-            "max_pixels": self.processor.max_pixels,
+            "min_pixels": budget.min_pixels,
+            "max_pixels": budget.max_pixels,
+            "passthrough_budget": [self.processor.min_pixels, self.processor.max_pixels],
             "factor": self.factor,
             "resample": "bicubic",
             "background": list(BACKGROUND),
             "exif_transpose": True,
+            "first_frame": True,
         }
+
+
+@dataclass(frozen=True)
+class Inspected:
+    raw: bytes
+    where: str
+    format: str
+    size: tuple[int, int]  # (width, height) as stored, before EXIF transpose
+    budget: PixelBudget
+    target: tuple[int, int]  # (height, width) the ViT will see
+    patch_size: int
+
+    @property
+    def visual_tokens(self) -> int:
+        h, w = self.target
+        return (h // self.patch_size) * (w // self.patch_size) // 4
 
 
 @dataclass(frozen=True)
@@ -53,29 +104,75 @@ class PreparedImage:
     digest: bytes
     pixels: np.ndarray  # uint8 (h, w, 3), C-contiguous
     original_size: tuple[int, int]  # (width, height) after EXIF transpose
-    fetch_s: float
-    preprocess_s: float
 
 
-def decode_data_url(url: str, where: str) -> bytes:
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else "(none)"
-        raise APIError(400, f"{where}: only data: URLs are supported (got scheme {scheme!r})", param=where, code="unsupported_image_url")
+def decode_data_url(url: str, where: str, max_bytes: int) -> bytes:
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise APIError(400, f"{where}: malformed data: URL (no comma)", param=where, code="invalid_image_url")
     if not header.endswith(";base64"):
-        raise APIError(400, f"{where}: data: URL must be base64-encoded", param=where, code="invalid_image_url")
+        raise APIError(400, f"{where}: data: URL must be base64-encoded (';base64,')", param=where, code="invalid_image_url")
+    if len(payload) * 3 // 4 > max_bytes + 3:
+        raise APIError(413, f"{where}: image is about {len(payload) * 3 // 4} bytes; the limit is {max_bytes} bytes", param=where, code="image_too_large")
     try:
-        return base64.b64decode(payload, validate=True)
+        raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise APIError(400, f"{where}: data: URL is not valid base64", param=where, code="invalid_image_url") from None
+    if len(raw) > max_bytes:
+        raise APIError(413, f"{where}: image is {len(raw)} bytes; the limit is {max_bytes} bytes", param=where, code="image_too_large")
+    return raw
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, UnidentifiedImageError):
+        return "not a valid file of that format"  # Pillow's text names an in-memory object
+    return str(exc) or type(exc).__name__
+
+
+def _invalid(where: str, message: str, status: int = 400, code: str = "invalid_image") -> APIError:
+    return APIError(status, f"{where}: {message}", param=where, code=code)
+
+
+def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -> Inspected:
+    """Header-only checks; nothing is decoded."""
+    limits = policy.limits
+    if not raw:
+        raise _invalid(where, "image is empty (0 bytes)")
+    if len(raw) > limits.max_bytes:
+        raise _invalid(where, f"image is {len(raw)} bytes; the limit is {limits.max_bytes} bytes", 413, "image_too_large")
+    fmt = sniff(raw)
+    if fmt is None:
+        raise _invalid(where, f"unsupported image format ({describe_refused(raw)}); allowed: {', '.join(ALLOWED_NAMES)}", 415, "unsupported_image_format")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(raw), formats=[fmt]) as image:
+                width, height = image.size
+    except _DECODE_ERRORS as exc:
+        raise _invalid(where, f"cannot read the {fmt} header ({_reason(exc)})") from None
+    if width * height > limits.max_pixels:
+        raise _invalid(where, f"image is {width}×{height} = {width * height} pixels; the limit is {limits.max_pixels}", 413, "image_too_large")
+    if min(width, height) < limits.min_side:
+        raise _invalid(where, f"image is {width}×{height}; the minimum side is {limits.min_side} pixels")
+    if max(width, height) / min(width, height) > limits.max_aspect_ratio:
+        raise _invalid(where, f"image is {width}×{height}: aspect ratio {max(width, height) / min(width, height):.0f} exceeds the model's limit of {limits.max_aspect_ratio:g}")
+    target = smart_resize(height, width, policy.factor, budget.min_pixels, budget.max_pixels)
+    return Inspected(raw, where, fmt, (width, height), budget, target, policy.processor.patch_size)
+
+
+def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
+    """16/32-bit greyscale to 8 bits by scaling (Pillow's convert would clip at 255)."""
+    values = np.asarray(image, dtype=np.float64)
+    top = 65535.0 if image.mode.startswith("I;16") or values.max(initial=0) > 255 else 255.0
+    return Image.fromarray(np.clip(values * (255.0 / top), 0, 255).round().astype(np.uint8), mode="L")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
-    if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+    if image.mode.startswith("I") or image.mode == "F":
+        return _high_bit_depth_to_l(image).convert("RGB")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")
         canvas = Image.new("RGB", rgba.size, BACKGROUND)
         canvas.paste(rgba, mask=rgba.getchannel("A"))
@@ -83,36 +180,29 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _downscale(image: Image.Image, policy: IntakePolicy) -> Image.Image:
+def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy) -> Image.Image:
     width, height = image.size
-    p = policy.processor
-    # Always computed: it refuses aspect ratios the model cannot take.
-    target_h, target_w = smart_resize(height, width, policy.factor, p.min_pixels, p.max_pixels)
-    if width * height <= p.max_pixels:
-        return image  # within budget: the encoder's processor does the final rounding itself
+    if item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
+        # Within the encoder's own budget: its processor does the final rounding,
+        # exactly as vLLM's would on the raw image.
+        return image
+    target_h, target_w = smart_resize(height, width, policy.factor, item.budget.min_pixels, item.budget.max_pixels)
     return image.resize((target_w, target_h), RESAMPLE)
 
 
-def prepare_image(raw: bytes, policy: IntakePolicy, where: str, fetch_s: float = 0.0) -> PreparedImage:
-    """Decode and normalise one image (CPU-bound: run it off the event loop)."""
-    started = time.perf_counter()
-    digest = content_key(policy.as_key_part(), raw)
+def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
+    """Decode and normalise one inspected image (CPU-bound: run it off the event loop)."""
     try:
-        with Image.open(io.BytesIO(raw)) as opened:
-            image = ImageOps.exif_transpose(opened)
-            image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise APIError(400, f"{where}: cannot decode image ({exc})", param=where, code="invalid_image") from None
-    original_size = image.size
-    try:
-        image = _downscale(_to_rgb(image), policy)
-    except ValueError as exc:  # aspect ratio beyond the model's limit
-        raise APIError(400, f"{where}: {exc}", param=where, code="invalid_image") from None
-    pixels = np.asarray(image, dtype=np.uint8)
-    return PreparedImage(digest, np.ascontiguousarray(pixels), original_size, fetch_s, time.perf_counter() - started)
-
-
-def fetch_and_prepare(url: str, policy: IntakePolicy, where: str) -> PreparedImage:
-    started = time.perf_counter()
-    raw = decode_data_url(url, where)
-    return prepare_image(raw, policy, where, time.perf_counter() - started)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Image.open(io.BytesIO(item.raw), formats=[item.format]) as opened:
+                opened.seek(0)  # animated images: the first frame
+                image = ImageOps.exif_transpose(opened)
+                image.load()
+                original_size = image.size
+                image = _fit(to_rgb(image), item, policy)
+    except _DECODE_ERRORS as exc:
+        raise _invalid(item.where, f"cannot decode the {item.format} image ({_reason(exc)})") from None
+    pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
+    digest = content_key(policy.key_part(item.budget), item.raw)
+    return PreparedImage(digest, pixels, original_size)

@@ -18,7 +18,8 @@ from typing import Any
 from gateway.clients import EncoderClient, EngineClient
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.intake import IntakePolicy, PreparedImage, decode_data_url, prepare_image
+from gateway.fetch import ImageFetcher
+from gateway.intake import IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, inspect
 from gateway.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
@@ -35,14 +36,21 @@ class Prepared:
     frames: list[Any]
 
 
-def image_urls(request: ChatCompletionRequest) -> list[tuple[str, str]]:
-    """(where, url) for every image, in order; `where` names it in errors."""
+@dataclass(frozen=True)
+class ImageRef:
+    where: str  # names the part in errors: messages[1].content[0]
+    url: str
+    detail: str
+
+
+def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
+    """Every image part, in order."""
     found = []
     for m, message in enumerate(request.messages):
         if isinstance(message.content, list):
             for p, part in enumerate(message.content):
                 if isinstance(part, ImagePart):
-                    found.append((f"messages[{m}].content[{p}]", part.image_url.url))
+                    found.append(ImageRef(f"messages[{m}].content[{p}]", part.image_url.url, part.image_url.detail))
     return found
 
 
@@ -71,25 +79,53 @@ def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
 
 class ChatPipeline:
     def __init__(
-        self, config: GatewayConfig, encoder: EncoderClient, engine: EngineClient, policy: IntakePolicy
+        self, config: GatewayConfig, encoder: EncoderClient, engine: EngineClient, policy: IntakePolicy, fetcher: ImageFetcher
     ) -> None:
         self.config = config
         self.encoder = encoder
         self.engine = engine
         self.policy = policy
+        self.fetcher = fetcher
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _intake(self, urls: list[tuple[str, str]], timer: RequestTimer) -> list[PreparedImage]:
+    def request_budget(self, request: ChatCompletionRequest) -> PixelBudget:
+        """The deployment budget, narrowed by `mm_processor_kwargs` (never widened)."""
+        default = self.policy.default_budget
+        overrides = request.mm_processor_kwargs
+        if overrides is None:
+            return default
+        budget = PixelBudget(overrides.min_pixels or default.min_pixels, overrides.max_pixels or default.max_pixels)
+        if not default.min_pixels <= budget.min_pixels <= budget.max_pixels <= default.max_pixels:
+            raise APIError(422, f"mm_processor_kwargs: pixel budget [{budget.min_pixels}, {budget.max_pixels}] must lie within the deployment's [{default.min_pixels}, {default.max_pixels}] with min <= max", param="mm_processor_kwargs", code="invalid_value")
+        return budget
+
+    def image_budget(self, ref: ImageRef, request_budget: PixelBudget) -> PixelBudget:
+        if ref.detail != "low":
+            return request_budget
+        low = min(request_budget.max_pixels, self.config.detail_low_max_pixels)
+        return PixelBudget(min(request_budget.min_pixels, low), low)
+
+    async def _fetch(self, ref: ImageRef) -> bytes:
+        if ref.url.startswith("data:"):
+            return await self._in_pool(decode_data_url, ref.url, ref.where, self.config.max_image_bytes)
+        return await self.fetcher.fetch(ref.url, ref.where)
+
+    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], timer: RequestTimer) -> list[PreparedImage]:
+        request_budget = self.request_budget(request)
         started = time.perf_counter()
-        raws = await asyncio.gather(*(self._in_pool(decode_data_url, url, where) for where, url in urls))
+        raws = await asyncio.gather(*(self._fetch(ref) for ref in refs))
         fetched = time.perf_counter()
         timer.add("image_fetch", fetched - started)
-        images = await asyncio.gather(
-            *(self._in_pool(prepare_image, raw, self.policy, where) for raw, (where, _) in zip(raws, urls))
+        inspected = await asyncio.gather(
+            *(self._in_pool(inspect, raw, ref.where, self.policy, self.image_budget(ref, request_budget)) for raw, ref in zip(raws, refs))
         )
+        tokens = sum(item.visual_tokens for item in inspected)
+        if tokens > self.config.max_visual_tokens_per_request:
+            raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
+        images = await asyncio.gather(*(self._in_pool(decode, item, self.policy) for item in inspected))
         timer.add("image_preprocess", time.perf_counter() - fetched)
         return images
 
@@ -109,12 +145,12 @@ class ChatPipeline:
 
     async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer) -> Prepared:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        urls = image_urls(request)
-        if len(urls) > self.config.max_images_per_request:
-            raise APIError(400, f"{len(urls)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
+        refs = image_refs(request)
+        if len(refs) > self.config.max_images_per_request:
+            raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
         embeddings, frames = [], []
-        if urls:
-            images = await self._intake(urls, timer)
+        if refs:
+            images = await self._intake(request, refs, timer)
             # The encoder's frames are forwarded to the engine as they came: no copy, no decode.
             embeddings, frames = await self._encode(request_id, images, timer)
         generate = GenerateRequest(

@@ -42,6 +42,13 @@ class Message(_Strict):
     name: str | None = None
 
 
+class PixelOverrides(_Strict):
+    """vLLM's `mm_processor_kwargs`: a per-request pixel budget, within the deployment's."""
+
+    min_pixels: int | None = Field(None, ge=1)
+    max_pixels: int | None = Field(None, ge=1)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -60,6 +67,7 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    mm_processor_kwargs: PixelOverrides | None = None
     # Accepted, and change nothing about the result.
     user: str | None = None
     metadata: dict[str, Any] | None = None

@@ -17,6 +17,9 @@ from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_imag
 
 DEMO_MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
 MODEL_NAME = "prism-demo"
+MAX_IMAGE_BYTES = 4_000_000
+MAX_BODY_BYTES = 12_000_000
+ALLOWED_LOOPBACK = "127.0.0.2"  # served by the fetch tests' image server; 127.0.0.1 stays refused
 
 # float32 on both sides for parity; the test budget makes the gateway downscale.
 STACK_OVERRIDES = {
@@ -25,6 +28,15 @@ STACK_OVERRIDES = {
     "PRISM_ENCODER__MAX_PIXELS": str(TEST_MAX_PIXELS),
     "PRISM_ENCODER__MIN_PIXELS": str(TEST_MIN_PIXELS),
     "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
+    # Intake limits small enough to test cheaply.
+    "PRISM_GATEWAY__MAX_IMAGE_BYTES": str(MAX_IMAGE_BYTES),
+    "PRISM_GATEWAY__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
+    "PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST": "1024",
+    "PRISM_GATEWAY__DETAIL_LOW_MAX_PIXELS": "50176",
+    # The SSRF guard stays on; one loopback address is opted in for the fetch tests.
+    "PRISM_GATEWAY__FETCH_ALLOWED_NETWORKS": f"[{ALLOWED_LOOPBACK}/32]",
+    "PRISM_GATEWAY__FETCH_READ_TIMEOUT_S": "2",
+    "PRISM_GATEWAY__FETCH_TOTAL_TIMEOUT_S": "4",
 }
 
 

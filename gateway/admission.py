@@ -1,0 +1,63 @@
+"""Who may send requests, and how many at once.
+
+API keys are bearer tokens compared in constant time (every configured key is
+compared, so timing tells nothing about which one nearly matched). Concurrency
+limits refuse at once with 429 + Retry-After rather than queueing without
+bound.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections import Counter
+from dataclasses import dataclass, field
+
+from gateway.errors import APIError
+
+
+class Authenticator:
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self._keys = [k.encode() for k in keys]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def identify(self, authorization: str | None) -> str:
+        """The caller's key (or "" when auth is off); 401 otherwise."""
+        if not self._keys:
+            return ""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        candidate = token.strip().encode()
+        matched = False
+        for key in self._keys:
+            matched |= hmac.compare_digest(candidate, key)
+        if not matched:
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+        return token.strip()
+
+
+@dataclass
+class ConcurrencyLimiter:
+    """Counts requests in flight, overall and per key (the event loop is single-threaded)."""
+
+    limit: int | None
+    per_key_limit: int | None
+    in_flight: int = 0
+    per_key: Counter = field(default_factory=Counter)
+
+    def acquire(self, key: str) -> None:
+        if self.limit is not None and self.in_flight >= self.limit:
+            raise APIError(429, f"server is at its limit of {self.limit} concurrent requests; retry shortly", code="overloaded", headers={"Retry-After": "1"})
+        if self.per_key_limit is not None and self.per_key[key] >= self.per_key_limit:
+            raise APIError(429, f"this API key is at its limit of {self.per_key_limit} concurrent requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        self.per_key[key] += 1
+
+    def release(self, key: str) -> None:
+        self.in_flight -= 1
+        self.per_key[key] -= 1
+        if not self.per_key[key]:
+            del self.per_key[key]

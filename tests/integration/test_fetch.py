@@ -1,0 +1,150 @@
+"""http(s) image URLs through the stack, against image servers on loopback.
+
+The SSRF guard is on. 127.0.0.2 is opted in (fetch_allowed_networks), so
+fetches from it work; 127.0.0.1 is refused under every spelling, including
+when a redirect from the allowed server points at it. No traffic leaves
+loopback: refused addresses are never connected to.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from prism.stack import free_port
+from tests.integration.conftest import ALLOWED_LOOPBACK, MAX_IMAGE_BYTES, MODEL_NAME
+from tests.integration.corpus import b64, save, scene
+
+PNG = save(scene((120, 90), "fetched"), "PNG")
+
+
+class ImageServer(BaseHTTPRequestHandler):
+    refused_port = 0  # the 127.0.0.1 server's port, for redirects into it
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if "Content-Length" not in (headers or {}):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        path = self.path
+        if path == "/ok.png":
+            self._send(200, PNG, {"Content-Type": "text/html"})  # the bytes decide, not the type
+        elif path.startswith("/hop/"):
+            left = int(path.removeprefix("/hop/"))
+            self._send(302, headers={"Location": f"/hop/{left - 1}" if left else "/ok.png"})
+        elif path == "/to-refused":
+            self._send(302, headers={"Location": f"http://127.0.0.1:{self.refused_port}/ok.png"})
+        elif path == "/to-localhost":
+            self._send(302, headers={"Location": f"http://localhost:{self.refused_port}/ok.png"})
+        elif path == "/huge":
+            self._stream_huge()
+        elif path == "/huge-declared":
+            self._send(200, b"\x89PNG", {"Content-Length": str(MAX_IMAGE_BYTES * 10)})
+        elif path == "/slow":
+            time.sleep(6)
+            self._send(200, PNG)
+        else:
+            self._send(404, b"not here")
+
+    def _stream_huge(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = b"\x89PNG" + bytes(65532)
+        try:
+            for _ in range(MAX_IMAGE_BYTES // len(chunk) + 64):
+                self.wfile.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the gateway stopped reading at its cap
+
+
+def serve(host: str) -> tuple[ThreadingHTTPServer, int]:
+    port = free_port()
+    server = ThreadingHTTPServer((host, port), ImageServer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, port
+
+
+@pytest.fixture(scope="module")
+def servers():
+    refused, refused_port = serve("127.0.0.1")
+    allowed, allowed_port = serve(ALLOWED_LOOPBACK)
+    ImageServer.refused_port = refused_port
+    yield f"http://{ALLOWED_LOOPBACK}:{allowed_port}", refused_port
+    refused.shutdown()
+    allowed.shutdown()
+
+
+def fetch_through(stack, url: str) -> httpx.Response:
+    body = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}]}
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_allowed_loopback_fetch_equals_the_same_image_as_data_url(stack, servers):
+    allowed, _ = servers
+    fetched = fetch_through(stack, f"{allowed}/ok.png")
+    inline = fetch_through(stack, b64(PNG))
+    assert fetched.status_code == 200, fetched.text
+    assert fetched.json()["choices"] == inline.json()["choices"]
+
+
+SPELLINGS = ["127.0.0.1", "localhost", "2130706433", "0177.0.0.1", "0x7f.0.0.1", "127.1", "[::1]", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]", "0.0.0.0"]
+
+
+@pytest.mark.parametrize("host", SPELLINGS)
+def test_every_spelling_of_loopback_is_refused(stack, servers, host):
+    _, refused_port = servers
+    response = fetch_through(stack, f"http://{host}:{refused_port}/ok.png")
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert "refused" in message and message.startswith("messages[0].content[0]")
+
+
+@pytest.mark.parametrize("path", ["/to-refused", "/to-localhost"])
+def test_redirect_into_a_refused_address_is_refused(stack, servers, path):
+    allowed, _ = servers
+    response = fetch_through(stack, f"{allowed}{path}")
+    assert response.status_code == 400 and "loopback" in response.json()["error"]["message"]
+
+
+def test_redirects_are_followed_up_to_the_cap(stack, servers):
+    allowed, _ = servers
+    assert fetch_through(stack, f"{allowed}/hop/2").status_code == 200  # 3 redirects: at the cap
+    over = fetch_through(stack, f"{allowed}/hop/3")
+    assert over.status_code == 400 and "more than 3 redirects" in over.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/huge", "/huge-declared"])
+def test_byte_cap_is_enforced_while_streaming(stack, servers, path):
+    allowed, _ = servers
+    response = fetch_through(stack, f"{allowed}{path}")
+    assert response.status_code == 413 and f"the limit is {MAX_IMAGE_BYTES} bytes" in response.json()["error"]["message"]
+
+
+def test_slow_server_is_a_504_within_the_total_timeout(stack, servers):
+    allowed, _ = servers
+    started = time.monotonic()
+    response = fetch_through(stack, f"{allowed}/slow")
+    assert response.status_code == 504 and "timed out" in response.json()["error"]["message"]
+    assert time.monotonic() - started < 5.5  # total timeout 4 s, the server would take 6
+
+
+def test_upstream_error_status_is_a_clear_400(stack, servers):
+    allowed, _ = servers
+    response = fetch_through(stack, f"{allowed}/missing.png")
+    assert response.status_code == 400 and "HTTP 404" in response.json()["error"]["message"]

@@ -1,0 +1,64 @@
+"""The SSRF guard's address rules (pure functions: nothing is connected to)."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.fetch import AddressGuard, refusal_reason
+
+REFUSED = [
+    "127.0.0.1", "127.5.5.5", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1",
+    "224.0.0.1", "240.0.0.1", "0.0.0.0", "255.255.255.255", "::", "::1", "fe80::1", "fc00::1", "ff02::1",
+    "::ffff:10.0.0.1", "::ffff:127.0.0.1", "2001:db8::1",
+]
+PUBLIC = ["8.8.8.8", "1.1.1.1", "93.184.216.34", "2606:4700:4700::1111", "::ffff:8.8.8.8"]
+
+
+@pytest.mark.parametrize("address", REFUSED)
+def test_non_public_addresses_are_refused(address):
+    assert refusal_reason(ipaddress.ip_address(address)) is not None
+
+
+@pytest.mark.parametrize("address", PUBLIC)
+def test_public_addresses_pass(address):
+    assert refusal_reason(ipaddress.ip_address(address)) is None
+
+
+def check(guard: AddressGuard, url: str):
+    return asyncio.run(guard.check(url, "messages[0].content[0]"))
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1/a.png", "http://169.254.169.254/latest/meta-data", "https://[fd00::1]/x", "http://3232235777/"])
+def test_guard_refuses_private_literals_before_any_connection(url):
+    with pytest.raises(APIError, match="refused"):
+        check(AddressGuard((), ()), url)
+
+
+def test_allowed_network_is_an_explicit_opt_in():
+    target = check(AddressGuard((), ("10.0.0.0/8",)), "http://10.1.2.3:8080/a.png?x=1")
+    assert target.url == "http://10.1.2.3:8080/a.png?x=1" and target.host_header == "10.1.2.3:8080"
+
+
+def test_https_target_is_pinned_with_sni_and_host_header():
+    guard = AddressGuard((), ("127.0.0.0/8",))
+    target = check(guard, "https://localhost/img.png")
+    assert target.url.startswith("https://127.0.0.1:443/") or target.url.startswith("https://[::1]:443/")
+    assert (target.host_header, target.sni_hostname) == ("localhost", "localhost")
+
+
+def test_domain_allowlist():
+    guard = AddressGuard(("example.org",), ("127.0.0.0/8", "::1/128"))
+    with pytest.raises(APIError, match="not in the allowed domains"):
+        check(guard, "http://localhost/a.png")
+    with pytest.raises(APIError, match="not in the allowed domains"):
+        check(guard, "http://evil-example.org/a.png")
+
+
+@pytest.mark.parametrize("url,needle", [("file:///etc/passwd", "scheme 'file'"), ("gopher://x/", "scheme 'gopher'"), ("http:///nohost", "no host"), ("http://h:99999/", "invalid port")])
+def test_malformed_urls(url, needle):
+    with pytest.raises(APIError, match=needle):
+        check(AddressGuard((), ()), url)
