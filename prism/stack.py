@@ -28,6 +28,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Until a gateway's /health answers 200 (it does only after its service handshake)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # polling an HTTP endpoint: the handshake behind it is the real signal
+    raise TimeoutError(f"{base_url} not ready within {timeout_s} s")
+
+
 @dataclass
 class LocalStack:
     run_dir: Path
@@ -71,18 +86,11 @@ class LocalStack:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"stack exited with {self.process.returncode}; see {self.run_dir}/stack.log")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)  # polling an HTTP endpoint: the handshake itself is the real signal
-        self.stop()
-        raise TimeoutError(f"stack not ready within {timeout_s} s; see {self.run_dir}/stack.log")
+        try:
+            wait_for_health(self.base_url, self.process, timeout_s)
+        except (RuntimeError, TimeoutError) as exc:
+            self.stop()
+            raise type(exc)(f"{exc}; see {self.run_dir}/stack.log") from None
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
