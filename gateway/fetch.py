@@ -109,7 +109,11 @@ class ImageFetcher:
         self.guard = AddressGuard(limits.allowed_domains, limits.allowed_networks)
         timeout = httpx.Timeout(connect=limits.connect_timeout_s, read=limits.read_timeout_s, write=limits.read_timeout_s, pool=limits.connect_timeout_s)
         # trust_env=False: no proxy from the environment may route around the guard.
-        self.client = httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False)
+        # No keep-alive: pooled connections are keyed by the pinned address, so a
+        # TLS connection verified for one host name could be reused for another.
+        self.client = httpx.AsyncClient(
+            timeout=timeout, follow_redirects=False, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
+        )
 
     async def fetch(self, url: str, where: str) -> bytes:
         try:
