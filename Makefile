@@ -2,15 +2,18 @@
 # what it needs first (scripts/install.sh is a no-op once done).
 PY := .venv/bin/python
 
-.PHONY: install serve test test-unit bench demo-model
+.PHONY: install install-system serve test test-unit bench demo-model
 
 install:
 	@scripts/install.sh
 
+install-system:
+	@scripts/install-system.sh
+
 serve: install
 	$(PY) -m prism serve
 
-test: install
+test: install install-system
 	$(PY) -m pytest
 
 test-unit: install

@@ -19,6 +19,7 @@ from protocol.base import Hello
 from protocol.sockets import AsyncDealer
 from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
 from protocol.to_engine import AbortGenerate, GenerateRequest
+from protocol.stats import EncoderStats, EngineStats, StatsRequest
 from protocol.to_gateway import (
     EncodeFailed,
     EncoderReady,
@@ -40,7 +41,10 @@ class ServiceClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None
         self._receiver: asyncio.Task | None = None
+        self._poller: asyncio.Task | None = None
         self.info: Any = None
+        self.stats: Any = None  # latest EncoderStats / EngineStats
+        self.stats_received_at: float | None = None  # loop time; the heartbeat
 
     async def connect(self, timeout_s: float) -> Any:
         """Handshake: Hello until the service answers (it may still be loading)."""
@@ -64,10 +68,26 @@ class ServiceClient:
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(message)
                 continue
+            if isinstance(message, (EncoderStats, EngineStats)):
+                self.stats = message
+                self.stats_received_at = asyncio.get_running_loop().time()
+                continue
             queue = self._streams.get(message.request_id)
             if queue is None:
                 continue  # the request was already given up (timeout, disconnect)
             queue.put_nowait((message, frames))
+
+    def start_polling(self, interval_s: float, on_stats=None) -> None:
+        """Ask for stats every interval (a heartbeat as well as numbers)."""
+
+        async def poll() -> None:
+            while True:
+                await self.socket.send(StatsRequest("gateway"))
+                await asyncio.sleep(interval_s)
+                if on_stats is not None and self.stats is not None:
+                    on_stats(self.stats)
+
+        self._poller = asyncio.create_task(poll())
 
     def open(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -78,8 +98,9 @@ class ServiceClient:
         self._streams.pop(request_id, None)
 
     async def close(self) -> None:
-        if self._receiver:
-            self._receiver.cancel()
+        for task in (self._receiver, self._poller):
+            if task:
+                task.cancel()
         self.socket.close()
 
 

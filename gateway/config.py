@@ -18,6 +18,7 @@ class GatewayConfig(FrozenConfig):
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
     encode_timeout_s: float = Field(120, gt=0)
     generate_timeout_s: float = Field(600, gt=0)
+    stats_interval_s: float = Field(1.0, gt=0)  # polling the services' stats (also a heartbeat)
 
     # Auth and admission. API keys may also come from the environment:
     # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.

@@ -1,31 +1,87 @@
 """Every Prometheus metric Prism exports, defined in one place.
 
-Units are seconds; labels are few. Encoder and engine stages are reported in
-their replies, so one scrape of the gateway shows the whole decomposition.
+Units are seconds; labels are few. The encoder and the engine report their
+stages in their replies and their counters in the stats the gateway polls, so
+one scrape of the gateway shows the whole system even across hosts.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # ms to tens of seconds: CPU demo and GPU deployments both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+# Original image sizes, by megapixels: thumbnails, ~720p, ~1080p, ~4K, larger.
+IMAGE_SIZE_BUCKETS = ((0.25, "le_0.25mp"), (1.0, "le_1mp"), (2.2, "le_2.2mp"), (8.5, "le_8.5mp"), (float("inf"), "gt_8.5mp"))
 
-REQUESTS = Counter("prism_requests_total", "Chat completion requests by HTTP status", ["status"])
+REQUESTS = Counter("prism_requests_total", "Chat completion requests by HTTP status and reason", ["status", "reason"])
 STAGE_SECONDS = Histogram("prism_stage_seconds", "Per-stage share of time to first token", ["stage"], buckets=LATENCY_BUCKETS)
 TTFT_SECONDS = Histogram("prism_ttft_seconds", "Request arrival to first token sent", buckets=LATENCY_BUCKETS)
+TPOT_SECONDS = Histogram("prism_tpot_seconds", "Time per output token after the first, per request", buckets=LATENCY_BUCKETS)
+ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive token deltas", buckets=LATENCY_BUCKETS)
 E2E_SECONDS = Histogram("prism_e2e_seconds", "Request arrival to last byte", buckets=LATENCY_BUCKETS)
-CACHE_LOOKUPS = Counter("prism_cache_lookups_total", "Visual-token cache lookups by result", ["result"])
-IMAGES = Counter("prism_images_total", "Images accepted by the gateway")
+VISUAL_TOKENS = Histogram("prism_visual_tokens_per_request", "Visual tokens a request's images became", buckets=TOKEN_BUCKETS)
+IMAGES = Counter("prism_images_total", "Images accepted, by original size", ["size"])
+IN_FLIGHT = Gauge("prism_in_flight_requests", "Requests being served", ["service"])
+
+
+def image_size_bucket(width: int, height: int) -> str:
+    megapixels = width * height / 1e6
+    return next(label for bound, label in IMAGE_SIZE_BUCKETS if megapixels <= bound)
 
 
 def observe(timer) -> None:
-    """Record one finished request's timings."""
+    """Record one successful request's timings."""
     for stage, seconds in timer.stages.items():
         STAGE_SECONDS.labels(stage).observe(seconds)
     if timer.ttft_s is not None:
         TTFT_SECONDS.observe(timer.ttft_s)
+    if (tpot := timer.tpot_s) is not None:
+        TPOT_SECONDS.observe(tpot)
+    for gap in timer.inter_token_gaps():
+        ITL_SECONDS.observe(gap)
     if timer.finished_at is not None:
         E2E_SECONDS.observe(timer.finished_at - timer.arrived)
-    CACHE_LOOKUPS.labels("hit").inc(timer.cache_hits)
-    CACHE_LOOKUPS.labels("miss").inc(timer.cache_misses)
+    if timer.image_sizes:
+        VISUAL_TOKENS.observe(timer.visual_tokens)
+    for width, height in timer.image_sizes:
+        IMAGES.labels(image_size_bucket(width, height)).inc()
+
+
+class ServiceStatsCollector:
+    """Exports the latest stats the gateway polled from the encoder and the engine."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    def collect(self):
+        encoder = self.gateway.encoder.stats
+        engine = self.gateway.engine.stats
+        in_flight = GaugeMetricFamily("prism_service_in_flight_requests", "Requests in flight inside each service", labels=["service"])
+        queue = GaugeMetricFamily("prism_queue_depth", "Work waiting in each service (encoder: images; engine: requests with no token yet)", labels=["service"])
+        if encoder is not None:
+            in_flight.add_metric(["encoder"], encoder.in_flight)
+            queue.add_metric(["encoder"], encoder.queue_depth)
+            yield GaugeMetricFamily("prism_cache_bytes", "Visual-token cache bytes in use", value=encoder.cache_bytes)
+            yield GaugeMetricFamily("prism_cache_capacity_bytes", "Visual-token cache capacity", value=encoder.cache_capacity_bytes)
+            events = CounterMetricFamily("prism_cache_events", "Visual-token cache events", labels=["event"])
+            for event, value in (("hit", encoder.cache_hits), ("miss", encoder.cache_misses), ("join", encoder.cache_joins), ("eviction", encoder.cache_evictions)):
+                events.add_metric([event], value)
+            yield events
+            yield _histogram("prism_encoder_batch_images", "Images per encoder batch", encoder.batch_images)
+            yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", encoder.batch_patches)
+        if engine is not None:
+            in_flight.add_metric(["engine"], engine.in_flight)
+            queue.add_metric(["engine"], engine.waiting)
+        yield in_flight
+        yield queue
+
+
+def _histogram(name: str, documentation: str, snapshot) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, documentation, buckets=snapshot.cumulative(), sum_value=snapshot.total)
+
+
+def register_service_stats(gateway) -> None:
+    REGISTRY.register(ServiceStatsCollector(gateway))

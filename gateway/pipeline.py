@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -127,6 +126,7 @@ class ChatPipeline:
             raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
         images = await asyncio.gather(*(self._in_pool(decode, item, self.policy) for item in inspected))
         timer.add("image_preprocess", time.perf_counter() - fetched)
+        timer.image_sizes.extend(image.original_size for image in images)
         return images
 
     async def _encode(self, request_id: str, images: list[PreparedImage], timer: RequestTimer):
@@ -140,11 +140,11 @@ class ChatPipeline:
         timer.add_encoder(result.timings, time.perf_counter() - sent)
         timer.cache_hits += sum(i.cache_hit for i in result.images)
         timer.cache_misses += sum(not i.cache_hit for i in result.images)
+        timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
         embeddings = [ImageEmbedding(i.embeddings, i.grid_thw) for i in result.images]
         return embeddings, reply_frames
 
-    async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer) -> Prepared:
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer, request_id: str) -> Prepared:
         refs = image_refs(request)
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
@@ -168,6 +168,4 @@ class ChatPipeline:
             if first:
                 timer.add_engine_first(delta.timings, time.perf_counter() - sent)
                 first = False
-            if delta.finish_reason is not None and delta.timings is not None:
-                timer.decode_s = delta.timings.decode_s
             yield delta

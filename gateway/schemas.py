@@ -80,6 +80,8 @@ class ChatCompletionRequest(_Strict):
         stops = [value] if isinstance(value, str) else (value or [])
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
         return stops
 
     @field_validator("n")

@@ -33,7 +33,10 @@ class RequestTimer:
     cache_misses: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
-    decode_s: float = 0.0
+    delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
+    completion_tokens: int = 0
+    visual_tokens: int = 0
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
 
     def add(self, stage: str, seconds: float) -> None:
         self.stages[stage] += seconds
@@ -56,6 +59,20 @@ class RequestTimer:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
 
+    def mark_delta(self, completion_tokens: int) -> None:
+        self.delta_times.append(time.perf_counter())
+        self.completion_tokens = completion_tokens
+
+    def inter_token_gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.delta_times, self.delta_times[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
+            return None
+        return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
+
     def mark_finished(self) -> None:
         self.finished_at = time.perf_counter()
 
@@ -63,12 +80,22 @@ class RequestTimer:
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrived
 
-    def breakdown(self) -> dict:
-        """Stages in ms, TTFT, the unaccounted remainder, E2E and cache counts."""
+    def stages_ms(self) -> dict[str, float]:
+        """Stages in ms, then TTFT, the unaccounted remainder and E2E when known."""
         ms = {name: round(value * 1000, 3) for name, value in self.stages.items()}
         if (ttft := self.ttft_s) is not None:
-            ms["ttft"] = round(ttft * 1000, 3)
             ms["unaccounted"] = round((ttft - sum(self.stages.values())) * 1000, 3)
+            ms["ttft"] = round(ttft * 1000, 3)
         if self.finished_at is not None:
             ms["e2e"] = round((self.finished_at - self.arrived) * 1000, 3)
-        return {"stages_ms": ms, "cache": {"hits": self.cache_hits, "misses": self.cache_misses}}
+        return ms
+
+    def breakdown(self) -> dict:
+        """The extension object in responses: stages and cache hits/misses."""
+        return {"stages_ms": self.stages_ms(), "cache": {"hits": self.cache_hits, "misses": self.cache_misses}}
+
+    def server_timing(self) -> str:
+        """A W3C Server-Timing header value: one entry per stage, durations in ms."""
+        entries = [f"{name};dur={value}" for name, value in self.stages_ms().items()]
+        entries.append(f'cache;desc="hits={self.cache_hits} misses={self.cache_misses}"')
+        return ", ".join(entries)

@@ -16,7 +16,9 @@ import zmq.asyncio
 
 from llm_engine.config import EngineConfig
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
+from prism.logs import request_id_var
 from protocol.base import Hello
+from protocol.stats import EngineStats, StatsRequest
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, SamplingOptions
 from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
@@ -89,6 +91,9 @@ class EngineService:
         self.shape = ModelShape(hf.text_config.hidden_size, hf.vision_config.spatial_merge_size)
         self.tokenizer = None
         self.tasks: dict[str, asyncio.Task] = {}
+        self.waiting: set[str] = set()  # submitted, no token yet
+        self.finished = 0
+        self.failed = 0
         self.model_name = config.served_model_name or config.model
 
     @classmethod
@@ -114,6 +119,8 @@ class EngineService:
                 task.add_done_callback(lambda _, rid=message.request_id: self.tasks.pop(rid, None))
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
+            elif isinstance(message, StatsRequest):
+                await self._send(peer, EngineStats(len(self.tasks), len(self.waiting), self.finished, self.failed))
             elif isinstance(message, Hello):
                 await self._send(peer, EngineReady(self.model_name, self.config.max_model_len))
 
@@ -125,23 +132,35 @@ class EngineService:
     async def _generate(self, peer: bytes, request: GenerateRequest, frames) -> None:
         received = time.monotonic()
         rid = request.request_id
+        request_id_var.set(rid)
+        self.waiting.add(rid)
         try:
             prompt = build_prompt(request, frames, self.tokenizer, self.shape, self.config.max_model_len)
-            params = sampling_params(request.sampling, prompt.max_tokens)
-            await self._stream(peer, rid, prompt.inputs, params, received)
+            try:
+                params = sampling_params(request.sampling, prompt.max_tokens)
+            except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
+                raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
+            tokens = await self._stream(peer, rid, prompt.inputs, params, received)
+            self.finished += 1
+            log.info("generated %d tokens for a %d-token prompt", tokens, prompt.num_tokens)
         except asyncio.CancelledError:
-            pass
+            log.info("aborted")
         except (InvalidPrompt, ValueError, TypeError) as exc:  # vLLM raises ValueError for bad input
-            log.info("request %s refused: %s", rid, exc)
+            self.failed += 1
+            log.info("refused: %s", exc)
             await self._send(peer, GenerateFailed(rid, str(exc), status=400))
         except Exception as exc:
-            log.exception("request %s failed", rid)
+            self.failed += 1
+            log.exception("failed")
             await self._send(peer, GenerateFailed(rid, f"engine error: {exc}", status=500))
+        finally:
+            self.waiting.discard(rid)
 
-    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float) -> None:
+    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float) -> int:
         completion_tokens = 0
         first = True
         async for output in self.engine.generate(prompt, params, rid):
+            self.waiting.discard(rid)
             choice = output.outputs[0]
             completion_tokens += len(choice.token_ids)
             finished = output.finished
@@ -156,6 +175,7 @@ class EngineService:
             )
             await self._send(peer, delta)
             first = False
+        return completion_tokens
 
     async def _send(self, peer: bytes, message) -> None:
         try:

@@ -46,7 +46,7 @@ def serve(config_path: Path) -> None:
     from gateway.config import GatewayConfig
     from vision_encoder.config import EncoderConfig
 
-    setup_logging("launcher")
+    setup_logging("gateway")  # the gateway runs in this process
     gateway_config = load_config(GatewayConfig, "gateway", config_path)
     if Path(load_config(EncoderConfig, "encoder", config_path).model) == DEMO_MODEL:
         ensure_demo_model(DEMO_MODEL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.base import Hello, Message
+from protocol.stats import StatsRequest
 from protocol.tensors import ArrayMeta
 
 
@@ -24,4 +25,4 @@ class CancelEncode(Message):
     request_id: str
 
 
-EncoderInbound = EncodeRequest | CancelEncode | Hello
+EncoderInbound = EncodeRequest | CancelEncode | Hello | StatsRequest

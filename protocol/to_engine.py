@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.base import Hello, Message
+from protocol.stats import StatsRequest
 from protocol.tensors import ArrayMeta
 
 
@@ -45,4 +46,4 @@ class AbortGenerate(Message):
     request_id: str
 
 
-EngineInbound = GenerateRequest | AbortGenerate | Hello
+EngineInbound = GenerateRequest | AbortGenerate | Hello | StatsRequest

@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from protocol.base import Message
+from protocol.stats import EncoderStats, EngineStats
 from protocol.tensors import ArrayMeta
 
 
@@ -77,4 +78,4 @@ class GenerateFailed(Message):
     status: int = 500  # 400 when the request itself was at fault
 
 
-GatewayInbound = EncoderReady | EncodeResult | EncodeFailed | EngineReady | TokenDelta | GenerateFailed
+GatewayInbound = EncoderReady | EncodeResult | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats

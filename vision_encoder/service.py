@@ -17,6 +17,7 @@ import zmq
 from cache import CachedEmbedding, EmbeddingCache, content_key
 from protocol.base import Hello
 from protocol.sockets import SyncRouter
+from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, StatsRequest
 from protocol.tensors import to_frame, to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncoderReady, EncodeResult, EncoderTimings
@@ -51,6 +52,9 @@ class EncoderService:
     router: SyncRouter
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
     encodes: int = 0
+    batches: int = 0
+    batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
+    batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
 
     @classmethod
     def start(cls, config: EncoderConfig, ctx: zmq.Context) -> "EncoderService":
@@ -88,9 +92,29 @@ class EncoderService:
             self._accept(peer, message, frames)
         elif isinstance(message, CancelEncode):
             self._cancel(peer, message.request_id)
+        elif isinstance(message, StatsRequest):
+            self._send(peer, self.stats())
         elif isinstance(message, Hello):
             ready = EncoderReady(self.tower.model_id, self.tower.fingerprint, self.tower.processor_info)
             self._send(peer, ready)
+
+    def stats(self) -> EncoderStats:
+        cache = self.cache.stats
+        return EncoderStats(
+            queue_depth=len(self.batcher),
+            in_flight=len(self.pending),
+            cache_bytes=cache.bytes_used,
+            cache_capacity_bytes=self.cache.capacity_bytes,
+            cache_entries=len(self.cache),
+            cache_hits=cache.hits,
+            cache_misses=cache.misses,
+            cache_joins=self.batcher.joins,
+            cache_evictions=cache.evictions,
+            batches=self.batches,
+            images_encoded=self.encodes,
+            batch_images=self.batch_images.snapshot(),
+            batch_patches=self.batch_patches.snapshot(),
+        )
 
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
         arrived = time.monotonic()
@@ -136,6 +160,9 @@ class EncoderService:
             return
         duration = time.monotonic() - started
         self.encodes += len(batch)
+        self.batches += 1
+        self.batch_images.observe(len(batch))
+        self.batch_patches.observe(sum(job.patches for job in batch))
         for job, (tensor, grid) in zip(batch, encoded):
             value = CachedEmbedding(tensor, grid)
             self.cache.put(job.key, value)
@@ -168,6 +195,11 @@ class EncoderService:
             total_s=time.monotonic() - state.arrived,
         )
         self._send(state.peer, EncodeResult(state.request_id, images, timings), frames)
+        hits = sum(hit for _, hit in state.results)
+        log.info(
+            "encoded %d images (%d cache hits) in %.1f ms", len(images), hits, timings.total_s * 1000,
+            extra={"request_id": state.request_id},
+        )
 
     def _send(self, peer: bytes, message, frames=()) -> None:
         try:

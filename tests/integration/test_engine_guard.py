@@ -42,3 +42,10 @@ def test_three_d_embeddings_are_refused_and_the_engine_lives(stack, client):
     good = asyncio.run(_send_raw(stack.engine_address, *_request("guard-ok", torch.randn(4, 128), (1, 4, 4))))
     assert isinstance(good, TokenDelta) and good.completion_tokens == 2
     assert client.chat.completions.create(model="prism-demo", messages=[{"role": "user", "content": "hi"}], max_tokens=2).usage.completion_tokens == 2
+
+
+def test_sampling_values_vllm_refuses_are_a_400_not_a_500(stack):
+    message = ChatMessage("user", [ChatPart("text", "hi")])
+    request = GenerateRequest("guard-stop", [message], SamplingOptions(max_tokens=2, stop=[""]))
+    failed = asyncio.run(_send_raw(stack.engine_address, request, []))
+    assert isinstance(failed, GenerateFailed) and failed.status == 400 and "sampling" in failed.message

@@ -36,6 +36,7 @@ BAD_REQUESTS = [
     ("temperature", body(temperature=5), 422, "temperature"),
     ("max-tokens-zero", body(max_tokens=0), 422, "max_tokens"),
     ("no-messages", body(messages=[]), 422, "messages"),
+    ("empty-stop", body(stop=[""]), 422, "stop sequences must not be empty"),
     ("bad-role", body(messages=[{"role": "robot", "content": "x"}]), 422, "role"),
     ("unknown-model", body(model="gpt-nothing"), 404, "gpt-nothing"),
     ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),

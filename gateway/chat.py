@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: one request from arrival to its last byte.
+
+Everything that can fail on the user's input happens before the first byte
+(so errors keep their HTTP status); a stream that fails later ends with an
+error event. Every request ends in `finish`, exactly once: metrics, the
+dashboard window and one log line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway import metrics, responses
+from gateway.errors import APIError
+from gateway.parsing import parse_request
+from gateway.pipeline import Prepared
+from gateway.timing import RequestTimer
+from prism.logs import request_id_var
+from protocol.to_gateway import TokenDelta
+
+log = logging.getLogger("prism.gateway")
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_ids(http_request: Request) -> tuple[str, str]:
+    """(internal id, id echoed in X-Request-Id). A client's X-Request-Id prefixes
+    the internal id, which stays unique even if the client reuses its id."""
+    client_id = http_request.headers.get("x-request-id", "")
+    if _CLIENT_ID.fullmatch(client_id):
+        return f"{client_id}-{uuid.uuid4().hex[:12]}", client_id
+    internal = f"chatcmpl-{uuid.uuid4().hex}"
+    return internal, internal
+
+
+class ChatHandler:
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    async def __call__(self, http_request: Request) -> Response:
+        rid, echoed = request_ids(http_request)
+        request_id_var.set(rid)
+        timer = RequestTimer()
+        limiter = self.gateway.limiter
+        try:
+            key = self.gateway.auth.identify(http_request.headers.get("authorization"))
+            limiter.acquire(key)
+        except APIError as exc:
+            return self.refuse(exc, timer, echoed)
+        metrics.IN_FLIGHT.labels("gateway").inc()
+        done = _Once(lambda: (limiter.release(key), metrics.IN_FLIGHT.labels("gateway").dec()))
+        try:
+            response = await self._serve(http_request, rid, timer, done)
+        except APIError as exc:
+            done()
+            return self.refuse(exc, timer, echoed)
+        except BaseException:
+            done()
+            raise
+        if not isinstance(response, StreamingResponse):
+            done()  # a stream gives its slot back when it ends
+        response.headers["X-Request-Id"] = echoed
+        return response
+
+    def refuse(self, exc: APIError, timer: RequestTimer, echoed: str) -> JSONResponse:
+        self.finish(timer, exc.status, exc.code or "error")
+        response = exc.response()
+        response.headers["X-Request-Id"] = echoed
+        return response
+
+    def finish(self, timer: RequestTimer, status: int, reason: str) -> None:
+        ok = status == 200 and reason == "ok"
+        metrics.REQUESTS.labels(str(status), reason).inc()
+        if ok:
+            metrics.observe(timer)
+        self.gateway.window.add(timer, ok)
+        ttft = timer.ttft_s
+        log.info(
+            "status %d (%s): ttft %s ms, %d completion tokens, cache %d hit / %d miss", status, reason,
+            "-" if ttft is None else f"{ttft * 1000:.1f}", timer.completion_tokens, timer.cache_hits, timer.cache_misses,
+        )
+
+    async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: Callable[[], None]) -> Response:
+        gateway = self.gateway
+        parse_started = time.perf_counter()
+        request = await parse_request(http_request, gateway.config.max_body_bytes)
+        timer.add("parse", time.perf_counter() - parse_started)
+        if request.model != gateway.model_name:
+            raise APIError(404, f"model '{request.model}' does not exist; this server serves '{gateway.model_name}'", param="model", code="model_not_found")
+        prepared = await gateway.pipeline.prepare(request, timer, rid)
+        deltas = gateway.pipeline.generate(prepared, timer)
+        if request.stream:
+            first = await _first_delta(deltas)  # engine-side refusals still get their status code
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            body = self._stream(prepared, first, deltas, timer, include_usage, done)
+            return StreamingResponse(body, media_type="text/event-stream")
+        return await self._complete(prepared, deltas, timer)
+
+    async def _complete(self, prepared: Prepared, deltas: AsyncIterator[TokenDelta], timer: RequestTimer) -> Response:
+        text: list[str] = []
+        last = None
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                timer.mark_first_token()
+                timer.mark_delta(delta.completion_tokens)
+                text.append(delta.text)
+                last = delta
+        timer.mark_finished()
+        body = responses.completion(
+            prepared.request.request_id, self.gateway.model_name, "".join(text), last.finish_reason,
+            responses.usage(last.prompt_tokens, last.completion_tokens), timer.breakdown(),
+        )
+        self.finish(timer, 200, "ok")
+        return JSONResponse(body, headers={"Server-Timing": timer.server_timing()})
+
+    async def _stream(self, prepared, first, deltas, timer, include_usage, done) -> AsyncIterator[bytes]:
+        status, reason = 200, "ok"
+        completed = False
+        try:
+            async for event in self._events(prepared, first, deltas, timer, include_usage):
+                if isinstance(event, APIError):
+                    status, reason = event.status, event.code or "error"
+                    continue
+                yield event
+            completed = True
+        finally:
+            if not completed:  # the client went away mid-stream
+                status, reason = 499, "client_disconnected"
+            self.finish(timer, status, reason)
+            done()
+
+    async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, include_usage: bool):
+        """SSE events; an APIError item reports a failure after the stream began."""
+        rid, model, created = prepared.request.request_id, self.gateway.model_name, int(time.time())
+        last = first
+        async with contextlib.aclosing(deltas):
+            try:
+                timer.mark_first_token()
+                timer.mark_delta(first.completion_tokens)
+                yield responses.sse(responses.chunk(rid, model, created, {"role": "assistant", "content": first.text}))
+                if first.finish_reason is None:
+                    async for delta in deltas:
+                        last = delta
+                        timer.mark_delta(delta.completion_tokens)
+                        if delta.text:
+                            yield responses.sse(responses.chunk(rid, model, created, {"content": delta.text}))
+            except APIError as exc:  # the stream has started: the error travels as a final event
+                yield exc
+                yield responses.sse(exc.body())
+                yield responses.sse("[DONE]")
+                return
+        timer.mark_finished()
+        yield responses.sse(responses.chunk(rid, model, created, {}, last.finish_reason, prism=timer.breakdown()))
+        if include_usage:
+            usage = responses.usage(last.prompt_tokens, last.completion_tokens)
+            yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage})
+        yield responses.sse("[DONE]")
+
+
+class _Once:
+    """Call a release function once, however many paths reach it."""
+
+    def __init__(self, release: Callable[[], object]) -> None:
+        self._release = release
+        self._done = False
+
+    def __call__(self) -> None:
+        if not self._done:
+            self._done = True
+            self._release()
+
+
+async def _first_delta(deltas: AsyncIterator[TokenDelta]) -> TokenDelta:
+    try:
+        return await anext(deltas)
+    except BaseException:
+        await deltas.aclose()
+        raise

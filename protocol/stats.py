@@ -1,0 +1,68 @@
+"""Service statistics the gateway polls (and exports), so one scrape of the
+gateway shows every service even when they run on other hosts."""
+
+from __future__ import annotations
+
+import bisect
+
+import msgspec
+
+from protocol.base import Message
+
+BATCH_IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_PATCH_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
+
+
+class HistogramSnapshot(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]  # per bucket (not cumulative); one more than bounds (+Inf)
+    total: float  # sum of observations
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus-style (le, cumulative count) pairs."""
+        out, running = [], 0
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+class HistogramCounter:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
+
+
+class StatsRequest(Message):
+    sender: str
+
+
+class EncoderStats(Message):
+    queue_depth: int  # images waiting for a batch
+    in_flight: int  # requests accepted and not yet answered
+    cache_bytes: int
+    cache_capacity_bytes: int
+    cache_entries: int
+    cache_hits: int
+    cache_misses: int
+    cache_joins: int  # requests that joined an encode already queued for the same key
+    cache_evictions: int
+    batches: int
+    images_encoded: int
+    batch_images: HistogramSnapshot
+    batch_patches: HistogramSnapshot
+
+
+class EngineStats(Message):
+    in_flight: int  # requests in vLLM
+    waiting: int  # in vLLM, no token yet
+    finished: int
+    failed: int

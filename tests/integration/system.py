@@ -1,0 +1,19 @@
+"""Debian-packaged programs the tests drive (installed by scripts/install-system.sh)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def binary(name: str) -> str:
+    """The program's path. Missing: a failure in CI (which installs it), a skip elsewhere."""
+    path = shutil.which(name)
+    if path:
+        return path
+    message = f"{name} is not installed (scripts/install-system.sh installs it)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)

@@ -1,0 +1,96 @@
+"""Per-request TTFT decomposition, request ids in every service's logs,
+Server-Timing, and the metrics a scrape of the gateway shows."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from gateway.timing import TTFT_STAGES
+from prism.synthetic import make_image
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.corpus import b64, save
+
+TOLERANCE_MS = 1.0  # rounding of each stage to µs, and nothing else
+
+
+def body(url: str, stream: bool) -> dict:
+    return {
+        "model": MODEL_NAME, "max_tokens": 4, "temperature": 0, "stream": stream,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}],
+    }
+
+
+def breakdown(stack, url: str, stream: bool) -> dict:
+    if not stream:
+        response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, False), timeout=60)
+        assert response.status_code == 200
+        return response.json()["prism"]
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body(url, True), timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    final = [e for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
+    return final[-1]["prism"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+def test_stages_add_up_to_ttft_on_miss_and_hit(stack, stream):
+    url = b64(save(make_image(f"sum-{stream}", (480, 360)), "PNG"))
+    for expected_cache in ({"hits": 0, "misses": 1}, {"hits": 1, "misses": 0}):
+        result = breakdown(stack, url, stream)
+        stages = result["stages_ms"]
+        assert result["cache"] == expected_cache
+        assert all(stages[s] >= 0 for s in TTFT_STAGES)
+        total = sum(stages[s] for s in TTFT_STAGES) + stages["unaccounted"]
+        assert abs(total - stages["ttft"]) <= TOLERANCE_MS
+        assert 0 <= stages["unaccounted"] < 0.2 * stages["ttft"] + 5  # the stages explain TTFT
+        assert stages["e2e"] >= stages["ttft"] > 0
+        if expected_cache["misses"]:
+            assert stages["encode"] > 0 and stages["prefill"] > 0 and stages["image_preprocess"] > 0
+
+
+def test_server_timing_header_carries_every_stage(stack):
+    url = b64(save(make_image("server-timing", (200, 150)), "PNG"))
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, False), timeout=60)
+    header = response.headers["server-timing"]
+    entries = dict(e.strip().split(";", 1) for e in header.split(","))
+    for stage in (*TTFT_STAGES, "unaccounted", "ttft", "e2e"):
+        assert entries[stage].startswith("dur=") and float(entries[stage][4:]) >= 0
+    assert entries["cache"] == 'desc="hits=0 misses=1"'
+    assert float(entries["ttft"][4:]) == response.json()["prism"]["stages_ms"]["ttft"]
+
+
+def test_client_request_id_is_echoed_and_in_every_services_logs(stack):
+    url = b64(save(make_image("trace", (160, 120)), "PNG"))
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, False), headers={"X-Request-Id": "trace-abc.123"}, timeout=60)
+    assert response.headers["x-request-id"] == "trace-abc.123"
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in (stack.run_dir / "stack.log").read_text().splitlines() if line.startswith("{")]
+        services = {line["service"] for line in lines if str(line.get("request_id", "")).startswith("trace-abc.123-")}
+        if services >= {"gateway", "encoder", "engine"} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert services == {"gateway", "encoder", "engine"}
+    assert all({"time", "level", "logger", "message"} <= line.keys() for line in lines)
+
+
+def test_one_scrape_shows_every_service(stack):
+    url = b64(save(make_image("scrape", (300, 200)), "PNG"))
+    for _ in range(2):  # a miss, then a hit
+        assert httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, True), timeout=60).status_code == 200
+    time.sleep(1.5)  # the gateway polls service stats every second
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    for stage in TTFT_STAGES:
+        assert f'prism_stage_seconds_count{{stage="{stage}"}}' in text
+    for name in (
+        "prism_ttft_seconds_bucket", "prism_tpot_seconds_bucket", "prism_itl_seconds_bucket", "prism_e2e_seconds_bucket",
+        "prism_encoder_batch_images_bucket", "prism_encoder_batch_patches_bucket", "prism_visual_tokens_per_request_bucket",
+        'prism_cache_events_total{event="hit"}', 'prism_cache_events_total{event="miss"}', 'prism_cache_events_total{event="join"}',
+        'prism_cache_events_total{event="eviction"}', "prism_cache_bytes", 'prism_queue_depth{service="encoder"}',
+        'prism_queue_depth{service="engine"}', 'prism_in_flight_requests{service="gateway"}', 'prism_images_total{size="le_0.25mp"}',
+        'prism_requests_total{reason="ok",status="200"}',
+    ):
+        assert name in text, name
