@@ -19,7 +19,10 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("gateway")
     config = load_config(GatewayConfig, "gateway", args.config)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(
+        create_app(config), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=config.drain_timeout_s,
+    )
 
 
 if __name__ == "__main__":

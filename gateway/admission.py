@@ -45,8 +45,22 @@ class ConcurrencyLimiter:
 
     limit: int | None
     per_key_limit: int | None
+    visual_token_limit: int | None = None
     in_flight: int = 0
+    visual_tokens: int = 0
     per_key: Counter = field(default_factory=Counter)
+
+    def reserve_visual_tokens(self, tokens: int) -> None:
+        if self.visual_token_limit is not None and self.visual_tokens + tokens > self.visual_token_limit:
+            raise APIError(
+                429, f"the server is at its budget of {self.visual_token_limit} visual tokens in flight "
+                f"({self.visual_tokens} in use, this request needs {tokens}); retry shortly",
+                code="overloaded", headers={"Retry-After": "1"},
+            )
+        self.visual_tokens += tokens
+
+    def release_visual_tokens(self, tokens: int) -> None:
+        self.visual_tokens -= tokens
 
     def acquire(self, key: str) -> None:
         if self.limit is not None and self.in_flight >= self.limit:

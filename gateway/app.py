@@ -54,12 +54,14 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.ctx = zmq.asyncio.Context()
-        self.encoder = EncoderClient(self.ctx, config.encoder_address, "vision encoder")
-        self.engine = EngineClient(self.ctx, config.engine_address, "LLM engine")
+        self.encoder = EncoderClient(self.ctx, config.encoder_address, "vision encoder", config.heartbeat_timeout_s)
+        self.engine = EngineClient(self.ctx, config.engine_address, "LLM engine", config.heartbeat_timeout_s)
         self.pipeline: ChatPipeline | None = None
         self.model_name = config.served_model_name or ""
         self.auth = Authenticator(config.api_keys)
-        self.limiter = ConcurrencyLimiter(config.max_concurrent_requests, config.max_concurrent_requests_per_key)
+        self.limiter = ConcurrencyLimiter(
+            config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight
+        )
         self.fetcher = ImageFetcher(fetch_limits(config))
         self.window = DashboardWindow()
         self.stats_collector = metrics.ServiceStatsCollector(self)
@@ -69,9 +71,9 @@ class Gateway:
         encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
         self.model_name = self.config.served_model_name or engine_info.model
         policy = IntakePolicy(encoder_info.processor, image_limits(self.config))
-        self.pipeline = ChatPipeline(self.config, self.encoder, self.engine, policy, self.fetcher)
-        self.encoder.start_polling(self.config.stats_interval_s, self._sample)
-        self.engine.start_polling(self.config.stats_interval_s)
+        self.pipeline = ChatPipeline(self.config, self.encoder, self.engine, policy, self.fetcher, self.limiter)
+        self.encoder.start_heartbeat(self.config.stats_interval_s, self._sample)
+        self.engine.start_heartbeat(self.config.stats_interval_s)
         REGISTRY.register(self.stats_collector)
         log.info("gateway connected: encoder %s, engine %s", encoder_info.model, engine_info.model)
         log.info("Prism ready: http://%s:%d/v1 (model %r)", self.config.host, self.config.port, self.model_name)
@@ -115,9 +117,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
 
+    @app.get("/health/live")
+    async def live() -> dict:
+        return {"status": "alive"}
+
+    @app.get("/health/ready")
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": gateway.model_name}
+    async def ready() -> JSONResponse:
+        services = {"encoder": gateway.encoder.up, "engine": gateway.engine.up}
+        body = {"status": "ready" if all(services.values()) else "degraded", "model": gateway.model_name,
+                "services": {name: "up" if up else "down" for name, up in services.items()}}
+        return JSONResponse(body, status_code=200 if all(services.values()) else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

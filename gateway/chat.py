@@ -8,6 +8,7 @@ dashboard window and one log line.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -55,9 +56,15 @@ class ChatHandler:
         except APIError as exc:
             return self.refuse(exc, timer, echoed)
         metrics.IN_FLIGHT.labels("gateway").inc()
-        done = _Once(lambda: (limiter.release(key), metrics.IN_FLIGHT.labels("gateway").dec()))
+
+        def release() -> None:
+            limiter.release(key)
+            limiter.release_visual_tokens(timer.reserved_visual_tokens)
+            metrics.IN_FLIGHT.labels("gateway").dec()
+
+        done = _Once(release)
         try:
-            response = await self._serve(http_request, rid, timer, done)
+            response = await self._serve_until_disconnect(http_request, rid, timer, done)
         except APIError as exc:
             done()
             return self.refuse(exc, timer, echoed)
@@ -68,6 +75,21 @@ class ChatHandler:
             done()  # a stream gives its slot back when it ends
         response.headers["X-Request-Id"] = echoed
         return response
+
+    async def _serve_until_disconnect(self, http_request: Request, rid: str, timer: RequestTimer, done) -> Response:
+        """Serve, but stop (aborting encode and generation) if the client hangs up
+        before the response starts. Streams watch for that themselves (Starlette)."""
+        body_read = asyncio.Event()
+        serve = asyncio.create_task(self._serve(http_request, rid, timer, done, body_read))
+        watch = asyncio.create_task(_wait_for_disconnect(http_request, body_read))
+        finished, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if serve in finished:
+            watch.cancel()
+            return serve.result()
+        serve.cancel()
+        with contextlib.suppress(asyncio.CancelledError, APIError):
+            await serve
+        raise APIError(499, "client closed the request", code="client_disconnected")
 
     def refuse(self, exc: APIError, timer: RequestTimer, echoed: str) -> JSONResponse:
         self.finish(timer, exc.status, exc.code or "error")
@@ -87,10 +109,11 @@ class ChatHandler:
             "-" if ttft is None else f"{ttft * 1000:.1f}", timer.completion_tokens, timer.cache_hits, timer.cache_misses,
         )
 
-    async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: Callable[[], None]) -> Response:
+    async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: Callable[[], None], body_read: asyncio.Event) -> Response:
         gateway = self.gateway
         parse_started = time.perf_counter()
         request = await parse_request(http_request, gateway.config.max_body_bytes)
+        body_read.set()
         timer.add("parse", time.perf_counter() - parse_started)
         if request.model != gateway.model_name:
             raise APIError(404, f"model '{request.model}' does not exist; this server serves '{gateway.model_name}'", param="model", code="model_not_found")
@@ -175,6 +198,13 @@ class _Once:
         if not self._done:
             self._done = True
             self._release()
+
+
+async def _wait_for_disconnect(http_request: Request, body_read: asyncio.Event) -> None:
+    """Returns when the client disconnects (only the body's reader may receive before)."""
+    await body_read.wait()
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _first_delta(deltas: AsyncIterator[TokenDelta]) -> TokenDelta:

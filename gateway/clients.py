@@ -1,8 +1,14 @@
 """The gateway's side of the encoder and engine sockets.
 
-Each client owns one DEALER socket and one receive task. The receive task is
-the only reader: it routes every reply by request id to that request's queue,
-so each request's state has exactly one owner.
+Each client owns one DEALER socket, one receive task and one heartbeat task.
+The receive task is the only reader: it routes every reply by request id to
+that request's queue, so each request's state has exactly one owner.
+
+The heartbeat asks for stats every interval. A service that has not answered
+for `heartbeat_timeout_s` is marked down: its in-flight requests fail at once
+(503), new ones are refused with 503 + Retry-After, and it is marked up again
+as soon as it answers. A changed boot id means the service restarted and lost
+its in-flight work: those requests fail the same way.
 """
 
 from __future__ import annotations
@@ -12,14 +18,15 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import zmq
 import zmq.asyncio
 
 from gateway.errors import APIError
-from protocol.base import Hello
+from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer
+from protocol.stats import EncoderStats, EngineStats, StatsRequest
 from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
 from protocol.to_engine import AbortGenerate, GenerateRequest
-from protocol.stats import EncoderStats, EngineStats, StatsRequest
 from protocol.to_gateway import (
     EncodeFailed,
     EncoderReady,
@@ -31,31 +38,39 @@ from protocol.to_gateway import (
 )
 
 log = logging.getLogger("prism.gateway")
+RETRY_AFTER_S = 2
+SEND_TIMEOUT_S = 2.0
 
 
 class ServiceClient:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str, heartbeat_timeout_s: float) -> None:
         self.name = name
         self.address = address
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.socket = AsyncDealer(ctx, address, GatewayInbound)
+        # Never queue messages for a peer that is not connected: a restarted
+        # service must not receive requests its predecessor was sent.
+        self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None
-        self._receiver: asyncio.Task | None = None
-        self._poller: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.info: Any = None
         self.stats: Any = None  # latest EncoderStats / EngineStats
-        self.stats_received_at: float | None = None  # loop time; the heartbeat
+        self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
+        self.up = False
 
     async def connect(self, timeout_s: float) -> Any:
         """Handshake: Hello until the service answers (it may still be loading)."""
-        self._receiver = asyncio.create_task(self._receive_loop())
+        self._tasks.append(asyncio.create_task(self._receive_loop()))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             self._ready = loop.create_future()
-            await self.socket.send(Hello("gateway"))
+            await self._send_quietly(Hello("gateway"))
             try:
                 self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout=2.0)
+                self.up = True
+                self.stats_received_at = loop.time()
                 return self.info
             except asyncio.TimeoutError:
                 if loop.time() > deadline:
@@ -67,27 +82,65 @@ class ServiceClient:
             if isinstance(message, (EncoderReady, EngineReady)):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(message)
-                continue
-            if isinstance(message, (EncoderStats, EngineStats)):
-                self.stats = message
-                self.stats_received_at = asyncio.get_running_loop().time()
-                continue
-            queue = self._streams.get(message.request_id)
-            if queue is None:
-                continue  # the request was already given up (timeout, disconnect)
-            queue.put_nowait((message, frames))
+            elif isinstance(message, (EncoderStats, EngineStats)):
+                self._heartbeat(message)
+            elif (queue := self._streams.get(message.request_id)) is not None:
+                queue.put_nowait((message, frames))
+            # else: the request was already given up (timeout, disconnect, outage)
 
-    def start_polling(self, interval_s: float, on_stats=None) -> None:
-        """Ask for stats every interval (a heartbeat as well as numbers)."""
+    def _heartbeat(self, stats) -> None:
+        restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
+        self.stats = stats
+        self.stats_received_at = asyncio.get_running_loop().time()
+        if restarted:
+            self._fail_in_flight(f"{self.name} restarted; the request was lost with it")
+        if not self.up:
+            log.warning("%s is back", self.name)
+            self.up = True
 
-        async def poll() -> None:
+    def start_heartbeat(self, interval_s: float, on_stats=None) -> None:
+        """Ask for stats every interval; mark the service down when answers stop."""
+
+        async def beat() -> None:
+            loop = asyncio.get_running_loop()
             while True:
-                await self.socket.send(StatsRequest("gateway"))
+                await self._send_quietly(StatsRequest("gateway"))
                 await asyncio.sleep(interval_s)
+                silent_for = loop.time() - (self.stats_received_at or 0)
+                if self.up and silent_for > self.heartbeat_timeout_s:
+                    self.up = False
+                    log.error("%s stopped answering (%.1f s); failing its in-flight requests", self.name, silent_for)
+                    self._fail_in_flight(f"{self.name} is not answering")
                 if on_stats is not None and self.stats is not None:
                     on_stats(self.stats)
 
-        self._poller = asyncio.create_task(poll())
+        self._tasks.append(asyncio.create_task(beat()))
+
+    def unavailable(self, message: str) -> APIError:
+        return APIError(503, message, code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _fail_in_flight(self, message: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait((self.unavailable(message), []))
+
+    def require_up(self) -> None:
+        if not self.up:
+            raise self.unavailable(f"{self.name} is unavailable; retry shortly")
+
+    async def _send_quietly(self, message: Message) -> bool:
+        try:
+            await asyncio.wait_for(self.socket.send(message), SEND_TIMEOUT_S)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
+        """Send a request, or 503 if the service cannot take it now."""
+        self.require_up()
+        try:
+            await asyncio.wait_for(self.socket.send(message, frames), SEND_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise self.unavailable(f"{self.name} is not accepting work; retry shortly") from None
 
     def open(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
@@ -98,10 +151,14 @@ class ServiceClient:
         self._streams.pop(request_id, None)
 
     async def close(self) -> None:
-        for task in (self._receiver, self._poller):
-            if task:
-                task.cancel()
+        for task in self._tasks:
+            task.cancel()
         self.socket.close()
+
+
+def _raise_if_error(message: Any) -> None:
+    if isinstance(message, APIError):  # put there by the heartbeat on an outage
+        raise message
 
 
 class EncoderClient(ServiceClient):
@@ -109,19 +166,22 @@ class EncoderClient(ServiceClient):
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float
     ) -> tuple[EncodeResult, list[memoryview]]:
         queue = self.open(request_id)
+        answered = False
         try:
-            await self.socket.send(EncodeRequest(request_id, list(images)), frames)
+            await self.send(EncodeRequest(request_id, list(images)), frames)
             message, reply_frames = await asyncio.wait_for(queue.get(), timeout_s)
+            answered = True
         except asyncio.TimeoutError:
-            await self.socket.send(CancelEncode(request_id))
             raise APIError(504, f"vision encoder did not answer within {timeout_s:.0f} s", code="encoder_timeout") from None
-        except asyncio.CancelledError:
-            await self.socket.send(CancelEncode(request_id))
-            raise
         finally:
             self.close_stream(request_id)
+            if not answered and self.up:  # timed out, cancelled (client gone) or refused: drop its work
+                await self._send_quietly(CancelEncode(request_id))
+        _raise_if_error(message)
         if isinstance(message, EncodeFailed):
-            raise APIError(500, f"vision encoder failed: {message.message}", code="encoder_error")
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if message.status == 429 else None
+            code = "encoder_overloaded" if message.status == 429 else "encoder_error"
+            raise APIError(message.status, f"vision encoder: {message.message}", code=code, headers=headers)
         return message, reply_frames
 
 
@@ -133,17 +193,21 @@ class EngineClient(ServiceClient):
         queue = self.open(request.request_id)
         finished = False
         try:
-            await self.socket.send(request, frames)
+            await self.send(request, frames)
             while not finished:
                 message, _ = await asyncio.wait_for(queue.get(), timeout_s)
+                if isinstance(message, APIError):
+                    finished = True  # the engine is gone: nothing to abort
+                    raise message
                 if isinstance(message, GenerateFailed):
                     finished = True
-                    raise APIError(message.status, message.message, code="engine_error" if message.status >= 500 else None)
+                    headers = {"Retry-After": str(RETRY_AFTER_S)} if message.status == 429 else None
+                    raise APIError(message.status, message.message, code="engine_error" if message.status >= 500 else None, headers=headers)
                 finished = message.finish_reason is not None
                 yield message
         except asyncio.TimeoutError:
             raise APIError(504, f"engine produced no token within {timeout_s:.0f} s", code="engine_timeout") from None
         finally:
             self.close_stream(request.request_id)
-            if not finished:
-                await self.socket.send(AbortGenerate(request.request_id))
+            if not finished and self.up:
+                await self._send_quietly(AbortGenerate(request.request_id))

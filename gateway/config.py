@@ -19,12 +19,16 @@ class GatewayConfig(FrozenConfig):
     encode_timeout_s: float = Field(120, gt=0)
     generate_timeout_s: float = Field(600, gt=0)
     stats_interval_s: float = Field(1.0, gt=0)  # polling the services' stats (also a heartbeat)
+    heartbeat_timeout_s: float = Field(5.0, gt=0)  # silent this long: the service is down (503)
+    drain_timeout_s: float = Field(30, ge=0)  # on shutdown, in-flight requests get this long to finish
 
     # Auth and admission. API keys may also come from the environment:
     # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_concurrent_requests: int | None = Field(None, ge=1)  # whole gateway; past it: 429
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
+    # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
+    max_visual_tokens_in_flight: int | None = Field(None, ge=1)
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
 
     # Images: limits checked before any decoding.

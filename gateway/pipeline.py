@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.admission import ConcurrencyLimiter
 from gateway.clients import EncoderClient, EngineClient
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
@@ -78,9 +79,11 @@ def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
 
 class ChatPipeline:
     def __init__(
-        self, config: GatewayConfig, encoder: EncoderClient, engine: EngineClient, policy: IntakePolicy, fetcher: ImageFetcher
+        self, config: GatewayConfig, encoder: EncoderClient, engine: EngineClient, policy: IntakePolicy,
+        fetcher: ImageFetcher, limiter: ConcurrencyLimiter,
     ) -> None:
         self.config = config
+        self.limiter = limiter
         self.encoder = encoder
         self.engine = engine
         self.policy = policy
@@ -124,6 +127,8 @@ class ChatPipeline:
         tokens = sum(item.visual_tokens for item in inspected)
         if tokens > self.config.max_visual_tokens_per_request:
             raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
+        self.limiter.reserve_visual_tokens(tokens)
+        timer.reserved_visual_tokens = tokens  # given back when the request ends
         images = await asyncio.gather(*(self._in_pool(decode, item, self.policy) for item in inspected))
         timer.add("image_preprocess", time.perf_counter() - fetched)
         timer.image_sizes.extend(image.original_size for image in images)
@@ -146,6 +151,9 @@ class ChatPipeline:
 
     async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer, request_id: str) -> Prepared:
         refs = image_refs(request)
+        self.engine.require_up()
+        if refs:
+            self.encoder.require_up()
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
         embeddings, frames = [], []

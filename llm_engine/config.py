@@ -21,6 +21,6 @@ class EngineConfig(FrozenConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
-    max_images_per_prompt: int = Field(16, ge=0)
+    max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     tensor_parallel_size: int = Field(1, ge=1)
     seed: int = 0

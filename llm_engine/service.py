@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import zmq
 import zmq.asyncio
@@ -92,6 +93,7 @@ class EngineService:
         self.tokenizer = None
         self.tasks: dict[str, asyncio.Task] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
+        self.boot_id = uuid.uuid4().hex
         self.finished = 0
         self.failed = 0
         self.model_name = config.served_model_name or config.model
@@ -114,13 +116,16 @@ class EngineService:
         while True:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
+                if len(self.waiting) >= self.config.max_waiting_requests:
+                    await self._send(peer, GenerateFailed(message.request_id, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
+                    continue
                 task = asyncio.create_task(self._generate(peer, message, frames))
                 self.tasks[message.request_id] = task
                 task.add_done_callback(lambda _, rid=message.request_id: self.tasks.pop(rid, None))
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
-                await self._send(peer, EngineStats(len(self.tasks), len(self.waiting), self.finished, self.failed))
+                await self._send(peer, EngineStats(self.boot_id, len(self.tasks), len(self.waiting), self.finished, self.failed))
             elif isinstance(message, Hello):
                 await self._send(peer, EngineReady(self.model_name, self.config.max_model_len))
 

@@ -1,16 +1,25 @@
-"""Start the whole stack on one machine: encoder and engine as child processes,
-the gateway in this one. The gateway's start-up handshake is the readiness
-signal: it returns only when both services have answered.
+"""Start the whole stack on one machine: encoder and engine as supervised child
+processes, the gateway in this one. The gateway's start-up handshake is the
+readiness signal: it serves only once both services have answered.
+
+A child that dies is restarted with exponential back-off (its whole process
+group is killed first: vLLM's engine-core process must not outlive it). The
+gateway notices the outage through its heartbeats and the return through the
+next answer; nothing here talks to it.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prism.config import DEFAULT_CONFIG, REPO_ROOT, load_config
@@ -18,25 +27,74 @@ from prism.demo_model import ensure_demo_model
 from prism.logs import setup_logging
 
 DEMO_MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+log = logging.getLogger("prism.launcher")
 
 
-def _spawn(module: str, config: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", module, "--config", str(config)],
-        cwd=REPO_ROOT,
-        start_new_session=True,  # our Ctrl-C is handled here, then passed on
-    )
+def _kill_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
-def _stop(children: list[subprocess.Popen]) -> None:
-    for child in children:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-    for child in children:
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
+@dataclass
+class Child:
+    module: str
+    config: Path
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 1.0
+
+    def spawn(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", self.module, "--config", str(self.config)],
+            cwd=REPO_ROOT,
+            start_new_session=True,  # its own process group, so it can be stopped whole
+        )
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d)", self.module, self.process.pid)
+
+
+@dataclass
+class Supervisor:
+    children: list[Child]
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0  # a child up this long has its back-off reset
+    _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        for child in self.children:
+            child.spawn()
+        threading.Thread(target=self._watch, name="supervisor", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.5):
+            for child in self.children:
+                if child.process.poll() is not None and not self._stopping.is_set():
+                    self._restart(child)
+
+    def _restart(self, child: Child) -> None:
+        code = child.process.returncode
+        _kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
+        if time.monotonic() - child.started_at > self.stable_after_s:
+            child.backoff_s = 1.0
+        log.error("%s exited with %s; restarting in %.0f s", child.module, code, child.backoff_s)
+        if self._stopping.wait(child.backoff_s):
+            return
+        child.backoff_s = min(child.backoff_s * 2, self.max_backoff_s)
+        child.restarts += 1
+        child.spawn()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for child in self.children:
+            _kill_group(child.process, signal.SIGTERM)
+        for child in self.children:
+            try:
+                child.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(child.process, signal.SIGKILL)
 
 
 def serve(config_path: Path) -> None:
@@ -50,10 +108,16 @@ def serve(config_path: Path) -> None:
     gateway_config = load_config(GatewayConfig, "gateway", config_path)
     if Path(load_config(EncoderConfig, "encoder", config_path).model) == DEMO_MODEL:
         ensure_demo_model(DEMO_MODEL)
-    children = [_spawn("vision_encoder", config_path), _spawn("llm_engine", config_path)]
-    atexit.register(_stop, children)
+    supervisor = Supervisor([Child("vision_encoder", config_path), Child("llm_engine", config_path)])
+    supervisor.start()
+    atexit.register(supervisor.stop)
+    # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
+    # down) and raises it again when done; this handler then runs atexit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(gateway_config), host=gateway_config.host, port=gateway_config.port, log_level="warning")
+    uvicorn.run(
+        create_app(gateway_config), host=gateway_config.host, port=gateway_config.port,
+        log_level="warning", timeout_graceful_shutdown=gateway_config.drain_timeout_s,
+    )
 
 
 def main() -> None:

@@ -46,6 +46,7 @@ class StatsRequest(Message):
 
 
 class EncoderStats(Message):
+    boot_id: str  # changes when the process restarts: its in-flight work is gone
     queue_depth: int  # images waiting for a batch
     in_flight: int  # requests accepted and not yet answered
     cache_bytes: int
@@ -57,11 +58,13 @@ class EncoderStats(Message):
     cache_evictions: int
     batches: int
     images_encoded: int
+    jobs_dropped: int  # queued encodes dropped because every request waiting on them went away
     batch_images: HistogramSnapshot
     batch_patches: HistogramSnapshot
 
 
 class EngineStats(Message):
+    boot_id: str
     in_flight: int  # requests in vLLM
     waiting: int  # in vLLM, no token yet
     finished: int

@@ -50,6 +50,7 @@ class EncodeResult(Message):
 class EncodeFailed(Message):
     request_id: str
     message: str
+    status: int = 500  # 429 when the encoder's queue is full, 400 for bad pixels
 
 
 class EngineReady(Message):

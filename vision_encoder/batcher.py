@@ -31,6 +31,7 @@ class Batcher:
         self.max_wait_s = max_wait_s
         self._queue: OrderedDict[bytes, Job] = OrderedDict()
         self.joins = 0
+        self.dropped = 0
 
     def add(self, key: bytes, pixels: Any, patches: int, waiter: tuple[Any, int]) -> None:
         job = self._queue.get(key)
@@ -47,6 +48,7 @@ class Batcher:
             job.waiters = [w for w in job.waiters if w[0] is not request]
             if not job.waiters:
                 del self._queue[key]
+                self.dropped += 1
 
     def __len__(self) -> int:
         return len(self._queue)

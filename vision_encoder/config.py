@@ -19,6 +19,7 @@ class EncoderConfig(FrozenConfig):
     max_batch_images: int = Field(16, ge=1)
     max_batch_patches: int = Field(65536, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
+    max_queue_images: int = Field(256, ge=1)  # past it, new work is refused (429) instead of queued
     cache_capacity_mb: float = Field(512, ge=0)
     # Pixel budget; None keeps the checkpoint's processor setting.
     min_pixels: int | None = Field(None, ge=1)

@@ -1,14 +1,18 @@
 """The vision encoder's run loop: receive, look up, batch, encode, reply.
 
-One thread owns everything: it polls the ROUTER socket until the next batch is
-due, drains every waiting message, then runs at most one batch. Cache hits are
-answered on arrival without entering the queue.
+The loop thread owns the socket, the cache and the queue. Batches compute on
+one worker thread, so the loop keeps answering (cache hits, cancellations,
+stats — the gateway's heartbeat) while the ViT runs; the worker wakes the loop
+through an inproc socket when a batch is done. Cache hits are answered on
+arrival without entering the queue.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +41,21 @@ class PendingRequest:
     cache_lookup_s: float = 0.0
     encode_queue_s: float = 0.0
     encode_s: float = 0.0
+    cancelled: bool = False
 
     @property
     def done(self) -> bool:
         return all(r is not None for r in self.results)
+
+
+@dataclass
+class RunningBatch:
+    jobs: list[Job]
+    started: float
+    future: Future
+
+    def job_for(self, key: bytes) -> Job | None:
+        return next((job for job in self.jobs if job.key == key), None)
 
 
 @dataclass
@@ -50,7 +65,12 @@ class EncoderService:
     cache: EmbeddingCache
     batcher: Batcher
     router: SyncRouter
+    wake: zmq.Socket  # the loop's end of the worker's "batch done" signal
+    wake_sender: zmq.Socket  # used by the worker thread only
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
+    running: RunningBatch | None = None
+    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="vit"))
+    boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     encodes: int = 0
     batches: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
@@ -61,26 +81,44 @@ class EncoderService:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         tower = VisionTower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels)
+        wake_address = f"inproc://encoder-wake-{uuid.uuid4().hex}"
+        wake = ctx.socket(zmq.PAIR)
+        wake.bind(wake_address)
+        wake_sender = ctx.socket(zmq.PAIR)
+        wake_sender.connect(wake_address)
         return cls(
             config=config,
             tower=tower,
             cache=EmbeddingCache(int(config.cache_capacity_mb * 2**20)),
             batcher=Batcher(config.max_batch_images, config.max_batch_patches, config.max_wait_ms / 1000),
             router=SyncRouter(ctx, config.address, EncoderInbound),
+            wake=wake,
+            wake_sender=wake_sender,
         )
 
     def run_forever(self) -> None:
         log.info("encoder ready on %s (model %s)", self.config.address, self.tower.model_id)
+        poller = zmq.Poller()
+        poller.register(self.router.socket, zmq.POLLIN)
+        poller.register(self.wake, zmq.POLLIN)
         while True:
-            self.step()
+            self.step(poller)
 
-    def step(self) -> None:
-        due = self.batcher.seconds_until_due(time.monotonic())
-        timeout_ms = -1 if due is None else int(due * 1000)
-        if self.router.poll(timeout_ms):
+    def step(self, poller: zmq.Poller) -> None:
+        events = dict(poller.poll(self._poll_timeout_ms()))
+        if self.router.socket in events:
             self._drain()
-        if self.batcher.seconds_until_due(time.monotonic()) == 0:
-            self._run_batch(self.batcher.take())
+        if self.wake in events:
+            self.wake.recv()
+            self._finish_batch()
+        if self.running is None and self.batcher.seconds_until_due(time.monotonic()) == 0:
+            self._start_batch(self.batcher.take())
+
+    def _poll_timeout_ms(self) -> int:
+        if self.running is not None:
+            return -1  # the worker's wake-up ends the wait
+        due = self.batcher.seconds_until_due(time.monotonic())
+        return -1 if due is None else int(due * 1000)
 
     def _drain(self) -> None:
         while self.router.poll(0):
@@ -101,6 +139,7 @@ class EncoderService:
     def stats(self) -> EncoderStats:
         cache = self.cache.stats
         return EncoderStats(
+            boot_id=self.boot_id,
             queue_depth=len(self.batcher),
             in_flight=len(self.pending),
             cache_bytes=cache.bytes_used,
@@ -112,6 +151,7 @@ class EncoderService:
             cache_evictions=cache.evictions,
             batches=self.batches,
             images_encoded=self.encodes,
+            jobs_dropped=self.batcher.dropped,
             batch_images=self.batch_images.snapshot(),
             batch_patches=self.batch_patches.snapshot(),
         )
@@ -119,7 +159,7 @@ class EncoderService:
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
         arrived = time.monotonic()
         if len(frames) != len(request.images):
-            self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {len(request.images)} images"))
+            self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {len(request.images)} images", 400))
             return
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images))
         misses = []
@@ -131,16 +171,23 @@ class EncoderService:
             else:
                 misses.append((index, key, image, frame))
         state.cache_lookup_s = time.monotonic() - arrived
+        if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
+            self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} images waiting)", 429))
+            return
         try:
             for index, key, image, frame in misses:
                 pixels = to_numpy(image.pixels, frame)
                 if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8":
                     raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, got {image.pixels}")
+                if self.running is not None and (running := self.running.job_for(key)) is not None:
+                    running.waiters.append((state, index))  # the same image is being encoded right now
+                    self.batcher.joins += 1
+                    continue
                 patches = self.tower.num_patches(pixels.shape[0], pixels.shape[1])
                 self.batcher.add(key, pixels, patches, (state, index))
         except ValueError as exc:
             self.batcher.drop_waiters(state)
-            self._send(peer, EncodeFailed(request.request_id, str(exc)))
+            self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
@@ -148,28 +195,35 @@ class EncoderService:
     def _cancel(self, peer: bytes, request_id: str) -> None:
         state = self.pending.pop((peer, request_id), None)
         if state is not None:
+            state.cancelled = True
             self.batcher.drop_waiters(state)
 
-    def _run_batch(self, batch: list[Job]) -> None:
-        started = time.monotonic()
+    def _start_batch(self, jobs: list[Job]) -> None:
+        pixels = [job.pixels for job in jobs]
+        future = self.worker.submit(lambda: self.tower.encode(self.tower.preprocess(pixels)))
+        future.add_done_callback(lambda _: self.wake_sender.send(b""))  # runs on the worker thread
+        self.running = RunningBatch(jobs, time.monotonic(), future)
+
+    def _finish_batch(self) -> None:
+        batch, self.running = self.running, None
         try:
-            encoded = self.tower.encode(self.tower.preprocess([job.pixels for job in batch]))
+            encoded = batch.future.result()
         except Exception as exc:  # a bad batch fails its requests, never the service
-            log.exception("encode failed for a batch of %d images", len(batch))
-            self._fail_batch(batch, f"encoder error: {exc}")
+            log.exception("encode failed for a batch of %d images", len(batch.jobs))
+            self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
-        duration = time.monotonic() - started
-        self.encodes += len(batch)
+        duration = time.monotonic() - batch.started
+        self.encodes += len(batch.jobs)
         self.batches += 1
-        self.batch_images.observe(len(batch))
-        self.batch_patches.observe(sum(job.patches for job in batch))
-        for job, (tensor, grid) in zip(batch, encoded):
+        self.batch_images.observe(len(batch.jobs))
+        self.batch_patches.observe(sum(job.patches for job in batch.jobs))
+        for job, (tensor, grid) in zip(batch.jobs, encoded):
             value = CachedEmbedding(tensor, grid)
             self.cache.put(job.key, value)
             for state, index in job.waiters:
                 state.results[index] = (value, False)
-                state.encode_queue_s = max(state.encode_queue_s, started - job.arrived)
-        for state in _requests_of(batch):
+                state.encode_queue_s = max(state.encode_queue_s, batch.started - min(job.arrived, state.arrived))
+        for state in _requests_of(batch.jobs):
             state.encode_s += duration  # once per batch, however many of its images it held
             self._reply_if_done(state)
 
@@ -177,10 +231,11 @@ class EncoderService:
         for state in _requests_of(batch):
             self.pending.pop((state.peer, state.request_id), None)
             self.batcher.drop_waiters(state)
-            self._send(state.peer, EncodeFailed(state.request_id, message))
+            if not state.cancelled:
+                self._send(state.peer, EncodeFailed(state.request_id, message))
 
     def _reply_if_done(self, state: PendingRequest) -> None:
-        if not state.done:
+        if state.cancelled or not state.done:
             return
         self.pending.pop((state.peer, state.request_id), None)
         images, frames = [], []
