@@ -70,6 +70,7 @@ class ServiceStatsCollector:
             for event, value in (("hit", encoder.cache_hits), ("miss", encoder.cache_misses), ("join", encoder.cache_joins), ("eviction", encoder.cache_evictions)):
                 events.add_metric([event], value)
             yield events
+            yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=encoder.jobs_dropped)
             yield _histogram("prism_encoder_batch_images", "Images per encoder batch", encoder.batch_images)
             yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", encoder.batch_patches)
         if engine is not None:
