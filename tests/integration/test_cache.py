@@ -1,29 +1,37 @@
-"""The visual-token cache: a repeat skips encoding; other preprocessing, other entry."""
+"""The visual-token cache: a repeat skips encoding; other preprocessing, other
+entry; concurrent requests for one new image share one encode."""
 
 from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 from cache import content_key
 from prism.config import REPO_ROOT
 from prism.synthetic import make_image
+from tests.integration.cases import data_url
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.corpus import b64, save
 from tests.integration.helpers import stages
 from vision_encoder.tower import VisionTower
 
 DEMO_MODEL = str(REPO_ROOT / "models" / "prism-demo-qwen2vl")
 
 
+def ask_about(client, url: str, max_tokens: int = 4):
+    return client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}],
+    )
+
+
 def test_second_request_with_the_same_image_is_a_hit_without_encoding(client, tmp_path):
     path = tmp_path / "fresh.png"
     make_image("cache-test-fresh", (300, 200)).save(path)
-    from tests.integration.cases import data_url
-    from tests.integration.conftest import MODEL_NAME
-
-    def request():
-        return client.chat.completions.create(
-            model=MODEL_NAME, max_tokens=4, temperature=0,
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(path)}}, {"type": "text", "text": "hi"}]}],
-        )
-
-    first, second = request(), request()
+    first, second = ask_about(client, data_url(path)), ask_about(client, data_url(path))
     assert first.model_extra["prism"]["cache"] == {"hits": 0, "misses": 1}
     assert second.model_extra["prism"]["cache"] == {"hits": 1, "misses": 0}
     assert stages(first)["encode"] > 0
@@ -39,3 +47,26 @@ def test_same_bytes_under_other_preprocessing_are_other_entries():
     keys = {content_key(t.fingerprint, digest) for t in (default, smaller, bf16)}
     assert len(keys) == 3
     assert smaller.processor_info.max_pixels == 200704 != default.processor_info.max_pixels
+
+
+def cache_events(stack) -> tuple[float, float, float]:
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=5).text
+    return tuple(
+        float(re.search(rf'^prism_cache_events_total\{{event="{event}"\}} (\S+)$', text, re.M).group(1))
+        for event in ("hit", "miss", "join")
+    )
+
+
+def test_sixteen_concurrent_requests_for_one_new_image_encode_it_once(stack, client):
+    url = b64(save(make_image("dedup-16", (800, 600)), "JPEG"), "image/jpeg")
+    time.sleep(1.2)  # a fresh stats poll
+    before = cache_events(stack)
+    with ThreadPoolExecutor(16) as pool:
+        responses = list(pool.map(lambda _: ask_about(client, url, max_tokens=2), range(16)))
+    assert len({r.choices[0].message.content for r in responses}) == 1
+    time.sleep(1.2)
+    hits, misses, joins = (after - earlier for after, earlier in zip(cache_events(stack), before))
+    # Every request looked the image up once; exactly one encode ran: the other
+    # misses joined it (queued or running), the rest found it cached.
+    assert hits + misses == 16
+    assert misses - joins == 1, (hits, misses, joins)
