@@ -41,14 +41,15 @@ class EmbeddingCache:
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
-    def get(self, key: bytes) -> CachedEmbedding | None:
+    def get(self, key: bytes, record: bool = True) -> CachedEmbedding | None:
+        """The entry, or None; `record=False` leaves the hit/miss counts alone."""
         with self._lock:
             value = self._entries.get(key)
             if value is None:
-                self.stats.misses += 1
+                self.stats.misses += record
                 return None
             self._entries.move_to_end(key)
-            self.stats.hits += 1
+            self.stats.hits += record
             return value
 
     def put(self, key: bytes, value: CachedEmbedding) -> None:

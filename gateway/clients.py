@@ -29,6 +29,7 @@ from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
 from protocol.to_engine import AbortGenerate, GenerateRequest
 from protocol.to_gateway import (
     EncodeFailed,
+    EncodeNeedsPixels,
     EncoderReady,
     EncodeResult,
     EngineReady,
@@ -163,12 +164,12 @@ def _raise_if_error(message: Any) -> None:
 
 class EncoderClient(ServiceClient):
     async def encode(
-        self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float
-    ) -> tuple[EncodeResult, list[memoryview]]:
+        self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False
+    ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
         queue = self.open(request_id)
         answered = False
         try:
-            await self.send(EncodeRequest(request_id, list(images)), frames)
+            await self.send(EncodeRequest(request_id, list(images), retry), frames)
             message, reply_frames = await asyncio.wait_for(queue.get(), timeout_s)
             answered = True
         except asyncio.TimeoutError:

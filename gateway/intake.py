@@ -190,6 +190,12 @@ def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy) -> Image.Ima
     return image.resize((target_w, target_h), RESAMPLE)
 
 
+def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:
+    """The image's part of the cache key: its original bytes and every intake
+    parameter that shapes its pixels. Cheap (xxh3), so it is known before decoding."""
+    return content_key(policy.key_part(item.budget), item.raw)
+
+
 def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
     """Decode and normalise one inspected image (CPU-bound: run it off the event loop)."""
     try:
@@ -204,5 +210,4 @@ def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
     except _DECODE_ERRORS as exc:
         raise _invalid(item.where, f"cannot decode the {item.format} image ({_reason(exc)})") from None
     pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
-    digest = content_key(policy.key_part(item.budget), item.raw)
-    return PreparedImage(digest, pixels, original_size)
+    return PreparedImage(digest_of(item, policy), pixels, original_size)

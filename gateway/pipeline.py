@@ -19,13 +19,13 @@ from gateway.clients import EncoderClient, EngineClient
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.fetch import ImageFetcher
-from gateway.intake import IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, inspect
+from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
-from protocol.to_gateway import TokenDelta
+from protocol.to_gateway import EncodeResult, TokenDelta
 
 _ROLES = {"developer": "system"}
 
@@ -115,7 +115,8 @@ class ChatPipeline:
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.config.max_image_bytes)
         return await self.fetcher.fetch(ref.url, ref.where)
 
-    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], timer: RequestTimer) -> list[PreparedImage]:
+    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], timer: RequestTimer) -> list[Inspected]:
+        """Fetch and judge every image by its header; nothing is decoded yet."""
         request_budget = self.request_budget(request)
         started = time.perf_counter()
         raws = await asyncio.gather(*(self._fetch(ref) for ref in refs))
@@ -129,20 +130,44 @@ class ChatPipeline:
             raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
         self.limiter.reserve_visual_tokens(tokens)
         timer.reserved_visual_tokens = tokens  # given back when the request ends
-        images = await asyncio.gather(*(self._in_pool(decode, item, self.policy) for item in inspected))
         timer.add("image_preprocess", time.perf_counter() - fetched)
-        timer.image_sizes.extend(image.original_size for image in images)
-        return images
+        timer.image_sizes.extend(item.size for item in inspected)
+        return inspected
 
-    async def _encode(self, request_id: str, images: list[PreparedImage], timer: RequestTimer):
-        inputs, frames = [], []
-        for image in images:
-            meta, frame = to_frame(image.pixels)
-            inputs.append(ImageInput(image.digest, meta))
-            frames.append(frame)
-        sent = time.perf_counter()
-        result, reply_frames = await self.encoder.encode(request_id, inputs, frames, self.config.encode_timeout_s)
-        timer.add_encoder(result.timings, time.perf_counter() - sent)
+    async def _decode(self, items: list[Inspected], timer: RequestTimer) -> list[PreparedImage]:
+        started = time.perf_counter()
+        decoded = await asyncio.gather(*(self._in_pool(decode, item, self.policy) for item in items))
+        timer.add("image_preprocess", time.perf_counter() - started)
+        return decoded
+
+    async def _encode(self, request_id: str, items: list[Inspected], timer: RequestTimer):
+        """Ask the encoder by digest first: cached images are never decoded here.
+        Only the images it reports missing are decoded and sent with pixels; a
+        third round (an entry evicted in between) sends every image's pixels."""
+        digests = [digest_of(item, self.policy) for item in items]
+        pixels: dict[int, PreparedImage] = {}
+        for retry, last_round in ((False, False), (True, False), (True, True)):
+            inputs, frames = [], []
+            for index, digest in enumerate(digests):
+                meta = None
+                if index in pixels:
+                    meta, frame = to_frame(pixels[index].pixels)
+                    frames.append(frame)
+                inputs.append(ImageInput(digest, meta))
+            sent = time.perf_counter()
+            reply, reply_frames = await self.encoder.encode(request_id, inputs, frames, self.config.encode_timeout_s, retry)
+            round_trip = time.perf_counter() - sent
+            if isinstance(reply, EncodeResult):
+                return self._encoded(reply, reply_frames, round_trip, timer)
+            timer.add("cache_lookup", reply.cache_lookup_s)
+            timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
+            wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
+            for index, prepared in zip(wanted, await self._decode([items[i] for i in wanted], timer)):
+                pixels[index] = prepared
+        raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
+
+    def _encoded(self, result: EncodeResult, reply_frames, round_trip: float, timer: RequestTimer):
+        timer.add_encoder(result.timings, round_trip)
         timer.cache_hits += sum(i.cache_hit for i in result.images)
         timer.cache_misses += sum(not i.cache_hit for i in result.images)
         timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)

@@ -13,12 +13,15 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # xxh3-128 over the original image bytes and the gateway's intake policy;
     # the encoder adds its own model and processor identity to form the cache key.
     digest: bytes
-    pixels: ArrayMeta  # uint8 (height, width, 3), one frame per image, in order
+    # uint8 (height, width, 3), one frame per image that has pixels, in order.
+    # None: "look it up only" — a cache hit then costs the gateway no decoding.
+    pixels: ArrayMeta | None = None
 
 
 class EncodeRequest(Message):
     request_id: str
     images: list[ImageInput]
+    retry: bool = False  # answers an EncodeNeedsPixels: its lookups were counted already
 
 
 class CancelEncode(Message):

@@ -47,6 +47,15 @@ class EncodeResult(Message):
     timings: EncoderTimings
 
 
+class EncodeNeedsPixels(Message):
+    """Some images sent without pixels were not in the cache: send these again with pixels."""
+
+    request_id: str
+    indices: list[int]
+    cache_lookup_s: float
+    total_s: float
+
+
 class EncodeFailed(Message):
     request_id: str
     message: str
@@ -79,4 +88,4 @@ class GenerateFailed(Message):
     status: int = 500  # 400 when the request itself was at fault
 
 
-GatewayInbound = EncoderReady | EncodeResult | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats
+GatewayInbound = EncoderReady | EncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats

@@ -41,6 +41,15 @@ class Batcher:
             self.joins += 1
         job.waiters.append(waiter)
 
+    def join(self, key: bytes, waiter: tuple[Any, int]) -> bool:
+        """Wait on the queued job for `key`, if there is one."""
+        job = self._queue.get(key)
+        if job is None:
+            return False
+        job.waiters.append(waiter)
+        self.joins += 1
+        return True
+
     def drop_waiters(self, request: Any) -> None:
         """Forget a cancelled request; jobs nobody waits on any more are dropped."""
         for key in list(self._queue):

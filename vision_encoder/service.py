@@ -24,7 +24,7 @@ from protocol.sockets import SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, StatsRequest
 from protocol.tensors import to_frame, to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound
-from protocol.to_gateway import EncodedImage, EncodeFailed, EncoderReady, EncodeResult, EncoderTimings
+from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
 from vision_encoder.tower import VisionTower
@@ -158,19 +158,31 @@ class EncoderService:
 
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
         arrived = time.monotonic()
-        if len(frames) != len(request.images):
-            self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {len(request.images)} images", 400))
+        with_pixels = sum(image.pixels is not None for image in request.images)
+        if len(frames) != with_pixels:
+            self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images))
-        misses = []
-        for index, (image, frame) in enumerate(zip(request.images, frames)):
+        misses, lacking = [], []
+        frame_of = iter(frames)
+        for index, image in enumerate(request.images):
+            frame = next(frame_of) if image.pixels is not None else None
             key = content_key(self.tower.fingerprint, image.digest)
-            hit = self.cache.get(key)
+            hit = self.cache.get(key, record=not request.retry)
             if hit is not None:
                 state.results[index] = (hit, True)
+            elif self._join_in_flight(key, (state, index)):
+                pass  # being encoded for another request already: no pixels needed
+            elif frame is None:
+                lacking.append(index)
             else:
                 misses.append((index, key, image, frame))
         state.cache_lookup_s = time.monotonic() - arrived
+        if lacking:  # the gateway decodes these only now that they are known misses
+            self._abandon(state)  # any joins above are re-made when the pixels come
+            elapsed = time.monotonic() - arrived
+            self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, elapsed))
+            return
         if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
             self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} images waiting)", 429))
             return
@@ -179,24 +191,34 @@ class EncoderService:
                 pixels = to_numpy(image.pixels, frame)
                 if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8":
                     raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, got {image.pixels}")
-                if self.running is not None and (running := self.running.job_for(key)) is not None:
-                    running.waiters.append((state, index))  # the same image is being encoded right now
-                    self.batcher.joins += 1
-                    continue
                 patches = self.tower.num_patches(pixels.shape[0], pixels.shape[1])
                 self.batcher.add(key, pixels, patches, (state, index))
         except ValueError as exc:
-            self.batcher.drop_waiters(state)
+            self._abandon(state)
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
+    def _join_in_flight(self, key: bytes, waiter: tuple[PendingRequest, int]) -> bool:
+        """Wait on an encode of the same key that is queued or running."""
+        if self.batcher.join(key, waiter):
+            return True
+        if self.running is not None and (running := self.running.job_for(key)) is not None:
+            running.waiters.append(waiter)
+            self.batcher.joins += 1
+            return True
+        return False
+
     def _cancel(self, peer: bytes, request_id: str) -> None:
         state = self.pending.pop((peer, request_id), None)
         if state is not None:
-            state.cancelled = True
-            self.batcher.drop_waiters(state)
+            self._abandon(state)
+
+    def _abandon(self, state: PendingRequest) -> None:
+        """Nobody will be answered for this state: leave the queue, ignore running results."""
+        state.cancelled = True
+        self.batcher.drop_waiters(state)
 
     def _start_batch(self, jobs: list[Job]) -> None:
         pixels = [job.pixels for job in jobs]

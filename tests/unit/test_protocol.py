@@ -23,6 +23,7 @@ from protocol.to_engine import (
 from protocol.to_gateway import (
     EncodedImage,
     EncodeFailed,
+    EncodeNeedsPixels,
     EncoderReady,
     EncoderTimings,
     EncodeResult,
@@ -38,7 +39,7 @@ META = ArrayMeta("bfloat16", (4, 128))
 
 MESSAGES = [
     (EncoderInbound, Hello("gateway")),
-    (EncoderInbound, EncodeRequest("r1", [ImageInput(b"\x00" * 16, ArrayMeta("uint8", (28, 56, 3)))])),
+    (EncoderInbound, EncodeRequest("r1", [ImageInput(b"\x00" * 16, ArrayMeta("uint8", (28, 56, 3))), ImageInput(b"\x01" * 16)])),
     (EncoderInbound, CancelEncode("r1")),
     (EngineInbound, GenerateRequest(
         "r2",
@@ -51,6 +52,8 @@ MESSAGES = [
     (GatewayInbound, EncoderReady("m", "abc", ProcessorInfo(14, 2, 3136, 1048576))),
     (GatewayInbound, EncodeResult("r1", [EncodedImage(META, (1, 4, 4), True)], EncoderTimings(0.1, 0.2, 0.3, 0.7))),
     (GatewayInbound, EncodeFailed("r1", "boom")),
+    (GatewayInbound, EncodeFailed("r1", "queue full", 429)),
+    (GatewayInbound, EncodeNeedsPixels("r1", [0, 2], 0.001, 0.002)),
     (GatewayInbound, EngineReady("m", 4096)),
     (GatewayInbound, TokenDelta("r2", "hi", 1, 10, "stop", EngineTimings(0.01, 0.02, 0.03))),
     (GatewayInbound, TokenDelta("r2", "", 2, 10)),
