@@ -4,12 +4,14 @@ Two passes, both off the event loop:
 - `inspect` reads only the header: format by magic bytes, byte size, declared
   pixel count (decompression bombs are refused here, before any decode),
   minimum side, aspect ratio, and the visual tokens the image will cost.
-- `decode` (run only once every image of the request passed `inspect` and the
-  request's token total is within budget): decode, EXIF transpose, RGB,
-  downscale to the pixel budget → uint8 (h, w, 3).
+- `decode` (run only for images the encoder does not have cached, once every
+  image of the request passed `inspect` and the request's token total is
+  within budget): decode, EXIF transpose, RGB, downscale to the pixel budget
+  → uint8 (h, w, 3).
 
-The digest covers the original bytes and every intake parameter that changes
-pixels; the encoder adds its model identity to form the cache key.
+`digest_of` covers the original bytes and every intake parameter that changes
+pixels, so it is known before decoding; the encoder adds its model identity
+to form the cache key.
 """
 
 from __future__ import annotations
@@ -101,7 +103,6 @@ class Inspected:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    digest: bytes
     pixels: np.ndarray  # uint8 (h, w, 3), C-contiguous
     original_size: tuple[int, int]  # (width, height) after EXIF transpose
 
@@ -210,4 +211,4 @@ def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
     except _DECODE_ERRORS as exc:
         raise _invalid(item.where, f"cannot decode the {item.format} image ({_reason(exc)})") from None
     pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
-    return PreparedImage(digest_of(item, policy), pixels, original_size)
+    return PreparedImage(pixels, original_size)
