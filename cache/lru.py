@@ -15,6 +15,9 @@ from typing import Any
 class CachedEmbedding:
     embeddings: Any  # torch.Tensor (tokens, hidden)
     grid_thw: tuple[int, int, int]
+    # What the key was hashed from; compared on every hit, so a hash collision
+    # can never serve another image's tokens (as nano-vllm does for KV blocks).
+    identity: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -26,6 +29,7 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    collisions: int = 0
     bytes_used: int = 0
     entries: int = 0
 
@@ -41,10 +45,15 @@ class EmbeddingCache:
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
-    def get(self, key: bytes, record: bool = True) -> CachedEmbedding | None:
-        """The entry, or None; `record=False` leaves the hit/miss counts alone."""
+    def get(self, key: bytes, identity: bytes = b"", record: bool = True) -> CachedEmbedding | None:
+        """The entry stored under `key` for `identity`, or None (a miss); an entry
+        with another identity is a hash collision and counts as one.
+        `record=False` leaves the hit/miss counts alone."""
         with self._lock:
             value = self._entries.get(key)
+            if value is not None and value.identity != identity:
+                self.stats.collisions += 1
+                value = None
             if value is None:
                 self.stats.misses += record
                 return None

@@ -67,7 +67,7 @@ class ServiceStatsCollector:
             yield GaugeMetricFamily("prism_cache_bytes", "Visual-token cache bytes in use", value=encoder.cache_bytes)
             yield GaugeMetricFamily("prism_cache_capacity_bytes", "Visual-token cache capacity", value=encoder.cache_capacity_bytes)
             events = CounterMetricFamily("prism_cache_events", "Visual-token cache events", labels=["event"])
-            for event, value in (("hit", encoder.cache_hits), ("miss", encoder.cache_misses), ("join", encoder.cache_joins), ("eviction", encoder.cache_evictions)):
+            for event, value in (("hit", encoder.cache_hits), ("miss", encoder.cache_misses), ("join", encoder.cache_joins), ("eviction", encoder.cache_evictions), ("collision", encoder.cache_collisions)):
                 events.add_metric([event], value)
             yield events
             yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=encoder.jobs_dropped)

@@ -56,6 +56,7 @@ class EncoderStats(Message):
     cache_misses: int
     cache_joins: int  # requests that joined an encode already queued for the same key
     cache_evictions: int
+    cache_collisions: int  # key matched, identity did not: refused as a hit
     batches: int
     images_encoded: int
     jobs_dropped: int  # queued encodes dropped because every request waiting on them went away

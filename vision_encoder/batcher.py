@@ -20,8 +20,14 @@ class Job:
     pixels: Any  # numpy (h, w, 3) uint8
     patches: int
     arrived: float
+    identity: bytes = b""  # stored with the cached result (collision check)
     # (request, image index) pairs waiting on this key's embeddings
     waiters: list[tuple[Any, int]] = field(default_factory=list)
+
+    @property
+    def slot(self) -> bytes:
+        """What makes two jobs the same: the key's full material, not its hash."""
+        return self.identity or self.key
 
 
 class Batcher:
@@ -33,17 +39,18 @@ class Batcher:
         self.joins = 0
         self.dropped = 0
 
-    def add(self, key: bytes, pixels: Any, patches: int, waiter: tuple[Any, int]) -> None:
-        job = self._queue.get(key)
+    def add(self, key: bytes, pixels: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"") -> None:
+        slot = identity or key
+        job = self._queue.get(slot)
         if job is None:
-            job = self._queue[key] = Job(key, pixels, patches, time.monotonic())
+            job = self._queue[slot] = Job(key, pixels, patches, time.monotonic(), identity)
         else:
             self.joins += 1
         job.waiters.append(waiter)
 
-    def join(self, key: bytes, waiter: tuple[Any, int]) -> bool:
-        """Wait on the queued job for `key`, if there is one."""
-        job = self._queue.get(key)
+    def join(self, slot: bytes, waiter: tuple[Any, int]) -> bool:
+        """Wait on the queued job for `slot` (its identity), if there is one."""
+        job = self._queue.get(slot)
         if job is None:
             return False
         job.waiters.append(waiter)
@@ -82,7 +89,7 @@ class Batcher:
             job = next(iter(self._queue.values()))
             if batch and patches + job.patches > self.max_patches:
                 break
-            del self._queue[job.key]
+            del self._queue[job.slot]
             batch.append(job)
             patches += job.patches
         return batch

@@ -25,6 +25,8 @@ class EncoderConfig(FrozenConfig):
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
     torch_threads: int | None = Field(None, ge=1)
+    # Test hook: truncate cache keys to this many bytes, to force hash collisions.
+    test_key_bytes: int | None = Field(None, ge=1, le=16)
 
     @model_validator(mode="after")
     def _pixel_bounds(self) -> "EncoderConfig":

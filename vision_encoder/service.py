@@ -54,8 +54,8 @@ class RunningBatch:
     started: float
     future: Future
 
-    def job_for(self, key: bytes) -> Job | None:
-        return next((job for job in self.jobs if job.key == key), None)
+    def job_for(self, slot: bytes) -> Job | None:
+        return next((job for job in self.jobs if job.slot == slot), None)
 
 
 @dataclass
@@ -149,6 +149,7 @@ class EncoderService:
             cache_misses=cache.misses,
             cache_joins=self.batcher.joins,
             cache_evictions=cache.evictions,
+            cache_collisions=cache.collisions,
             batches=self.batches,
             images_encoded=self.encodes,
             jobs_dropped=self.batcher.dropped,
@@ -167,11 +168,11 @@ class EncoderService:
         frame_of = iter(frames)
         for index, image in enumerate(request.images):
             frame = next(frame_of) if image.pixels is not None else None
-            key = content_key(self.tower.fingerprint, image.digest)
-            hit = self.cache.get(key, record=not request.retry)
+            key = self._key(image.digest)
+            hit = self.cache.get(key, self._identity(image.digest), record=not request.retry)
             if hit is not None:
                 state.results[index] = (hit, True)
-            elif self._join_in_flight(key, (state, index)):
+            elif self._join_in_flight(self._identity(image.digest), (state, index)):
                 pass  # being encoded for another request already: no pixels needed
             elif frame is None:
                 lacking.append(index)
@@ -192,7 +193,7 @@ class EncoderService:
                 if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8":
                     raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, got {image.pixels}")
                 patches = self.tower.num_patches(pixels.shape[0], pixels.shape[1])
-                self.batcher.add(key, pixels, patches, (state, index))
+                self.batcher.add(key, pixels, patches, (state, index), self._identity(image.digest))
         except ValueError as exc:
             self._abandon(state)
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
@@ -200,11 +201,18 @@ class EncoderService:
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
-    def _join_in_flight(self, key: bytes, waiter: tuple[PendingRequest, int]) -> bool:
-        """Wait on an encode of the same key that is queued or running."""
-        if self.batcher.join(key, waiter):
+    def _key(self, digest: bytes) -> bytes:
+        key = content_key(self.tower.fingerprint, digest)
+        return key[: self.config.test_key_bytes] if self.config.test_key_bytes else key
+
+    def _identity(self, digest: bytes) -> bytes:
+        return self.tower.fingerprint.encode() + digest
+
+    def _join_in_flight(self, slot: bytes, waiter: tuple[PendingRequest, int]) -> bool:
+        """Wait on an encode of the same image that is queued or running."""
+        if self.batcher.join(slot, waiter):
             return True
-        if self.running is not None and (running := self.running.job_for(key)) is not None:
+        if self.running is not None and (running := self.running.job_for(slot)) is not None:
             running.waiters.append(waiter)
             self.batcher.joins += 1
             return True
@@ -240,7 +248,7 @@ class EncoderService:
         self.batch_images.observe(len(batch.jobs))
         self.batch_patches.observe(sum(job.patches for job in batch.jobs))
         for job, (tensor, grid) in zip(batch.jobs, encoded):
-            value = CachedEmbedding(tensor, grid)
+            value = CachedEmbedding(tensor, grid, job.identity)
             self.cache.put(job.key, value)
             for state, index in job.waiters:
                 state.results[index] = (value, False)

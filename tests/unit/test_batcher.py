@@ -49,3 +49,11 @@ def test_cancel_drops_jobs_nobody_waits_for():
     b.drop_waiters("r1")
     (job,) = b.take()
     assert job.key == b"shared" and job.waiters == [("r2", 0)]
+
+
+def test_jobs_with_colliding_keys_but_different_images_stay_apart():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0)
+    b.add(b"k", "pixels-A", 1, ("r1", 0), identity=b"A")
+    b.add(b"k", "pixels-B", 1, ("r2", 0), identity=b"B")
+    jobs = b.take()
+    assert [(j.key, j.pixels) for j in jobs] == [(b"k", "pixels-A"), (b"k", "pixels-B")] and b.joins == 0

@@ -68,3 +68,12 @@ def test_every_preprocessing_parameter_changes_the_key():
         keys.add(content_key("model", {**base, name: value}, image))
     keys.add(content_key("other-model", base, image))
     assert len(keys) == 5
+
+
+def test_a_hash_collision_is_caught_by_the_stored_identity():
+    cache = EmbeddingCache(capacity_bytes=10**6)
+    mine = CachedEmbedding(torch.ones(2, 128), (1, 2, 4), identity=b"image-A")
+    cache.put(b"k", mine)
+    assert cache.get(b"k", b"image-A") is mine
+    assert cache.get(b"k", b"image-B") is None  # same key, another image: never served
+    assert cache.stats.collisions == 1 and cache.stats.misses == 1

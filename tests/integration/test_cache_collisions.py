@@ -1,0 +1,90 @@
+"""A forced hash collision never serves the wrong tokens.
+
+An encoder alone, with its test hook truncating cache keys to one byte: 48
+different images must collide. Every later lookup either returns that image's
+own embeddings or asks for its pixels again; never another image's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import zmq.asyncio
+
+from prism.config import REPO_ROOT
+from protocol.base import Hello
+from protocol.sockets import AsyncDealer
+from protocol.tensors import to_frame, to_torch
+from protocol.to_encoder import EncodeRequest, ImageInput
+from protocol.to_gateway import EncodeNeedsPixels, EncoderReady, EncodeResult, GatewayInbound
+
+IMAGES = 48
+
+
+@pytest.fixture(scope="module")
+def encoder_address(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("collisions")
+    address = f"ipc://{run_dir}/encoder.sock"
+    env = dict(os.environ, PRISM_ENCODER__ADDRESS=address, PRISM_ENCODER__TEST_KEY_BYTES="1", PRISM_ENCODER__DTYPE="float32")
+    process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
+                               stdout=open(run_dir / "encoder.log", "wb"), stderr=subprocess.STDOUT)
+    yield address
+    process.terminate()
+    process.wait(10)
+
+
+async def reply_to(socket: AsyncDealer, request_id: str):
+    """The reply for one request (handshake answers still queued are skipped)."""
+    while True:
+        message, frames = await asyncio.wait_for(socket.recv(), 60)
+        if getattr(message, "request_id", None) == request_id:
+            return message, frames
+
+
+async def exchange(address: str) -> tuple[dict, dict, int]:
+    ctx = zmq.asyncio.Context()
+    socket = AsyncDealer(ctx, address, GatewayInbound)
+    try:
+        while True:  # handshake: the encoder may still be loading
+            await socket.send(Hello("test"))
+            try:
+                message, _ = await asyncio.wait_for(socket.recv(), 2)
+                if isinstance(message, EncoderReady):
+                    break
+            except asyncio.TimeoutError:
+                pass
+        rng = np.random.default_rng(0)
+        pixels = [rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) for _ in range(IMAGES)]
+        digests = [i.to_bytes(16, "big") for i in range(IMAGES)]
+        first, again, asked = {}, {}, 0
+        for i in range(IMAGES):  # encode each image once
+            meta, frame = to_frame(pixels[i])
+            await socket.send(EncodeRequest(f"first-{i}", [ImageInput(digests[i], meta)]), [frame])
+            reply, frames = await reply_to(socket, f"first-{i}")
+            assert isinstance(reply, EncodeResult)
+            first[i] = to_torch(reply.images[0].embeddings, frames[0]).clone()
+        for i in range(IMAGES):  # then look each up by digest alone
+            await socket.send(EncodeRequest(f"again-{i}", [ImageInput(digests[i])]))
+            reply, frames = await reply_to(socket, f"again-{i}")
+            if isinstance(reply, EncodeNeedsPixels):
+                asked += 1
+            else:
+                again[i] = to_torch(reply.images[0].embeddings, frames[0])
+        return first, again, asked
+    finally:
+        socket.close()
+        ctx.term()
+
+
+def test_truncated_keys_collide_and_identity_keeps_tokens_right(encoder_address):
+    first, again, asked = asyncio.run(exchange(encoder_address))
+    assert asked > 0  # one-byte keys: collisions happened and were refused as hits
+    assert again  # and the entries that survived are still served
+    for i, embeddings in again.items():
+        assert torch.equal(embeddings, first[i]), f"image {i} got another image's tokens"
