@@ -7,7 +7,7 @@ one scrape of the gateway shows the whole system even across hosts.
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # ms to tens of seconds: CPU demo and GPU deployments both land inside.
@@ -82,7 +82,3 @@ class ServiceStatsCollector:
 
 def _histogram(name: str, documentation: str, snapshot) -> HistogramMetricFamily:
     return HistogramMetricFamily(name, documentation, buckets=snapshot.cumulative(), sum_value=snapshot.total)
-
-
-def register_service_stats(gateway) -> None:
-    REGISTRY.register(ServiceStatsCollector(gateway))

@@ -8,7 +8,6 @@ event — never a hang, and the stack must come back by itself.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import signal
@@ -25,6 +24,7 @@ from prism.stack import LocalStack
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
+from tests.integration.helpers import log_records
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
 BURST_SLO_S = 10  # end-to-end for an admitted 64-token request during a burst (they take ~1-2 s here)
@@ -170,15 +170,11 @@ def test_burst_past_capacity_gets_429s_and_no_server_errors(faulty):
 
 
 def engine_log_lines(stack: LocalStack, request_prefix: str) -> list[dict]:
-    lines = (stack.run_dir / "stack.log").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.startswith("{")]
-    return [r for r in records if r.get("service") == "engine" and str(r.get("request_id", "")).startswith(request_prefix)]
+    return log_records(stack, "engine", request_prefix)
 
 
 def gateway_record(stack: LocalStack, request_prefix: str) -> dict | None:
-    lines = (stack.run_dir / "stack.log").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.startswith("{")]
-    done = [r for r in records if r.get("service") == "gateway" and str(r.get("request_id", "")).startswith(request_prefix) and r["message"].startswith("status ")]
+    done = [r for r in log_records(stack, "gateway", request_prefix) if r["message"].startswith("status ")]
     return done[-1] if done else None
 
 

@@ -13,6 +13,7 @@ from gateway.timing import TTFT_STAGES
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
+from tests.integration.helpers import log_records
 
 TOLERANCE_MS = 1.0  # rounding of each stage to µs, and nothing else
 
@@ -68,8 +69,8 @@ def test_client_request_id_is_echoed_and_in_every_services_logs(stack):
     assert response.headers["x-request-id"] == "trace-abc.123"
     deadline = time.monotonic() + 10
     while True:
-        lines = [json.loads(line) for line in (stack.run_dir / "stack.log").read_text().splitlines() if line.startswith("{")]
-        services = {line["service"] for line in lines if str(line.get("request_id", "")).startswith("trace-abc.123-")}
+        lines = log_records(stack)
+        services = {line["service"] for line in log_records(stack, request_prefix="trace-abc.123-")}
         if services >= {"gateway", "encoder", "engine"} or time.monotonic() > deadline:
             break
         time.sleep(0.2)
