@@ -18,7 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from gateway import metrics
 from gateway.admission import Authenticator, ConcurrencyLimiter
 from gateway.chat import ChatHandler
-from gateway.clients import EncoderClient, EngineClient
+from gateway.clients import EngineClient
+from gateway.encoder_pool import EncoderPool
 from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardWindow, ServiceSample
 from gateway.errors import APIError
@@ -54,9 +55,10 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.ctx = zmq.asyncio.Context()
-        self.encoder = EncoderClient(self.ctx, config.encoder_address, "vision encoder", config.heartbeat_timeout_s)
+        self.encoder = EncoderPool(self.ctx, config.encoder_addresses, config.heartbeat_timeout_s)
         self.engine = EngineClient(self.ctx, config.engine_address, "LLM engine", config.heartbeat_timeout_s)
         self.pipeline: ChatPipeline | None = None
+        self._sampler: asyncio.Task | None = None
         self.model_name = config.served_model_name or ""
         self.auth = Authenticator(config.api_keys)
         self.limiter = ConcurrencyLimiter(
@@ -72,21 +74,28 @@ class Gateway:
         self.model_name = self.config.served_model_name or engine_info.model
         policy = IntakePolicy(encoder_info.processor, image_limits(self.config))
         self.pipeline = ChatPipeline(self.config, self.encoder, self.engine, policy, self.fetcher, self.limiter)
-        self.encoder.start_heartbeat(self.config.stats_interval_s, self._sample)
+        self.encoder.start_heartbeat(self.config.stats_interval_s)
         self.engine.start_heartbeat(self.config.stats_interval_s)
+        self._sampler = asyncio.create_task(self._sample_every(self.config.stats_interval_s))
         REGISTRY.register(self.stats_collector)
         log.info("gateway connected: encoder %s, engine %s", encoder_info.model, engine_info.model)
         log.info("Prism ready: http://%s:%d/v1 (model %r)", self.config.host, self.config.port, self.model_name)
 
-    def _sample(self, encoder_stats) -> None:
-        engine_stats = self.engine.stats
-        self.window.add_sample(ServiceSample(
-            at=time.time(), encoder_queue=encoder_stats.queue_depth,
-            engine_waiting=engine_stats.waiting if engine_stats else 0, gateway_in_flight=self.limiter.in_flight,
-            batches=encoder_stats.batches, images_encoded=encoder_stats.images_encoded,
-        ))
+    async def _sample_every(self, interval_s: float) -> None:
+        """The dashboard's service samples: the latest polled stats, summed over replicas."""
+        while True:
+            await asyncio.sleep(interval_s)
+            encoders = [r.stats for r in self.encoder.replicas if r.stats is not None]
+            engine_stats = self.engine.stats
+            self.window.add_sample(ServiceSample(
+                at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
+                engine_waiting=engine_stats.waiting if engine_stats else 0, gateway_in_flight=self.limiter.in_flight,
+                batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
+            ))
 
     async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
         with contextlib.suppress(KeyError):
             REGISTRY.unregister(self.stats_collector)
         await self.fetcher.close()
@@ -126,7 +135,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def ready() -> JSONResponse:
         services = {"encoder": gateway.encoder.up, "engine": gateway.engine.up}
         body = {"status": "ready" if all(services.values()) else "degraded", "model": gateway.model_name,
-                "services": {name: "up" if up else "down" for name, up in services.items()}}
+                "services": {name: "up" if up else "down" for name, up in services.items()},
+                "encoder_replicas": {r.address: "up" if r.up else "down" for r in gateway.encoder.replicas}}
         return JSONResponse(body, status_code=200 if all(services.values()) else 503)
 
     @app.get("/metrics")

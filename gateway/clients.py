@@ -4,8 +4,8 @@ Each client owns one DEALER socket, one receive task and one heartbeat task.
 The receive task is the only reader: it routes every reply by request id to
 that request's queue, so each request's state has exactly one owner.
 
-The heartbeat asks for stats every interval. A service that has not answered
-for `heartbeat_timeout_s` is marked down: its in-flight requests fail at once
+The heartbeat asks for stats every interval. A service whose connection drops,
+or that has not answered for `heartbeat_timeout_s`, is marked down: its in-flight requests fail at once
 (503), new ones are refused with 503 + Retry-After, and it is marked up again
 as soon as it answers. A changed boot id means the service restarted and lost
 its in-flight work: those requests fail the same way.
@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from gateway.errors import APIError
 from protocol.base import Hello, Message
@@ -52,6 +53,7 @@ class ServiceClient:
         # Never queue messages for a peer that is not connected: a restarted
         # service must not receive requests its predecessor was sent.
         self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._monitor = self.socket.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
@@ -63,6 +65,7 @@ class ServiceClient:
     async def connect(self, timeout_s: float) -> Any:
         """Handshake: Hello until the service answers (it may still be loading)."""
         self._tasks.append(asyncio.create_task(self._receive_loop()))
+        self._tasks.append(asyncio.create_task(self._watch_connection()))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -89,6 +92,20 @@ class ServiceClient:
                 queue.put_nowait((message, frames))
             # else: the request was already given up (timeout, disconnect, outage)
 
+    async def _watch_connection(self) -> None:
+        """A dropped connection means the process is gone or unreachable: the
+        requests it holds will never be answered (a reconnect gets a new routing
+        id), so they fail now instead of at the heartbeat timeout."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.up:
+                self._mark_down("lost its connection")
+
+    def _mark_down(self, why: str) -> None:
+        self.up = False
+        log.error("%s %s; failing its in-flight requests", self.name, why)
+        self._fail_in_flight(f"{self.name} is not answering")
+
     def _heartbeat(self, stats) -> None:
         restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
         self.stats = stats
@@ -99,7 +116,7 @@ class ServiceClient:
             log.warning("%s is back", self.name)
             self.up = True
 
-    def start_heartbeat(self, interval_s: float, on_stats=None) -> None:
+    def start_heartbeat(self, interval_s: float) -> None:
         """Ask for stats every interval; mark the service down when answers stop."""
 
         async def beat() -> None:
@@ -109,11 +126,7 @@ class ServiceClient:
                 await asyncio.sleep(interval_s)
                 silent_for = loop.time() - (self.stats_received_at or 0)
                 if self.up and silent_for > self.heartbeat_timeout_s:
-                    self.up = False
-                    log.error("%s stopped answering (%.1f s); failing its in-flight requests", self.name, silent_for)
-                    self._fail_in_flight(f"{self.name} is not answering")
-                if on_stats is not None and self.stats is not None:
-                    on_stats(self.stats)
+                    self._mark_down(f"stopped answering ({silent_for:.1f} s)")
 
         self._tasks.append(asyncio.create_task(beat()))
 
@@ -143,6 +156,11 @@ class ServiceClient:
         except asyncio.TimeoutError:
             raise self.unavailable(f"{self.name} is not accepting work; retry shortly") from None
 
+    @property
+    def outstanding(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._streams)
+
     def open(self, request_id: str) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
@@ -154,6 +172,8 @@ class ServiceClient:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.socket.socket.disable_monitor()
+        self._monitor.close()
         self.socket.close()
 
 

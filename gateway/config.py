@@ -12,7 +12,8 @@ from prism.config import FrozenConfig
 class GatewayConfig(FrozenConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    encoder_address: str = "ipc:///tmp/prism/encoder.sock"
+    # One address per encoder replica; `prism serve` starts one encoder for each.
+    encoder_addresses: tuple[str, ...] = Field(("ipc:///tmp/prism/encoder.sock",), min_length=1)
     engine_address: str = "ipc:///tmp/prism/engine.sock"
     served_model_name: str | None = None  # None: the name the engine reports
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine

@@ -10,6 +10,8 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from protocol.stats import HistogramSnapshot
+
 # ms to tens of seconds: CPU demo and GPU deployments both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
@@ -51,33 +53,75 @@ def observe(timer) -> None:
 
 
 class ServiceStatsCollector:
-    """Exports the latest stats the gateway polled from the encoder and the engine."""
+    """Exports the latest stats the gateway polled from the encoders and the engine.
+    Encoder figures are summed over replicas; `prism_encoder_replica_*` show each one."""
 
     def __init__(self, gateway) -> None:
         self.gateway = gateway
 
     def collect(self):
-        encoder = self.gateway.encoder.stats
+        pool = self.gateway.encoder
+        encoders = [replica.stats for replica in pool.replicas if replica.stats is not None]
         engine = self.gateway.engine.stats
         in_flight = GaugeMetricFamily("prism_service_in_flight_requests", "Requests in flight inside each service", labels=["service"])
         queue = GaugeMetricFamily("prism_queue_depth", "Work waiting in each service (encoder: images; engine: requests with no token yet)", labels=["service"])
-        if encoder is not None:
-            in_flight.add_metric(["encoder"], encoder.in_flight)
-            queue.add_metric(["encoder"], encoder.queue_depth)
-            yield GaugeMetricFamily("prism_cache_bytes", "Visual-token cache bytes in use", value=encoder.cache_bytes)
-            yield GaugeMetricFamily("prism_cache_capacity_bytes", "Visual-token cache capacity", value=encoder.cache_capacity_bytes)
-            events = CounterMetricFamily("prism_cache_events", "Visual-token cache events", labels=["event"])
-            for event, value in (("hit", encoder.cache_hits), ("miss", encoder.cache_misses), ("join", encoder.cache_joins), ("eviction", encoder.cache_evictions), ("collision", encoder.cache_collisions)):
-                events.add_metric([event], value)
-            yield events
-            yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=encoder.jobs_dropped)
-            yield _histogram("prism_encoder_batch_images", "Images per encoder batch", encoder.batch_images)
-            yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", encoder.batch_patches)
+        if encoders:
+            in_flight.add_metric(["encoder"], sum(e.in_flight for e in encoders))
+            queue.add_metric(["encoder"], sum(e.queue_depth for e in encoders))
+            yield from _encoder_metrics(encoders)
+        yield from _replica_metrics(pool)
         if engine is not None:
             in_flight.add_metric(["engine"], engine.in_flight)
             queue.add_metric(["engine"], engine.waiting)
         yield in_flight
         yield queue
+
+
+def _encoder_metrics(encoders: list):
+    def total(field: str) -> int:
+        return sum(getattr(e, field) for e in encoders)
+
+    yield GaugeMetricFamily("prism_cache_bytes", "Visual-token cache bytes in use", value=total("cache_bytes"))
+    yield GaugeMetricFamily("prism_cache_capacity_bytes", "Visual-token cache capacity", value=total("cache_capacity_bytes"))
+    events = CounterMetricFamily("prism_cache_events", "Visual-token cache events (local tier)", labels=["event"])
+    for event, field in (("hit", "cache_hits"), ("miss", "cache_misses"), ("join", "cache_joins"), ("eviction", "cache_evictions"), ("collision", "cache_collisions")):
+        events.add_metric([event], total(field))
+    yield events
+    yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=total("jobs_dropped"))
+    yield _histogram("prism_encoder_batch_images", "Images per encoder batch", merge_histograms([e.batch_images for e in encoders]))
+    yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", merge_histograms([e.batch_patches for e in encoders]))
+    shared = [e.shared_cache for e in encoders if e.shared_cache is not None]
+    if shared:
+        shared_events = CounterMetricFamily("prism_shared_cache_events", "Shared (Redis) cache tier events", labels=["event"])
+        for event, field in (("hit", "hits"), ("miss", "misses"), ("corrupt", "corrupt"), ("collision", "collisions"),
+                             ("error", "errors"), ("write", "writes"), ("write_skipped", "writes_skipped")):
+            shared_events.add_metric([event], sum(getattr(t, field) for t in shared))
+        yield shared_events
+
+
+def _replica_metrics(pool):
+    up = GaugeMetricFamily("prism_encoder_replica_up", "1 while the replica answers its heartbeat", labels=["replica"])
+    outstanding = GaugeMetricFamily("prism_encoder_replica_outstanding", "Requests sent to the replica and not yet answered", labels=["replica"])
+    sent = CounterMetricFamily("prism_encoder_replica_requests", "Encode requests sent to each replica", labels=["replica"])
+    encoded = CounterMetricFamily("prism_encoder_replica_images_encoded", "Images each replica encoded (since its start)", labels=["replica"])
+    shared_up = GaugeMetricFamily("prism_shared_cache_up", "1 while the replica reaches the shared cache tier", labels=["replica"])
+    for index, replica in enumerate(pool.replicas):
+        label = [str(index)]
+        up.add_metric(label, int(replica.up))
+        outstanding.add_metric(label, replica.outstanding)
+        sent.add_metric(label, pool.requests_sent[index])
+        if replica.stats is not None:
+            encoded.add_metric(label, replica.stats.images_encoded)
+            if replica.stats.shared_cache is not None:
+                shared_up.add_metric(label, int(replica.stats.shared_cache.up))
+    yield from (up, outstanding, sent, encoded, shared_up)
+    yield CounterMetricFamily("prism_encoder_failovers", "Encode requests moved to another replica after a 503 or 429", value=pool.failovers)
+
+
+def merge_histograms(snapshots: list[HistogramSnapshot]) -> HistogramSnapshot:
+    """One histogram from several with the same buckets (one per replica)."""
+    counts = [sum(column) for column in zip(*(s.counts for s in snapshots))]
+    return HistogramSnapshot(snapshots[0].bounds, tuple(counts), sum(s.total for s in snapshots))
 
 
 def _histogram(name: str, documentation: str, snapshot) -> HistogramMetricFamily:

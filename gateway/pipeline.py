@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.admission import ConcurrencyLimiter
-from gateway.clients import EncoderClient, EngineClient
+from gateway.clients import EngineClient
+from gateway.encoder_pool import EncoderPool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.fetch import ImageFetcher
@@ -79,7 +80,7 @@ def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
 
 class ChatPipeline:
     def __init__(
-        self, config: GatewayConfig, encoder: EncoderClient, engine: EngineClient, policy: IntakePolicy,
+        self, config: GatewayConfig, encoder: EncoderPool, engine: EngineClient, policy: IntakePolicy,
         fetcher: ImageFetcher, limiter: ConcurrencyLimiter,
     ) -> None:
         self.config = config
@@ -146,24 +147,25 @@ class ChatPipeline:
         third round (an entry evicted in between) sends every image's pixels."""
         digests = [digest_of(item, self.policy) for item in items]
         pixels: dict[int, PreparedImage] = {}
-        for retry, last_round in ((False, False), (True, False), (True, True)):
-            inputs, frames = [], []
-            for index, digest in enumerate(digests):
-                meta = None
-                if index in pixels:
-                    meta, frame = to_frame(pixels[index].pixels)
-                    frames.append(frame)
-                inputs.append(ImageInput(digest, meta))
-            sent = time.perf_counter()
-            reply, reply_frames = await self.encoder.encode(request_id, inputs, frames, self.config.encode_timeout_s, retry)
-            round_trip = time.perf_counter() - sent
-            if isinstance(reply, EncodeResult):
-                return self._encoded(reply, reply_frames, round_trip, timer)
-            timer.add("cache_lookup", reply.cache_lookup_s)
-            timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
-            wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
-            for index, prepared in zip(wanted, await self._decode([items[i] for i in wanted], timer)):
-                pixels[index] = prepared
+        with self.encoder.route(digests) as route:
+            for retry, last_round in ((False, False), (True, False), (True, True)):
+                inputs, frames = [], []
+                for index, digest in enumerate(digests):
+                    meta = None
+                    if index in pixels:
+                        meta, frame = to_frame(pixels[index].pixels)
+                        frames.append(frame)
+                    inputs.append(ImageInput(digest, meta))
+                sent = time.perf_counter()
+                reply, reply_frames = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry)
+                round_trip = time.perf_counter() - sent
+                if isinstance(reply, EncodeResult):
+                    return self._encoded(reply, reply_frames, round_trip, timer)
+                timer.add("cache_lookup", reply.cache_lookup_s)
+                timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
+                wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
+                for index, prepared in zip(wanted, await self._decode([items[i] for i in wanted], timer)):
+                    pixels[index] = prepared
         raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
 
     def _encoded(self, result: EncodeResult, reply_frames, round_trip: float, timer: RequestTimer):

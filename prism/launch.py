@@ -41,6 +41,8 @@ def _kill_group(process: subprocess.Popen, sig: int) -> None:
 class Child:
     module: str
     config: Path
+    env: dict[str, str] = field(default_factory=dict)  # overrides for this child (e.g. its address)
+    name: str = ""
     process: subprocess.Popen | None = None
     started_at: float = 0.0
     restarts: int = 0
@@ -50,10 +52,15 @@ class Child:
         self.process = subprocess.Popen(
             [sys.executable, "-m", self.module, "--config", str(self.config)],
             cwd=REPO_ROOT,
+            env={**os.environ, **self.env},
             start_new_session=True,  # its own process group, so it can be stopped whole
         )
         self.started_at = time.monotonic()
-        log.info("started %s (pid %d)", self.module, self.process.pid)
+        log.info("started %s (pid %d)", self.label, self.process.pid)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.module
 
 
 @dataclass
@@ -79,7 +86,7 @@ class Supervisor:
         _kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
         if time.monotonic() - child.started_at > self.stable_after_s:
             child.backoff_s = 1.0
-        log.error("%s exited with %s; restarting in %.0f s", child.module, code, child.backoff_s)
+        log.error("%s exited with %s; restarting in %.0f s", child.label, code, child.backoff_s)
         if self._stopping.wait(child.backoff_s):
             return
         child.backoff_s = min(child.backoff_s * 2, self.max_backoff_s)
@@ -108,7 +115,12 @@ def serve(config_path: Path) -> None:
     gateway_config = load_config(GatewayConfig, "gateway", config_path)
     if Path(load_config(EncoderConfig, "encoder", config_path).model) == DEMO_MODEL:
         ensure_demo_model(DEMO_MODEL)
-    supervisor = Supervisor([Child("vision_encoder", config_path), Child("llm_engine", config_path)])
+    # One encoder per address the gateway spreads over (replicas), each told its own.
+    encoders = [
+        Child("vision_encoder", config_path, {"PRISM_ENCODER__ADDRESS": address}, f"vision_encoder[{i}]")
+        for i, address in enumerate(gateway_config.encoder_addresses)
+    ]
+    supervisor = Supervisor([*encoders, Child("llm_engine", config_path)])
     supervisor.start()
     atexit.register(supervisor.stop)
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut

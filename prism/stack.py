@@ -8,6 +8,7 @@ start-up handshake with the encoder and the engine.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -49,15 +50,22 @@ class LocalStack:
     overrides: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
+    encoder_replicas: int = 1
+    encoder_transport: str = "ipc"  # or "tcp": loopback ports, as replicas on other hosts would use
     process: subprocess.Popen | None = None
+    _tcp_ports: list[int] = field(default_factory=list)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     @property
-    def encoder_address(self) -> str:
-        return f"ipc://{self.run_dir}/encoder.sock"
+    def encoder_addresses(self) -> list[str]:
+        if self.encoder_transport == "tcp":
+            while len(self._tcp_ports) < self.encoder_replicas:
+                self._tcp_ports.append(free_port())
+            return [f"tcp://127.0.0.1:{port}" for port in self._tcp_ports]
+        return [f"ipc://{self.run_dir}/encoder-{i}.sock" for i in range(self.encoder_replicas)]
 
     @property
     def engine_address(self) -> str:
@@ -67,8 +75,7 @@ class LocalStack:
         env = dict(os.environ)
         env.update(
             PRISM_GATEWAY__PORT=str(self.port),
-            PRISM_GATEWAY__ENCODER_ADDRESS=self.encoder_address,
-            PRISM_ENCODER__ADDRESS=self.encoder_address,
+            PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(self.encoder_addresses),  # JSON is YAML
             PRISM_GATEWAY__ENGINE_ADDRESS=self.engine_address,
             PRISM_ENGINE__ADDRESS=self.engine_address,
         )

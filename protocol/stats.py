@@ -13,6 +13,19 @@ BATCH_IMAGE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 BATCH_PATCH_BUCKETS = (256, 1024, 4096, 16384, 65536, 262144)
 
 
+class SharedTierStats(msgspec.Struct, array_like=True):
+    """Counters of an encoder's shared (Redis) cache tier."""
+
+    up: bool = True
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  # unreadable header or checksum mismatch
+    collisions: int = 0
+    errors: int = 0  # failed Redis calls (each one starts an outage)
+    writes: int = 0
+    writes_skipped: int = 0  # queue full or Redis down
+
+
 class HistogramSnapshot(msgspec.Struct, array_like=True, frozen=True, gc=False):
     bounds: tuple[float, ...]
     counts: tuple[int, ...]  # per bucket (not cumulative); one more than bounds (+Inf)
@@ -62,6 +75,7 @@ class EncoderStats(Message):
     jobs_dropped: int  # queued encodes dropped because every request waiting on them went away
     batch_images: HistogramSnapshot
     batch_patches: HistogramSnapshot
+    shared_cache: SharedTierStats | None = None  # None: no shared tier configured
 
 
 class EngineStats(Message):

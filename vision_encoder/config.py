@@ -20,7 +20,15 @@ class EncoderConfig(FrozenConfig):
     max_batch_patches: int = Field(65536, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
     max_queue_images: int = Field(256, ge=1)  # past it, new work is refused (429) instead of queued
+    # Batches in flight at once: 2 lets the image processor prepare batch N+1
+    # while the ViT runs batch N; 1 runs them strictly one after the other.
+    pipeline_depth: int = Field(2, ge=1, le=2)
     cache_capacity_mb: float = Field(512, ge=0)
+    # Second cache tier shared by every replica (redis://host:port/db); None: local only.
+    shared_cache_url: str | None = None
+    shared_cache_timeout_ms: float = Field(100, gt=0)  # per Redis call; past it the tier is down
+    shared_cache_retry_s: float = Field(5, gt=0)  # how long an outage lasts before the next probe
+    shared_cache_ttl_s: float = Field(86400, gt=0)
     # Pixel budget; None keeps the checkpoint's processor setting.
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
@@ -32,4 +40,6 @@ class EncoderConfig(FrozenConfig):
     def _pixel_bounds(self) -> "EncoderConfig":
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
+        if self.shared_cache_url and not self.shared_cache_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("shared_cache_url must be a redis://, rediss:// or unix:// URL")
         return self

@@ -1,10 +1,12 @@
 """The vision encoder's run loop: receive, look up, batch, encode, reply.
 
-The loop thread owns the socket, the cache and the queue. Batches compute on
-one worker thread, so the loop keeps answering (cache hits, cancellations,
-stats — the gateway's heartbeat) while the ViT runs; the worker wakes the loop
-through an inproc socket when a batch is done. Cache hits are answered on
-arrival without entering the queue.
+The loop thread owns the socket, the caches and the queue. A batch runs in two
+stages on two threads: the HF image processor, then the ViT. With
+`pipeline_depth` 2 the processor prepares batch N+1 while the ViT runs batch
+N. The loop keeps answering meanwhile (cache hits, cancellations, stats: the
+gateway's heartbeat); the ViT thread wakes it through an inproc socket when a
+batch is done. Lookups go local LRU → shared tier (Redis, when configured) →
+join an encode already in flight → queue; hits are answered on arrival.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import zmq
 
 from cache import CachedEmbedding, EmbeddingCache, content_key
+from cache.shared import SharedTier
 from protocol.base import Hello
 from protocol.sockets import SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, StatsRequest
@@ -49,10 +52,27 @@ class PendingRequest:
 
 
 @dataclass
+class StageTimes:
+    """When a batch went through each stage (monotonic seconds)."""
+
+    preprocess_start: float = 0.0
+    preprocess_end: float = 0.0
+    vit_start: float = 0.0
+    vit_end: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return (self.preprocess_end - self.preprocess_start) + (self.vit_end - self.vit_start)
+
+    @property
+    def waiting_between_s(self) -> float:
+        return self.vit_start - self.preprocess_end
+
+
+@dataclass
 class RunningBatch:
     jobs: list[Job]
-    started: float
-    future: Future
+    future: Future  # the ViT stage's: (embeddings per image, StageTimes)
 
     def job_for(self, slot: bytes) -> Job | None:
         return next((job for job in self.jobs if job.slot == slot), None)
@@ -66,10 +86,12 @@ class EncoderService:
     batcher: Batcher
     router: SyncRouter
     wake: zmq.Socket  # the loop's end of the worker's "batch done" signal
-    wake_sender: zmq.Socket  # used by the worker thread only
+    wake_sender: zmq.Socket  # used by the ViT thread only
+    shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
-    running: RunningBatch | None = None
-    worker: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="vit"))
+    running: list[RunningBatch] = field(default_factory=list)  # oldest first; at most pipeline_depth
+    preprocessor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="preprocess"))
+    vit: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="vit"))
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     encodes: int = 0
     batches: int = 0
@@ -86,6 +108,11 @@ class EncoderService:
         wake.bind(wake_address)
         wake_sender = ctx.socket(zmq.PAIR)
         wake_sender.connect(wake_address)
+        shared = None
+        if config.shared_cache_url:
+            shared = SharedTier(
+                config.shared_cache_url, config.shared_cache_timeout_ms / 1000, config.shared_cache_retry_s, config.shared_cache_ttl_s
+            )
         return cls(
             config=config,
             tower=tower,
@@ -94,6 +121,7 @@ class EncoderService:
             router=SyncRouter(ctx, config.address, EncoderInbound),
             wake=wake,
             wake_sender=wake_sender,
+            shared=shared,
         )
 
     def run_forever(self) -> None:
@@ -110,13 +138,16 @@ class EncoderService:
             self._drain()
         if self.wake in events:
             self.wake.recv()
-            self._finish_batch()
-        if self.running is None and self.batcher.seconds_until_due(time.monotonic()) == 0:
+            self._finish_batch(self.running.pop(0))  # the ViT thread finishes batches in order
+        if self._can_start() and self.batcher.seconds_until_due(time.monotonic()) == 0:
             self._start_batch(self.batcher.take())
 
+    def _can_start(self) -> bool:
+        return len(self.running) < self.config.pipeline_depth
+
     def _poll_timeout_ms(self) -> int:
-        if self.running is not None:
-            return -1  # the worker's wake-up ends the wait
+        if not self._can_start():
+            return -1  # the ViT thread's wake-up ends the wait
         due = self.batcher.seconds_until_due(time.monotonic())
         return -1 if due is None else int(due * 1000)
 
@@ -155,6 +186,7 @@ class EncoderService:
             jobs_dropped=self.batcher.dropped,
             batch_images=self.batch_images.snapshot(),
             batch_patches=self.batch_patches.snapshot(),
+            shared_cache=self.shared.stats if self.shared else None,
         )
 
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
@@ -165,16 +197,8 @@ class EncoderService:
             return
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images))
         misses, lacking = [], []
-        frame_of = iter(frames)
-        for index, image in enumerate(request.images):
-            frame = next(frame_of) if image.pixels is not None else None
-            key = self._key(image.digest)
-            hit = self.cache.get(key, self._identity(image.digest), record=not request.retry)
-            if hit is not None:
-                state.results[index] = (hit, True)
-            elif self._join_in_flight(self._identity(image.digest), (state, index)):
-                pass  # being encoded for another request already: no pixels needed
-            elif frame is None:
+        for index, key, image, frame in self._look_up(state, request, frames):
+            if frame is None:
                 lacking.append(index)
             else:
                 misses.append((index, key, image, frame))
@@ -201,6 +225,31 @@ class EncoderService:
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
+    def _look_up(self, state: PendingRequest, request: EncodeRequest, frames) -> list[tuple]:
+        """Fill `state` from the caches and in-flight encodes; (index, key, image,
+        frame or None) for each image still to encode."""
+        record = not request.retry  # a retry's lookups were counted in its first round
+        unresolved = []
+        frame_of = iter(frames)
+        for index, image in enumerate(request.images):
+            frame = next(frame_of) if image.pixels is not None else None
+            key, identity = self._key(image.digest), self._identity(image.digest)
+            hit = self.cache.get(key, identity, record=record)
+            if hit is not None:
+                state.results[index] = (hit, True)
+            elif not self._join_in_flight(identity, (state, index)):  # a join needs no pixels
+                unresolved.append((index, key, image, frame))
+        if self.shared is None or not unresolved:
+            return unresolved
+        found = self.shared.get_many(
+            [key for _, key, _, _ in unresolved], [self._identity(image.digest) for _, _, image, _ in unresolved], record
+        )
+        for (index, key, _, _), value in zip(unresolved, found):
+            if value is not None:
+                self.cache.put(key, value)
+                state.results[index] = (value, True)
+        return [item for item, value in zip(unresolved, found) if value is None]
+
     def _key(self, digest: bytes) -> bytes:
         key = content_key(self.tower.fingerprint, digest)
         return key[: self.config.test_key_bytes] if self.config.test_key_bytes else key
@@ -212,10 +261,11 @@ class EncoderService:
         """Wait on an encode of the same image that is queued or running."""
         if self.batcher.join(slot, waiter):
             return True
-        if self.running is not None and (running := self.running.job_for(slot)) is not None:
-            running.waiters.append(waiter)
-            self.batcher.joins += 1
-            return True
+        for batch in self.running:
+            if (running := batch.job_for(slot)) is not None:
+                running.waiters.append(waiter)
+                self.batcher.joins += 1
+                return True
         return False
 
     def _cancel(self, peer: bytes, request_id: str) -> None:
@@ -229,20 +279,34 @@ class EncoderService:
         self.batcher.drop_waiters(state)
 
     def _start_batch(self, jobs: list[Job]) -> None:
-        pixels = [job.pixels for job in jobs]
-        future = self.worker.submit(lambda: self.tower.encode(self.tower.preprocess(pixels)))
-        future.add_done_callback(lambda _: self.wake_sender.send(b""))  # runs on the worker thread
-        self.running = RunningBatch(jobs, time.monotonic(), future)
+        times = StageTimes()
 
-    def _finish_batch(self) -> None:
-        batch, self.running = self.running, None
+        def preprocess():
+            times.preprocess_start = time.monotonic()
+            try:
+                return self.tower.preprocess([job.pixels for job in jobs])
+            finally:
+                times.preprocess_end = time.monotonic()
+
+        def vit(prepared: Future):
+            inputs = prepared.result()  # ready by now, unless the ViT was idle
+            times.vit_start = time.monotonic()
+            encoded = self.tower.encode(inputs)
+            times.vit_end = time.monotonic()
+            return encoded, times
+
+        prepared = self.preprocessor.submit(preprocess)
+        future = self.vit.submit(vit, prepared)
+        future.add_done_callback(lambda _: self.wake_sender.send(b""))  # runs on the ViT thread
+        self.running.append(RunningBatch(jobs, future))
+
+    def _finish_batch(self, batch: RunningBatch) -> None:
         try:
-            encoded = batch.future.result()
+            encoded, times = batch.future.result()
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
-        duration = time.monotonic() - batch.started
         self.encodes += len(batch.jobs)
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
@@ -250,11 +314,15 @@ class EncoderService:
         for job, (tensor, grid) in zip(batch.jobs, encoded):
             value = CachedEmbedding(tensor, grid, job.identity)
             self.cache.put(job.key, value)
+            if self.shared is not None:
+                self.shared.put(job.key, value)
             for state, index in job.waiters:
                 state.results[index] = (value, False)
-                state.encode_queue_s = max(state.encode_queue_s, batch.started - min(job.arrived, state.arrived))
+                # a request that joined a running batch did not queue before it
+                queued = max(0.0, times.preprocess_start - max(job.arrived, state.arrived)) + times.waiting_between_s
+                state.encode_queue_s = max(state.encode_queue_s, queued)
         for state in _requests_of(batch.jobs):
-            state.encode_s += duration  # once per batch, however many of its images it held
+            state.encode_s += times.busy_s  # once per batch, however many of its images it held
             self._reply_if_done(state)
 
     def _fail_batch(self, batch: list[Job], message: str) -> None:

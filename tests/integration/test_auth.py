@@ -3,6 +3,7 @@ session stack's encoder and engine (several gateways may connect to them)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ def guarded(stack, tmp_path_factory):
     env = dict(
         os.environ,
         PRISM_GATEWAY__PORT=str(port),
-        PRISM_GATEWAY__ENCODER_ADDRESS=stack.encoder_address,
+        PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(stack.encoder_addresses),
         PRISM_GATEWAY__ENGINE_ADDRESS=stack.engine_address,
         PRISM_GATEWAY__API_KEYS=f"[{', '.join(KEYS)}]",
         PRISM_GATEWAY__MAX_CONCURRENT_REQUESTS_PER_KEY="1",

@@ -18,11 +18,11 @@ import torch
 import zmq.asyncio
 
 from prism.config import REPO_ROOT
-from protocol.base import Hello
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame, to_torch
 from protocol.to_encoder import EncodeRequest, ImageInput
-from protocol.to_gateway import EncodeNeedsPixels, EncoderReady, EncodeResult, GatewayInbound
+from protocol.to_gateway import EncodeNeedsPixels, EncodeResult, GatewayInbound
+from tests.integration.encoder_socket import handshake, reply_to
 
 IMAGES = 48
 
@@ -39,26 +39,11 @@ def encoder_address(tmp_path_factory):
     process.wait(10)
 
 
-async def reply_to(socket: AsyncDealer, request_id: str):
-    """The reply for one request (handshake answers still queued are skipped)."""
-    while True:
-        message, frames = await asyncio.wait_for(socket.recv(), 60)
-        if getattr(message, "request_id", None) == request_id:
-            return message, frames
-
-
 async def exchange(address: str) -> tuple[dict, dict, int]:
     ctx = zmq.asyncio.Context()
     socket = AsyncDealer(ctx, address, GatewayInbound)
     try:
-        while True:  # handshake: the encoder may still be loading
-            await socket.send(Hello("test"))
-            try:
-                message, _ = await asyncio.wait_for(socket.recv(), 2)
-                if isinstance(message, EncoderReady):
-                    break
-            except asyncio.TimeoutError:
-                pass
+        await handshake(socket)
         rng = np.random.default_rng(0)
         pixels = [rng.integers(0, 255, (56, 56, 3), dtype=np.uint8) for _ in range(IMAGES)]
         digests = [i.to_bytes(16, "big") for i in range(IMAGES)]

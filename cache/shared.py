@@ -1,0 +1,173 @@
+"""The shared tier: visual tokens on a Redis server, seen by every encoder replica.
+
+Lookup order in an encoder: its own LRU, then this tier, then the ViT. One
+Redis string per image holds `len(header) | header | payload`: a msgpack
+header (dtype, shape, grid, the key's identity, xxh3-64 of the payload) and
+the tensor's raw bytes. A read checks the checksum (a torn or foreign value
+is a miss, counted as corrupt) and the identity (a hash collision is a miss,
+counted as one), so a shared value is trusted no more than a local one.
+
+Redis is an optimisation, never a dependency. A failed call marks the tier
+down for `retry_s` with one logged warning; meanwhile lookups miss and writes
+are skipped, and the first call after it probes again. Writes go through one
+background thread and a bounded queue, so a reply never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+import redis
+import xxhash
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cache.lru import CachedEmbedding
+from protocol.stats import SharedTierStats
+from protocol.tensors import ArrayMeta, to_frame, to_torch
+
+log = logging.getLogger("prism.cache")
+NAMESPACE = b"prism:vt:v1:"
+_LENGTH = struct.Struct("<I")
+
+
+class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
+    meta: ArrayMeta
+    grid_thw: tuple[int, int, int]
+    identity: bytes
+    checksum: int  # xxh3-64 of the payload
+
+
+def pack(value: CachedEmbedding) -> bytes:
+    meta, payload = to_frame(value.embeddings)
+    header = msgspec.msgpack.encode(SharedEntry(meta, value.grid_thw, value.identity, xxhash.xxh3_64_intdigest(payload)))
+    return _LENGTH.pack(len(header)) + header + payload
+
+
+def unpack(blob: bytes) -> tuple[SharedEntry, CachedEmbedding]:
+    """The entry and its value; raises ValueError for anything not written by `pack`."""
+    try:
+        (length,) = _LENGTH.unpack_from(blob)
+        entry = msgspec.msgpack.decode(blob[_LENGTH.size : _LENGTH.size + length], type=SharedEntry)
+    except (struct.error, msgspec.DecodeError) as exc:
+        raise ValueError(f"unreadable header: {exc}") from None
+    payload = memoryview(blob)[_LENGTH.size + length :]
+    if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
+        raise ValueError("checksum mismatch")
+    embeddings = to_torch(entry.meta, payload).clone()  # own the memory, not Redis's reply buffer
+    return entry, CachedEmbedding(embeddings, tuple(entry.grid_thw), entry.identity)
+
+
+@dataclass
+class SharedTier:
+    url: str
+    timeout_s: float = 0.1
+    retry_s: float = 5.0
+    ttl_s: float = 86400.0
+    max_pending_writes: int = 64
+
+    def __post_init__(self) -> None:
+        # No client-side retries: an outage must cost one timeout, not several.
+        self.client = redis.Redis.from_url(
+            self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0)
+        )
+        self.stats = SharedTierStats()
+        self._down_until = 0.0
+        self._writes: queue.Queue = queue.Queue(self.max_pending_writes)
+        self._writer = threading.Thread(target=self._write_loop, name="shared-cache-writer", daemon=True)
+        self._writer.start()
+
+    def get_many(self, keys: list[bytes], identities: list[bytes], record: bool = True) -> list[CachedEmbedding | None]:
+        """One round trip for all keys; a miss (None) for anything not found or not trusted."""
+        if not keys or not self._available():
+            return [None] * len(keys)
+        try:
+            blobs = self.client.mget([NAMESPACE + key for key in keys])
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return [None] * len(keys)
+        self._succeeded()
+        found = [self._read(blob, identity) for blob, identity in zip(blobs, identities)]
+        if record:
+            hits = sum(value is not None for value in found)
+            self.stats.hits += hits
+            self.stats.misses += len(found) - hits
+        return found
+
+    def _read(self, blob: bytes | None, identity: bytes) -> CachedEmbedding | None:
+        if blob is None:
+            return None
+        try:
+            _, value = unpack(blob)
+        except ValueError as exc:
+            self.stats.corrupt += 1
+            log.warning("shared cache entry refused: %s", exc)
+            return None
+        if value.identity != identity:
+            self.stats.collisions += 1
+            return None
+        return value
+
+    def put(self, key: bytes, value: CachedEmbedding) -> None:
+        """Store in the background; skipped (and counted) when Redis is down or behind."""
+        if not self._available():
+            self.stats.writes_skipped += 1
+            return
+        try:
+            self._writes.put_nowait((key, pack(value)))
+        except queue.Full:
+            self.stats.writes_skipped += 1
+
+    def _write_loop(self) -> None:
+        while True:
+            key, blob = self._writes.get()
+            try:
+                if key is None:
+                    return
+                self._write(key, blob)
+            finally:
+                self._writes.task_done()
+
+    def _write(self, key: bytes, blob: bytes) -> None:
+        if not self._available():
+            self.stats.writes_skipped += 1
+            return
+        try:
+            self.client.set(NAMESPACE + key, blob, px=int(self.ttl_s * 1000))
+        except redis.RedisError as exc:
+            self._failed(exc)
+            return
+        self._succeeded()
+        self.stats.writes += 1
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Wait until queued writes are done (tests and shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._writes.put((None, None))
+        self._writer.join(timeout=2)
+        self.client.close()
+
+    def _available(self) -> bool:
+        return self.stats.up or time.monotonic() >= self._down_until
+
+    def _failed(self, exc: Exception) -> None:
+        self.stats.errors += 1
+        self._down_until = time.monotonic() + self.retry_s
+        if self.stats.up:
+            log.warning("shared cache at %s unavailable (%s); local cache only, retrying in %.0f s", self.url, exc, self.retry_s)
+        self.stats.up = False
+
+    def _succeeded(self) -> None:
+        if not self.stats.up:
+            log.warning("shared cache at %s is back", self.url)
+        self.stats.up = True

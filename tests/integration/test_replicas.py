@@ -1,0 +1,191 @@
+"""Two encoder replicas over tcp:// on loopback, sharing a real Redis tier,
+behind one gateway (a stack of their own): load spreads over both; one image
+costs one encode however many requests want it; a replica's tokens are hits
+on the other; Redis going away fails nothing; a replica killed under load
+loses no request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+import torch
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from prism.stack import LocalStack, free_port
+from prism.synthetic import make_image
+from protocol.sockets import AsyncDealer
+from protocol.tensors import to_frame, to_torch
+from protocol.to_encoder import EncodeRequest, ImageInput
+from protocol.to_gateway import EncodeResult, GatewayInbound
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.corpus import b64, save
+from tests.integration.encoder_socket import handshake, reply_to
+from tests.integration.helpers import log_records
+from tests.integration.system import RedisServer
+
+SIZES = [(256, 256), (640, 360), (960, 540), (1280, 720)]
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    server = RedisServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory, redis_server):
+    overrides = {
+        "PRISM_GATEWAY__STATS_INTERVAL_S": "0.5",
+        "PRISM_GATEWAY__HEARTBEAT_TIMEOUT_S": "2",
+        "PRISM_ENCODER__SHARED_CACHE_URL": redis_server.url,
+        "PRISM_ENCODER__SHARED_CACHE_RETRY_S": "1",
+        "PRISM_ENCODER__MAX_PIXELS": str(1280 * 720),
+        "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
+    }
+    stack = LocalStack(tmp_path_factory.mktemp("replicas"), overrides, encoder_replicas=2, encoder_transport="tcp")
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def metrics(stack: LocalStack) -> dict[tuple[str, tuple], float]:
+    """Every sample of the gateway's /metrics, by (name, sorted labels)."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def per_replica(stack: LocalStack, name: str) -> list[float]:
+    found = metrics(stack)
+    return [found.get((name, (("replica", str(i)),)), 0.0) for i in range(2)]
+
+
+def total_encoded(stack: LocalStack) -> float:
+    return sum(per_replica(stack, "prism_encoder_replica_images_encoded_total"))
+
+
+def chat(stack: LocalStack, image: str, max_tokens: int = 4) -> httpx.Response:
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]
+    body = {"model": MODEL_NAME, "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def unique_images(prefix: str, count: int) -> list[str]:
+    return [b64(save(make_image(f"{prefix}-{i}", SIZES[i % len(SIZES)]), "JPEG")) for i in range(count)]
+
+
+def serve_all(stack: LocalStack, images: list[str], concurrency: int) -> list[int]:
+    with ThreadPoolExecutor(concurrency) as pool:
+        return [r.status_code for r in pool.map(lambda url: chat(stack, url), images)]
+
+
+def wait_for(condition, timeout_s: float, what: str) -> float:
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"{what} within {timeout_s} s")
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def test_mixed_load_spreads_over_both_replicas(replicated):
+    before = per_replica(replicated, "prism_encoder_replica_requests_total")
+    statuses = serve_all(replicated, unique_images("spread", 16), concurrency=8)
+    assert statuses == [200] * 16
+    sent = [after - b for after, b in zip(per_replica(replicated, "prism_encoder_replica_requests_total"), before)]
+    assert all(count >= 3 for count in sent), f"requests per replica: {sent}"
+    wait_for(lambda: all(n > 0 for n in per_replica(replicated, "prism_encoder_replica_images_encoded_total")), 5, "both replicas encoded")
+
+
+def test_the_same_new_image_costs_one_encode_across_replicas(replicated):
+    (image,) = unique_images("shared-by-16", 1)
+    before = total_encoded(replicated)
+    assert serve_all(replicated, [image] * 16, concurrency=16) == [200] * 16
+    time.sleep(1.2)  # the next stats poll
+    assert total_encoded(replicated) - before == 1
+
+
+async def encode_on(address: str, request_id: str, digest: bytes, pixels: np.ndarray | None):
+    ctx = zmq.asyncio.Context()
+    socket = AsyncDealer(ctx, address, GatewayInbound)
+    try:
+        await handshake(socket)
+        meta, frames = None, []
+        if pixels is not None:
+            meta, frame = to_frame(pixels)
+            frames = [frame]
+        await socket.send(EncodeRequest(request_id, [ImageInput(digest, meta)]), frames)
+        reply, reply_frames = await reply_to(socket, request_id)
+        assert isinstance(reply, EncodeResult), reply
+        return reply.images[0].cache_hit, to_torch(reply.images[0].embeddings, reply_frames[0]).clone()
+    finally:
+        socket.close()
+        ctx.term()
+
+
+def test_tokens_encoded_on_one_replica_are_a_hit_on_the_other(replicated, redis_server):
+    first, second = replicated.encoder_addresses
+    pixels = np.random.default_rng(7).integers(0, 255, (112, 168, 3), dtype=np.uint8)
+    digest = os.urandom(16)
+    hit, encoded = asyncio.run(encode_on(first, "on-first", digest, pixels))
+    assert not hit
+    deadline = time.monotonic() + 5
+    while True:  # the write is asynchronous; ask by digest alone, as the gateway's first round does
+        try:
+            hit, shared = asyncio.run(encode_on(second, "on-second", digest, None))
+            break
+        except AssertionError:  # EncodeNeedsPixels: not written yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert hit and torch.equal(shared, encoded)
+
+
+def test_a_redis_outage_fails_no_request_and_recovers(replicated, redis_server):
+    redis_server.stop()
+    try:
+        statuses = serve_all(replicated, unique_images("during-outage", 6), concurrency=3)
+        assert statuses == [200] * 6
+        wait_for(lambda: per_replica(replicated, "prism_shared_cache_up") == [0.0, 0.0], 3, "both replicas saw the outage")
+        warnings = [r for r in log_records(replicated, "encoder") if "local cache only" in r.get("message", "")]
+        assert warnings and all(r["level"] == "WARNING" for r in warnings)
+    finally:
+        redis_server.start()
+    # Each replica probes again after its retry interval, on its next lookup or write.
+    wait_for(lambda: serve_all(replicated, unique_images(f"after-outage-{time.monotonic()}", 2), 2) == [200, 200]
+             and per_replica(replicated, "prism_shared_cache_up") == [1.0, 1.0], 30, "the shared tier came back")
+
+
+def replica_pid(stack: LocalStack, address: str) -> int:
+    for child in psutil.Process(stack.process.pid).children():
+        if "vision_encoder" in " ".join(child.cmdline()) and child.environ().get("PRISM_ENCODER__ADDRESS") == address:
+            return child.pid
+    raise LookupError(address)
+
+
+def test_killing_a_replica_under_load_loses_no_request(replicated):
+    images = unique_images("failover", 24)
+    failovers = metrics(replicated)[("prism_encoder_failovers_total", ())]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(chat, replicated, url, 8) for url in images]
+        time.sleep(1.0)  # requests are in flight on both replicas
+        os.kill(replica_pid(replicated, replicated.encoder_addresses[0]), signal.SIGKILL)
+        statuses = [future.result().status_code for future in futures]
+    assert statuses == [200] * len(images)
+    assert metrics(replicated)[("prism_encoder_failovers_total", ())] > failovers  # its requests went to the other
+    recovered = wait_for(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
+    print(f"killed replica back in service after {recovered:.1f} s")
+    assert serve_all(replicated, unique_images("after-failover", 4), concurrency=4) == [200] * 4

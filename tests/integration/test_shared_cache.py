@@ -1,0 +1,109 @@
+"""The shared cache tier against a real redis-server: values round-trip with
+their dtype, shape, grid and identity; anything tampered with or colliding is a
+miss; an outage degrades to misses with one warning and recovers by itself."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import redis
+import torch
+
+from cache import CachedEmbedding
+from cache.shared import NAMESPACE, SharedTier
+from prism.stack import free_port
+from tests.integration.system import RedisServer
+
+RETRY_S = 0.3
+
+
+@pytest.fixture
+def server():
+    server = RedisServer(free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def tier(server):
+    tier = SharedTier(server.url, timeout_s=0.2, retry_s=RETRY_S, ttl_s=60)
+    yield tier
+    tier.close()
+
+
+def value(identity: bytes = b"identity-a", dtype=torch.bfloat16, tokens: int = 12) -> CachedEmbedding:
+    return CachedEmbedding(torch.randn(tokens, 16).to(dtype), (1, 4, tokens), identity)
+
+
+def stored(tier: SharedTier, key: bytes, entry: CachedEmbedding) -> None:
+    tier.put(key, entry)
+    tier.flush()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_values_round_trip_with_dtype_shape_grid_and_identity(tier, dtype):
+    entry = value(dtype=dtype)
+    stored(tier, b"k1", entry)
+    (found,) = tier.get_many([b"k1"], [entry.identity])
+    assert found.embeddings.dtype == dtype and torch.equal(found.embeddings, entry.embeddings)
+    assert found.grid_thw == entry.grid_thw and found.identity == entry.identity
+    assert (tier.stats.hits, tier.stats.misses, tier.stats.writes) == (1, 0, 1)
+
+
+def test_entries_expire_after_the_ttl(tier, server):
+    stored(tier, b"k1", value())
+    ttl_ms = redis.Redis(port=server.port).pttl(NAMESPACE + b"k1")
+    assert 0 < ttl_ms <= 60_000
+
+
+def test_a_missing_key_is_a_miss(tier):
+    assert tier.get_many([b"absent"], [b"x"]) == [None]
+    assert tier.stats.misses == 1
+
+
+@pytest.mark.parametrize("tamper", ["flip_payload_byte", "truncate", "foreign_value"])
+def test_tampered_values_are_refused(tier, server, tamper):
+    entry = value()
+    stored(tier, b"k1", entry)
+    raw = redis.Redis(port=server.port)
+    blob = bytearray(raw.get(NAMESPACE + b"k1"))
+    if tamper == "flip_payload_byte":
+        blob[-1] ^= 0xFF
+    elif tamper == "truncate":
+        blob = blob[:-2]
+    else:
+        blob = bytearray(b"not a prism value at all")
+    raw.set(NAMESPACE + b"k1", bytes(blob))
+    assert tier.get_many([b"k1"], [entry.identity]) == [None]
+    assert tier.stats.corrupt == 1 and tier.stats.hits == 0
+
+
+def test_another_identity_under_the_same_key_is_a_collision_not_a_hit(tier):
+    stored(tier, b"k1", value(identity=b"image-one"))
+    assert tier.get_many([b"k1"], [b"image-two"]) == [None]
+    assert tier.stats.collisions == 1 and tier.stats.hits == 0
+
+
+def test_an_outage_degrades_to_misses_with_one_warning_and_recovers(tier, server, caplog):
+    entry = value()
+    stored(tier, b"k1", entry)
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="prism.cache"):
+        started = time.monotonic()
+        for _ in range(20):  # lookups during the outage: misses, fast, never an exception
+            assert tier.get_many([b"k1"], [entry.identity]) == [None]
+        tier.put(b"k2", value())
+        tier.flush()
+        assert time.monotonic() - started < 2
+        assert not tier.stats.up and tier.stats.errors >= 1 and tier.stats.writes_skipped >= 1
+        warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(warnings) == 1 and "local cache only" in warnings[0]
+
+        server.start()  # empty again: no persistence
+        time.sleep(RETRY_S + 0.1)
+        stored(tier, b"k3", entry)
+        assert tier.get_many([b"k3"], [entry.identity])[0] is not None
+        assert tier.stats.up
+        assert any("is back" in r.getMessage() for r in caplog.records)
