@@ -9,7 +9,8 @@ in one invocation, on the same requests:
   batch-1        max_batch_images 1, pipeline_depth 1 (the baseline)
   batched        max_batch_images 16, pipeline_depth 1
   batched+pipe   max_batch_images 16, pipeline_depth 2 (the default)
-  2 replicas     two batched+pipe encoders behind the pool
+  1 replica, 2 threads   the default with torch_threads 2 (one process, both cores)
+  2 replicas     two batched+pipe encoders behind the pool (1 thread each)
 
 Then 16 concurrent requests for one new image: the number of encodes.
 
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,7 @@ SETTINGS = [
     Setting("batch-1", 1, {"PRISM_ENCODER__MAX_BATCH_IMAGES": "1", "PRISM_ENCODER__PIPELINE_DEPTH": "1"}),
     Setting("batched", 1, {"PRISM_ENCODER__MAX_BATCH_IMAGES": "16", "PRISM_ENCODER__PIPELINE_DEPTH": "1"}),
     Setting("batched+pipe", 1, {"PRISM_ENCODER__MAX_BATCH_IMAGES": "16", "PRISM_ENCODER__PIPELINE_DEPTH": "2"}),
+    Setting("1 replica, 2 threads", 1, {"PRISM_ENCODER__TORCH_THREADS": "2"}),
     Setting("2 replicas", 2, {"PRISM_ENCODER__MAX_BATCH_IMAGES": "16", "PRISM_ENCODER__PIPELINE_DEPTH": "2"}),
 ]
 
@@ -103,7 +106,7 @@ async def drive(pool: EncoderPool, jobs: list[tuple[bytes, np.ndarray]], concurr
             meta, frame = to_frame(pixels)
             started = time.perf_counter()
             with pool.route([digest]) as route:
-                await pool.encode(route, digest.hex(), [ImageInput(digest, meta)], [frame], 300)
+                await pool.encode(route, uuid.uuid4().hex, [ImageInput(digest, meta)], [frame], 300)
             latencies.append(time.perf_counter() - started)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))

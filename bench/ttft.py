@@ -1,11 +1,13 @@
-"""TTFT through Prism vs vLLM in-process given the raw image, side by side.
+"""TTFT through Prism vs vLLM (in-process and its own server), side by side.
 
 For 256², 720p, 1080p and 4K JPEGs (q90), streaming, max_tokens 8, bf16,
-pixel budget 1,048,576 on both sides: the median TTFT of a new image (cache
-miss) and of the same image again (hit). vLLM runs first, in this process
-(AsyncLLM, its own HF processor and vision tower, the image decoded from the
-same JPEG bytes inside the timed region); then the Prism stack, over HTTP
-through the openai client. Only one of them runs at a time.
+pixel budget 1,048,576 everywhere: the median TTFT of a new image (cache
+miss) and of the same image again (hit). Three systems, one at a time, on the
+same requests: vLLM in this process (AsyncLLM, its own HF processor and
+vision tower, the image decoded from the same JPEG bytes inside the timed
+region); vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`,
+same engine settings) over HTTP; then the Prism stack over HTTP. Both HTTP
+targets are driven by the openai client the same way.
 
 Run: make bench   (or .venv/bin/python -m bench.ttft --trials 4)
 """
@@ -15,21 +17,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from prism.config import REPO_ROOT
 from prism.demo_model import ensure_demo_model
-from prism.stack import LocalStack
+from prism.stack import LocalStack, free_port, wait_for_health
 from prism.synthetic import encode, make_image
 
 MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
 RESOLUTIONS = {"256x256": (256, 256), "1280x720": (1280, 720), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
 MAX_PIXELS = 1024 * 1024
 MAX_TOKENS = 8
+SERVED_NAME = "prism-demo"
 QUESTION = "Describe this image."
 
 
@@ -79,7 +88,34 @@ async def vllm_in_process(runs) -> dict[tuple[str, str], list[float]]:
     return times
 
 
-def prism_over_http(runs, base_url: str) -> tuple[dict, dict]:
+def vllm_server_command(port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--port", str(port),
+        "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "4096",
+        "--kv-cache-memory-bytes", str(1024 * 2**20), "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
+        "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
+        "--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}),
+    ]
+
+
+@contextlib.contextmanager
+def vllm_server(log_path: Path):
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(vllm_server_command(port), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(base_url, process, 600)
+        yield base_url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+
+
+def over_http(runs, base_url: str) -> tuple[dict, dict]:
+    """TTFT per (resolution, miss|hit) through an OpenAI-compatible server, and
+    Prism's per-stage breakdown when the server is Prism."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
@@ -89,14 +125,15 @@ def prism_over_http(runs, base_url: str) -> tuple[dict, dict]:
         url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
         started = time.perf_counter()
         stream = client.chat.completions.create(
-            model="prism-demo", max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            model=SERVED_NAME, max_tokens=MAX_TOKENS, temperature=0, stream=True,
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
         )
         first = None
         for chunk in stream:
             first = first or time.perf_counter()
-            if chunk.choices and chunk.choices[0].finish_reason:
-                stages.setdefault((name, kind), []).append(chunk.model_extra["prism"]["stages_ms"])
+            prism = (chunk.model_extra or {}).get("prism")
+            if prism and chunk.choices and chunk.choices[0].finish_reason:
+                stages.setdefault((name, kind), []).append(prism["stages_ms"])
         times.setdefault((name, kind), []).append(first - started)
     return times, stages
 
@@ -105,15 +142,20 @@ def median_ms(values: list[float]) -> float:
     return statistics.median(values) * 1000
 
 
-def report(vllm: dict, prism: dict, stages: dict) -> str:
-    lines = [
-        "| image | vLLM miss | Prism miss | Prism/vLLM | vLLM hit | Prism hit | Prism/vLLM | Prism hit/miss |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for name in RESOLUTIONS:
-        vm, pm = median_ms(vllm[name, "miss"]), median_ms(prism[name, "miss"])
-        vh, ph = median_ms(vllm[name, "hit"]), median_ms(prism[name, "hit"])
-        lines.append(f"| {name} | {vm:.0f} ms | {pm:.0f} ms | {pm / vm:.2f}× | {vh:.0f} ms | {ph:.0f} ms | {ph / vh:.2f}× | {ph / pm:.2f}× |")
+def report(vllm: dict, server: dict, prism: dict, stages: dict) -> str:
+    lines = []
+    for kind in ("miss", "hit"):
+        lines += [
+            f"TTFT medians, {'new image (cache miss)' if kind == 'miss' else 'same image again (hit)'}:", "",
+            "| image | vLLM in-process | vLLM server | Prism | Prism / vLLM server | Prism / vLLM in-process |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in RESOLUTIONS:
+            v, s, p = (median_ms(t[name, kind]) for t in (vllm, server, prism))
+            lines.append(f"| {name} | {v:.0f} ms | {s:.0f} ms | {p:.0f} ms | {p / s:.2f}× | {p / v:.2f}× |")
+        lines.append("")
+    lines += ["Prism hit / miss: " + ", ".join(
+        f"{name} {median_ms(prism[name, 'hit']) / median_ms(prism[name, 'miss']):.2f}×" for name in RESOLUTIONS)]
     lines += ["", "Prism per-stage medians (ms), cache miss / hit:", ""]
     names = [k for k in next(iter(stages.values()))[0] if k not in ("e2e",)]
     lines.append("| image | " + " | ".join(names) + " |")
@@ -133,13 +175,16 @@ def main() -> None:
     runs = workload(args.trials)
     warmup = workload(1)  # trial 0 images again under another name would be cached: use trial 99
     warmup = [(n, k, jpeg(n, 99, RESOLUTIONS[n])) for n, k, _ in warmup if k == "miss"][:1]
-    print(f"{len(runs)} requests per system; vLLM in-process first, then Prism", flush=True)
+    print(f"{len(runs)} requests per system; vLLM in-process, then vLLM's server, then Prism", flush=True)
     vllm = asyncio.run(vllm_in_process(warmup + runs))
     with tempfile.TemporaryDirectory() as run_dir:
+        with vllm_server(Path(run_dir) / "vllm-server.log") as base_url:
+            over_http(warmup, base_url)
+            server, _ = over_http(runs, base_url)
         with LocalStack(Path(run_dir), {"PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS)}) as stack:
-            prism_over_http(warmup, stack.base_url)
-            prism, stages = prism_over_http(runs, stack.base_url)
-    print(report(vllm, prism, stages))
+            over_http(warmup, stack.base_url)
+            prism, stages = over_http(runs, stack.base_url)
+    print(report(vllm, server, prism, stages))
 
 
 if __name__ == "__main__":
