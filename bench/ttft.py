@@ -17,21 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import contextlib
 import io
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.servers import prism_stack, vllm_server
 from prism.config import REPO_ROOT
 from prism.demo_model import ensure_demo_model
-from prism.stack import LocalStack, free_port, wait_for_health
 from prism.synthetic import encode, make_image
 
 MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
@@ -86,31 +80,6 @@ async def vllm_in_process(runs) -> dict[tuple[str, str], list[float]]:
             pass
     engine.shutdown()
     return times
-
-
-def vllm_server_command(port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL), "--port", str(port),
-        "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", "4096",
-        "--kv-cache-memory-bytes", str(1024 * 2**20), "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
-        "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
-        "--mm-processor-kwargs", json.dumps({"max_pixels": MAX_PIXELS}),
-    ]
-
-
-@contextlib.contextmanager
-def vllm_server(log_path: Path):
-    port = free_port()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(vllm_server_command(port), cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_health(base_url, process, 600)
-        yield base_url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
 
 
 def over_http(runs, base_url: str) -> tuple[dict, dict]:
@@ -178,12 +147,12 @@ def main() -> None:
     print(f"{len(runs)} requests per system; vLLM in-process, then vLLM's server, then Prism", flush=True)
     vllm = asyncio.run(vllm_in_process(warmup + runs))
     with tempfile.TemporaryDirectory() as run_dir:
-        with vllm_server(Path(run_dir) / "vllm-server.log") as base_url:
+        with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, Path(run_dir) / "vllm-server.log") as base_url:
             over_http(warmup, base_url)
             server, _ = over_http(runs, base_url)
-        with LocalStack(Path(run_dir), {"PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS)}) as stack:
-            over_http(warmup, stack.base_url)
-            prism, stages = over_http(runs, stack.base_url)
+        with prism_stack(MAX_PIXELS, Path(run_dir)) as base_url:
+            over_http(warmup, base_url)
+            prism, stages = over_http(runs, base_url)
     print(report(vllm, server, prism, stages))
 
 

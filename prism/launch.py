@@ -139,7 +139,14 @@ def main() -> None:
     serve_cmd.add_argument("--config", type=Path, default=Path(os.environ.get("PRISM_CONFIG", DEFAULT_CONFIG)))
     demo_cmd = sub.add_parser("demo-model", help="write the demo checkpoint")
     demo_cmd.add_argument("--out", type=Path, default=DEMO_MODEL)
-    args = parser.parse_args()
+    sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (python -m loadtest --help)", add_help=False)
+    args, rest = parser.parse_known_args()
+    if args.command == "bench":
+        from loadtest.__main__ import main as bench
+
+        sys.exit(bench(rest))
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "serve":
         serve(args.config.resolve())
     else:

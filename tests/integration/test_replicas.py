@@ -74,7 +74,15 @@ def per_replica(stack: LocalStack, name: str) -> list[float]:
 
 
 def total_encoded(stack: LocalStack) -> float:
-    return sum(per_replica(stack, "prism_encoder_replica_images_encoded_total"))
+    """Images encoded by both replicas, once the polled stats have caught up
+    (two reads a stats interval apart agree)."""
+    previous = None
+    while True:
+        total = sum(per_replica(stack, "prism_encoder_replica_images_encoded_total"))
+        if total == previous:
+            return total
+        previous = total
+        time.sleep(0.6)
 
 
 def chat(stack: LocalStack, image: str, max_tokens: int = 4) -> httpx.Response:
@@ -114,7 +122,6 @@ def test_the_same_new_image_costs_one_encode_across_replicas(replicated):
     (image,) = unique_images("shared-by-16", 1)
     before = total_encoded(replicated)
     assert serve_all(replicated, [image] * 16, concurrency=16) == [200] * 16
-    time.sleep(1.2)  # the next stats poll
     assert total_encoded(replicated) - before == 1
 
 

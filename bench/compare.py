@@ -1,0 +1,157 @@
+"""Prism against vLLM's own OpenAI server, on the same workloads, in one run.
+
+Starts vLLM's server (`python -m vllm.entrypoints.openai.api_server`, raw
+images, the same checkpoint, pixel budget and engine settings), runs every
+scenario against it, stops it; then the same for the Prism stack. Only one
+system runs at a time. Scenarios (the load tester's workloads, seeded, so
+both systems get identical requests):
+
+  (a) unique images, concurrency 1 and 8
+  (b) 50 % repeated images, concurrency 8
+  (c) one image, a different question and system prompt per request, concurrency 8
+  (d) an open-loop rate sweep (Poisson), goodput under the SLO
+
+Resolutions are mixed evenly over 256², 720p, 1080p and 4K (JPEG), 16
+output tokens, streaming. Writes docs/comparison.md (or --out).
+
+Run: .venv/bin/python -m bench.compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.servers import prism_stack, vllm_server
+from loadtest.bench import Plan, load_test, sweep
+from loadtest.client import Target
+from loadtest.runner import Arrival
+from loadtest.stats import SLO
+from loadtest.workload import WorkloadSpec, parse_buckets
+from prism.config import REPO_ROOT
+from prism.demo_model import ensure_demo_model
+
+MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+SERVED_NAME = "prism-demo"
+MAX_PIXELS = 1024 * 1024
+MIX = parse_buckets("256x256=1,720p=1,1080p=1,4k=1")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    spec: WorkloadSpec
+    concurrency: int
+    requests: int
+
+
+def scenarios(scale: float) -> list[Scenario]:
+    n = lambda count: max(4, int(count * scale))  # noqa: E731
+    return [
+        Scenario("a1", "(a) unique images, concurrency 1", WorkloadSpec(MIX, seed=101), 1, n(16)),
+        Scenario("a8", "(a) unique images, concurrency 8", WorkloadSpec(MIX, seed=102), 8, n(48)),
+        Scenario("b", "(b) 50 % repeated images, concurrency 8", WorkloadSpec(MIX, repeat_ratio=0.5, pool_size=8, seed=103), 8, n(48)),
+        Scenario("c", "(c) one image, different questions and system prompts, concurrency 8",
+                 WorkloadSpec(parse_buckets("1080p=1"), repeat_ratio=1.0, pool_size=1, system_prompts="unique", seed=104), 8, n(48)),
+    ]
+
+
+def run_all(base_url: str, cases: list[Scenario], rates: list[float], sweep_requests: int, slo: SLO) -> dict:
+    target = Target(base_url, SERVED_NAME)
+    out = {}
+    for case in cases:
+        out[case.key] = load_test(target, case.spec, Arrival(concurrency=case.concurrency), Plan(case.requests, warmup=2), slo)
+        print(f"  {case.title}: TTFT p50 {out[case.key]['summary']['median_ttft_ms']:.0f} ms", flush=True)
+    out["d"] = sweep(target, WorkloadSpec(MIX, seed=105), rates, "rate", Plan(sweep_requests, warmup=2), slo)
+    return out
+
+
+def _ratio(prism: float, vllm: float) -> str:
+    return f"{prism / vllm:.2f}×" if vllm else "—"
+
+
+def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> str:
+    vllm, prism = results["vllm"], results["prism"]
+    lines = [
+        "# Prism vs vLLM's own server",
+        "",
+        f"Produced by `{command}` on {time.strftime('%Y-%m-%d')} ({platform.machine()}, "
+        f"{_cpu_count()} CPU cores, no GPU), demo checkpoint, bf16, pixel budget {MAX_PIXELS:,}, 16 output tokens, "
+        f"streaming. SLO for goodput: TTFT ≤ {slo.ttft_ms:.0f} ms. Each system ran alone, with the same seeded requests.",
+        "",
+        "| scenario | metric | vLLM server | Prism | Prism / vLLM |",
+        "|---|---|---|---|---|",
+    ]
+    metrics = (("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p90_ttft_ms", "TTFT p90 ms", "{:.0f}"),
+               ("request_throughput", "req/s", "{:.2f}"), ("request_goodput", "goodput req/s", "{:.2f}"))
+    for case in cases:
+        for key, name, fmt in metrics:
+            v, p = vllm[case.key]["summary"][key], prism[case.key]["summary"][key]
+            lines.append(f"| {case.title} | {name} | {fmt.format(v)} | {fmt.format(p)} | {_ratio(p, v)} |")
+    lines += ["", "(d) open-loop rate sweep, mixed unique images:", "",
+              "| offered req/s | vLLM req/s | vLLM goodput | vLLM TTFT p90 ms | Prism req/s | Prism goodput | Prism TTFT p90 ms | goodput ratio |",
+              "|---|---|---|---|---|---|---|---|"]
+    for v, p in zip(vllm["d"]["points"], prism["d"]["points"]):
+        vs, ps = v["summary"], p["summary"]
+        lines.append(f"| {v['load']:g} | {vs['request_throughput']:.2f} | {vs['request_goodput']:.2f} | {vs['p90_ttft_ms']:.0f} | "
+                     f"{ps['request_throughput']:.2f} | {ps['request_goodput']:.2f} | {ps['p90_ttft_ms']:.0f} | "
+                     f"{_ratio(ps['request_goodput'], vs['request_goodput'])} |")
+    lines += ["", f"Highest offered rate with ≥ 90 % of requests within the SLO: vLLM {vllm['d']['best_load']}, "
+              f"Prism {prism['d']['best_load']}.", "", "Per-resolution TTFT p50 (ms), scenario (a) at concurrency 1:", "",
+              "| resolution | vLLM server | Prism |", "|---|---|---|"]
+    for bucket in vllm["a1"]["by_bucket"]:
+        v = vllm["a1"]["by_bucket"][bucket]["median_ttft_ms"]
+        p = prism["a1"]["by_bucket"].get(bucket, {}).get("median_ttft_ms", 0.0)
+        lines.append(f"| {bucket} | {v:.0f} | {p:.0f} |")
+    if stages := prism["a8"]["stages"]:
+        names = list(next(iter(stages.values())))
+        lines += ["", "Where Prism's TTFT went, scenario (a) at concurrency 8 (median ms per stage):", "",
+                  "| resolution | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += [f"| {b} | " + " | ".join(f"{s[n]:.1f}" for n in names) + " |" for b, s in stages.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every scenario's request count")
+    parser.add_argument("--rates", default="1,2,4,8", help="offered loads for the sweep, req/s")
+    parser.add_argument("--sweep-requests", type=int, default=24)
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000)
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "comparison.md")
+    args = parser.parse_args()
+    ensure_demo_model(MODEL)
+    cases = scenarios(args.scale)
+    rates = [float(r) for r in args.rates.split(",")]
+    slo = SLO(ttft_ms=args.slo_ttft_ms)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="prism-compare-") as tmp:
+        print("vLLM's own server:", flush=True)
+        with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, Path(tmp) / "vllm.log") as base_url:
+            results["vllm"] = run_all(base_url, cases, rates, args.sweep_requests, slo)
+        print("Prism:", flush=True)
+        with prism_stack(MAX_PIXELS, Path(tmp) / "prism") as base_url:
+            results["prism"] = run_all(base_url, cases, rates, args.sweep_requests, slo)
+    command = "python -m bench.compare " + " ".join(sys.argv[1:])
+    text = markdown(results, cases, slo, command.strip())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    (REPO_ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
+    (REPO_ROOT / "bench" / "results" / "compare.json").write_text(json.dumps(results, indent=2))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

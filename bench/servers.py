@@ -1,0 +1,52 @@
+"""The servers the benchmarks compare: vLLM's own OpenAI server and the Prism
+stack, on the same checkpoint, pixel budget and engine settings."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from prism.config import REPO_ROOT
+from prism.stack import LocalStack, free_port, wait_for_health
+
+# Engine settings both sides share (configs/cpu-demo.yaml's engine section).
+MAX_MODEL_LEN = 4096
+KV_CACHE_BYTES = 1024 * 2**20
+
+
+def vllm_server_command(model: Path, served_name: str, max_pixels: int, port: int, max_images: int = 1) -> list[str]:
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+        "--served-model-name", served_name, "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
+        "--max-num-seqs", "32", "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": 0}),
+        "--mm-processor-kwargs", json.dumps({"max_pixels": max_pixels}),
+    ]
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, max_images: int = 1) -> Iterator[str]:
+    """vLLM's own OpenAI server; yields its base URL once /health answers."""
+    port = free_port()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(vllm_server_command(model, served_name, max_pixels, port, max_images), cwd=REPO_ROOT,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(base_url, process, 600)
+        yield base_url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+
+
+@contextlib.contextmanager
+def prism_stack(max_pixels: int, run_dir: Path) -> Iterator[str]:
+    with LocalStack(run_dir, {"PRISM_ENCODER__MAX_PIXELS": str(max_pixels)}) as stack:
+        yield stack.base_url

@@ -1,0 +1,1 @@
+"""Prism's load tester: workloads, arrival processes, statistics and reports."""

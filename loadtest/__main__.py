@@ -1,0 +1,108 @@
+"""Load-test any OpenAI-compatible chat endpoint: Prism, vLLM's own server, others.
+
+  python -m loadtest --base-url http://127.0.0.1:8000 --model prism-demo \\
+      --buckets 256x256=1,720p=1,1080p=1,4k=1 --concurrency 8 --requests 64
+  python -m loadtest ... --sweep-rate 1,2,4,8 --slo-ttft-ms 1000
+(`prism bench ...` is the same command.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from loadtest import report as reports
+from loadtest.bench import Plan, load_test, sweep, sweep_markdown, write_sweep
+from loadtest.client import Target
+from loadtest.runner import Arrival
+from loadtest.stats import SLO
+from loadtest.workload import WorkloadSpec, parse_buckets, parse_distribution
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prism bench", description=__doc__.splitlines()[0])
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    target.add_argument("--model", default="prism-demo")
+    target.add_argument("--api-key", default=None)
+    target.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
+    target.add_argument("--timeout-s", type=float, default=300)
+    work = p.add_argument_group("workload")
+    work.add_argument("--buckets", default="256x256=1,720p=1,1080p=1,4k=1",
+                      help="resolutions with weights: names (256x256, 720p, 1080p, 4k, wide-strip, tall-strip) or WxH")
+    work.add_argument("--images-per-request", default="1=1", help="distribution, e.g. 0=0.1,1=0.7,2=0.2")
+    work.add_argument("--png-fraction", type=float, default=0.0)
+    work.add_argument("--repeat-ratio", type=float, default=0.0, help="share of image slots reusing an earlier image")
+    work.add_argument("--pool-size", type=int, default=32, help="how many recent new images repeats draw from")
+    work.add_argument("--prompt-words", type=int, default=0, help="filler words added to each question")
+    work.add_argument("--max-tokens", type=int, default=16)
+    work.add_argument("--system-prompts", choices=("none", "fixed", "unique"), default="none")
+    work.add_argument("--seed", type=int, default=0)
+    load = p.add_argument_group("load")
+    arrival = load.add_mutually_exclusive_group()
+    arrival.add_argument("--concurrency", type=int, help="closed loop (default 1)")
+    arrival.add_argument("--rate", type=float, help="open loop, Poisson requests/s")
+    arrival.add_argument("--sweep-concurrency", type=_floats, help="e.g. 1,2,4,8")
+    arrival.add_argument("--sweep-rate", type=_floats, help="e.g. 0.5,1,2,4")
+    load.add_argument("--requests", type=int, default=100, help="timed requests (per sweep point)")
+    load.add_argument("--duration-s", type=float, default=None, help="stop issuing after this long")
+    load.add_argument("--warmup", type=int, default=2, help="requests sent first and left out")
+    load.add_argument("--image-transport", choices=("data", "url"), default="data",
+                      help="data URLs, or a local HTTP server the target fetches from")
+    load.add_argument("--image-host", default="127.0.0.1",
+                      help="address of that server (Prism must allow it: gateway.fetch_allowed_networks)")
+    slo = p.add_argument_group("SLO (goodput)")
+    slo.add_argument("--slo-ttft-ms", type=float, default=None)
+    slo.add_argument("--slo-tpot-ms", type=float, default=None)
+    slo.add_argument("--slo-attainment", type=float, default=0.9, help="sweep: share of requests that must meet the SLO")
+    out = p.add_argument_group("output")
+    out.add_argument("--out-dir", type=Path, default=None, help="write JSON, Markdown and PNG plots here")
+    out.add_argument("--name", default="result", help="file name stem in --out-dir")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def workload(args) -> WorkloadSpec:
+    return WorkloadSpec(
+        buckets=parse_buckets(args.buckets), images_per_request=parse_distribution(args.images_per_request),
+        png_fraction=args.png_fraction, repeat_ratio=args.repeat_ratio, pool_size=args.pool_size,
+        prompt_words=args.prompt_words, max_tokens=args.max_tokens, system_prompts=args.system_prompts, seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        spec = workload(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    target = Target(args.base_url.rstrip("/"), args.model, args.api_key, not args.no_stream, args.timeout_s)
+    plan = Plan(args.requests, args.duration_s, args.warmup, args.image_transport, args.image_host, progress=not args.quiet)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    console = Console()
+    if args.sweep_concurrency or args.sweep_rate:
+        kind = "concurrency" if args.sweep_concurrency else "rate"
+        result = sweep(target, spec, args.sweep_concurrency or args.sweep_rate, kind, plan, slo, args.slo_attainment)
+        console.print(sweep_markdown(result))
+        if args.out_dir:
+            write_sweep(result, args.out_dir, args.name)
+        return 0
+    arrival = Arrival(rate=args.rate, seed=args.seed) if args.rate else Arrival(concurrency=args.concurrency or 1)
+    result = load_test(target, spec, arrival, plan, slo)
+    reports.terminal(result, console)
+    if args.out_dir:
+        for path in reports.write(result, args.out_dir, args.name):
+            console.print(f"wrote {path}")
+    return 0 if result["summary"]["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""A load test end to end (workload → run → report), and a sweep of loads
+that finds the highest one meeting the SLO."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from loadtest import report as reports
+from loadtest.client import Target
+from loadtest.runner import Arrival, RunResult, image_urls, run
+from loadtest.stats import SLO, by_bucket, stage_medians, summarize
+from loadtest.workload import WorkloadSpec, generate
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests: int = 100
+    duration_s: float | None = None  # stop issuing after this long (requests is then an upper bound)
+    warmup: int = 2
+    transport: str = "data"  # data URLs, or "url": served from a local HTTP server
+    image_host: str = "127.0.0.1"  # where that server listens (the target must be allowed to fetch from it)
+    progress: bool = True
+
+
+def build_report(target: Target, spec: WorkloadSpec, arrival: Arrival, outcome: RunResult, slo: SLO) -> dict:
+    done = [r for r in outcome.results if r.ok]
+    return {
+        "target": target.base_url,
+        "model": target.model,
+        "arrival": arrival.label,
+        "workload": asdict(spec),
+        "slo": asdict(slo),
+        "summary": summarize(outcome.results, outcome.duration_s, slo),
+        "by_bucket": by_bucket(outcome.results, outcome.duration_s, slo),
+        "stages": stage_medians(outcome.results),
+        "samples": {"ttft_ms": [r.ttft_s * 1000 for r in done], "e2el_ms": [r.e2e_s * 1000 for r in done]},
+    }
+
+
+def load_test(target: Target, spec: WorkloadSpec, arrival: Arrival, plan: Plan, slo: SLO = SLO()) -> dict:
+    requests = generate(spec, plan.warmup + plan.requests)
+    warmup, timed = requests[: plan.warmup], requests[plan.warmup :]
+    with image_urls(requests, plan.transport, plan.image_host) as urls_of:  # rendered before any clock starts
+        if warmup:
+            asyncio.run(run(target, warmup, urls_of, Arrival(concurrency=min(len(warmup), arrival.concurrency or 1))))
+        if not plan.progress:
+            outcome = asyncio.run(run(target, timed, urls_of, arrival, plan.duration_s))
+        else:
+            columns = (TextColumn(f"{target.base_url} {arrival.label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+            with Progress(*columns, transient=True) as progress:
+                task = progress.add_task("requests", total=len(timed))
+                outcome = asyncio.run(run(target, timed, urls_of, arrival, plan.duration_s, lambda _: progress.advance(task)))
+    return build_report(target, spec, arrival, outcome, slo)
+
+
+def sweep(
+    target: Target, spec: WorkloadSpec, loads: list[float], kind: str, plan: Plan, slo: SLO, attainment: float = 0.9,
+) -> dict:
+    """One load test per load (concurrency or rate); the best load is the highest
+    at which at least `attainment` of the requests met every SLO."""
+    points = []
+    for load in loads:
+        arrival = Arrival(concurrency=int(load)) if kind == "concurrency" else Arrival(rate=load)
+        result = load_test(target, spec, arrival, plan, slo)
+        points.append({"load": load, "summary": result["summary"], "by_bucket": result["by_bucket"]})
+    meeting = [p["load"] for p in points if p["summary"]["slo_attainment"] >= attainment]
+    return {"target": target.base_url, "kind": kind, "slo": asdict(slo), "attainment": attainment,
+            "points": points, "best_load": max(meeting) if meeting else None}
+
+
+def sweep_markdown(result: dict) -> str:
+    unit = "concurrency" if result["kind"] == "concurrency" else "req/s offered"
+    lines = [f"### Sweep of {unit} — {result['target']}", "",
+             f"| {unit} | req/s | goodput req/s | SLO met | TTFT p50 ms | TTFT p90 ms | E2E p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        s = p["summary"]
+        lines.append(f"| {p['load']:g} | {s['request_throughput']:.2f} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
+                     f"{s['median_ttft_ms']:.0f} | {s['p90_ttft_ms']:.0f} | {s['median_e2el_ms']:.0f} | {s['failed']} |")
+    best = result["best_load"]
+    lines += ["", f"Highest load with ≥ {result['attainment']:.0%} of requests within the SLO: {best if best is not None else 'none'}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(result: dict, out_dir: Path, name: str = "sweep") -> list[Path]:
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    files[0].write_text(json.dumps(result, indent=2))
+    files[1].write_text(sweep_markdown(result))
+    label = "concurrency" if result["kind"] == "concurrency" else "offered load (req/s)"
+    files.append(reports.plot_sweep(result["points"], out_dir / f"{name}-throughput.png", label))
+    return files

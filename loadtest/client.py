@@ -1,0 +1,104 @@
+"""One chat request against any OpenAI-compatible server, timed as
+`vllm bench serve` times it: TTFT at the first chunk carrying choices, ITL as
+the gaps between later chunks, E2E at the end of the stream."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from loadtest.stats import RequestResult
+from loadtest.workload import RequestSpec
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str  # ends before /v1
+    model: str
+    api_key: str | None = None
+    stream: bool = True
+    timeout_s: float = 300.0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def chat_body(target: Target, request: RequestSpec, image_urls: list[str]) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+    content.append({"type": "text", "text": request.question})
+    messages = [{"role": "system", "content": request.system}] if request.system else []
+    messages.append({"role": "user", "content": content})
+    body = {"model": target.model, "messages": messages, "max_tokens": request.max_tokens, "temperature": 0, "stream": target.stream}
+    if target.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, image_urls: list[str]) -> RequestResult:
+    result = RequestResult(request.bucket, time.perf_counter())
+    body = chat_body(target, request, image_urls)
+    try:
+        async with client.stream("POST", f"{target.base_url}/v1/chat/completions", json=body, headers=target.headers,
+                                 timeout=target.timeout_s) as response:
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"http_{response.status_code}"
+                return result
+            if target.stream:
+                await _read_stream(response, result)
+            else:
+                _read_body(json.loads(await response.aread()), result)
+    except httpx.TimeoutException:
+        result.error = "timeout"
+    except httpx.HTTPError as exc:
+        result.error = f"transport_{type(exc).__name__}"
+    return result
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult) -> None:
+    last = result.started
+    chunks = 0
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        now = time.perf_counter()
+        if data == "[DONE]":
+            break
+        payload = json.loads(data)
+        if "error" in payload:
+            result.error = "stream_error"
+            return
+        if payload.get("choices"):
+            if chunks == 0:
+                result.ttft_s = now - result.started
+            else:
+                result.itl_s.append(now - last)
+            chunks += 1
+            last = now
+            if payload["choices"][0].get("finish_reason") and "prism" in payload:
+                result.stages_ms = payload["prism"].get("stages_ms")
+        if usage := payload.get("usage"):
+            result.prompt_tokens = usage.get("prompt_tokens", 0)
+            result.output_tokens = usage.get("completion_tokens", 0)
+    result.e2e_s = time.perf_counter() - result.started
+    if chunks == 0:
+        result.error = "empty_stream"
+        return
+    if not result.output_tokens:  # server sent no usage: count content chunks
+        result.output_tokens = chunks
+    result.ok = True
+
+
+def _read_body(payload: dict, result: RequestResult) -> None:
+    result.e2e_s = time.perf_counter() - result.started
+    result.ttft_s = result.e2e_s  # without streaming, the first token arrives with the last
+    usage = payload.get("usage") or {}
+    result.prompt_tokens = usage.get("prompt_tokens", 0)
+    result.output_tokens = usage.get("completion_tokens", 0)
+    result.stages_ms = (payload.get("prism") or {}).get("stages_ms")
+    result.ok = bool(payload.get("choices"))

@@ -1,0 +1,139 @@
+"""A load test's report: terminal table, JSON, Markdown, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from loadtest.stats import PERCENTILES
+
+HEADLINE = (
+    ("completed", "requests ok", "{:.0f}"), ("failed", "failed", "{:.0f}"),
+    ("request_throughput", "req/s", "{:.2f}"), ("request_goodput", "goodput req/s", "{:.2f}"),
+    ("output_throughput", "output tok/s", "{:.1f}"),
+    ("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p90_ttft_ms", "TTFT p90 ms", "{:.0f}"), ("p99_ttft_ms", "TTFT p99 ms", "{:.0f}"),
+    ("median_tpot_ms", "TPOT p50 ms", "{:.1f}"), ("median_itl_ms", "ITL p50 ms", "{:.1f}"), ("median_e2el_ms", "E2E p50 ms", "{:.0f}"),
+)
+
+
+def _rows(report: dict) -> list[tuple[str, dict]]:
+    return [("all", report["summary"]), *report["by_bucket"].items()]
+
+
+def terminal(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"{report['target']} — {report['arrival']}")
+    table.add_column("bucket")
+    for _, title, _ in HEADLINE:
+        table.add_column(title, justify="right")
+    for name, summary in _rows(report):
+        table.add_row(name, *(fmt.format(summary[key]) for key, _, fmt in HEADLINE))
+    console.print(table)
+    if errors := report["summary"]["errors"]:
+        console.print("errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items()))
+    if report["stages"]:
+        stages = Table(title="Prism stages, median ms")
+        names = list(next(iter(report["stages"].values())))
+        stages.add_column("bucket")
+        for name in names:
+            stages.add_column(name, justify="right")
+        for bucket, values in report["stages"].items():
+            stages.add_row(bucket, *(f"{values[n]:.1f}" for n in names))
+        console.print(stages)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"### {report['target']} — {report['arrival']}", ""]
+    lines.append("| bucket | " + " | ".join(title for _, title, _ in HEADLINE) + " |")
+    lines.append("|---" * (len(HEADLINE) + 1) + "|")
+    for name, summary in _rows(report):
+        lines.append(f"| {name} | " + " | ".join(fmt.format(summary[key]) for key, _, fmt in HEADLINE) + " |")
+    if errors := report["summary"]["errors"]:
+        lines += ["", "errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items())]
+    if report["stages"]:
+        names = list(next(iter(report["stages"].values())))
+        lines += ["", "Prism stages, median ms:", "", "| bucket | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for bucket, values in report["stages"].items():
+            lines.append(f"| {bucket} | " + " | ".join(f"{values[n]:.1f}" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out_dir: Path, name: str = "result") -> list[Path]:
+    """JSON, Markdown and plots of one run; returns the files written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
+    files[0].write_text(json.dumps(report, indent=2))
+    files[1].write_text(markdown(report))
+    files.append(plot_cdf(report, out_dir / f"{name}-latency-cdf.png"))
+    if report["stages"]:
+        files.append(plot_stages(report, out_dir / f"{name}-stages.png"))
+    return files
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_cdf(report: dict, path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("ttft_ms", "TTFT"), ("e2el_ms", "E2E")):
+        values = sorted(report["samples"][key])
+        if values:
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=label)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"Latency CDF — {report['target']}, {report['arrival']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_stages(report: dict, path: Path) -> Path:
+    plt = _pyplot()
+    buckets = list(report["stages"])
+    names = list(next(iter(report["stages"].values())))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bottoms = [0.0] * len(buckets)
+    for name in names:
+        heights = [report["stages"][b][name] for b in buckets]
+        ax.bar(buckets, heights, bottom=bottoms, label=name)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_ylabel("median ms")
+    ax.set_title("Where TTFT goes, per resolution")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(points: list[dict], path: Path, x_label: str) -> Path:
+    """Throughput and goodput against the swept load, TTFT p90 on a second axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = [p["load"] for p in points]
+    ax.plot(xs, [p["summary"]["request_throughput"] for p in points], marker="o", label="throughput")
+    ax.plot(xs, [p["summary"]["request_goodput"] for p in points], marker="s", label="goodput")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel("requests/s")
+    twin = ax.twinx()
+    twin.plot(xs, [p["summary"][f"p{PERCENTILES[1]}_ttft_ms"] for p in points], color="grey", linestyle="--", label="TTFT p90")
+    twin.set_ylabel("TTFT p90 ms")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

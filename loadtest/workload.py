@@ -1,0 +1,172 @@
+"""Workloads: which requests a load test sends, decided entirely by a seed.
+
+A request has 0..n images drawn from weighted resolution buckets, each a JPEG
+or PNG; with probability `repeat_ratio` an image slot reuses an image already
+sent (from a pool of the last `pool_size` new ones), so caches see repeats at
+a known rate. Questions and optional system prompts vary per request (the
+same image with different questions and system prompts is `pool_size=1,
+repeat_ratio=1`). Images are rendered once, before any clock starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from dataclasses import dataclass, field
+
+from prism.synthetic import encode, make_image
+
+# Named resolutions (width, height): the issue's mix plus strips.
+RESOLUTIONS = {
+    "256x256": (256, 256),
+    "720p": (1280, 720),
+    "1080p": (1920, 1080),
+    "4k": (3840, 2160),
+    "wide-strip": (2048, 256),
+    "tall-strip": (256, 2048),
+}
+QUESTIONS = (
+    "What is in this image?", "Describe the picture briefly.", "Which colours do you see?",
+    "How many shapes are there?", "Is there a circle?", "What stands out here?",
+)
+FILLER = "please answer in one short sentence and be precise about what you can see".split()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    name: str
+    width: int
+    height: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    bucket: str
+    width: int
+    height: int
+    fmt: str  # "JPEG" or "PNG"
+    seed: int  # distinct images have distinct seeds; a repeat is the same spec
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    images: tuple[ImageSpec, ...]
+    question: str
+    system: str | None
+    max_tokens: int
+
+    @property
+    def bucket(self) -> str:
+        """The request's resolution class: its first image's bucket, or "text"."""
+        return self.images[0].bucket if self.images else "text"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    buckets: tuple[Bucket, ...]
+    images_per_request: tuple[tuple[int, float], ...] = ((1, 1.0),)  # (count, weight)
+    png_fraction: float = 0.0
+    repeat_ratio: float = 0.0
+    pool_size: int = 32
+    prompt_words: int = 0  # filler words appended to each question (longer prompts)
+    max_tokens: int = 16
+    system_prompts: str = "none"  # none | fixed | unique
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.buckets or any(b.weight < 0 for b in self.buckets) or sum(b.weight for b in self.buckets) <= 0:
+            raise ValueError("buckets need non-negative weights with a positive sum")
+        if not 0 <= self.repeat_ratio <= 1 or not 0 <= self.png_fraction <= 1:
+            raise ValueError("repeat_ratio and png_fraction lie in [0, 1]")
+        if self.pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
+        if self.system_prompts not in ("none", "fixed", "unique"):
+            raise ValueError("system_prompts is none, fixed or unique")
+
+
+def parse_buckets(text: str) -> tuple[Bucket, ...]:
+    """"720p=2,4k=1,640x480=1": names from RESOLUTIONS or WxH, each with a weight."""
+    buckets = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, weight = item.partition("=")
+        if name in RESOLUTIONS:
+            width, height = RESOLUTIONS[name]
+        else:
+            try:
+                width, height = (int(v) for v in name.lower().split("x"))
+            except ValueError:
+                raise ValueError(f"unknown resolution {name!r}: use WxH or one of {', '.join(RESOLUTIONS)}") from None
+        buckets.append(Bucket(name, width, height, float(weight or 1)))
+    return tuple(buckets)
+
+
+def parse_distribution(text: str) -> tuple[tuple[int, float], ...]:
+    """"1=0.8,2=0.2": images per request and their weights."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        count, _, weight = item.partition("=")
+        pairs.append((int(count), float(weight or 1)))
+    return tuple(pairs)
+
+
+@dataclass
+class _Pool:
+    size: int
+    images: list[ImageSpec] = field(default_factory=list)
+
+    def add(self, image: ImageSpec) -> None:
+        self.images.append(image)
+        del self.images[: -self.size]
+
+
+def generate(spec: WorkloadSpec, count: int, first_index: int = 0) -> list[RequestSpec]:
+    """`count` requests, the same for the same spec and seed."""
+    rng = random.Random(spec.seed)
+    pool = _Pool(spec.pool_size)
+    counts, count_weights = zip(*spec.images_per_request)
+    requests = []
+    for index in range(first_index, first_index + count):
+        images = []
+        for _ in range(rng.choices(counts, count_weights)[0]):
+            if pool.images and rng.random() < spec.repeat_ratio:
+                images.append(rng.choice(pool.images))
+                continue
+            bucket = rng.choices(spec.buckets, [b.weight for b in spec.buckets])[0]
+            fmt = "PNG" if rng.random() < spec.png_fraction else "JPEG"
+            image = ImageSpec(bucket.name, bucket.width, bucket.height, fmt, rng.getrandbits(48))
+            pool.add(image)
+            images.append(image)
+        question = rng.choice(QUESTIONS)
+        if spec.prompt_words:
+            question += " " + " ".join(rng.choice(FILLER) for _ in range(spec.prompt_words))
+        system = {"none": None, "fixed": "You are a helpful assistant.", "unique": f"You are assistant number {index}; answer briefly."}[spec.system_prompts]
+        requests.append(RequestSpec(index, tuple(images), question, system, spec.max_tokens))
+    return requests
+
+
+def render(requests: list[RequestSpec]) -> dict[ImageSpec, bytes]:
+    """Every distinct image's encoded bytes (done once, before timing)."""
+    rendered = {}
+    for request in requests:
+        for image in request.images:
+            if image not in rendered:
+                rendered[image] = encode(_unique_picture(image), image.fmt)
+    return rendered
+
+
+def _unique_picture(image: ImageSpec):
+    """A photo-like picture that no other seed renders: make_image's own seeding
+    can repeat across names, so the seed is also stamped into a pixel block."""
+    picture = make_image(f"load-{image.seed}", (image.width, image.height))
+    stamp = image.seed.to_bytes(6, "big")
+    for i in range(0, 6, 3):
+        colour = tuple(stamp[i : i + 3])
+        picture.paste(colour, (i * 4, 0, i * 4 + 12, 12))  # 12 px blocks survive JPEG and downscaling
+    return picture
+
+
+def data_url(image: ImageSpec, data: bytes) -> str:
+    mime = "image/png" if image.fmt == "PNG" else "image/jpeg"
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

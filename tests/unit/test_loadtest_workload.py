@@ -1,0 +1,92 @@
+"""The load tester's workload generator: weights, repeats and seeds honoured."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from loadtest.workload import Bucket, ImageSpec, RequestSpec, WorkloadSpec, generate, parse_buckets, parse_distribution, render
+
+TWO_BUCKETS = (Bucket("big", 64, 48, 3.0), Bucket("small", 32, 32, 1.0))
+
+
+def repeated_share(requests) -> float:
+    seen, repeats, slots = set(), 0, 0
+    for request in requests:
+        for image in request.images:
+            repeats += image in seen
+            slots += 1
+            seen.add(image)
+    return repeats / slots
+
+
+def test_bucket_weights_are_honoured():
+    requests = generate(WorkloadSpec(TWO_BUCKETS, seed=1), 4000)
+    share = Counter(r.bucket for r in requests)["big"] / len(requests)
+    assert share == pytest.approx(0.75, abs=0.03)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 0.9])
+def test_the_repeat_ratio_is_honoured(ratio):
+    requests = generate(WorkloadSpec(TWO_BUCKETS, repeat_ratio=ratio, pool_size=8, seed=2), 4000)
+    assert repeated_share(requests) == pytest.approx(ratio, abs=0.03)
+
+
+def test_repeats_come_from_the_recent_pool():
+    requests = generate(WorkloadSpec(TWO_BUCKETS, repeat_ratio=0.5, pool_size=4, seed=3), 500)
+    recent: list[ImageSpec] = []
+    for request in requests:
+        (image,) = request.images
+        if image in set(recent) | {i for r in requests[: request.index] for i in r.images}:
+            assert image in recent, "a repeat must be one of the last pool_size new images"
+        else:
+            recent = (recent + [image])[-4:]
+
+
+def test_images_per_request_follow_their_distribution():
+    spec = WorkloadSpec(TWO_BUCKETS, images_per_request=parse_distribution("0=1,2=1"), seed=4)
+    counts = Counter(len(r.images) for r in generate(spec, 4000))
+    assert set(counts) == {0, 2} and counts[2] / 4000 == pytest.approx(0.5, abs=0.03)
+    assert all(r.bucket == "text" for r in generate(spec, 50) if not r.images)
+
+
+def test_the_same_seed_gives_the_same_workload_and_another_seed_another():
+    spec = WorkloadSpec(TWO_BUCKETS, repeat_ratio=0.3, png_fraction=0.5, prompt_words=5, system_prompts="unique", seed=7)
+    assert generate(spec, 200) == generate(spec, 200)
+    other = WorkloadSpec(TWO_BUCKETS, repeat_ratio=0.3, png_fraction=0.5, prompt_words=5, system_prompts="unique", seed=8)
+    assert generate(other, 200) != generate(spec, 200)
+
+
+def test_one_image_many_questions_and_system_prompts():
+    spec = WorkloadSpec(TWO_BUCKETS, repeat_ratio=1.0, pool_size=1, system_prompts="unique", seed=5)
+    requests = generate(spec, 40)
+    assert len({r.images for r in requests}) == 1
+    assert len({r.system for r in requests}) == 40 and len({r.question for r in requests}) > 1
+
+
+def test_png_fraction_and_prompt_words():
+    requests = generate(WorkloadSpec(TWO_BUCKETS, png_fraction=0.3, prompt_words=6, seed=6), 2000)
+    png = sum(r.images[0].fmt == "PNG" for r in requests) / 2000
+    assert png == pytest.approx(0.3, abs=0.03)
+    assert all(len(r.question.split()) >= 6 + 3 for r in requests)
+
+
+def test_distinct_images_render_to_distinct_bytes():
+    # 123 and 132 have the same digit sum: make_image's own name seeding collides on them.
+    specs = [ImageSpec("small", 32, 32, fmt, seed) for fmt in ("JPEG", "PNG") for seed in (123, 132)]
+    rendered = render([RequestSpec(0, tuple(specs), "q", None, 4)])
+    assert len(set(rendered.values())) == 4
+    assert rendered[specs[2]].startswith(b"\x89PNG") and rendered[specs[0]].startswith(b"\xff\xd8")
+
+
+def test_bucket_and_distribution_parsing():
+    buckets = parse_buckets("720p=2, 640x480, 4k=0.5")
+    assert [(b.name, b.width, b.height, b.weight) for b in buckets] == [
+        ("720p", 1280, 720, 2.0), ("640x480", 640, 480, 1.0), ("4k", 3840, 2160, 0.5)]
+    with pytest.raises(ValueError, match="unknown resolution"):
+        parse_buckets("8k=1")
+    with pytest.raises(ValueError):
+        WorkloadSpec(parse_buckets("720p=0"))
+    with pytest.raises(ValueError):
+        WorkloadSpec(TWO_BUCKETS, repeat_ratio=1.5)
