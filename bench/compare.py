@@ -90,6 +90,7 @@ def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> st
         "|---|---|---|---|---|",
     ]
     metrics = (("median_ttft_ms", "TTFT p50 ms", "{:.0f}"), ("p90_ttft_ms", "TTFT p90 ms", "{:.0f}"),
+               ("median_tpot_ms", "TPOT p50 ms", "{:.1f}"), ("median_e2el_ms", "E2E p50 ms", "{:.0f}"),
                ("request_throughput", "req/s", "{:.2f}"), ("request_goodput", "goodput req/s", "{:.2f}"))
     for case in cases:
         for key, name, fmt in metrics:
@@ -115,6 +116,7 @@ def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> st
         lines += ["", "Where Prism's TTFT went, scenario (a) at concurrency 8 (median ms per stage):", "",
                   "| resolution | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         lines += [f"| {b} | " + " | ".join(f"{s[n]:.1f}" for n in names) + " |" for b, s in stages.items()]
+    lines += ["", "How to read these numbers on a 2-core CPU: docs/architecture.md, \"Prism and vLLM on two CPU cores\"."]
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,7 @@ that finds the highest one meeting the SLO."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -61,11 +61,12 @@ def sweep(
     target: Target, spec: WorkloadSpec, loads: list[float], kind: str, plan: Plan, slo: SLO, attainment: float = 0.9,
 ) -> dict:
     """One load test per load (concurrency or rate); the best load is the highest
-    at which at least `attainment` of the requests met every SLO."""
+    at which at least `attainment` of the requests met every SLO. Each point gets
+    its own seed: images from an earlier point would be cache hits in a later one."""
     points = []
-    for load in loads:
-        arrival = Arrival(concurrency=int(load)) if kind == "concurrency" else Arrival(rate=load)
-        result = load_test(target, spec, arrival, plan, slo)
+    for i, load in enumerate(loads):
+        arrival = Arrival(concurrency=int(load)) if kind == "concurrency" else Arrival(rate=load, seed=spec.seed + i)
+        result = load_test(target, replace(spec, seed=spec.seed + 1000 * i), arrival, plan, slo)
         points.append({"load": load, "summary": result["summary"], "by_bucket": result["by_bucket"]})
     meeting = [p["load"] for p in points if p["summary"]["slo_attainment"] >= attainment]
     return {"target": target.base_url, "kind": kind, "slo": asdict(slo), "attainment": attainment,
