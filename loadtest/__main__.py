@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from loadtest import report as reports
-from loadtest.bench import Plan, load_test, sweep, sweep_markdown, write_sweep
+from loadtest.bench import Plan, load_test, sweep
 from loadtest.client import Target
 from loadtest.runner import Arrival
 from loadtest.stats import SLO
@@ -91,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_concurrency or args.sweep_rate:
         kind = "concurrency" if args.sweep_concurrency else "rate"
         result = sweep(target, spec, args.sweep_concurrency or args.sweep_rate, kind, plan, slo, args.slo_attainment)
-        console.print(sweep_markdown(result))
+        console.print(reports.sweep_markdown(result))
         if args.out_dir:
-            write_sweep(result, args.out_dir, args.name)
+            for path in reports.write_sweep(result, args.out_dir, args.name):
+                console.print(f"wrote {path}")
         return 0
     arrival = Arrival(rate=args.rate, seed=args.seed) if args.rate else Arrival(concurrency=args.concurrency or 1)
     result = load_test(target, spec, arrival, plan, slo)

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest import report as reports
 from loadtest.client import Target
 from loadtest.runner import Arrival, RunResult, image_urls, run
 from loadtest.stats import SLO, by_bucket, stage_medians, summarize
@@ -71,28 +69,3 @@ def sweep(
     meeting = [p["load"] for p in points if p["summary"]["slo_attainment"] >= attainment]
     return {"target": target.base_url, "kind": kind, "slo": asdict(slo), "attainment": attainment,
             "points": points, "best_load": max(meeting) if meeting else None}
-
-
-def sweep_markdown(result: dict) -> str:
-    unit = "concurrency" if result["kind"] == "concurrency" else "req/s offered"
-    lines = [f"### Sweep of {unit} — {result['target']}", "",
-             f"| {unit} | req/s | goodput req/s | SLO met | TTFT p50 ms | TTFT p90 ms | E2E p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
-    for p in result["points"]:
-        s = p["summary"]
-        lines.append(f"| {p['load']:g} | {s['request_throughput']:.2f} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
-                     f"{s['median_ttft_ms']:.0f} | {s['p90_ttft_ms']:.0f} | {s['median_e2el_ms']:.0f} | {s['failed']} |")
-    best = result["best_load"]
-    lines += ["", f"Highest load with ≥ {result['attainment']:.0%} of requests within the SLO: {best if best is not None else 'none'}"]
-    return "\n".join(lines) + "\n"
-
-
-def write_sweep(result: dict, out_dir: Path, name: str = "sweep") -> list[Path]:
-    import json
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    files[0].write_text(json.dumps(result, indent=2))
-    files[1].write_text(sweep_markdown(result))
-    label = "concurrency" if result["kind"] == "concurrency" else "offered load (req/s)"
-    files.append(reports.plot_sweep(result["points"], out_dir / f"{name}-throughput.png", label))
-    return files

@@ -61,12 +61,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(report: dict, out_dir: Path, name: str = "result") -> list[Path]:
-    """JSON, Markdown and plots of one run; returns the files written."""
+def _write_data(data: dict, text: str, out_dir: Path, name: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    files[0].write_text(json.dumps(report, indent=2))
-    files[1].write_text(markdown(report))
+    files[0].write_text(json.dumps(data, indent=2))
+    files[1].write_text(text)
+    return files
+
+
+def write(report: dict, out_dir: Path, name: str = "result") -> list[Path]:
+    """JSON, Markdown and plots of one run; returns the files written."""
+    files = _write_data(report, markdown(report), out_dir, name)
     files.append(plot_cdf(report, out_dir / f"{name}-latency-cdf.png"))
     if report["stages"]:
         files.append(plot_stages(report, out_dir / f"{name}-stages.png"))
@@ -93,7 +98,10 @@ def plot_cdf(report: dict, path: Path) -> Path:
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"Latency CDF — {report['target']}, {report['arrival']}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if report["samples"]["ttft_ms"]:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no request completed", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -137,3 +145,24 @@ def plot_sweep(points: list[dict], path: Path, x_label: str) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def sweep_markdown(result: dict) -> str:
+    unit = "concurrency" if result["kind"] == "concurrency" else "req/s offered"
+    lines = [f"### Sweep of {unit} — {result['target']}", "",
+             f"| {unit} | req/s | goodput req/s | SLO met | TTFT p50 ms | TTFT p90 ms | E2E p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        s = p["summary"]
+        lines.append(f"| {p['load']:g} | {s['request_throughput']:.2f} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
+                     f"{s['median_ttft_ms']:.0f} | {s['p90_ttft_ms']:.0f} | {s['median_e2el_ms']:.0f} | {s['failed']} |")
+    best = result["best_load"]
+    lines += ["", f"Highest load with ≥ {result['attainment']:.0%} of requests within the SLO: {best if best is not None else 'none'}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(result: dict, out_dir: Path, name: str = "sweep") -> list[Path]:
+    """JSON, Markdown and the throughput plot of a sweep."""
+    files = _write_data(result, sweep_markdown(result), out_dir, name)
+    label = "concurrency" if result["kind"] == "concurrency" else "offered load (req/s)"
+    files.append(plot_sweep(result["points"], out_dir / f"{name}-throughput.png", label))
+    return files

@@ -1,0 +1,31 @@
+"""The load tester's command line, end to end against a port nobody listens on:
+every request fails (counted by kind) and every report file is still written."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest.__main__ import main
+
+DEAD = ["--base-url", "http://127.0.0.1:9", "--buckets", "64x48", "--warmup", "0", "--quiet", "--timeout-s", "5"]
+
+
+def test_a_run_writes_json_markdown_and_plots(tmp_path):
+    assert main([*DEAD, "--requests", "3", "--concurrency", "2", "--out-dir", str(tmp_path)]) == 1  # nothing completed
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["summary"]["failed"] == 3 and sum(result["summary"]["errors"].values()) == 3
+    assert (tmp_path / "result.md").read_text().startswith("### http://127.0.0.1:9")
+    assert (tmp_path / "result-latency-cdf.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_sweep_writes_its_table_and_plot(tmp_path):
+    assert main([*DEAD, "--requests", "2", "--sweep-rate", "5,10", "--slo-ttft-ms", "100", "--out-dir", str(tmp_path)]) == 0
+    sweep = json.loads((tmp_path / "result.json").read_text())
+    assert [p["load"] for p in sweep["points"]] == [5.0, 10.0] and sweep["best_load"] is None
+    assert "Highest load" in (tmp_path / "result.md").read_text()
+    assert (tmp_path / "result-throughput.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_bad_workloads_are_refused_with_a_message(capsys):
+    assert main([*DEAD, "--buckets", "8k=1"]) == 2
+    assert "unknown resolution" in capsys.readouterr().err
