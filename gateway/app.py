@@ -19,7 +19,7 @@ from gateway import metrics
 from gateway.admission import Authenticator, ConcurrencyLimiter
 from gateway.chat import ChatHandler
 from gateway.clients import EngineClient
-from gateway.encoder_pool import EncoderPool
+from gateway.encoder_pool import EncoderPool, expand_addresses
 from gateway.config import GatewayConfig
 from gateway.dashboard import DashboardWindow, ServiceSample
 from gateway.errors import APIError
@@ -55,7 +55,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.ctx = zmq.asyncio.Context()
-        self.encoder = EncoderPool(self.ctx, config.encoder_addresses, config.heartbeat_timeout_s)
+        self.encoder = EncoderPool(self.ctx, expand_addresses(config.encoder_addresses), config.heartbeat_timeout_s)
         self.engine = EngineClient(self.ctx, config.engine_address, "LLM engine", config.heartbeat_timeout_s)
         self.pipeline: ChatPipeline | None = None
         self._sampler: asyncio.Task | None = None

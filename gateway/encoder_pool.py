@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
+import socket
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +38,30 @@ from protocol.to_gateway import EncodeNeedsPixels, EncodeResult
 log = logging.getLogger("prism.gateway")
 RETRIABLE = (503, 429)  # the replica is gone or full; another may not be
 LAST_SERVED_ENTRIES = 65536  # digests remembered for affinity (~3 MB)
+
+
+def expand_addresses(addresses: Sequence[str]) -> list[str]:
+    """One address per replica: a tcp:// host name that resolves to several
+    addresses (docker compose's DNS for a service run with --scale) becomes one
+    replica per address. Resolved once, at start-up; ipc:// and literal IPs stay."""
+    expanded: list[str] = []
+    for address in addresses:
+        scheme, _, rest = address.partition("://")
+        host, _, port = rest.rpartition(":")
+        if scheme != "tcp" or not port.isdigit() or _is_ip(host.strip("[]")):
+            expanded.append(address)
+            continue
+        ips = sorted({info[4][0] for info in socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)})
+        expanded += [f"tcp://{f'[{ip}]' if ':' in ip else ip}:{port}" for ip in ips]
+    return list(dict.fromkeys(expanded))
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -23,4 +23,9 @@ class EngineConfig(FrozenConfig):
     enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     tensor_parallel_size: int = Field(1, ge=1)
+    kv_cache_dtype: str = "auto"  # vLLM's choices: auto, fp8, fp8_e4m3, ...
+    enable_chunked_prefill: bool | None = None  # None: vLLM's default
+    # Passed through to vLLM (prefill/decode disaggregation on GPUs), e.g.
+    # {kv_connector: NixlConnector, kv_role: kv_both}; see docs/deployment.md.
+    kv_transfer_config: dict[str, Any] | None = None
     seed: int = 0

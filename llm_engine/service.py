@@ -28,6 +28,7 @@ log = logging.getLogger("prism.engine")
 
 
 def engine_args(config: EngineConfig):
+    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kv_bytes = config.kv_cache_memory_mb * 2**20 if config.kv_cache_memory_mb else None
@@ -43,6 +44,9 @@ def engine_args(config: EngineConfig):
         enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager,
         tensor_parallel_size=config.tensor_parallel_size,
+        kv_cache_dtype=config.kv_cache_dtype,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        kv_transfer_config=KVTransferConfig(**config.kv_transfer_config) if config.kv_transfer_config else None,
         seed=config.seed,
         # Images arrive as embeddings: with a limit of 0 raw images and embeddings
         # enabled, vLLM never loads the vision tower.

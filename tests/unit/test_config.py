@@ -7,7 +7,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from llm_engine.config import EngineConfig
-from prism.config import DEFAULT_CONFIG, ConfigError, load_config
+from prism.config import DEFAULT_CONFIG, REPO_ROOT, ConfigError, load_config
 from vision_encoder.config import EncoderConfig
 
 
@@ -52,3 +52,19 @@ def test_cross_field_checks(tmp_path):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(EngineConfig, "engine", tmp_path / "nope.yaml", env={})
+
+
+PROFILES = sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml") if p.name != "prometheus.yml")
+
+
+@pytest.mark.parametrize("path", PROFILES, ids=lambda p: p.name)
+def test_every_shipped_profile_is_valid_for_every_service(path):
+    for section, model in (("gateway", GatewayConfig), ("encoder", EncoderConfig), ("engine", EngineConfig)):
+        load_config(model, section, path, env={})
+
+
+def test_the_profiles_include_a_real_gpu_model_and_several_hosts():
+    names = {p.name for p in PROFILES}
+    assert {"cpu-demo.yaml", "compose.yaml", "qwen2.5-vl-7b.yaml", "multi-host.yaml"} <= names
+    gpu = load_config(EngineConfig, "engine", REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml", env={})
+    assert gpu.kv_cache_memory_mb is None and gpu.enable_chunked_prefill and not gpu.enforce_eager

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from gateway.encoder_pool import EncoderPool, Route
+from gateway.encoder_pool import EncoderPool, Route, expand_addresses
 from gateway.errors import APIError
 
 
@@ -94,3 +94,12 @@ def test_nothing_up_is_a_503(pool):
     with pytest.raises(APIError) as raised:
         pool.require_up()
     assert raised.value.status == 503 and raised.value.headers["Retry-After"]
+
+
+def test_a_host_name_becomes_one_replica_per_address():
+    assert expand_addresses(["ipc:///tmp/a.sock", "tcp://10.0.0.7:5555", "tcp://[::1]:5555"]) == [
+        "ipc:///tmp/a.sock", "tcp://10.0.0.7:5555", "tcp://[::1]:5555"]
+    local = expand_addresses(["tcp://localhost:5555"])
+    assert local and all(a.startswith("tcp://") and a.endswith(":5555") for a in local)
+    assert "tcp://127.0.0.1:5555" in local
+    assert expand_addresses(["tcp://127.0.0.1:5555", "tcp://localhost:5555"]).count("tcp://127.0.0.1:5555") == 1

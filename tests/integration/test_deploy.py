@@ -1,0 +1,117 @@
+"""docker-compose.yml and its GPU override, checked by docker-compose itself
+(`config`: no container engine runs here) and against configs/compose.yaml:
+every service has a health check, start-up waits on health, and every port
+and address the services use lines up."""
+
+from __future__ import annotations
+
+import subprocess
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from prism.config import REPO_ROOT, load_config
+from tests.integration.system import binary
+
+BASE = ["docker-compose.yml"]
+GPU = ["docker-compose.yml", "docker-compose.gpu.yml"]
+PRISM_SERVICES = ("vision-encoder", "llm-engine", "gateway")
+
+
+def compose_config(files: list[str]) -> dict:
+    args = [binary("docker-compose")]
+    for name in files:
+        args += ["-f", name]
+    done = subprocess.run([*args, "config"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def base() -> dict:
+    return compose_config(BASE)
+
+
+@pytest.fixture(scope="module")
+def profile() -> dict:
+    return yaml.safe_load((REPO_ROOT / "configs" / "compose.yaml").read_text())
+
+
+def port_of(address: str) -> int:
+    return urlparse(address).port
+
+
+def test_every_service_has_a_health_check_and_waits_on_health(base):
+    services = base["services"]
+    assert set(services) == {"redis", "vision-encoder", "llm-engine", "gateway", "prometheus", "grafana"}
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
+        for dependency in (service.get("depends_on") or {}).values():
+            assert dependency["condition"] == "service_healthy", name
+
+
+def test_prism_services_run_one_image_built_from_the_repo_with_the_compose_profile(base):
+    for name in PRISM_SERVICES:
+        service = base["services"][name]
+        assert service["build"]["dockerfile"].endswith("docker/Dockerfile") and service["build"]["args"]["FLAVOUR"] == "cpu"
+        assert service["environment"]["PRISM_CONFIG"] == "/opt/prism/configs/compose.yaml"
+    dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
+    assert "scripts/install.sh" in dockerfile and "COPY requirements/" in dockerfile  # the README's pinned install
+
+
+def test_ports_and_addresses_line_up_with_the_profile(base, profile):
+    services = base["services"]
+    gateway, encoder, engine = profile["gateway"], profile["encoder"], profile["engine"]
+    published = {int(p["target"]): int(p["published"]) for p in services["gateway"]["ports"]}
+    assert gateway["port"] in published
+    assert str(port_of(encoder["address"])) in services["vision-encoder"]["expose"]
+    assert str(port_of(engine["address"])) in services["llm-engine"]["expose"]
+    for address in gateway["encoder_addresses"]:
+        assert urlparse(address).hostname == "vision-encoder" and port_of(address) == port_of(encoder["address"])
+    assert urlparse(gateway["engine_address"]).hostname == "llm-engine"
+    assert port_of(gateway["engine_address"]) == port_of(engine["address"])
+    assert urlparse(encoder["shared_cache_url"]).hostname == "redis"
+    scrape = yaml.safe_load((REPO_ROOT / "configs" / "prometheus.yml").read_text())
+    assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == [f"gateway:{gateway['port']}"]
+    datasource = yaml.safe_load((REPO_ROOT / "configs/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    assert any(int(p["target"]) == 9090 for p in services["prometheus"]["ports"])
+
+
+def test_the_gpu_override_reserves_devices_and_builds_the_gpu_flavour():
+    services = compose_config(GPU)["services"]
+    for name in ("vision-encoder", "llm-engine"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        assert services[name]["environment"]["PRISM_ENCODER__DEVICE"] == "cuda"
+    for name in PRISM_SERVICES:
+        assert services[name]["build"]["args"]["FLAVOUR"] == "gpu"
+    assert "deploy" not in services["gateway"]  # the gateway needs no GPU
+
+
+def test_the_compose_profile_validates_for_every_service(profile):
+    from gateway.config import GatewayConfig
+    from llm_engine.config import EngineConfig
+    from vision_encoder.config import EncoderConfig
+
+    path = REPO_ROOT / "configs" / "compose.yaml"
+    for section, model in (("gateway", GatewayConfig), ("encoder", EncoderConfig), ("engine", EngineConfig)):
+        load_config(model, section, path, env={})
+
+
+def healthcheck(service: str, env: dict[str, str]) -> int:
+    import os
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "prism.healthcheck", service, "--timeout-s", "3"], cwd=REPO_ROOT,
+                          env={**os.environ, **env}, capture_output=True, timeout=60)
+    return done.returncode
+
+
+def test_the_health_checks_pass_against_a_live_stack_and_fail_without_one(stack, tmp_path):
+    assert healthcheck("encoder", {"PRISM_ENCODER__ADDRESS": stack.encoder_addresses[0]}) == 0
+    assert healthcheck("engine", {"PRISM_ENGINE__ADDRESS": stack.engine_address}) == 0
+    assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": str(stack.port)}) == 0
+    assert healthcheck("encoder", {"PRISM_ENCODER__ADDRESS": f"ipc://{tmp_path}/nobody.sock"}) == 1
+    assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": "9"}) == 1

@@ -1,0 +1,26 @@
+"""The engine config reaches vLLM's engine args as written (GPU knobs included)."""
+
+from __future__ import annotations
+
+from llm_engine.config import EngineConfig
+from llm_engine.service import engine_args
+
+
+def test_vllm_knobs_pass_through():
+    config = EngineConfig(
+        model="/models/qwen", max_num_batched_tokens=8192, kv_cache_memory_mb=None, gpu_memory_utilization=0.85,
+        kv_cache_dtype="fp8", enable_chunked_prefill=True, enforce_eager=False, tensor_parallel_size=2,
+        kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+    )
+    args = engine_args(config)
+    assert (args.max_num_batched_tokens, args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (8192, None, 0.85)
+    assert (args.kv_cache_dtype, args.enable_chunked_prefill, args.enforce_eager, args.tensor_parallel_size) == ("fp8", True, False, 2)
+    assert args.kv_transfer_config.kv_connector == "NixlConnector" and args.kv_transfer_config.kv_role == "kv_both"
+    # images arrive as embeddings: the vision tower is never loaded
+    assert args.enable_mm_embeds and args.limit_mm_per_prompt == {"image": 0, "video": 0}
+
+
+def test_defaults_leave_vllm_its_own_choices():
+    args = engine_args(EngineConfig(model="/models/demo"))
+    assert args.kv_transfer_config is None and args.enable_chunked_prefill is None and args.kv_cache_dtype == "auto"
+    assert args.kv_cache_memory_bytes == 1024 * 2**20
