@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from pathlib import Path
 
@@ -18,16 +19,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from gateway import metrics
 from gateway.admission import Authenticator, ConcurrencyLimiter
 from gateway.chat import ChatHandler
-from gateway.clients import EngineClient
-from gateway.encoder_pool import EncoderPool, expand_addresses
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ModelRoute
 from gateway.dashboard import DashboardWindow, ServiceSample
 from gateway.errors import APIError
 from gateway.fetch import FetchLimits, ImageFetcher
-from gateway.intake import ImageLimits, IntakePolicy
+from gateway.intake import ImageLimits
+from gateway.models import ServedModel
 from gateway.parsing import validation_error
-from gateway.pipeline import ChatPipeline
 from gateway.schemas import ChatCompletionRequest
+from prism.config import ConfigError, load_config
 
 log = logging.getLogger("prism.gateway")
 STATIC = Path(__file__).with_name("static")
@@ -50,16 +50,16 @@ def fetch_limits(config: GatewayConfig) -> FetchLimits:
 
 
 class Gateway:
-    """Process-wide state: the service clients, the pipeline, admission, the dashboard window."""
+    """Process-wide state: the served models, admission, the dashboard window."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, config_path: Path | None = None) -> None:
         self.config = config
+        self.config_path = config_path  # re-read on reload
         self.ctx = zmq.asyncio.Context()
-        self.encoder = EncoderPool(self.ctx, expand_addresses(config.encoder_addresses), config.heartbeat_timeout_s)
-        self.engine = EngineClient(self.ctx, config.engine_address, "LLM engine", config.heartbeat_timeout_s)
-        self.pipeline: ChatPipeline | None = None
+        self.models: dict[str, ServedModel] = {}
+        self.retired: list[ServedModel] = []  # draining after a reload; still exported until gone
         self._sampler: asyncio.Task | None = None
-        self.model_name = config.served_model_name or ""
+        self._reloading = asyncio.Lock()
         self.auth = Authenticator(config.api_keys)
         self.limiter = ConcurrencyLimiter(
             config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight
@@ -68,28 +68,59 @@ class Gateway:
         self.window = DashboardWindow()
         self.stats_collector = metrics.ServiceStatsCollector(self)
 
+    async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
+        served = ServedModel.create(name, route, self.ctx, self.config)
+        await served.start(self.config, image_limits(self.config), self.fetcher, self.limiter)
+        return served
+
     async def start(self) -> None:
-        timeout = self.config.startup_timeout_s
-        encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
-        self.model_name = self.config.served_model_name or engine_info.model
-        policy = IntakePolicy(encoder_info.processor, image_limits(self.config))
-        self.pipeline = ChatPipeline(self.config, self.encoder, self.engine, policy, self.fetcher, self.limiter)
-        self.encoder.start_heartbeat(self.config.stats_interval_s)
-        self.engine.start_heartbeat(self.config.stats_interval_s)
+        started = await asyncio.gather(*(self._start_model(n, r) for n, r in self.config.routes().items()))
+        self.models = {served.name: served for served in started}
         self._sampler = asyncio.create_task(self._sample_every(self.config.stats_interval_s))
         REGISTRY.register(self.stats_collector)
-        log.info("gateway connected: encoder %s, engine %s", encoder_info.model, engine_info.model)
-        log.info("Prism ready: http://%s:%d/v1 (model %r)", self.config.host, self.config.port, self.model_name)
+        log.info("Prism ready: http://%s:%d/v1 (models %s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)))
+
+    async def reload(self) -> None:
+        """Re-read the routing map (`models`) from the config file: drain → update → retire.
+        Other settings take effect at the next start."""
+        async with self._reloading:
+            try:
+                routes = load_config(GatewayConfig, "gateway", self.config_path).routes()
+            except ConfigError as exc:
+                log.error("reload refused, the running map stays: %s", exc)
+                return
+            if None in routes and len(self.models) == 1:  # an unnamed model keeps the engine's name
+                routes = {next(iter(self.models)): routes[None]}
+            keep = {name: served for name, served in self.models.items() if routes.get(name) == served.route}
+            try:
+                fresh = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep))
+            except Exception as exc:  # noqa: BLE001 - a model that cannot start leaves the running map as it is
+                log.error("reload failed, the running map stays: %s", exc)
+                return
+            retiring = [served for name, served in self.models.items() if name not in keep]
+            self.models = {**keep, **{served.name: served for served in fresh}}
+            for served in retiring:
+                self.retired.append(served)
+                asyncio.create_task(self._retire(served))
+            log.info("routing map reloaded: %s (%d retiring)", ", ".join(map(repr, self.models)), len(retiring))
+
+    async def _retire(self, served: ServedModel) -> None:
+        await served.retire(self.config.drain_timeout_s)
+        self.retired.remove(served)
+
+    def pools(self):
+        """(model name, encoder pool, engine pool) of every model, retiring ones included."""
+        return [(m.name, m.encoder, m.engine) for m in [*self.models.values(), *self.retired]]
 
     async def _sample_every(self, interval_s: float) -> None:
-        """The dashboard's service samples: the latest polled stats, summed over replicas."""
+        """The dashboard's service samples: the latest polled stats, summed over models and replicas."""
         while True:
             await asyncio.sleep(interval_s)
-            encoders = [r.stats for r in self.encoder.replicas if r.stats is not None]
-            engine_stats = self.engine.stats
+            encoders = [r.stats for _, pool, _ in self.pools() for r in pool.replicas if r.stats is not None]
+            engines = [r.stats for _, _, pool in self.pools() for r in pool.replicas if r.stats is not None]
             self.window.add_sample(ServiceSample(
                 at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
-                engine_waiting=engine_stats.waiting if engine_stats else 0, gateway_in_flight=self.limiter.in_flight,
+                engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=self.limiter.in_flight,
                 batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
             ))
 
@@ -99,18 +130,21 @@ class Gateway:
         with contextlib.suppress(KeyError):
             REGISTRY.unregister(self.stats_collector)
         await self.fetcher.close()
-        await self.encoder.close()
-        await self.engine.close()
+        for served in [*self.models.values(), *self.retired]:
+            await served.close()
         self.ctx.term()
 
 
-def create_app(config: GatewayConfig) -> FastAPI:
-    gateway = Gateway(config)
+def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAPI:
+    gateway = Gateway(config, config_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await gateway.start()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload()))
         yield
+        loop.remove_signal_handler(signal.SIGHUP)
         await gateway.stop()
 
     app = FastAPI(title="Prism", lifespan=lifespan)
@@ -133,11 +167,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/health/ready")
     @app.get("/health")
     async def ready() -> JSONResponse:
-        services = {"encoder": gateway.encoder.up, "engine": gateway.engine.up}
-        body = {"status": "ready" if all(services.values()) else "degraded", "model": gateway.model_name,
-                "services": {name: "up" if up else "down" for name, up in services.items()},
-                "encoder_replicas": {r.address: "up" if r.up else "down" for r in gateway.encoder.replicas}}
-        return JSONResponse(body, status_code=200 if all(services.values()) else 503)
+        ready = all(served.up for served in gateway.models.values())
+        body = {"status": "ready" if ready else "degraded", "models": {
+            name: {"encoder": "up" if served.encoder.up else "down", "engine": "up" if served.engine.up else "down",
+                   "replicas": {r.address: "up" if r.up else "down" for r in (*served.encoder.replicas, *served.engine.replicas)}}
+            for name, served in gateway.models.items()}}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -154,7 +189,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gateway.auth.identify(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "prism"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "prism"} for name in gateway.models]}
 
     @app.post(
         "/v1/chat/completions",

@@ -109,16 +109,21 @@ class ChatHandler:
             "-" if ttft is None else f"{ttft * 1000:.1f}", timer.completion_tokens, timer.cache_hits, timer.cache_misses,
         )
 
-    async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: Callable[[], None], body_read: asyncio.Event) -> Response:
+    async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: "_Once", body_read: asyncio.Event) -> Response:
         gateway = self.gateway
         parse_started = time.perf_counter()
         request = await parse_request(http_request, gateway.config.max_body_bytes)
         body_read.set()
         timer.add("parse", time.perf_counter() - parse_started)
-        if request.model != gateway.model_name:
-            raise APIError(404, f"model '{request.model}' does not exist; this server serves '{gateway.model_name}'", param="model", code="model_not_found")
-        prepared = await gateway.pipeline.prepare(request, timer, rid)
-        deltas = gateway.pipeline.generate(prepared, timer)
+        served = gateway.models.get(request.model)
+        if served is None:
+            names = ", ".join(repr(name) for name in gateway.models)
+            raise APIError(404, f"model '{request.model}' does not exist; this server serves {names}", param="model", code="model_not_found")
+        served.enter()
+        done.add(served.leave)  # a stream leaves when it ends
+        prepared = await served.pipeline.prepare(request, timer, rid)
+        prepared.model = served.name
+        deltas = served.pipeline.generate(prepared, timer)
         if request.stream:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -137,7 +142,7 @@ class ChatHandler:
                 last = delta
         timer.mark_finished()
         body = responses.completion(
-            prepared.request.request_id, self.gateway.model_name, "".join(text), last.finish_reason,
+            prepared.request.request_id, prepared.model, "".join(text), last.finish_reason,
             responses.usage(last.prompt_tokens, last.completion_tokens), timer.breakdown(),
         )
         self.finish(timer, 200, "ok")
@@ -161,7 +166,7 @@ class ChatHandler:
 
     async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, include_usage: bool):
         """SSE events; an APIError item reports a failure after the stream began."""
-        rid, model, created = prepared.request.request_id, self.gateway.model_name, int(time.time())
+        rid, model, created = prepared.request.request_id, prepared.model, int(time.time())
         last = first
         async with contextlib.aclosing(deltas):
             try:
@@ -188,16 +193,20 @@ class ChatHandler:
 
 
 class _Once:
-    """Call a release function once, however many paths reach it."""
+    """Call the release functions once, however many paths reach them."""
 
     def __init__(self, release: Callable[[], object]) -> None:
-        self._release = release
+        self._releases = [release]
         self._done = False
+
+    def add(self, release: Callable[[], object]) -> None:
+        self._releases.append(release)
 
     def __call__(self) -> None:
         if not self._done:
             self._done = True
-            self._release()
+            for release in self._releases:
+                release()
 
 
 async def _wait_for_disconnect(http_request: Request, body_read: asyncio.Event) -> None:

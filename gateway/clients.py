@@ -98,7 +98,7 @@ class ServiceClient:
         id), so they fail now instead of at the heartbeat timeout."""
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED and self.up:
+            if event["event"] == zmq.EVENT_DISCONNECTED and (self.up or self._streams):
                 self._mark_down("lost its connection")
 
     def _mark_down(self, why: str) -> None:
@@ -112,7 +112,11 @@ class ServiceClient:
         self.stats_received_at = asyncio.get_running_loop().time()
         if restarted:
             self._fail_in_flight(f"{self.name} restarted; the request was lost with it")
-        if not self.up:
+        draining = getattr(stats, "draining", False)
+        if draining and self.up:  # it finishes what it has; nothing new goes to it
+            log.warning("%s is draining", self.name)
+            self.up = False
+        elif not draining and not self.up:
             log.warning("%s is back", self.name)
             self.up = True
 

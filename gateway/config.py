@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from prism.config import FrozenConfig
+
+
+class ModelRoute(FrozenConfig):
+    """One served model: where its encoders and engines listen."""
+
+    encoder_addresses: tuple[str, ...] = Field(min_length=1)
+    engine_addresses: tuple[str, ...] = Field(min_length=1)
+    # The checkpoint `prism serve` starts this model's services with (None: the
+    # shared top-level `model`). Gateways started alone ignore it.
+    checkpoint: str | None = None
 
 
 class GatewayConfig(FrozenConfig):
@@ -14,8 +24,11 @@ class GatewayConfig(FrozenConfig):
     port: int = Field(8000, ge=0, le=65535)
     # One address per encoder replica; `prism serve` starts one encoder for each.
     encoder_addresses: tuple[str, ...] = Field(("ipc:///tmp/prism/encoder.sock",), min_length=1)
-    engine_address: str = "ipc:///tmp/prism/engine.sock"
+    engine_addresses: tuple[str, ...] = Field(("ipc:///tmp/prism/engine.sock",), min_length=1)  # one per engine replica
     served_model_name: str | None = None  # None: the name the engine reports
+    # Several models behind one gateway: name → its encoders and engines. When
+    # set, it replaces the three keys above. Reloaded on SIGHUP.
+    models: dict[str, ModelRoute] = Field(default_factory=dict)
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
     encode_timeout_s: float = Field(120, gt=0)
     generate_timeout_s: float = Field(600, gt=0)
@@ -50,6 +63,21 @@ class GatewayConfig(FrozenConfig):
     fetch_allowed_domains: tuple[str, ...] = ()  # empty: any host with a public address
     # Explicit opt-in for networks the SSRF guard refuses (loopback, private, ...).
     fetch_allowed_networks: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_checkpoint_per_address(self) -> "GatewayConfig":
+        served_by: dict[str, str | None] = {}
+        for name, route in self.models.items():
+            for address in (*route.encoder_addresses, *route.engine_addresses):
+                if served_by.setdefault(address, route.checkpoint) != route.checkpoint:
+                    raise ValueError(f"models.{name}: {address} is listed with two different checkpoints")
+        return self
+
+    def routes(self) -> dict[str | None, ModelRoute]:
+        """Served name → route; a None name is taken from the engine's answer."""
+        if self.models:
+            return dict(self.models)
+        return {self.served_model_name: ModelRoute(encoder_addresses=self.encoder_addresses, engine_addresses=self.engine_addresses)}
 
     @field_validator("fetch_allowed_networks")
     @classmethod

@@ -53,26 +53,27 @@ def observe(timer) -> None:
 
 
 class ServiceStatsCollector:
-    """Exports the latest stats the gateway polled from the encoders and the engine.
-    Encoder figures are summed over replicas; `prism_encoder_replica_*` show each one."""
+    """Exports the latest stats the gateway polled from the encoders and engines.
+    Figures are summed over models and replicas; `prism_encoder_replica_*` and
+    `prism_engine_replica_*` show each replica (labelled by model)."""
 
     def __init__(self, gateway) -> None:
         self.gateway = gateway
 
     def collect(self):
-        pool = self.gateway.encoder
-        encoders = [replica.stats for replica in pool.replicas if replica.stats is not None]
-        engine = self.gateway.engine.stats
+        pools = self.gateway.pools()
+        encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
+        engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
         in_flight = GaugeMetricFamily("prism_service_in_flight_requests", "Requests in flight inside each service", labels=["service"])
         queue = GaugeMetricFamily("prism_queue_depth", "Work waiting in each service (encoder: images; engine: requests with no token yet)", labels=["service"])
         if encoders:
             in_flight.add_metric(["encoder"], sum(e.in_flight for e in encoders))
             queue.add_metric(["encoder"], sum(e.queue_depth for e in encoders))
             yield from _encoder_metrics(encoders)
-        yield from _replica_metrics(pool)
-        if engine is not None:
-            in_flight.add_metric(["engine"], engine.in_flight)
-            queue.add_metric(["engine"], engine.waiting)
+        if engines:
+            in_flight.add_metric(["engine"], sum(e.in_flight for e in engines))
+            queue.add_metric(["engine"], sum(e.waiting for e in engines))
+        yield from _replica_metrics(pools)
         yield in_flight
         yield queue
 
@@ -99,23 +100,41 @@ def _encoder_metrics(encoders: list):
         yield shared_events
 
 
-def _replica_metrics(pool):
-    up = GaugeMetricFamily("prism_encoder_replica_up", "1 while the replica answers its heartbeat", labels=["replica"])
-    outstanding = GaugeMetricFamily("prism_encoder_replica_outstanding", "Requests sent to the replica and not yet answered", labels=["replica"])
-    sent = CounterMetricFamily("prism_encoder_replica_requests", "Encode requests sent to each replica", labels=["replica"])
-    encoded = CounterMetricFamily("prism_encoder_replica_images_encoded", "Images each replica encoded (since its start)", labels=["replica"])
-    shared_up = GaugeMetricFamily("prism_shared_cache_up", "1 while the replica reaches the shared cache tier", labels=["replica"])
-    for index, replica in enumerate(pool.replicas):
-        label = [str(index)]
-        up.add_metric(label, int(replica.up))
-        outstanding.add_metric(label, replica.outstanding)
-        sent.add_metric(label, pool.requests_sent[index])
-        if replica.stats is not None:
-            encoded.add_metric(label, replica.stats.images_encoded)
-            if replica.stats.shared_cache is not None:
-                shared_up.add_metric(label, int(replica.stats.shared_cache.up))
-    yield from (up, outstanding, sent, encoded, shared_up)
-    yield CounterMetricFamily("prism_encoder_failovers", "Encode requests moved to another replica after a 503 or 429", value=pool.failovers)
+def _replica_metrics(pools):
+    labels = ["model", "replica"]
+    families = {
+        "up": GaugeMetricFamily("prism_encoder_replica_up", "1 while the encoder replica answers its heartbeat", labels=labels),
+        "outstanding": GaugeMetricFamily("prism_encoder_replica_outstanding", "Requests sent to the encoder replica and not yet answered", labels=labels),
+        "sent": CounterMetricFamily("prism_encoder_replica_requests", "Encode requests sent to each encoder replica", labels=labels),
+        "encoded": CounterMetricFamily("prism_encoder_replica_images_encoded", "Images each encoder replica encoded (since its start)", labels=labels),
+        "shared_up": GaugeMetricFamily("prism_shared_cache_up", "1 while the encoder replica reaches the shared cache tier", labels=labels),
+        "engine_up": GaugeMetricFamily("prism_engine_replica_up", "1 while the engine replica answers its heartbeat", labels=labels),
+        "engine_outstanding": GaugeMetricFamily("prism_engine_replica_outstanding", "Requests generating on each engine replica", labels=labels),
+        "engine_sent": CounterMetricFamily("prism_engine_replica_requests", "Generate requests sent to each engine replica", labels=labels),
+    }
+    failovers = {"encoder": 0, "engine": 0}
+    for model, encoders, engines in pools:
+        for index, replica in enumerate(encoders.replicas):
+            label = [model, str(index)]
+            families["up"].add_metric(label, int(replica.up))
+            families["outstanding"].add_metric(label, replica.outstanding)
+            families["sent"].add_metric(label, encoders.requests_sent[index])
+            if replica.stats is not None:
+                families["encoded"].add_metric(label, replica.stats.images_encoded)
+                if replica.stats.shared_cache is not None:
+                    families["shared_up"].add_metric(label, int(replica.stats.shared_cache.up))
+        for index, replica in enumerate(engines.replicas):
+            label = [model, str(index)]
+            families["engine_up"].add_metric(label, int(replica.up))
+            families["engine_outstanding"].add_metric(label, replica.outstanding)
+            families["engine_sent"].add_metric(label, engines.requests_sent[index])
+        failovers["encoder"] += encoders.failovers
+        failovers["engine"] += engines.failovers
+    yield from families.values()
+    failover = CounterMetricFamily("prism_replica_failovers", "Requests moved to another replica after a 503 or 429", labels=["service"])
+    for service, count in failovers.items():
+        failover.add_metric([service], count)
+    yield failover
 
 
 def merge_histograms(snapshots: list[HistogramSnapshot]) -> HistogramSnapshot:

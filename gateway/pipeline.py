@@ -8,6 +8,7 @@ streams the engine's token deltas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.admission import ConcurrencyLimiter
-from gateway.clients import EngineClient
 from gateway.encoder_pool import EncoderPool
+from gateway.engine_pool import EnginePool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.fetch import ImageFetcher
@@ -35,6 +36,8 @@ _ROLES = {"developer": "system"}
 class Prepared:
     request: GenerateRequest
     frames: list[Any]
+    digests: list[bytes]  # the images', for engine affinity
+    model: str = ""  # the served name, echoed in responses
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
 
 class ChatPipeline:
     def __init__(
-        self, config: GatewayConfig, encoder: EncoderPool, engine: EngineClient, policy: IntakePolicy,
+        self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, policy: IntakePolicy,
         fetcher: ImageFetcher, limiter: ConcurrencyLimiter,
     ) -> None:
         self.config = config
@@ -141,11 +144,10 @@ class ChatPipeline:
         timer.add("image_preprocess", time.perf_counter() - started)
         return decoded
 
-    async def _encode(self, request_id: str, items: list[Inspected], timer: RequestTimer):
+    async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer):
         """Ask the encoder by digest first: cached images are never decoded here.
         Only the images it reports missing are decoded and sent with pixels; a
         third round (an entry evicted in between) sends every image's pixels."""
-        digests = [digest_of(item, self.policy) for item in items]
         pixels: dict[int, PreparedImage] = {}
         with self.encoder.route(digests) as route:
             for retry, last_round in ((False, False), (True, False), (True, True)):
@@ -183,24 +185,27 @@ class ChatPipeline:
             self.encoder.require_up()
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
-        embeddings, frames = [], []
+        embeddings, frames, digests = [], [], []
         if refs:
             images = await self._intake(request, refs, timer)
+            digests = [digest_of(item, self.policy) for item in images]
             # The encoder's frames are forwarded to the engine as they came: no copy, no decode.
-            embeddings, frames = await self._encode(request_id, images, timer)
+            embeddings, frames = await self._encode(request_id, images, digests, timer)
         generate = GenerateRequest(
             request_id=request_id,
             messages=chat_messages(request),
             sampling=sampling_options(request),
             images=embeddings,
         )
-        return Prepared(generate, frames)
+        return Prepared(generate, frames, digests)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         sent = time.perf_counter()
         first = True
-        async for delta in self.engine.generate(prepared.request, prepared.frames, self.config.generate_timeout_s):
-            if first:
-                timer.add_engine_first(delta.timings, time.perf_counter() - sent)
-                first = False
-            yield delta
+        deltas = self.engine.generate(prepared.request, prepared.frames, self.config.generate_timeout_s, prepared.digests)
+        async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
+            async for delta in deltas:
+                if first:
+                    timer.add_engine_first(delta.timings, time.perf_counter() - sent)
+                    first = False
+                yield delta

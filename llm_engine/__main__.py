@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 from pathlib import Path
 
 import zmq.asyncio
@@ -16,7 +17,9 @@ from prism.logs import setup_logging
 
 async def serve(config: EngineConfig) -> None:
     service = await EngineService.start(config, zmq.asyncio.Context.instance())
-    await service.run_forever()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.drain)
+    await service.run_until_drained()
+    service.engine.shutdown()
 
 
 def main() -> None:

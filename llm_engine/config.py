@@ -22,6 +22,7 @@ class EngineConfig(FrozenConfig):
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
+    drain_timeout_s: float = Field(30, ge=0)  # on SIGTERM, requests in flight get this long to finish
     tensor_parallel_size: int = Field(1, ge=1)
     kv_cache_dtype: str = "auto"  # vLLM's choices: auto, fp8, fp8_e4m3, ...
     enable_chunked_prefill: bool | None = None  # None: vLLM's default

@@ -101,6 +101,7 @@ class EngineService:
         self.finished = 0
         self.failed = 0
         self.model_name = config.served_model_name or config.model
+        self.draining = False
 
     @classmethod
     async def start(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineService":
@@ -115,11 +116,33 @@ class EngineService:
         tokenizer = self.engine.get_tokenizer()
         return await tokenizer if asyncio.iscoroutine(tokenizer) else tokenizer
 
+    async def run_until_drained(self) -> None:
+        """Serve until `drain` was called and the requests in flight are done."""
+        receiving = asyncio.create_task(self.run_forever())
+        while not self.draining:
+            await asyncio.sleep(0.2)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.tasks:
+            log.warning("drain deadline passed with %d requests in flight", len(self.tasks))
+        receiving.cancel()
+
+    def drain(self) -> None:
+        """Stop taking requests (503: the gateway sends them to another replica);
+        the ones in flight finish, then `run_until_drained` returns."""
+        if not self.draining:
+            log.info("draining: %d requests in flight", len(self.tasks))
+            self.draining = True
+
     async def run_forever(self) -> None:
         log.info("engine ready on %s (model %s)", self.config.address, self.config.model)
         while True:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
+                if self.draining:
+                    await self._send(peer, GenerateFailed(message.request_id, "engine is draining; retry shortly", 503))
+                    continue
                 if len(self.waiting) >= self.config.max_waiting_requests:
                     await self._send(peer, GenerateFailed(message.request_id, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
                     continue
@@ -129,7 +152,7 @@ class EngineService:
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
-                await self._send(peer, EngineStats(self.boot_id, len(self.tasks), len(self.waiting), self.finished, self.failed))
+                await self._send(peer, EngineStats(self.boot_id, len(self.tasks), len(self.waiting), self.finished, self.failed, self.draining))
             elif isinstance(message, Hello):
                 await self._send(peer, EngineReady(self.model_name, self.config.max_model_len))
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prism.config import DEFAULT_CONFIG, REPO_ROOT, load_config
+from prism.config import DEFAULT_CONFIG, REPO_ROOT, load_config, resolve_model
 from prism.demo_model import ensure_demo_model
 from prism.logs import setup_logging
 
@@ -104,6 +104,26 @@ class Supervisor:
                 _kill_group(child.process, signal.SIGKILL)
 
 
+def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
+    """One encoder per encoder address and one engine per engine address of every
+    served model (an address shared by several names starts once), each told
+    its address and its model's checkpoint."""
+    children: dict[str, Child] = {}
+    for name, route in gateway_config.routes().items():
+        checkpoint = resolve_model(route.checkpoint) if route.checkpoint else shared_model
+        if Path(checkpoint) == DEMO_MODEL:
+            ensure_demo_model(DEMO_MODEL)
+        env = {"PRISM_MODEL": checkpoint}
+        label = name or "default"
+        for i, address in enumerate(route.encoder_addresses):
+            child_env = {**env, "PRISM_ENCODER__ADDRESS": address}
+            children.setdefault(address, Child("vision_encoder", config_path, child_env, f"vision_encoder[{label}:{i}]"))
+        for i, address in enumerate(route.engine_addresses):
+            child_env = {**env, "PRISM_ENGINE__ADDRESS": address, **({"PRISM_ENGINE__SERVED_MODEL_NAME": name} if name else {})}
+            children.setdefault(address, Child("llm_engine", config_path, child_env, f"llm_engine[{label}:{i}]"))
+    return list(children.values())
+
+
 def serve(config_path: Path) -> None:
     import uvicorn
 
@@ -113,21 +133,16 @@ def serve(config_path: Path) -> None:
 
     setup_logging("gateway")  # the gateway runs in this process
     gateway_config = load_config(GatewayConfig, "gateway", config_path)
-    if Path(load_config(EncoderConfig, "encoder", config_path).model) == DEMO_MODEL:
-        ensure_demo_model(DEMO_MODEL)
-    # One encoder per address the gateway spreads over (replicas), each told its own.
-    encoders = [
-        Child("vision_encoder", config_path, {"PRISM_ENCODER__ADDRESS": address}, f"vision_encoder[{i}]")
-        for i, address in enumerate(gateway_config.encoder_addresses)
-    ]
-    supervisor = Supervisor([*encoders, Child("llm_engine", config_path)])
+    shared_model = load_config(EncoderConfig, "encoder", config_path).model
+    children = service_children(gateway_config, config_path, shared_model)
+    supervisor = Supervisor(children)
     supervisor.start()
     atexit.register(supervisor.stop)
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
     # down) and raises it again when done; this handler then runs atexit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
-        create_app(gateway_config), host=gateway_config.host, port=gateway_config.port,
+        create_app(gateway_config, config_path), host=gateway_config.host, port=gateway_config.port,
         log_level="warning", timeout_graceful_shutdown=gateway_config.drain_timeout_s,
     )
 
@@ -139,6 +154,7 @@ def main() -> None:
     serve_cmd.add_argument("--config", type=Path, default=Path(os.environ.get("PRISM_CONFIG", DEFAULT_CONFIG)))
     demo_cmd = sub.add_parser("demo-model", help="write the demo checkpoint")
     demo_cmd.add_argument("--out", type=Path, default=DEMO_MODEL)
+    demo_cmd.add_argument("--seed", type=int, default=None, help="another seed: another model (same shapes)")
     sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (python -m loadtest --help)", add_help=False)
     args, rest = parser.parse_known_args()
     if args.command == "bench":
@@ -152,7 +168,7 @@ def main() -> None:
     else:
         from prism.demo_model import write_demo_model
 
-        print(write_demo_model(args.out))
+        print(write_demo_model(args.out, *([args.seed] if args.seed is not None else [])))
 
 
 if __name__ == "__main__":

@@ -51,33 +51,38 @@ class LocalStack:
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
     encoder_replicas: int = 1
-    encoder_transport: str = "ipc"  # or "tcp": loopback ports, as replicas on other hosts would use
+    engine_replicas: int = 1
+    transport: str = "ipc"  # or "tcp": loopback ports, as services on other hosts would use
     process: subprocess.Popen | None = None
-    _tcp_ports: list[int] = field(default_factory=list)
+    _tcp_ports: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def encoder_addresses(self) -> list[str]:
-        if self.encoder_transport == "tcp":
-            while len(self._tcp_ports) < self.encoder_replicas:
-                self._tcp_ports.append(free_port())
-            return [f"tcp://127.0.0.1:{port}" for port in self._tcp_ports]
-        return [f"ipc://{self.run_dir}/encoder-{i}.sock" for i in range(self.encoder_replicas)]
+    def _addresses(self, service: str, count: int) -> list[str]:
+        if self.transport == "tcp":
+            ports = self._tcp_ports.setdefault(service, [])
+            while len(ports) < count:
+                ports.append(free_port())
+            return [f"tcp://127.0.0.1:{port}" for port in ports]
+        return [f"ipc://{self.run_dir}/{service}-{i}.sock" for i in range(count)]
 
     @property
-    def engine_address(self) -> str:
-        return f"ipc://{self.run_dir}/engine.sock"
+    def encoder_addresses(self) -> list[str]:
+        return self._addresses("encoder", self.encoder_replicas)
+
+    @property
+    def engine_addresses(self) -> list[str]:
+        return self._addresses("engine", self.engine_replicas)
+
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             PRISM_GATEWAY__PORT=str(self.port),
             PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(self.encoder_addresses),  # JSON is YAML
-            PRISM_GATEWAY__ENGINE_ADDRESS=self.engine_address,
-            PRISM_ENGINE__ADDRESS=self.engine_address,
+            PRISM_GATEWAY__ENGINE_ADDRESSES=json.dumps(self.engine_addresses),
         )
         env.update(self.overrides)
         return env

@@ -84,3 +84,4 @@ class EngineStats(Message):
     waiting: int  # in vLLM, no token yet
     finished: int
     failed: int
+    draining: bool = False  # shutting down: finishing its requests, taking no new ones

@@ -27,7 +27,7 @@ def guarded(stack, tmp_path_factory):
         os.environ,
         PRISM_GATEWAY__PORT=str(port),
         PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(stack.encoder_addresses),
-        PRISM_GATEWAY__ENGINE_ADDRESS=stack.engine_address,
+        PRISM_GATEWAY__ENGINE_ADDRESSES=json.dumps(stack.engine_addresses),
         PRISM_GATEWAY__API_KEYS=f"[{', '.join(KEYS)}]",
         PRISM_GATEWAY__MAX_CONCURRENT_REQUESTS_PER_KEY="1",
         PRISM_GATEWAY__MAX_CONCURRENT_REQUESTS="2",

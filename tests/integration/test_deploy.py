@@ -69,8 +69,8 @@ def test_ports_and_addresses_line_up_with_the_profile(base, profile):
     assert str(port_of(engine["address"])) in services["llm-engine"]["expose"]
     for address in gateway["encoder_addresses"]:
         assert urlparse(address).hostname == "vision-encoder" and port_of(address) == port_of(encoder["address"])
-    assert urlparse(gateway["engine_address"]).hostname == "llm-engine"
-    assert port_of(gateway["engine_address"]) == port_of(engine["address"])
+    for address in gateway["engine_addresses"]:
+        assert urlparse(address).hostname == "llm-engine" and port_of(address) == port_of(engine["address"])
     assert urlparse(encoder["shared_cache_url"]).hostname == "redis"
     scrape = yaml.safe_load((REPO_ROOT / "configs" / "prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == [f"gateway:{gateway['port']}"]
@@ -111,7 +111,7 @@ def healthcheck(service: str, env: dict[str, str]) -> int:
 
 def test_the_health_checks_pass_against_a_live_stack_and_fail_without_one(stack, tmp_path):
     assert healthcheck("encoder", {"PRISM_ENCODER__ADDRESS": stack.encoder_addresses[0]}) == 0
-    assert healthcheck("engine", {"PRISM_ENGINE__ADDRESS": stack.engine_address}) == 0
+    assert healthcheck("engine", {"PRISM_ENGINE__ADDRESS": stack.engine_addresses[0]}) == 0
     assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": str(stack.port)}) == 0
     assert healthcheck("encoder", {"PRISM_ENCODER__ADDRESS": f"ipc://{tmp_path}/nobody.sock"}) == 1
     assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": "9"}) == 1

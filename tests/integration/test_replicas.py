@@ -33,6 +33,7 @@ from tests.integration.helpers import log_records
 from tests.integration.system import RedisServer
 
 SIZES = [(256, 256), (640, 360), (960, 540), (1280, 720)]
+ENCODER_FAILOVERS = ("prism_replica_failovers_total", (("service", "encoder"),))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def replicated(tmp_path_factory, redis_server):
         "PRISM_ENCODER__MAX_PIXELS": str(1280 * 720),
         "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
     }
-    stack = LocalStack(tmp_path_factory.mktemp("replicas"), overrides, encoder_replicas=2, encoder_transport="tcp")
+    stack = LocalStack(tmp_path_factory.mktemp("replicas"), overrides, encoder_replicas=2, transport="tcp")
     stack.start()
     yield stack
     stack.stop()
@@ -70,7 +71,7 @@ def metrics(stack: LocalStack) -> dict[tuple[str, tuple], float]:
 
 def per_replica(stack: LocalStack, name: str) -> list[float]:
     found = metrics(stack)
-    return [found.get((name, (("replica", str(i)),)), 0.0) for i in range(2)]
+    return [found.get((name, (("model", MODEL_NAME), ("replica", str(i)))), 0.0) for i in range(2)]
 
 
 def total_encoded(stack: LocalStack) -> float:
@@ -185,14 +186,14 @@ def replica_pid(stack: LocalStack, address: str) -> int:
 
 def test_killing_a_replica_under_load_loses_no_request(replicated):
     images = unique_images("failover", 24)
-    failovers = metrics(replicated)[("prism_encoder_failovers_total", ())]
+    failovers = metrics(replicated)[ENCODER_FAILOVERS]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(chat, replicated, url, 8) for url in images]
         time.sleep(1.0)  # requests are in flight on both replicas
         os.kill(replica_pid(replicated, replicated.encoder_addresses[0]), signal.SIGKILL)
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * len(images)
-    assert metrics(replicated)[("prism_encoder_failovers_total", ())] > failovers  # its requests went to the other
+    assert metrics(replicated)[ENCODER_FAILOVERS] > failovers  # its requests went to the other
     recovered = wait_for(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
     print(f"killed replica back in service after {recovered:.1f} s")
     assert serve_all(replicated, unique_images("after-failover", 4), concurrency=4) == [200] * 4

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from gateway.encoder_pool import EncoderPool, Route, expand_addresses
+from gateway.encoder_pool import EncoderPool, Route
+from gateway.replicas import expand_addresses
 from gateway.errors import APIError
 
 

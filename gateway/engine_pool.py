@@ -1,0 +1,79 @@
+"""Several LLM-engine replicas of one model behind one gateway.
+
+A request goes to the replica that last served one of its images: its
+prefix cache holds the KV of that image's tokens (and of the system prompt
+before them), so the prefill there is shorter. Otherwise it goes to the up
+replica with the fewest requests outstanding.
+
+A replica that refuses (503: down, restarted or draining; 429: its queue is
+full) before the first token is replaced by another, with the same request:
+nothing was sent to the client yet. Once tokens have flowed, a failure ends
+the request with its error (a stream gets a final error event), as with one
+engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import zmq.asyncio
+
+from gateway.clients import EngineClient
+from gateway.errors import APIError
+from gateway.replicas import RETRIABLE, ReplicaPool
+from protocol.to_engine import GenerateRequest
+from protocol.to_gateway import TokenDelta
+
+log = logging.getLogger("prism.gateway")
+
+
+class EnginePool(ReplicaPool[EngineClient]):
+    kind = "LLM engine"
+
+    def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
+        names = self.replica_names(self.kind, len(addresses))
+        super().__init__([EngineClient(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)])
+
+    async def connect(self, timeout_s: float):
+        """Handshake with every replica; they must serve the same model."""
+        infos = await super().connect(timeout_s)
+        if len({info.model for info in infos}) > 1:
+            raise RuntimeError("engine replicas serve different models: " + ", ".join(
+                f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
+        return infos[0]
+
+    def pick(self, digests: Sequence[bytes], exclude: set[int]) -> int | None:
+        candidates = self.candidates(exclude)
+        if not candidates:
+            return None
+        served = self.last_served(digests, candidates)
+        return served if served is not None else self.least_outstanding(candidates)
+
+    async def generate(
+        self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float, digests: Sequence[bytes] = (),
+    ) -> AsyncIterator[TokenDelta]:
+        tried: set[int] = set()
+        refused: APIError | None = None
+        while (index := self.pick(digests, tried)) is not None:
+            if refused is not None:
+                self.failovers += 1
+                log.warning("%s; trying %s", refused.message, self.replicas[index].name)
+            tried.add(index)
+            self.requests_sent[index] += 1
+            self.remember(digests, index)
+            started = False
+            stream = self.replicas[index].generate(request, frames, timeout_s)
+            try:
+                async with contextlib.aclosing(stream):  # a hang-up aborts in vLLM at once
+                    async for delta in stream:
+                        started = True
+                        yield delta
+                return
+            except APIError as error:
+                if started or error.status not in RETRIABLE:
+                    raise
+                refused = error
+        raise refused or self.unavailable()

@@ -1,0 +1,149 @@
+"""Several engines and several models behind one gateway (a stack of their own):
+model `prism-demo` has two encoder and two engine replicas over tcp://;
+`prism-demo-b` is another checkpoint (another seed) with its own encoder and
+engine. Each answers under its own name; load spreads over the engines and
+an image sticks to the engine that saw it; an engine stopped under load
+loses no request; the routing map reloads on SIGHUP without dropping the
+requests in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from prism.config import DEFAULT_CONFIG, REPO_ROOT
+from prism.demo_model import write_demo_model
+from prism.stack import LocalStack, free_port
+from prism.synthetic import make_image
+from tests.integration.corpus import b64, save
+
+MAIN, OTHER, ALIAS = "prism-demo", "prism-demo-b", "prism-demo-alias"
+
+
+def tcp_addresses(count: int) -> list[str]:
+    return [f"tcp://127.0.0.1:{free_port()}" for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("models")
+    other_checkpoint = write_demo_model(run_dir / "prism-demo-b", seed=7)
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["gateway"].update(stats_interval_s=0.5, heartbeat_timeout_s=2, models={
+        MAIN: {"encoder_addresses": tcp_addresses(2), "engine_addresses": tcp_addresses(2)},
+        OTHER: {"checkpoint": str(other_checkpoint), "encoder_addresses": [f"ipc://{run_dir}/b-encoder.sock"],
+                "engine_addresses": [f"ipc://{run_dir}/b-engine.sock"]},
+    })
+    config["engine"].update(kv_cache_memory_mb=256, drain_timeout_s=60)
+    config["model"] = str(REPO_ROOT / "models" / "prism-demo-qwen2vl")
+    path = run_dir / "models.yaml"
+    path.write_text(yaml.safe_dump(config))
+    stack = LocalStack(run_dir, {"PRISM_CONFIG": str(path)})
+    stack.start(timeout_s=600)
+    stack.config_path = path
+    yield stack
+    stack.stop()
+
+
+def chat(stack: LocalStack, model: str, content, max_tokens: int = 6, **extra) -> httpx.Response:
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "messages": [{"role": "user", "content": content}], **extra}
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def with_image(url: str, question: str = "What is it?") -> list[dict]:
+    return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": question}]
+
+
+def image(name: str, size=(320, 240)) -> str:
+    return b64(save(make_image(name, size), "JPEG"))
+
+
+def engine_requests(stack: LocalStack) -> list[float]:
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    found = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "prism_engine_replica_requests_total"}
+    return [found.get((("model", MAIN), ("replica", str(i))), 0.0) for i in range(2)]
+
+
+def test_each_model_answers_under_its_own_name(routed):
+    listed = [m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"]]
+    assert sorted(listed) == [MAIN, OTHER]
+    answers = {}
+    for model in (MAIN, OTHER):
+        response = chat(routed, model, "Say something about shapes.", max_tokens=12)
+        assert response.status_code == 200 and response.json()["model"] == model
+        answers[model] = response.json()["choices"][0]["message"]["content"]
+    assert answers[MAIN] != answers[OTHER]  # two checkpoints, two answers to the same greedy prompt
+    unknown = chat(routed, "nope", "hi")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert MAIN in unknown.json()["error"]["message"] and OTHER in unknown.json()["error"]["message"]
+
+
+def test_load_spreads_over_engines_and_an_image_sticks_to_its_engine(routed):
+    before = engine_requests(routed)
+    with ThreadPoolExecutor(4) as pool:
+        statuses = [r.status_code for r in pool.map(lambda i: chat(routed, MAIN, with_image(image(f"spread-{i}"))), range(8))]
+    assert statuses == [200] * 8
+    spread = [after - b for after, b in zip(engine_requests(routed), before)]
+    assert all(n >= 1 for n in spread), f"requests per engine: {spread}"
+
+    before = engine_requests(routed)
+    url = image("sticky")
+    for question in ("What is it?", "Which colours?", "How many discs?", "Describe it.", "Anything round?"):
+        assert chat(routed, MAIN, with_image(url, question)).status_code == 200
+    sticky = sorted(after - b for after, b in zip(engine_requests(routed), before))
+    assert sticky == [0, 5]  # its engine holds the image's KV in its prefix cache
+
+
+def engine_pid(stack: LocalStack, address: str) -> int:
+    for child in psutil.Process(stack.process.pid).children():
+        if "llm_engine" in " ".join(child.cmdline()) and child.environ().get("PRISM_ENGINE__ADDRESS") == address:
+            return child.pid
+    raise LookupError(address)
+
+
+def test_stopping_an_engine_under_load_loses_no_request(routed):
+    config = yaml.safe_load(routed.config_path.read_text())
+    stopped = config["gateway"]["models"][MAIN]["engine_addresses"][0]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, routed, MAIN, with_image(image(f"drain-{i}")), 24) for i in range(16)]
+        time.sleep(1.0)
+        os.kill(engine_pid(routed, stopped), signal.SIGTERM)  # drains: finishes its requests, takes no new ones
+        statuses = [f.result().status_code for f in futures]
+    assert statuses == [200] * 16
+    deadline = time.monotonic() + 180  # the launcher starts it again
+    while httpx.get(f"{routed.base_url}/health/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the stopped engine did not come back"
+        time.sleep(0.5)
+
+
+def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):
+    config = yaml.safe_load(routed.config_path.read_text())
+    models = config["gateway"]["models"]
+    models[ALIAS] = models.pop(OTHER)  # rename: the old name retires, the new one serves
+    body = {"model": OTHER, "max_tokens": 200, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+    with httpx.stream("POST", f"{routed.base_url}/v1/chat/completions", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        routed.config_path.write_text(yaml.safe_dump(config))
+        os.kill(routed.process.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while chat(routed, ALIAS, "hi").status_code != 200:  # the new map is in place ...
+            assert time.monotonic() < deadline, "the reload did not take effect"
+            time.sleep(0.2)
+        rest = [line for line in lines if line.startswith("data: ")]
+    events = [first, *rest]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)  # ... and the old request finished
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chat(routed, OTHER, "hi").status_code == 404
+    assert sorted(m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"]) == [ALIAS, MAIN]
