@@ -8,7 +8,6 @@ requests in flight."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -25,6 +24,7 @@ from prism.demo_model import write_demo_model
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image
 from tests.integration.corpus import b64, save
+from tests.integration.helpers import log_records
 
 MAIN, OTHER, ALIAS = "prism-demo", "prism-demo-b", "prism-demo-alias"
 
@@ -111,15 +111,30 @@ def engine_pid(stack: LocalStack, address: str) -> int:
     raise LookupError(address)
 
 
+def outstanding_on(stack: LocalStack, replica: int) -> float:
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "prism_engine_replica_outstanding" and sample.labels == {"model": MAIN, "replica": str(replica)}:
+                return sample.value
+    return 0.0
+
+
 def test_stopping_an_engine_under_load_loses_no_request(routed):
     config = yaml.safe_load(routed.config_path.read_text())
     stopped = config["gateway"]["models"][MAIN]["engine_addresses"][0]
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(chat, routed, MAIN, with_image(image(f"drain-{i}")), 24) for i in range(16)]
-        time.sleep(1.0)
+    story = [{"type": "text", "text": "Tell me a long story."}]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(chat, routed, MAIN, with_image(image(f"drain-{i}")) if i % 2 else story, 300) for i in range(18)]
+        deadline = time.monotonic() + 60
+        while outstanding_on(routed, 0) < 1:  # stop it while it holds requests
+            assert time.monotonic() < deadline, "no request reached engine 0"
+            time.sleep(0.05)
         os.kill(engine_pid(routed, stopped), signal.SIGTERM)  # drains: finishes its requests, takes no new ones
         statuses = [f.result().status_code for f in futures]
-    assert statuses == [200] * 16
+    assert statuses == [200] * 18
+    drained = [r["message"] for r in log_records(routed, "engine") if r["message"].startswith("draining:")]
+    assert drained and int(drained[0].split()[1]) >= 1  # it had requests in flight, and they finished
     deadline = time.monotonic() + 180  # the launcher starts it again
     while httpx.get(f"{routed.base_url}/health/ready", timeout=5).status_code != 200:
         assert time.monotonic() < deadline, "the stopped engine did not come back"
@@ -130,20 +145,25 @@ def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):
     config = yaml.safe_load(routed.config_path.read_text())
     models = config["gateway"]["models"]
     models[ALIAS] = models.pop(OTHER)  # rename: the old name retires, the new one serves
-    body = {"model": OTHER, "max_tokens": 200, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": "Tell me a long story."}]}
-    with httpx.stream("POST", f"{routed.base_url}/v1/chat/completions", json=body, timeout=120) as stream:
-        lines = stream.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
+    big = image("reload-4k", (3840, 2160))  # a few hundred ms of intake and encoding: in flight at the reload
+    with ThreadPoolExecutor(1) as pool:
+        body = {"model": OTHER, "max_tokens": 8, "messages": [{"role": "user", "content": with_image(big)}]}
+        pending = pool.submit(httpx.post, f"{routed.base_url}/v1/chat/completions", json=body,
+                              headers={"X-Request-Id": "across-reload"}, timeout=120)
+        time.sleep(0.15)
         routed.config_path.write_text(yaml.safe_dump(config))
         os.kill(routed.process.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 60
-        while chat(routed, ALIAS, "hi").status_code != 200:  # the new map is in place ...
-            assert time.monotonic() < deadline, "the reload did not take effect"
-            time.sleep(0.2)
-        rest = [line for line in lines if line.startswith("data: ")]
-    events = [first, *rest]
-    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)  # ... and the old request finished
-    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] in ("stop", "length")
+        response = pending.result()
+    assert response.status_code == 200 and response.json()["model"] == OTHER
+    deadline = time.monotonic() + 30
+    while chat(routed, ALIAS, "hi").status_code != 200:
+        assert time.monotonic() < deadline, "the reload did not take effect"
+        time.sleep(0.1)
     assert chat(routed, OTHER, "hi").status_code == 404
-    assert sorted(m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"]) == [ALIAS, MAIN]
+    assert sorted(m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"]) == sorted([ALIAS, MAIN])
+    # the order of events in the gateway's log: reloaded, then the old request done, then its model retired
+    messages = [(r.get("request_id") or "", r["message"]) for r in log_records(routed, "gateway")]
+    reloaded = next(i for i, (_, m) in enumerate(messages) if m.startswith("routing map reloaded"))
+    finished = next(i for i, (rid, m) in enumerate(messages) if rid.startswith("across-reload") and m.startswith("status 200"))
+    retired = next(i for i, (_, m) in enumerate(messages) if m == f"model '{OTHER}' retired")
+    assert reloaded < finished < retired
