@@ -2,11 +2,12 @@
 
 One stack with a 2 s heartbeat timeout; one non-streaming request for 3000
 tokens (~5 s of decoding on the demo machine). Meanwhile a separate process
-asks /health/live every 0.4 s. On the 2-core CPU machines the gateway keeps
-answering HTTP in ~1 ms, yet its heartbeat timers fire only when the
-generation ends, so it declares both services silent and fails the request
-with a 503. The script prints the request's status, the probe latencies and
-the gateway's "stopped answering" log lines.
+(curl) asks /health/live every 0.4 s. On the 2-core CPU machines the
+gateway's heartbeat timers fire only when the generation ends, so it
+declares both services silent (and the request fails with a 503, unless it
+comes back first). HTTP was answered in ~1 ms in some runs and only after
+the stall in others. The script prints the request's status, the probe
+latencies and the gateway's "stopped answering" log lines.
 
 Run: .venv/bin/python -m bench.loop_stall
 """
