@@ -127,7 +127,14 @@ class ServiceClient:
             loop = asyncio.get_running_loop()
             while True:
                 await self._send_quietly(StatsRequest("gateway"))
+                asked_at = loop.time()
                 await asyncio.sleep(interval_s)
+                if loop.time() - asked_at > 2 * interval_s:
+                    # Our own timer woke late: the host stalled this process too
+                    # (vLLM's CPU decode does that to every process on a small
+                    # machine; see docs, Known issues). A service's silence
+                    # meanwhile is no evidence: ask again before judging.
+                    continue
                 silent_for = loop.time() - (self.stats_received_at or 0)
                 if self.up and silent_for > self.heartbeat_timeout_s:
                     self._mark_down(f"stopped answering ({silent_for:.1f} s)")
