@@ -38,6 +38,7 @@ from PIL import Image
 
 from gateway.encoder_pool import EncoderPool
 from gateway.resize import smart_resize
+from loadtest.workload import RESOLUTIONS
 from prism.config import REPO_ROOT
 from prism.demo_model import ensure_demo_model
 from prism.synthetic import make_image
@@ -45,7 +46,7 @@ from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 
 MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
-RESOLUTIONS = {"256x256": (256, 256), "1280x720": (1280, 720), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}
+MIX = {name: RESOLUTIONS[name] for name in ("256x256", "720p", "1080p", "4k")}  # the load tester's names
 MAX_PIXELS = 1024 * 1024
 
 
@@ -68,7 +69,7 @@ SETTINGS = [
 def budget_pixels() -> dict[str, np.ndarray]:
     """One decoded image per resolution, resized to the budget (the gateway's job)."""
     out = {}
-    for name, (w, h) in RESOLUTIONS.items():
+    for name, (w, h) in MIX.items():
         rh, rw = smart_resize(h, w, 28, 56 * 56, MAX_PIXELS)
         out[name] = np.asarray(make_image(name, (w, h)).resize((rw, rh), Image.Resampling.BICUBIC))
     return out
@@ -142,7 +143,7 @@ async def measure(setting: Setting, run_dir: Path, images, requests: int, concur
         if setting.name == "2 replicas":
             before = await images_encoded(pool)
             digest = os.urandom(16)
-            await drive(pool, [(digest, images["1920x1080"])] * 16, 16)
+            await drive(pool, [(digest, images["1080p"])] * 16, 16)
             result["same_image_x16_encodes"] = await images_encoded(pool) - before
             result["requests_per_replica"] = list(pool.requests_sent)
         return result

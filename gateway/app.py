@@ -112,12 +112,18 @@ class Gateway:
         """(model name, encoder pool, engine pool) of every model, retiring ones included."""
         return [(m.name, m.encoder, m.engine) for m in [*self.models.values(), *self.retired]]
 
+    def service_stats(self) -> tuple[list, list]:
+        """The latest stats polled from every encoder and every engine replica."""
+        pools = self.pools()
+        encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
+        engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
+        return encoders, engines
+
     async def _sample_every(self, interval_s: float) -> None:
         """The dashboard's service samples: the latest polled stats, summed over models and replicas."""
         while True:
             await asyncio.sleep(interval_s)
-            encoders = [r.stats for _, pool, _ in self.pools() for r in pool.replicas if r.stats is not None]
-            engines = [r.stats for _, _, pool in self.pools() for r in pool.replicas if r.stats is not None]
+            encoders, engines = self.service_stats()
             self.window.add_sample(ServiceSample(
                 at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
                 engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=self.limiter.in_flight,

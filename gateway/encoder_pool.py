@@ -19,7 +19,6 @@ replica has refused.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,8 +32,6 @@ from gateway.replicas import RETRIABLE, ReplicaPool
 from protocol.to_encoder import ImageInput
 from protocol.to_gateway import EncodeNeedsPixels, EncodeResult
 
-log = logging.getLogger("prism.gateway")
-
 
 @dataclass
 class Route:
@@ -47,19 +44,12 @@ class Route:
 
 class EncoderPool(ReplicaPool[EncoderClient]):
     kind = "vision encoder"
+    client = EncoderClient
+    same = "fingerprint"  # checkpoint and every preprocessing parameter
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
-        names = self.replica_names(self.kind, len(addresses))
-        super().__init__([EncoderClient(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)])
+        super().__init__(ctx, addresses, heartbeat_timeout_s)
         self._encoding: list[Counter[bytes]] = [Counter() for _ in self.replicas]  # digests in flight per replica
-
-    async def connect(self, timeout_s: float):
-        """Handshake with every replica; they must serve the same checkpoint."""
-        infos = await super().connect(timeout_s)
-        if len({info.fingerprint for info in infos}) > 1:
-            addresses = ", ".join(f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos))
-            raise RuntimeError(f"encoder replicas serve different checkpoints or preprocessing: {addresses}")
-        return infos[0]
 
     @contextlib.contextmanager
     def route(self, digests: Sequence[bytes]) -> Iterator[Route]:
@@ -71,14 +61,10 @@ class EncoderPool(ReplicaPool[EncoderClient]):
             self._leave(route)
 
     def _pick(self, route: Route) -> int | None:
-        candidates = self.candidates(route.tried)
-        if not candidates:
-            return None
-        for i in candidates:  # one already encoding an image of ours: join it there
+        for i in self.candidates(route.tried):  # one already encoding an image of ours: join it there
             if any(self._encoding[i][digest] for digest in route.digests):
                 return i
-        served = self.last_served(route.digests, candidates)  # a local cache hit there
-        return served if served is not None else self.least_outstanding(candidates)
+        return self.pick(route.digests, route.tried)  # last served (a local cache hit there), else least loaded
 
     def _enter(self, route: Route) -> bool:
         route.replica = self._pick(route)
@@ -104,8 +90,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
             if route.replica is None and not self._enter(route):
                 raise refused or self.unavailable()
             if refused is not None:
-                self.failovers += 1
-                log.warning("%s; trying %s", refused.message, self.replicas[route.replica].name)
+                self.note_failover(refused, route.replica)
             replica = self.replicas[route.replica]
             self.requests_sent[route.replica] += 1
             try:

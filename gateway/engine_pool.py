@@ -15,11 +15,8 @@ engine.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
-
-import zmq.asyncio
 
 from gateway.clients import EngineClient
 from gateway.errors import APIError
@@ -27,30 +24,11 @@ from gateway.replicas import RETRIABLE, ReplicaPool
 from protocol.to_engine import GenerateRequest
 from protocol.to_gateway import TokenDelta
 
-log = logging.getLogger("prism.gateway")
-
 
 class EnginePool(ReplicaPool[EngineClient]):
     kind = "LLM engine"
-
-    def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
-        names = self.replica_names(self.kind, len(addresses))
-        super().__init__([EngineClient(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)])
-
-    async def connect(self, timeout_s: float):
-        """Handshake with every replica; they must serve the same model."""
-        infos = await super().connect(timeout_s)
-        if len({info.model for info in infos}) > 1:
-            raise RuntimeError("engine replicas serve different models: " + ", ".join(
-                f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
-        return infos[0]
-
-    def pick(self, digests: Sequence[bytes], exclude: set[int]) -> int | None:
-        candidates = self.candidates(exclude)
-        if not candidates:
-            return None
-        served = self.last_served(digests, candidates)
-        return served if served is not None else self.least_outstanding(candidates)
+    client = EngineClient
+    same = "model"
 
     async def generate(
         self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float, digests: Sequence[bytes] = (),
@@ -59,8 +37,7 @@ class EnginePool(ReplicaPool[EngineClient]):
         refused: APIError | None = None
         while (index := self.pick(digests, tried)) is not None:
             if refused is not None:
-                self.failovers += 1
-                log.warning("%s; trying %s", refused.message, self.replicas[index].name)
+                self.note_failover(refused, index)
             tried.add(index)
             self.requests_sent[index] += 1
             self.remember(digests, index)

@@ -61,9 +61,7 @@ class ServiceStatsCollector:
         self.gateway = gateway
 
     def collect(self):
-        pools = self.gateway.pools()
-        encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
-        engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
+        encoders, engines = self.gateway.service_stats()
         in_flight = GaugeMetricFamily("prism_service_in_flight_requests", "Requests in flight inside each service", labels=["service"])
         queue = GaugeMetricFamily("prism_queue_depth", "Work waiting in each service (encoder: images; engine: requests with no token yet)", labels=["service"])
         if encoders:
@@ -73,7 +71,7 @@ class ServiceStatsCollector:
         if engines:
             in_flight.add_metric(["engine"], sum(e.in_flight for e in engines))
             queue.add_metric(["engine"], sum(e.waiting for e in engines))
-        yield from _replica_metrics(pools)
+        yield from _replica_metrics(self.gateway.pools())
         yield in_flight
         yield queue
 

@@ -7,17 +7,22 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import itertools
+import logging
 import socket
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Generic, TypeVar
 
+import zmq.asyncio
+
 from gateway.clients import ServiceClient
+from gateway.errors import APIError
 
 RETRIABLE = (503, 429)  # the replica is gone, draining or full; another may not be
 LAST_SERVED_ENTRIES = 65536  # digests remembered for affinity (~3 MB)
 
 C = TypeVar("C", bound=ServiceClient)
+log = logging.getLogger("prism.gateway")
 
 
 def expand_addresses(addresses: Sequence[str]) -> list[str]:
@@ -45,23 +50,27 @@ def _is_ip(host: str) -> bool:
 
 
 class ReplicaPool(Generic[C]):
-    kind = "service"  # named in errors: "vision encoder", "LLM engine"
+    kind = "service"  # named in errors and logs: "vision encoder", "LLM engine"
+    client: type[C]  # the client class of one replica
+    same: str  # the handshake field every replica must agree on
 
-    def __init__(self, replicas: list[C]) -> None:
-        if not replicas:
+    def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
+        if not addresses:
             raise ValueError(f"at least one {self.kind} address is needed")
-        self.replicas = replicas
-        self.requests_sent = [0] * len(replicas)
+        names = [f"{self.kind} {i}" if len(addresses) > 1 else self.kind for i in range(len(addresses))]
+        self.replicas: list[C] = [self.client(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)]
+        self.requests_sent = [0] * len(self.replicas)
         self.failovers = 0  # requests moved to another replica after a refusal
         self._last_served: OrderedDict[bytes, int] = OrderedDict()  # digest → replica (LRU)
         self._rotation = itertools.count()
 
-    @staticmethod
-    def replica_names(kind: str, count: int) -> list[str]:
-        return [f"{kind} {i}" if count > 1 else kind for i in range(count)]
-
-    async def connect(self, timeout_s: float) -> list:
-        return await asyncio.gather(*(replica.connect(timeout_s) for replica in self.replicas))
+    async def connect(self, timeout_s: float):
+        """Handshake with every replica; they must agree on `same`. The first one's answer."""
+        infos = await asyncio.gather(*(replica.connect(timeout_s) for replica in self.replicas))
+        if len({getattr(info, self.same) for info in infos}) > 1:
+            raise RuntimeError(f"{self.kind} replicas differ in {self.same}: " + ", ".join(
+                f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
+        return infos[0]
 
     def start_heartbeat(self, interval_s: float) -> None:
         for replica in self.replicas:
@@ -84,6 +93,19 @@ class ReplicaPool(Generic[C]):
 
     def candidates(self, exclude: set[int]) -> list[int]:
         return [i for i, replica in enumerate(self.replicas) if replica.up and i not in exclude]
+
+    def pick(self, digests: Iterable[bytes], exclude: set[int]) -> int | None:
+        """The up replica, not in `exclude`, that last served one of these images,
+        else the least loaded; None when there is none."""
+        candidates = self.candidates(exclude)
+        if not candidates:
+            return None
+        served = self.last_served(digests, candidates)
+        return served if served is not None else self.least_outstanding(candidates)
+
+    def note_failover(self, refused: APIError, index: int) -> None:
+        self.failovers += 1
+        log.warning("%s; trying %s", refused.message, self.replicas[index].name)
 
     def last_served(self, digests: Iterable[bytes], candidates: list[int]) -> int | None:
         """The candidate that last served one of these images, if any."""

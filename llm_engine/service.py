@@ -101,7 +101,7 @@ class EngineService:
         self.finished = 0
         self.failed = 0
         self.model_name = config.served_model_name or config.model
-        self.draining = False
+        self._draining = asyncio.Event()  # set by `drain` (SIGTERM)
 
     @classmethod
     async def start(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineService":
@@ -119,11 +119,9 @@ class EngineService:
     async def run_until_drained(self) -> None:
         """Serve until `drain` was called and the requests in flight are done."""
         receiving = asyncio.create_task(self.run_forever())
-        while not self.draining:
-            await asyncio.sleep(0.2)
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.tasks and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._draining.wait()
+        if self.tasks:  # no new ones come while draining
+            await asyncio.wait(list(self.tasks.values()), timeout=self.config.drain_timeout_s)
         if self.tasks:
             log.warning("drain deadline passed with %d requests in flight", len(self.tasks))
         receiving.cancel()
@@ -133,7 +131,11 @@ class EngineService:
         the ones in flight finish, then `run_until_drained` returns."""
         if not self.draining:
             log.info("draining: %d requests in flight", len(self.tasks))
-            self.draining = True
+            self._draining.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
 
     async def run_forever(self) -> None:
         log.info("engine ready on %s (model %s)", self.config.address, self.config.model)

@@ -5,8 +5,8 @@ stages on two threads: the HF image processor, then the ViT. With
 `pipeline_depth` 2 the processor prepares batch N+1 while the ViT runs batch
 N. The loop keeps answering meanwhile (cache hits, cancellations, stats: the
 gateway's heartbeat); the ViT thread wakes it through an inproc socket when a
-batch is done. Lookups go local LRU → shared tier (Redis, when configured) →
-join an encode already in flight → queue; hits are answered on arrival.
+batch is done. Lookups go local LRU → an encode already in flight (join it) →
+shared tier (Redis, when configured) → queue; hits are answered on arrival.
 """
 
 from __future__ import annotations

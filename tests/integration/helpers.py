@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import httpx
+import psutil
 from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.cases import CASES
 from tests.integration.conftest import MODEL_NAME
@@ -30,3 +33,22 @@ def log_records(stack, service: str | None = None, request_prefix: str = "") -> 
         r for r in records
         if (service is None or r.get("service") == service) and str(r.get("request_id", "")).startswith(request_prefix)
     ]
+
+
+def child_pid(stack, module: str, address: str | None = None) -> int:
+    """A service process the stack's launcher started: by module, and by the
+    address it was told to bind when several run (replicas)."""
+    for child in psutil.Process(stack.process.pid).children():
+        if module in " ".join(child.cmdline()) and (address is None or address in child.environ().values()):
+            return child.pid
+    raise LookupError(f"{module} {address or ''}")
+
+
+def scrape(stack) -> dict[tuple[str, tuple], float]:
+    """Every sample of the gateway's /metrics, by (name, sorted labels)."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

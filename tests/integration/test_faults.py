@@ -17,14 +17,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 
 from prism.stack import LocalStack
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import log_records
+from tests.integration.helpers import child_pid, log_records
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
 BURST_SLO_S = 10  # end-to-end for an admitted 64-token request during a burst (they take ~1-2 s here)
@@ -44,13 +43,6 @@ def faulty(tmp_path_factory):
     stack.start()
     yield stack
     stack.stop()
-
-
-def child_pid(stack: LocalStack, module: str) -> int:
-    for child in psutil.Process(stack.process.pid).children():
-        if module in " ".join(child.cmdline()):
-            return child.pid
-    raise LookupError(module)
 
 
 def image_url(name: str, size=(640, 480)) -> str:

@@ -14,17 +14,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from prism.config import DEFAULT_CONFIG, REPO_ROOT
 from prism.demo_model import write_demo_model
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import log_records
+from tests.integration.helpers import child_pid, log_records, scrape
 
 MAIN, OTHER, ALIAS = "prism-demo", "prism-demo-b", "prism-demo-alias"
 
@@ -69,10 +67,8 @@ def image(name: str, size=(320, 240)) -> str:
 
 
 def engine_requests(stack: LocalStack) -> list[float]:
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
-    found = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
-             if s.name == "prism_engine_replica_requests_total"}
-    return [found.get((("model", MAIN), ("replica", str(i))), 0.0) for i in range(2)]
+    found = scrape(stack)
+    return [found.get(("prism_engine_replica_requests_total", (("model", MAIN), ("replica", str(i)))), 0.0) for i in range(2)]
 
 
 def test_each_model_answers_under_its_own_name(routed):
@@ -105,13 +101,6 @@ def test_load_spreads_over_engines_and_an_image_sticks_to_its_engine(routed):
     assert sticky == [0, 5]  # its engine holds the image's KV in its prefix cache
 
 
-def engine_pid(stack: LocalStack, address: str) -> int:
-    for child in psutil.Process(stack.process.pid).children():
-        if "llm_engine" in " ".join(child.cmdline()) and child.environ().get("PRISM_ENGINE__ADDRESS") == address:
-            return child.pid
-    raise LookupError(address)
-
-
 def test_stopping_an_engine_under_load_loses_no_request(routed):
     config = yaml.safe_load(routed.config_path.read_text())
     stopped = config["gateway"]["models"][MAIN]["engine_addresses"][0]
@@ -119,7 +108,7 @@ def test_stopping_an_engine_under_load_loses_no_request(routed):
     with ThreadPoolExecutor(6) as pool:  # ~10 s of load: the stop lands in the middle of it
         futures = [pool.submit(chat, routed, MAIN, with_image(image(f"drain-{i}")) if i % 3 == 0 else story, 300) for i in range(36)]
         futures[0].result()  # the load is running: one request done, 35 more on their way
-        os.kill(engine_pid(routed, stopped), signal.SIGTERM)  # drains: finishes its requests, takes no new ones
+        os.kill(child_pid(routed, "llm_engine", stopped), signal.SIGTERM)  # drains: finishes its requests, takes no new ones
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * 36
     assert any(r["message"].startswith("draining:") for r in log_records(routed, "engine"))

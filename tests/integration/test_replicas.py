@@ -14,11 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
-import psutil
 import pytest
 import torch
 import zmq.asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image
@@ -29,7 +27,7 @@ from protocol.to_gateway import EncodeResult, GatewayInbound
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import handshake, reply_to
-from tests.integration.helpers import log_records
+from tests.integration.helpers import child_pid, log_records, scrape
 from tests.integration.system import RedisServer
 
 SIZES = [(256, 256), (640, 360), (960, 540), (1280, 720)]
@@ -59,18 +57,8 @@ def replicated(tmp_path_factory, redis_server):
     stack.stop()
 
 
-def metrics(stack: LocalStack) -> dict[tuple[str, tuple], float]:
-    """Every sample of the gateway's /metrics, by (name, sorted labels)."""
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def per_replica(stack: LocalStack, name: str) -> list[float]:
-    found = metrics(stack)
+    found = scrape(stack)
     return [found.get((name, (("model", MODEL_NAME), ("replica", str(i)))), 0.0) for i in range(2)]
 
 
@@ -177,23 +165,16 @@ def test_a_redis_outage_fails_no_request_and_recovers(replicated, redis_server):
              and per_replica(replicated, "prism_shared_cache_up") == [1.0, 1.0], 30, "the shared tier came back")
 
 
-def replica_pid(stack: LocalStack, address: str) -> int:
-    for child in psutil.Process(stack.process.pid).children():
-        if "vision_encoder" in " ".join(child.cmdline()) and child.environ().get("PRISM_ENCODER__ADDRESS") == address:
-            return child.pid
-    raise LookupError(address)
-
-
 def test_killing_a_replica_under_load_loses_no_request(replicated):
     images = unique_images("failover", 24)
-    failovers = metrics(replicated)[ENCODER_FAILOVERS]
+    failovers = scrape(replicated)[ENCODER_FAILOVERS]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(chat, replicated, url, 8) for url in images]
         time.sleep(1.0)  # requests are in flight on both replicas
-        os.kill(replica_pid(replicated, replicated.encoder_addresses[0]), signal.SIGKILL)
+        os.kill(child_pid(replicated, "vision_encoder", replicated.encoder_addresses[0]), signal.SIGKILL)
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * len(images)
-    assert metrics(replicated)[ENCODER_FAILOVERS] > failovers  # its requests went to the other
+    assert scrape(replicated)[ENCODER_FAILOVERS] > failovers  # its requests went to the other
     recovered = wait_for(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
     print(f"killed replica back in service after {recovered:.1f} s")
     assert serve_all(replicated, unique_images("after-failover", 4), concurrency=4) == [200] * 4
