@@ -2,7 +2,7 @@
 # what it needs first (scripts/install.sh is a no-op once done).
 PY := .venv/bin/python
 
-.PHONY: install install-system serve test test-unit bench demo-model
+.PHONY: install install-system serve test test-unit bench demo-model train-demo accuracy
 
 install:
 	@scripts/install.sh
@@ -24,3 +24,11 @@ bench: install
 
 demo-model: install
 	$(PY) -m prism demo-model
+
+# Re-train the committed demo model (about 15 minutes on two cores).
+train-demo: install
+	$(PY) -m prism.train_demo --out models/prism-shapes
+
+# Its held-out accuracy through gateway -> encoder -> engine.
+accuracy: install
+	$(PY) -m bench.accuracy

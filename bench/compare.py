@@ -35,9 +35,9 @@ from loadtest.runner import Arrival
 from loadtest.stats import SLO
 from loadtest.workload import WorkloadSpec, parse_buckets
 from prism.config import REPO_ROOT
-from prism.demo_model import ensure_demo_model
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 
-MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+MODEL = RANDOM_MODEL
 SERVED_NAME = "prism-demo"
 MAX_PIXELS = 1024 * 1024
 MIX = parse_buckets("256x256=1,720p=1,1080p=1,4k=1")

@@ -40,12 +40,12 @@ from gateway.encoder_pool import EncoderPool
 from gateway.resize import smart_resize
 from loadtest.workload import RESOLUTIONS
 from prism.config import REPO_ROOT
-from prism.demo_model import ensure_demo_model
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.synthetic import make_image
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 
-MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+MODEL = RANDOM_MODEL
 MIX = {name: RESOLUTIONS[name] for name in ("256x256", "720p", "1080p", "4k")}  # the load tester's names
 MAX_PIXELS = 1024 * 1024
 

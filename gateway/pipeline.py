@@ -78,6 +78,8 @@ def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
         stop=list(request.stop or []),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -68,6 +68,9 @@ class ChatCompletionRequest(_Strict):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     mm_processor_kwargs: PixelOverrides | None = None
+    # vLLM's extensions for fixed output lengths (benchmarks, load tests).
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
     # Accepted, and change nothing about the result.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -83,6 +86,13 @@ class ChatCompletionRequest(_Strict):
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "ChatCompletionRequest":
+        limit = self.max_completion_tokens or self.max_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
+        return self
 
     @field_validator("n")
     @classmethod

@@ -68,6 +68,8 @@ def sampling_params(options: SamplingOptions, max_tokens: int):
         stop=options.stop or None,
         presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty,
+        ignore_eos=options.ignore_eos,
+        min_tokens=options.min_tokens,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -33,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--model", default="prism-demo")
     target.add_argument("--api-key", default=None)
     target.add_argument("--no-stream", action="store_true", help="non-streaming requests (TTFT = E2E)")
+    target.add_argument("--ignore-eos", action="store_true",
+                        help="generate max-tokens for every request (vLLM's extension; Prism honours it)")
     target.add_argument("--timeout-s", type=float, default=300)
     work = p.add_argument_group("workload")
     work.add_argument("--buckets", default="256x256=1,720p=1,1080p=1,4k=1",
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    target = Target(args.base_url.rstrip("/"), args.model, args.api_key, not args.no_stream, args.timeout_s)
+    target = Target(args.base_url.rstrip("/"), args.model, args.api_key, not args.no_stream, args.timeout_s, args.ignore_eos)
     plan = Plan(args.requests, args.duration_s, args.warmup, args.image_transport, args.image_host, progress=not args.quiet)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     console = Console()

@@ -21,6 +21,7 @@ class Target:
     api_key: str | None = None
     stream: bool = True
     timeout_s: float = 300.0
+    ignore_eos: bool = False  # vLLM's extension: every request generates max_tokens
 
     @property
     def headers(self) -> dict[str, str]:
@@ -35,6 +36,8 @@ def chat_body(target: Target, request: RequestSpec, image_urls: list[str]) -> di
     body = {"model": target.model, "messages": messages, "max_tokens": request.max_tokens, "temperature": 0, "stream": target.stream}
     if target.stream:
         body["stream_options"] = {"include_usage": True}
+    if target.ignore_eos:
+        body["ignore_eos"] = True
     return body
 
 

@@ -16,6 +16,15 @@ import json
 import random
 from pathlib import Path
 
+from prism.config import REPO_ROOT
+
+# Two checkpoints ship with Prism. The trained one (prism/train_demo.py, committed)
+# is the default and answers questions about shape scenes. The random-weights one
+# is generated on demand; tests and benchmarks that need generations running to
+# max_tokens, and realistic 1-megapixel token counts, use it.
+RANDOM_MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+SHAPES_MODEL = REPO_ROOT / "models" / "prism-shapes"
+
 SEED = 1234
 VOCAB_SIZE = 2048
 DEFAULT_MAX_PIXELS = 1024 * 1024
@@ -62,7 +71,7 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))) for _ in range(lines)]
 
 
-def build_tokenizer(seed: int):
+def build_tokenizer(seed: int, extra_lines: list[str] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,7 +84,7 @@ def build_tokenizer(seed: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus(seed) + list(extra_lines), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -86,18 +95,18 @@ def build_tokenizer(seed: int):
     )
 
 
-def build_config(tokenizer):
+def build_config(tokenizer, text_layers: int = 2, text_intermediate: int = 256, vision: dict | None = None, kv_heads: int = 1):
     from transformers import Qwen2VLConfig
 
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
     text = dict(
         vocab_size=len(tokenizer),
         hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
+        intermediate_size=text_intermediate,
+        num_hidden_layers=text_layers,
         num_attention_heads=2,  # head size 64: accepted by vLLM's CPU attention
-        num_key_value_heads=1,
-        max_position_embeddings=8192,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32768,  # room for the hang-up tests' 30,000-token generations
         rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0},
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
@@ -112,7 +121,7 @@ def build_config(tokenizer):
         patch_size=14,
         spatial_merge_size=2,
         temporal_patch_size=2,
-    )
+    ) | (vision or {})
     return Qwen2VLConfig(
         text_config=text,
         vision_config=vision,
@@ -152,19 +161,28 @@ def write_demo_model(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_
     import torch
     from transformers import Qwen2VLForConditionalGeneration
 
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(seed)
     config = build_config(tokenizer)
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    return save_checkpoint(out, model, tokenizer, max_pixels, DEFAULT_MIN_PIXELS, {"seed": seed, "kind": "random-weights"})
+
+
+def save_checkpoint(out: Path, model, tokenizer, max_pixels: int, min_pixels: int, about: dict) -> Path:
+    """Weights, tokenizer, processor configs and chat template: all a loader looks for."""
+    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    image_cfg, video_cfg = _processor_configs(max_pixels, DEFAULT_MIN_PIXELS)
+    write_processor_configs(out, max_pixels, min_pixels)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "prism_demo.json").write_text(json.dumps(about, indent=2) + "\n")
+    return out
+
+
+def write_processor_configs(out: Path, max_pixels: int, min_pixels: int) -> None:
+    image_cfg, video_cfg = _processor_configs(max_pixels, min_pixels)
     (out / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights"}))
-    return out
 
 
 def ensure_demo_model(out: Path, seed: int = SEED) -> Path:
@@ -176,7 +194,7 @@ def ensure_demo_model(out: Path, seed: int = SEED) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("models/prism-demo-qwen2vl"))
+    parser.add_argument("--out", type=Path, default=RANDOM_MODEL)
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args()
     print(write_demo_model(args.out, args.seed))

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prism.config import DEFAULT_CONFIG, REPO_ROOT, load_config, resolve_model
-from prism.demo_model import ensure_demo_model
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.logs import setup_logging
 
-DEMO_MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
 log = logging.getLogger("prism.launcher")
 
 
@@ -111,8 +110,8 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
     children: dict[str, Child] = {}
     for name, route in gateway_config.routes().items():
         checkpoint = resolve_model(route.checkpoint) if route.checkpoint else shared_model
-        if Path(checkpoint) == DEMO_MODEL:
-            ensure_demo_model(DEMO_MODEL)
+        if Path(checkpoint) == RANDOM_MODEL:
+            ensure_demo_model(RANDOM_MODEL)
         env = {"PRISM_MODEL": checkpoint}
         label = name or "default"
         for i, address in enumerate(route.encoder_addresses):
@@ -153,7 +152,7 @@ def main() -> None:
     serve_cmd = sub.add_parser("serve", help="start gateway, vision encoder and LLM engine")
     serve_cmd.add_argument("--config", type=Path, default=Path(os.environ.get("PRISM_CONFIG", DEFAULT_CONFIG)))
     demo_cmd = sub.add_parser("demo-model", help="write the demo checkpoint")
-    demo_cmd.add_argument("--out", type=Path, default=DEMO_MODEL)
+    demo_cmd.add_argument("--out", type=Path, default=RANDOM_MODEL)
     demo_cmd.add_argument("--seed", type=int, default=None, help="another seed: another model (same shapes)")
     sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (python -m loadtest --help)", add_help=False)
     args, rest = parser.parse_known_args()

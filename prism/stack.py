@@ -2,6 +2,9 @@
 
 Everything the stack needs differently (port, socket paths, dtype, pixel
 budget) is passed as PRISM_* environment overrides of configs/cpu-demo.yaml.
+The checkpoint defaults to the random-weights one: its generations run to
+max_tokens, which streaming, timing and fault tests rely on; the trained demo
+model answers in a few tokens (pass `model=SHAPES_MODEL` for it).
 Readiness is the gateway's /health answering, which it does only after its
 start-up handshake with the encoder and the engine.
 """
@@ -21,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from prism.config import REPO_ROOT
+from prism.demo_model import RANDOM_MODEL
 
 
 def free_port() -> int:
@@ -48,6 +52,7 @@ def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) 
 class LocalStack:
     run_dir: Path
     overrides: dict[str, str] = field(default_factory=dict)
+    model: Path = RANDOM_MODEL
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
     encoder_replicas: int = 1
@@ -80,6 +85,7 @@ class LocalStack:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
+            PRISM_MODEL=str(self.model),
             PRISM_GATEWAY__PORT=str(self.port),
             PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(self.encoder_addresses),  # JSON is YAML
             PRISM_GATEWAY__ENGINE_ADDRESSES=json.dumps(self.engine_addresses),

@@ -27,6 +27,8 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, froze
     stop: list[str] = []
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):

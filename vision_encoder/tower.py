@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from cache import content_key
 from protocol.to_gateway import ProcessorInfo
@@ -71,6 +72,14 @@ def _load_vision_state(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
+def _weights_digest(state: dict[str, torch.Tensor]) -> bytes:
+    hasher = xxhash.xxh3_128()
+    for name in sorted(state):
+        hasher.update(name.encode())
+        hasher.update(state[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.digest()
+
+
 @dataclass(frozen=True)
 class Preprocessed:
     pixel_values: torch.Tensor  # (Σ patches, C·T·P·P)
@@ -93,13 +102,14 @@ class VisionTower:
             # Qwen processors read both spellings; `size` is the one they resize by.
             overrides["size"] = {"shortest_edge": overrides.get("min_pixels"), "longest_edge": overrides.get("max_pixels")}
         self.processor = AutoImageProcessor.from_pretrained(path, **overrides)
-        self.model = self._build(config, path)
-        self.fingerprint = self._fingerprint(path)
+        state = _load_vision_state(_weight_files(path))
+        self.model = self._build(config, state)
+        self.fingerprint = self._fingerprint(path, state)
 
-    def _build(self, config, path: Path) -> torch.nn.Module:
+    def _build(self, config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         cls = _vision_class(config.model_type)
         model = cls._from_config(config.vision_config, dtype=self.dtype)
-        missing, unexpected = model.load_state_dict(_load_vision_state(_weight_files(path)), strict=False)
+        missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         return model.to(self.device, self.dtype).eval()
@@ -130,12 +140,12 @@ class VisionTower:
             "dtype": str(self.dtype),
         }
 
-    def _fingerprint(self, path: Path) -> str:
-        # Weights revision: config plus every weight file's name and size; a
-        # hub revision or re-trained checkpoint changes at least one of them.
-        files = [(f.name, f.stat().st_size) for f in _weight_files(path)]
+    def _fingerprint(self, path: Path, state: dict[str, torch.Tensor]) -> str:
+        # Weights revision: the config and the vision weights' own bytes, so a
+        # re-trained checkpoint of the same shapes gets new keys (file sizes
+        # would not change). xxh3 reads a 7B model's 1.3 GB tower in ~0.2 s.
         config_bytes = (path / "config.json").read_bytes()
-        return content_key(self.model_id, config_bytes, files, self.preprocessing_params()).hex()
+        return content_key(self.model_id, config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
 
     def num_patches(self, height: int, width: int) -> int:
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize

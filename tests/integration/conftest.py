@@ -11,11 +11,11 @@ import pytest
 from openai import OpenAI
 
 from prism.config import REPO_ROOT
-from prism.demo_model import ensure_demo_model
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images
 
-DEMO_MODEL = REPO_ROOT / "models" / "prism-demo-qwen2vl"
+DEMO_MODEL = RANDOM_MODEL
 MODEL_NAME = "prism-demo"
 MAX_IMAGE_BYTES = 4_000_000
 MAX_BODY_BYTES = 12_000_000

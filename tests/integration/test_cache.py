@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from cache import content_key
-from prism.config import REPO_ROOT
+from prism.demo_model import RANDOM_MODEL, write_demo_model
 from prism.synthetic import make_image
 from tests.integration.cases import data_url
 from tests.integration.conftest import MODEL_NAME
@@ -18,7 +18,7 @@ from tests.integration.corpus import b64, save
 from tests.integration.helpers import stages
 from vision_encoder.tower import VisionTower
 
-DEMO_MODEL = str(REPO_ROOT / "models" / "prism-demo-qwen2vl")
+DEMO_MODEL = str(RANDOM_MODEL)
 
 
 def ask_about(client, url: str, max_tokens: int = 4):
@@ -47,6 +47,15 @@ def test_same_bytes_under_other_preprocessing_are_other_entries():
     keys = {content_key(t.fingerprint, digest) for t in (default, smaller, bf16)}
     assert len(keys) == 3
     assert smaller.processor_info.max_pixels == 200704 != default.processor_info.max_pixels
+
+
+def test_retrained_weights_of_the_same_shapes_are_other_entries(tmp_path):
+    # Same path, same config, same file sizes: only the weights' bytes differ.
+    fingerprints = []
+    for seed in (1, 2, 1):
+        write_demo_model(tmp_path / "retrained", seed=seed)
+        fingerprints.append(VisionTower(str(tmp_path / "retrained"), "float32", "cpu").fingerprint)
+    assert fingerprints[0] != fingerprints[1] and fingerprints[0] == fingerprints[2]
 
 
 def encoder_counts(stack) -> tuple[float, float, float, float]:

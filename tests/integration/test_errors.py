@@ -35,6 +35,7 @@ BAD_REQUESTS = [
     ("n=2", body(n=2), 400, "n=1"),
     ("temperature", body(temperature=5), 422, "temperature"),
     ("max-tokens-zero", body(max_tokens=0), 422, "max_tokens"),
+    ("min-over-max-tokens", body(min_tokens=5), 422, "min_tokens (5) exceeds max_tokens (2)"),
     ("no-messages", body(messages=[]), 422, "messages"),
     ("empty-stop", body(stop=[""]), 422, "stop sequences must not be empty"),
     ("bad-role", body(messages=[{"role": "robot", "content": "x"}]), 422, "role"),

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from prism.config import DEFAULT_CONFIG, REPO_ROOT
-from prism.demo_model import write_demo_model
+from prism.demo_model import RANDOM_MODEL, write_demo_model
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image
 from tests.integration.corpus import b64, save
@@ -43,7 +43,7 @@ def routed(tmp_path_factory):
         OTHER: {"encoder_addresses": [f"ipc://{run_dir}/b-encoder.sock"], "engine_addresses": [f"ipc://{run_dir}/b-engine.sock"]},
     })
     config["engine"].update(kv_cache_memory_mb=256, drain_timeout_s=60)
-    config["model"] = str(REPO_ROOT / "models" / "prism-demo-qwen2vl")
+    config["model"] = str(RANDOM_MODEL)
     path = run_dir / "models.yaml"
     path.write_text(yaml.safe_dump(config))
     stack = LocalStack(run_dir, {"PRISM_CONFIG": str(path)})
