@@ -25,7 +25,7 @@ bench: install
 demo-model: install
 	$(PY) -m prism demo-model
 
-# Re-train the committed demo model (about 15 minutes on two cores).
+# Re-train the committed demo model (18 minutes on two cores; bit-identical).
 train-demo: install
 	$(PY) -m prism.train_demo --out models/prism-shapes
 
