@@ -13,8 +13,6 @@ Run: python -m bench.accuracy                # starts a stack on models/prism-sh
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import random
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +26,7 @@ from rich.table import Table
 from prism import scenes
 from prism.demo_model import SHAPES_MODEL
 from prism.stack import LocalStack
+from prism.synthetic import data_url
 
 BARS = {"colour": 0.95, "shape": 0.90, "count": 0.90}
 HELD_OUT_SEED = "prism-held-out"
@@ -50,13 +49,6 @@ def held_out(per_kind: int, seed: str = HELD_OUT_SEED, min_side: int = 128, max_
     return cases
 
 
-def data_url(image, fmt: str = "PNG") -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
-    mime = "png" if fmt == "PNG" else "jpeg"
-    return f"data:image/{mime};base64,{base64.b64encode(buffer.getvalue()).decode()}"
-
-
 def ask(client: OpenAI, model: str, image_url: str, question: str) -> str:
     response = client.chat.completions.create(
         model=model,
@@ -76,7 +68,7 @@ def normalise(text: str) -> str:
 
 def answers(client: OpenAI, model: str, cases: list[Case], concurrency: int = 8) -> list[str]:
     def one(case: Case) -> str:
-        return ask(client, model, data_url(case.scene.render(*case.size)), case.question.text)
+        return ask(client, model, data_url(case.scene.render(*case.size), "PNG"), case.question.text)
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, cases))

@@ -12,7 +12,6 @@ Run: .venv/bin/python -m bench.intake [--images 48]
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import statistics
 import tempfile
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from gateway.intake import ImageLimits, IntakePolicy, decode, decode_data_url, inspect
 from prism.stack import LocalStack
-from prism.synthetic import encode, make_image
+from prism.synthetic import data_url, make_image
 from protocol.to_gateway import ProcessorInfo
 
 POLICY = IntakePolicy(ProcessorInfo(14, 2, 3136, 1024 * 1024), ImageLimits(20 * 2**20, 50_000_000, 2, 200))
@@ -62,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=48)
     args = parser.parse_args()
-    urls = ["data:image/jpeg;base64," + base64.b64encode(encode(make_image(f"intake-{i}", (1920, 1080)))).decode() for i in range(args.images)]
+    urls = [data_url(make_image(f"intake-{i}", (1920, 1080))) for i in range(args.images)]
     cores = os.cpu_count() or 1
     one = throughput(urls, 1)
     every = throughput(urls, cores)

@@ -11,7 +11,6 @@ Run: .venv/bin/python -m bench.soak --minutes 5
 from __future__ import annotations
 
 import argparse
-import base64
 import random
 import tempfile
 import threading
@@ -22,7 +21,7 @@ import httpx
 import psutil
 
 from prism.stack import LocalStack
-from prism.synthetic import encode, make_image
+from prism.synthetic import data_url, make_image
 
 SIZES = [(256, 256), (1280, 720), (1920, 1080), (640, 480)]
 
@@ -33,7 +32,7 @@ def worker(base_url: str, stop: threading.Event, counts: dict, seed: int) -> Non
         repeat = rng.random() < 0.5
         size = rng.choice(SIZES)
         name = f"soak-{size}-{rng.randrange(4) if repeat else rng.randrange(10**9)}"
-        url = "data:image/jpeg;base64," + base64.b64encode(encode(make_image(name, size))).decode()
+        url = data_url(make_image(name, size))
         body = {"model": "prism-demo", "max_tokens": 16, "stream": rng.random() < 0.5,
                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]}]}
         try:

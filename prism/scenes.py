@@ -49,6 +49,18 @@ class Shape:
     cy: float
     size: float  # bounding-box side, as a fraction of the shorter image side
 
+    def in_pixels(self, width: int, height: int) -> tuple[float, float, float]:
+        """Centre and radius in pixels, for a scene drawn at width × height."""
+        return self.cx * width, self.cy * height, self.size * min(width, height) / 2
+
+    @property
+    def shape_class(self) -> int:
+        return 1 + SHAPES.index(self.kind)  # 0 is background, for the training probes
+
+    @property
+    def colour_class(self) -> int:
+        return 1 + list(COLOURS).index(self.colour)
+
 
 @dataclass(frozen=True)
 class Scene:
@@ -62,18 +74,16 @@ class Scene:
     def render(self, width: int, height: int) -> Image.Image:
         image = Image.fromarray(_background(self, width, height))
         draw = ImageDraw.Draw(image)
-        short = min(width, height)
         for shape in self.shapes:
-            _draw(draw, shape, shape.cx * width, shape.cy * height, shape.size * short / 2)
+            _draw(draw, shape, *shape.in_pixels(width, height))
         return image
 
     def covering(self, x: np.ndarray, y: np.ndarray, width: int, height: int) -> np.ndarray:
         """Per pixel position: 1 + the index of the shape drawn there, 0 for background."""
         found = np.zeros(np.broadcast(x, y).shape, dtype=np.int64)
-        short = min(width, height)
         for index, shape in enumerate(self.shapes, start=1):
-            inside = _inside(shape.kind, x - shape.cx * width, y - shape.cy * height, shape.size * short / 2)
-            found = np.where(inside & (found == 0), index, found)
+            cx, cy, r = shape.in_pixels(width, height)
+            found = np.where(_inside(shape.kind, x - cx, y - cy, r) & (found == 0), index, found)
         return found
 
     def describe(self) -> str:

@@ -6,6 +6,7 @@ noise, so resizing and JPEG behave as they do on real pictures.
 
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -32,3 +33,8 @@ def encode(image: Image.Image, fmt: str = "JPEG", quality: int = 90) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **({"quality": quality} if fmt == "JPEG" else {}))
     return buffer.getvalue()
+
+
+def data_url(image: Image.Image, fmt: str = "JPEG") -> str:
+    """The image as a `data:` URL, the way a client inlines it in a chat request."""
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(encode(image, fmt)).decode()}"

@@ -63,7 +63,7 @@ class Recipe:
     max_side: int = 384
     vision_steps: int = 2000  # phase 1: the tower alone, against the scene probe
     aux_weight: float = 1.0  # phase 2: the probe's loss, beside the answer loss
-    vision_lr_scale: float = 0.3  # phase 2: the tower's learning rate, relative
+    vision_lr_scale: float = 0.3  # phase 2: the merger's (and probe's) learning rate, relative
 
 
 def _corpus_lines() -> list[str]:
@@ -133,11 +133,10 @@ class Batcher:
 
 
 def scene_targets(samples: list[tuple]) -> torch.Tensor:
-    """Per image and shape kind: 0 if the kind is absent, else 1 + its colour's index."""
-    colours = list(scenes.COLOURS)
+    """Per image and shape kind: 0 if the kind is absent, else its colour's class."""
     rows = []
     for *_, scene in samples:
-        present = {s.kind: 1 + colours.index(s.colour) for s in scene.shapes}
+        present = {s.kind: s.colour_class for s in scene.shapes}
         rows.append([present.get(kind, 0) for kind in scenes.SHAPES])
     return torch.tensor(rows)
 
@@ -185,19 +184,18 @@ class SceneHeads(torch.nn.Module):
 
 def token_targets(samples: list[tuple], grids: torch.Tensor, patch: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per visual token (in the merger's order: images in turn, rows of tokens):
-    1 + the index in SHAPES / COLOURS of the shape covering most of it, 0 for background."""
+    the shape and colour classes of the shape covering most of it, 0 for background."""
     shape_ids, colour_ids = [], []
     side = patch * merge
     offsets = (np.arange(3) + 0.5) / 3 * side  # a 3×3 vote inside each token
-    colours = list(scenes.COLOURS)
     for (*_, scene), (_, h, w) in zip(samples, grids.tolist()):
         rows, cols = h // merge, w // merge
         ys = (np.arange(rows)[:, None] * side + offsets)[:, None, :, None]
         xs = (np.arange(cols)[:, None] * side + offsets)[None, :, None, :]
         covered = scene.covering(xs, ys, cols * side, rows * side).reshape(rows * cols, 9)
         votes = np.stack([(covered == k).sum(1) for k in range(len(scene.shapes) + 1)], 1).argmax(1)
-        shape_ids.append(np.take([0] + [1 + scenes.SHAPES.index(s.kind) for s in scene.shapes], votes))
-        colour_ids.append(np.take([0] + [1 + colours.index(s.colour) for s in scene.shapes], votes))
+        shape_ids.append(np.take([0] + [s.shape_class for s in scene.shapes], votes))
+        colour_ids.append(np.take([0] + [s.colour_class for s in scene.shapes], votes))
     return torch.from_numpy(np.concatenate(shape_ids)), torch.from_numpy(np.concatenate(colour_ids))
 
 

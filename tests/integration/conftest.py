@@ -15,7 +15,6 @@ from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images
 
-DEMO_MODEL = RANDOM_MODEL
 MODEL_NAME = "prism-demo"
 MAX_IMAGE_BYTES = 4_000_000
 MAX_BODY_BYTES = 12_000_000
@@ -47,7 +46,7 @@ class Reference:
         self.out = out
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(DEMO_MODEL), str(images), str(out)],
+            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(RANDOM_MODEL), str(images), str(out)],
             cwd=REPO_ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         )
         self._results: dict | None = None
@@ -70,7 +69,7 @@ def images(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def _started(tmp_path_factory, images):
-    ensure_demo_model(DEMO_MODEL)
+    ensure_demo_model(RANDOM_MODEL)
     run_dir = tmp_path_factory.mktemp("stack")
     reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log")
     stack = LocalStack(run_dir, STACK_OVERRIDES)

@@ -18,8 +18,6 @@ from tests.integration.corpus import b64, save
 from tests.integration.helpers import stages
 from vision_encoder.tower import VisionTower
 
-DEMO_MODEL = str(RANDOM_MODEL)
-
 
 def ask_about(client, url: str, max_tokens: int = 4):
     return client.chat.completions.create(
@@ -41,9 +39,9 @@ def test_second_request_with_the_same_image_is_a_hit_without_encoding(client, tm
 
 def test_same_bytes_under_other_preprocessing_are_other_entries():
     digest = b"\x01" * 16  # the gateway's digest of one image's bytes
-    default = VisionTower(DEMO_MODEL, "float32", "cpu")
-    smaller = VisionTower(DEMO_MODEL, "float32", "cpu", max_pixels=200704)
-    bf16 = VisionTower(DEMO_MODEL, "bfloat16", "cpu")
+    default = VisionTower(str(RANDOM_MODEL), "float32", "cpu")
+    smaller = VisionTower(str(RANDOM_MODEL), "float32", "cpu", max_pixels=200704)
+    bf16 = VisionTower(str(RANDOM_MODEL), "bfloat16", "cpu")
     keys = {content_key(t.fingerprint, digest) for t in (default, smaller, bf16)}
     assert len(keys) == 3
     assert smaller.processor_info.max_pixels == 200704 != default.processor_info.max_pixels

@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
-from bench.accuracy import BARS, accuracy, answers, ask, data_url, held_out, normalise
+from bench.accuracy import BARS, accuracy, answers, ask, held_out, normalise
 from prism import scenes
 from prism.demo_model import SHAPES_MODEL
 from prism.stack import LocalStack
+from prism.synthetic import data_url
 
 MODEL = "prism-demo"
 
@@ -38,7 +39,7 @@ def test_32_concurrent_scenes_each_answered_about_its_own_image(shapes_client):
     assert len({s.describe() for s in batch}) >= 12  # the 32 scenes say different things
 
     def describe(scene: scenes.Scene) -> str:
-        return ask(shapes_client, MODEL, data_url(scene.render(320, 320)), "Describe the image.")
+        return ask(shapes_client, MODEL, data_url(scene.render(320, 320), "PNG"), "Describe the image.")
 
     with ThreadPoolExecutor(32) as pool:
         replies = list(pool.map(describe, batch))
@@ -71,7 +72,7 @@ def test_ignore_eos_and_min_tokens_are_honoured(shapes_client):
     # The trained model stops after a word; vLLM's extensions make it go on.
     scene = one_shape_scenes(1, "lengths")[0]
     messages = [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(scene.render(200, 200))}},
+        {"type": "image_url", "image_url": {"url": data_url(scene.render(200, 200), "PNG")}},
         {"type": "text", "text": "What colour is the " + scene.shapes[0].kind + "?"},
     ]}]
 
