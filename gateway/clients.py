@@ -72,7 +72,8 @@ class ServiceClient:
             self._ready = loop.create_future()
             await self._send_quietly(Hello("gateway"))
             try:
-                self.info = await asyncio.wait_for(asyncio.shield(self._ready), timeout=2.0)
+                async with asyncio.timeout(2.0):
+                    self.info = await asyncio.shield(self._ready)
                 self.up = True
                 self.stats_received_at = loop.time()
                 return self.info
@@ -154,7 +155,8 @@ class ServiceClient:
 
     async def _send_quietly(self, message: Message) -> bool:
         try:
-            await asyncio.wait_for(self.socket.send(message), SEND_TIMEOUT_S)
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self.socket.send(message)
             return True
         except asyncio.TimeoutError:
             return False
@@ -163,7 +165,8 @@ class ServiceClient:
         """Send a request, or 503 if the service cannot take it now."""
         self.require_up()
         try:
-            await asyncio.wait_for(self.socket.send(message, frames), SEND_TIMEOUT_S)
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self.socket.send(message, frames)
         except asyncio.TimeoutError:
             raise self.unavailable(f"{self.name} is not accepting work; retry shortly") from None
 
@@ -188,6 +191,19 @@ class ServiceClient:
         self.socket.close()
 
 
+async def next_reply(queue: asyncio.Queue, timeout_s: float) -> tuple[Any, list]:
+    """The next reply routed to a request.
+
+    `asyncio.timeout`, never `asyncio.wait_for`, here and wherever the waiting
+    task may be cancelled: on Python 3.11, when a reply lands in the same loop
+    turn as the cancellation, `wait_for` returns the reply and drops the cancel
+    (CPython gh-86296). During a fast token stream that happened often: a
+    client's hang-up went unnoticed and vLLM generated to the end.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await queue.get()
+
+
 def _raise_if_error(message: Any) -> None:
     if isinstance(message, APIError):  # put there by the heartbeat on an outage
         raise message
@@ -201,7 +217,7 @@ class EncoderClient(ServiceClient):
         answered = False
         try:
             await self.send(EncodeRequest(request_id, list(images), retry), frames)
-            message, reply_frames = await asyncio.wait_for(queue.get(), timeout_s)
+            message, reply_frames = await next_reply(queue, timeout_s)
             answered = True
         except asyncio.TimeoutError:
             raise APIError(504, f"vision encoder did not answer within {timeout_s:.0f} s", code="encoder_timeout") from None
@@ -227,7 +243,7 @@ class EngineClient(ServiceClient):
         try:
             await self.send(request, frames)
             while not finished:
-                message, _ = await asyncio.wait_for(queue.get(), timeout_s)
+                message, _ = await next_reply(queue, timeout_s)
                 if isinstance(message, APIError):
                     finished = True  # the engine is gone: nothing to abort
                     raise message

@@ -73,7 +73,8 @@ class ServedModel:
     async def retire(self, drain_timeout_s: float) -> None:
         """Let in-flight requests finish (up to the deadline), then disconnect."""
         try:
-            await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+            async with asyncio.timeout(drain_timeout_s):
+                await self._idle.wait()
         except asyncio.TimeoutError:
             log.warning("model %r retired with %d requests still in flight", self.name, self.in_flight)
         await self.close()

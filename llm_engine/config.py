@@ -30,3 +30,8 @@ class EngineConfig(FrozenConfig):
     # {kv_connector: NixlConnector, kv_role: kv_both}; see docs/deployment.md.
     kv_transfer_config: dict[str, Any] | None = None
     seed: int = 0
+    # vLLM's processes wait for each other between steps by spinning, which
+    # holds a core for a whole generation; > 0 sleeps this long per check
+    # instead (small CPU machines: the gateway and encoder need that core).
+    # 0 keeps vLLM's spin (hosts with cores to spare). See llm_engine/shm_wait.py.
+    shm_wait_sleep_us: int = Field(0, ge=0, le=10_000)

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from llm_engine.config import EngineConfig
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
+from llm_engine.shm_wait import sleep_in_spawned_vllm_processes
 from prism.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, StatsRequest
@@ -109,6 +110,7 @@ class EngineService:
     async def start(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineService":
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        sleep_in_spawned_vllm_processes(config.shm_wait_sleep_us)
         engine = AsyncLLM.from_engine_args(engine_args(config))
         service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound))
         service.tokenizer = await service._tokenizer()

@@ -1,0 +1,20 @@
+"""Imported by every Python process the engine service spawns (vLLM's engine
+core and workers), through PYTHONPATH; see llm_engine/shm_wait.py for why.
+
+vLLM's waits between steps call `os.sched_yield()` in a loop; here that call
+sleeps `PRISM_SHM_WAIT_SLEEP_US` microseconds instead, so a waiting vLLM
+process gives its core back rather than holding it for the whole generation.
+Nothing else in these processes calls `os.sched_yield` from Python.
+"""
+
+import os
+import time
+
+_sleep_s = int(os.environ.get("PRISM_SHM_WAIT_SLEEP_US", "0")) / 1e6
+
+if _sleep_s > 0:
+
+    def _nap() -> None:
+        time.sleep(_sleep_s)
+
+    os.sched_yield = _nap

@@ -1,0 +1,104 @@
+"""A client that hangs up cancels the request's task; that cancel must never be
+lost, or vLLM generates to the end for no one (CPython gh-86296: on 3.11,
+`asyncio.wait_for` drops a cancel that lands in the same turn as a reply)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq.asyncio
+
+from gateway.clients import EngineClient, next_reply
+from protocol.sockets import AsyncRouter
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, SamplingOptions
+from protocol.to_gateway import TokenDelta
+
+
+async def _reply_lands_with_the_cancel() -> asyncio.Task:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def consume() -> None:
+        while True:
+            await next_reply(queue, timeout_s=30)
+
+    consumer = asyncio.create_task(consume())
+    for _ in range(3):  # the consumer is now waiting on the queue
+        await asyncio.sleep(0)
+    queue.put_nowait(("delta", []))
+    await asyncio.sleep(0)  # the reply is handed over...
+    consumer.cancel()  # ...and the hang-up arrives before the consumer runs
+    await asyncio.sleep(0.05)
+    return consumer
+
+
+def test_a_cancel_that_lands_with_a_reply_is_kept():
+    async def run() -> None:
+        consumer = await _reply_lands_with_the_cancel()
+        assert consumer.done(), "the cancel was swallowed: the consumer kept waiting for replies"
+        assert consumer.cancelled()
+
+    asyncio.run(run())
+
+
+def test_no_reply_within_the_timeout_is_a_timeout_error():
+    async def run() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await next_reply(asyncio.Queue(), timeout_s=0.05)
+
+    asyncio.run(run())
+
+
+def test_an_abandoned_generation_is_aborted_in_the_engine(tmp_path):
+    """A real DEALER/ROUTER pair on loopback: the 'engine' streams deltas as
+    fast as it can; the consumer is cancelled mid-stream, many times over,
+    and every time the generation ends cancelled and an abort goes out."""
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        address = f"ipc://{tmp_path}/engine.sock"
+        engine = AsyncRouter(ctx, address, EngineInbound)
+        client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=30)
+        client.up = True
+        client._tasks.append(asyncio.create_task(client._receive_loop()))
+        try:
+            for attempt in range(20):
+                await _hang_up_mid_stream(client, engine, f"r{attempt}", after=attempt % 5 + 1)
+        finally:
+            await client.close()
+            engine.close()
+            ctx.term()
+
+    asyncio.run(run())
+
+
+async def _hang_up_mid_stream(client: EngineClient, engine: AsyncRouter, rid: str, after: int) -> None:
+    request = GenerateRequest(rid, [], SamplingOptions(max_tokens=10_000))
+    received = 0
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        nonlocal received
+        async for _ in client.generate(request, [], timeout_s=30):
+            received += 1
+            if received == after:
+                first.set()
+
+    consumer = asyncio.create_task(consume())
+    peer, message, _ = await engine.recv()
+    assert message == request
+
+    async def stream() -> None:
+        for n in range(1, 10_001):
+            await engine.send(peer, TokenDelta(rid, "x", n, 5))
+            await asyncio.sleep(0)
+
+    streaming = asyncio.create_task(stream())
+    await asyncio.wait_for(first.wait(), 10)
+    consumer.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(consumer, 10)
+    streaming.cancel()
+    _, abort, _ = await asyncio.wait_for(engine.recv(), 10)
+    assert abort == AbortGenerate(rid)
+    assert rid not in client._streams

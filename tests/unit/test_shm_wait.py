@@ -1,0 +1,43 @@
+"""vLLM's spawned processes (engine core, workers) sleep instead of spinning
+when `engine.shm_wait_sleep_us` > 0: checked in a process spawned the way vLLM
+spawns them, after the engine service's own set-up call."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+
+from llm_engine.config import EngineConfig
+from llm_engine.shm_wait import SLEEP_ENV, sleep_in_spawned_vllm_processes
+
+
+def _time_100_yields() -> float:
+    started = time.perf_counter()
+    for _ in range(100):
+        os.sched_yield()
+    return time.perf_counter() - started
+
+
+def _in_spawned_process(monkeypatch, sleep_us: int) -> float:
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after the test
+    monkeypatch.delenv(SLEEP_ENV, raising=False)
+    sleep_in_spawned_vllm_processes(sleep_us)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_time_100_yields)
+
+
+def test_spawned_processes_sleep_instead_of_spinning(monkeypatch):
+    assert _in_spawned_process(monkeypatch, 2000) >= 100 * 0.002
+
+
+def test_zero_keeps_vllms_spin(monkeypatch):
+    assert _in_spawned_process(monkeypatch, 0) < 100 * 0.002 / 10
+    assert SLEEP_ENV not in os.environ
+
+
+def test_the_setting_is_bounded():
+    with pytest.raises(ValueError, match="shm_wait_sleep_us"):
+        EngineConfig(model="m", shm_wait_sleep_us=-1)
