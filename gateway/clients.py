@@ -132,8 +132,8 @@ class ServiceClient:
                 await asyncio.sleep(interval_s)
                 if loop.time() - asked_at > 2 * interval_s:
                     # Our own timer woke late: the host stalled this process too
-                    # (vLLM's CPU decode does that to every process on a small
-                    # machine; see docs, Known issues). A service's silence
+                    # (on a small machine, a vLLM left spinning between steps
+                    # does that; docs, Known issues). A service's silence
                     # meanwhile is no evidence: ask again before judging.
                     continue
                 silent_for = loop.time() - (self.stats_received_at or 0)
