@@ -7,9 +7,12 @@ event — never a hang, and the stack must come back by itself.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -211,29 +214,45 @@ def test_client_disconnect_aborts_generation(faulty, stream):
     assert wait_for(lambda: any(r["message"] == "aborted" for r in engine_log_lines(faulty, rid))), "no abort reached vLLM"
 
 
-def test_abandoned_unique_image_is_not_encoded(faulty):
-    def dropped() -> float:
-        text = httpx.get(f"{faulty.base_url}/metrics", timeout=5).text
-        return float(re.search(r"^prism_encoder_jobs_dropped_total (\S+)$", text, re.M).group(1))
+def metric_total(stack: LocalStack, name: str) -> float:
+    """A metric summed over its label sets."""
+    text = httpx.get(f"{stack.base_url}/metrics", timeout=5).text
+    return sum(float(value) for value in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
-    before = dropped()
-    busy = ThreadPoolExecutor(6)
-    # one image per batch (this stack's setting): six big ones keep the encoder busy
+
+def post_then_hang_up(stack: LocalStack, body: dict, when) -> None:
+    """POST over a raw socket and close it, unanswered, once `when()` holds."""
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", stack.port)) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: prism\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        assert wait_for(when, timeout_s=30), "the request never reached the encoder"
+        conn.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            pytest.fail(f"answered before the client hung up: {conn.recv(200, socket.MSG_PEEK)!r}")
+
+
+def test_abandoned_unique_image_is_not_encoded(faulty):
+    dropped_before = metric_total(faulty, "prism_encoder_jobs_dropped_total")
+    sent_before = metric_total(faulty, "prism_encoder_replica_requests_total")
+
+    def encoder_requests() -> float:  # a new image takes two: its digest, then its pixels (pipeline._encode)
+        return metric_total(faulty, "prism_encoder_replica_requests_total") - sent_before
+
+    # One image per batch (this stack's setting): two requests of eight images
+    # each put sixteen encodes in the queue at once (a request's missing images
+    # are sent together), over a second of work ahead of the abandoned one.
+    busy = ThreadPoolExecutor(2)
     bodies = [{"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": image_url(f"busy-{i}", (1920, 1080))}}]}]} for i in range(6)]
+        {"type": "image_url", "image_url": {"url": image_url(f"busy-{r}-{i}", (1280, 720))}} for i in range(8)]}]} for r in range(2)]
     futures = [busy.submit(httpx.post, f"{faulty.base_url}/v1/chat/completions", timeout=60, json=body) for body in bodies]
-    time.sleep(0.5)
+    assert wait_for(lambda: encoder_requests() >= 2 * 2)
     abandoned = {"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url("abandoned", (1280, 960))}}]}]}
-    try:  # queued behind them, then abandoned
-        httpx.post(f"{faulty.base_url}/v1/chat/completions", timeout=0.3, json=abandoned)
-        hung_up = False
-    except httpx.ReadTimeout:
-        hung_up = True
+    # queued behind them, then abandoned
+    post_then_hang_up(faulty, abandoned, lambda: encoder_requests() >= 2 * 3)
     assert all(f.result().status_code == 200 for f in futures)
     busy.shutdown()
-    if not hung_up:
-        pytest.skip("the response came before the client's 0.3 s timeout fired (client starved of CPU)")
-    assert wait_for(lambda: dropped() > before)
+    assert wait_for(lambda: metric_total(faulty, "prism_encoder_jobs_dropped_total") > dropped_before)
 
 
 def test_graceful_shutdown_drains_in_flight_streams(faulty):
