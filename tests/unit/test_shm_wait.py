@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from llm_engine.config import EngineConfig
-from llm_engine.shm_wait import SLEEP_ENV, sleep_in_spawned_vllm_processes
+from llm_engine.shm_wait import SITE_DIR, SLEEP_ENV, sleep_in_spawned_vllm_processes
 
 
 def _time_100_yields() -> float:
@@ -41,3 +43,11 @@ def test_zero_keeps_vllms_spin(monkeypatch):
 def test_the_setting_is_bounded():
     with pytest.raises(ValueError, match="shm_wait_sleep_us"):
         EngineConfig(model="m", shm_wait_sleep_us=-1)
+
+
+def test_a_sitecustomize_it_hides_still_runs(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['HIDDEN_SITECUSTOMIZE_RAN'] = '1'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE_DIR), str(tmp_path)]), SLEEP_ENV: "5"}
+    code = "import os; print(os.sched_yield.__name__, os.environ.get('HIDDEN_SITECUSTOMIZE_RAN'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["_nap", "1"]
