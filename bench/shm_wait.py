@@ -62,7 +62,7 @@ class Setting:
         return statistics.median(getattr(r, metric) for r in self.rounds)
 
 
-def chat(stack: LocalStack, max_tokens: int, stream: bool) -> dict:
+def chat(max_tokens: int, stream: bool) -> dict:
     return {"model": "prism-demo", "max_tokens": max_tokens, "ignore_eos": True, "stream": stream,
             "messages": [{"role": "user", "content": "Write a long story."}]}
 
@@ -70,7 +70,7 @@ def chat(stack: LocalStack, max_tokens: int, stream: bool) -> dict:
 def newcomers(stack: LocalStack, stop: threading.Event, latencies: list[float]) -> None:
     while not stop.wait(0.3):
         started = time.monotonic()
-        httpx.post(f"{stack.base_url}/v1/chat/completions", json=chat(stack, 1, False), timeout=120).raise_for_status()
+        httpx.post(f"{stack.base_url}/v1/chat/completions", json=chat(1, False), timeout=120).raise_for_status()
         latencies.append(time.monotonic() - started)
 
 
@@ -81,7 +81,7 @@ def one_round(stack: LocalStack) -> Round:
     side.start()
     started = last = time.monotonic()
     gaps = []
-    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=chat(stack, DECODE_TOKENS, True), timeout=300) as response:
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=chat(DECODE_TOKENS, True), timeout=300) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 now = time.monotonic()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
 import threading
@@ -25,7 +24,7 @@ from prism.stack import LocalStack
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import child_pid, log_records
+from tests.integration.helpers import child_pid, log_records, scrape
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
 BURST_SLO_S = 10  # end-to-end for an admitted 64-token request during a burst (they take ~1-2 s here)
@@ -175,8 +174,7 @@ def gateway_statuses(stack: LocalStack, request_prefix: str) -> list[str]:
 
 
 def engine_in_flight(stack: LocalStack) -> float:
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=5).text
-    return float(re.search(r'prism_service_in_flight_requests\{service="engine"\} (\S+)', text).group(1))
+    return scrape(stack)[("prism_service_in_flight_requests", (("service", "engine"),))]
 
 
 def wait_for(predicate, timeout_s: float = 10) -> bool:
@@ -216,8 +214,7 @@ def test_client_disconnect_aborts_generation(faulty, stream):
 
 def metric_total(stack: LocalStack, name: str) -> float:
     """A metric summed over its label sets."""
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=5).text
-    return sum(float(value) for value in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(value for (sample, _), value in scrape(stack).items() if sample == name)
 
 
 def post_then_hang_up(stack: LocalStack, body: dict, when) -> None:
