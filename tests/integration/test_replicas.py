@@ -170,7 +170,8 @@ def test_killing_a_replica_under_load_loses_no_request(replicated):
     failovers = scrape(replicated)[ENCODER_FAILOVERS]
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(chat, replicated, url, 8) for url in images]
-        time.sleep(1.0)  # requests are in flight on both replicas
+        # kill replica 0 while it holds requests (a fixed sleep sometimes found it idle)
+        wait_for(lambda: per_replica(replicated, "prism_encoder_replica_outstanding")[0] > 0, 30, "requests on replica 0")
         os.kill(child_pid(replicated, "vision_encoder", replicated.encoder_addresses[0]), signal.SIGKILL)
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * len(images)
