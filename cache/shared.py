@@ -170,4 +170,5 @@ class SharedTier:
     def _succeeded(self) -> None:
         if not self.stats.up:
             log.warning("shared cache at %s is back", self.url)
+            self.stats.reattaches += 1
         self.stats.up = True

@@ -23,6 +23,7 @@ from gateway import metrics, responses
 from gateway.errors import APIError
 from gateway.parsing import parse_request
 from gateway.pipeline import Prepared
+from gateway.streaming import ClientNotReading, DeadlineStreamingResponse
 from gateway.timing import RequestTimer
 from prism.logs import request_id_var
 from protocol.to_gateway import TokenDelta
@@ -112,7 +113,7 @@ class ChatHandler:
     async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: "_Once", body_read: asyncio.Event) -> Response:
         gateway = self.gateway
         parse_started = time.perf_counter()
-        request = await parse_request(http_request, gateway.config.max_body_bytes)
+        request = await parse_request(http_request, gateway.config.max_body_bytes, gateway.config.body_timeout_s)
         body_read.set()
         timer.add("parse", time.perf_counter() - parse_started)
         served = gateway.models.get(request.model)
@@ -128,7 +129,7 @@ class ChatHandler:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             body = self._stream(prepared, first, deltas, timer, include_usage, done)
-            return StreamingResponse(body, media_type="text/event-stream")
+            return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
         return await self._complete(prepared, deltas, timer)
 
     async def _complete(self, prepared: Prepared, deltas: AsyncIterator[TokenDelta], timer: RequestTimer) -> Response:
@@ -149,19 +150,19 @@ class ChatHandler:
         return JSONResponse(body, headers={"Server-Timing": timer.server_timing()})
 
     async def _stream(self, prepared, first, deltas, timer, include_usage, done) -> AsyncIterator[bytes]:
-        status, reason = 200, "ok"
-        completed = False
+        outcome = None  # (status, reason); still None at the end: the client went away mid-stream
         try:
-            async for event in self._events(prepared, first, deltas, timer, include_usage):
-                if isinstance(event, APIError):
-                    status, reason = event.status, event.code or "error"
-                    continue
-                yield event
-            completed = True
+            async with contextlib.aclosing(self._events(prepared, first, deltas, timer, include_usage)) as events:
+                async for event in events:
+                    if isinstance(event, APIError):
+                        outcome = (event.status, event.code or "error")
+                        continue
+                    yield event
+            outcome = outcome or (200, "ok")
+        except ClientNotReading:  # thrown in by the response: the client stopped reading
+            outcome = (408, "client_not_reading")
         finally:
-            if not completed:  # the client went away mid-stream
-                status, reason = 499, "client_disconnected"
-            self.finish(timer, status, reason)
+            self.finish(timer, *(outcome or (499, "client_disconnected")))
             done()
 
     async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, include_usage: bool):

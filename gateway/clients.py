@@ -7,8 +7,13 @@ that request's queue, so each request's state has exactly one owner.
 The heartbeat asks for stats every interval. A service whose connection drops,
 or that has not answered for `heartbeat_timeout_s`, is marked down: its in-flight requests fail at once
 (503), new ones are refused with 503 + Retry-After, and it is marked up again
-as soon as it answers. A changed boot id means the service restarted and lost
-its in-flight work: those requests fail the same way.
+as soon as it answers. A service whose stats say it is not SERVING (draining,
+stalled, dead) gets no new work until they do. A changed boot id means the
+service restarted and lost its in-flight work: those requests fail the same
+way, and the new process is used once it has answered the handshake as its
+predecessor did.
+
+Every wait has a deadline named by its config key, and the error says which.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from gateway.errors import APIError
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer
-from protocol.stats import EncoderStats, EngineStats, StatsRequest
+from protocol.stats import EncoderStats, EngineStats, ServiceState, StatsRequest
 from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
 from protocol.to_engine import AbortGenerate, GenerateRequest
 from protocol.to_gateway import (
@@ -41,7 +46,7 @@ from protocol.to_gateway import (
 
 log = logging.getLogger("prism.gateway")
 RETRY_AFTER_S = 2
-SEND_TIMEOUT_S = 2.0
+SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is not reading
 
 
 class ServiceClient:
@@ -61,6 +66,7 @@ class ServiceClient:
         self.stats: Any = None  # latest EncoderStats / EngineStats
         self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
         self.up = False
+        self.rejoining = False  # a restarted process: up again once it answers the handshake
 
     async def connect(self, timeout_s: float) -> Any:
         """Handshake: Hello until the service answers (it may still be loading)."""
@@ -79,7 +85,9 @@ class ServiceClient:
                 return self.info
             except asyncio.TimeoutError:
                 if loop.time() > deadline:
-                    raise RuntimeError(f"{self.name} at {self.address} did not answer within {timeout_s:.0f} s") from None
+                    raise RuntimeError(
+                        f"{self.name} at {self.address} did not answer within {timeout_s:.0f} s (gateway.startup_timeout_s)"
+                    ) from None
 
     async def _receive_loop(self) -> None:
         while True:
@@ -87,6 +95,8 @@ class ServiceClient:
             if isinstance(message, (EncoderReady, EngineReady)):
                 if self._ready is not None and not self._ready.done():
                     self._ready.set_result(message)
+                elif self.rejoining:
+                    self._rejoin(message)
             elif isinstance(message, (EncoderStats, EngineStats)):
                 self._heartbeat(message)
             elif (queue := self._streams.get(message.request_id)) is not None:
@@ -105,21 +115,42 @@ class ServiceClient:
     def _mark_down(self, why: str) -> None:
         self.up = False
         log.error("%s %s; failing its in-flight requests", self.name, why)
-        self._fail_in_flight(f"{self.name} is not answering")
+        self._fail_in_flight(f"{self.name} {why}")
 
     def _heartbeat(self, stats) -> None:
         restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
         self.stats = stats
         self.stats_received_at = asyncio.get_running_loop().time()
         if restarted:
-            self._fail_in_flight(f"{self.name} restarted; the request was lost with it")
-        draining = getattr(stats, "draining", False)
-        if draining and self.up:  # it finishes what it has; nothing new goes to it
-            log.warning("%s is draining", self.name)
             self.up = False
-        elif not draining and not self.up:
+            self._fail_in_flight(f"{self.name} restarted; the request was lost with it")
+            log.warning("%s restarted; handshaking with the new process", self.name)
+            self.rejoining = True
+        if self.rejoining:
+            self._in_background(self._send_quietly(Hello("gateway")))
+            return
+        serving = stats.state == ServiceState.SERVING
+        if not serving and self.up:  # draining, stalled or dead: nothing new goes to it
+            log.warning("%s is %s", self.name, stats.state.name.lower())
+            self.up = False
+        elif serving and not self.up:
             log.warning("%s is back", self.name)
             self.up = True
+
+    def _rejoin(self, info) -> None:
+        """A restarted process answered the handshake: used again if it serves what its predecessor did."""
+        if info != self.info:
+            log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
+            return
+        self.rejoining = False
+        if self.stats.state == ServiceState.SERVING:
+            log.warning("%s is back", self.name)
+            self.up = True
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
 
     def start_heartbeat(self, interval_s: float) -> None:
         """Ask for stats every interval; mark the service down when answers stop."""
@@ -138,7 +169,7 @@ class ServiceClient:
                     continue
                 silent_for = loop.time() - (self.stats_received_at or 0)
                 if self.up and silent_for > self.heartbeat_timeout_s:
-                    self._mark_down(f"stopped answering ({silent_for:.1f} s)")
+                    self._mark_down(f"stopped answering ({silent_for:.1f} s > gateway.heartbeat_timeout_s)")
 
         self._tasks.append(asyncio.create_task(beat()))
 
@@ -168,7 +199,7 @@ class ServiceClient:
             async with asyncio.timeout(SEND_TIMEOUT_S):
                 await self.socket.send(message, frames)
         except asyncio.TimeoutError:
-            raise self.unavailable(f"{self.name} is not accepting work; retry shortly") from None
+            raise self.unavailable(f"{self.name} took no message within {SEND_TIMEOUT_S:g} s; retry shortly") from None
 
     @property
     def outstanding(self) -> int:
@@ -204,6 +235,11 @@ async def next_reply(queue: asyncio.Queue, timeout_s: float) -> tuple[Any, list]
         return await queue.get()
 
 
+def retry_after(status: int) -> dict[str, str] | None:
+    """Refusals a client should retry (full, restarting, stalled) say when."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+
+
 def _raise_if_error(message: Any) -> None:
     if isinstance(message, APIError):  # put there by the heartbeat on an outage
         raise message
@@ -220,16 +256,15 @@ class EncoderClient(ServiceClient):
             message, reply_frames = await next_reply(queue, timeout_s)
             answered = True
         except asyncio.TimeoutError:
-            raise APIError(504, f"vision encoder did not answer within {timeout_s:.0f} s", code="encoder_timeout") from None
+            raise APIError(504, f"vision encoder did not answer within {timeout_s:g} s (gateway.encode_timeout_s)", code="encoder_timeout") from None
         finally:
             self.close_stream(request_id)
             if not answered and self.up:  # timed out, cancelled (client gone) or refused: drop its work
                 await self._send_quietly(CancelEncode(request_id))
         _raise_if_error(message)
         if isinstance(message, EncodeFailed):
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if message.status == 429 else None
-            code = "encoder_overloaded" if message.status == 429 else "encoder_error"
-            raise APIError(message.status, f"vision encoder: {message.message}", code=code, headers=headers)
+            code = message.code or ("encoder_overloaded" if message.status == 429 else "encoder_error")
+            raise APIError(message.status, f"vision encoder: {message.message}", code=code, headers=retry_after(message.status))
         return message, reply_frames
 
 
@@ -249,12 +284,12 @@ class EngineClient(ServiceClient):
                     raise message
                 if isinstance(message, GenerateFailed):
                     finished = True
-                    headers = {"Retry-After": str(RETRY_AFTER_S)} if message.status == 429 else None
-                    raise APIError(message.status, message.message, code="engine_error" if message.status >= 500 else None, headers=headers)
+                    code = message.code or ("engine_error" if message.status >= 500 else None)
+                    raise APIError(message.status, message.message, code=code, headers=retry_after(message.status))
                 finished = message.finish_reason is not None
                 yield message
         except asyncio.TimeoutError:
-            raise APIError(504, f"engine produced no token within {timeout_s:.0f} s", code="engine_timeout") from None
+            raise APIError(504, f"LLM engine produced no token within {timeout_s:g} s (gateway.generate_timeout_s)", code="engine_timeout") from None
         finally:
             self.close_stream(request.request_id)
             if not finished and self.up:

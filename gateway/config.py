@@ -44,6 +44,12 @@ class GatewayConfig(FrozenConfig):
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
     max_visual_tokens_in_flight: int | None = Field(None, ge=1)
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
+    # A client must send its whole body within this (else 408): a slow sender
+    # cannot hold a concurrency slot for longer.
+    body_timeout_s: float = Field(60, gt=0)
+    # A streaming client must take each chunk within this, else the stream is
+    # cut and its generation aborted: a client that stops reading holds no slot.
+    stream_write_timeout_s: float = Field(30, gt=0)
 
     # Images: limits checked before any decoding.
     max_images_per_request: int = Field(8, ge=0)

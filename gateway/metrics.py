@@ -10,7 +10,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from protocol.stats import HistogramSnapshot
+from protocol.stats import HistogramSnapshot, ServiceState
 
 # ms to tens of seconds: CPU demo and GPU deployments both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
@@ -71,6 +71,11 @@ class ServiceStatsCollector:
         if engines:
             in_flight.add_metric(["engine"], sum(e.in_flight for e in engines))
             queue.add_metric(["engine"], sum(e.waiting for e in engines))
+            yield CounterMetricFamily("prism_engine_steps", "vLLM engine-core steps seen (the stall watchdog's progress signal)", value=sum(e.steps for e in engines))
+        stalls = CounterMetricFamily("prism_stalls", "Stalls each service's watchdog declared (engine: no step; encoder: a batch far past its prediction)", labels=["service"])
+        for service, stats in (("encoder", encoders), ("engine", engines)):
+            stalls.add_metric([service], sum(s.stalls for s in stats))
+        yield stalls
         yield from _replica_metrics(self.gateway.pools())
         yield in_flight
         yield queue
@@ -93,7 +98,8 @@ def _encoder_metrics(encoders: list):
     if shared:
         shared_events = CounterMetricFamily("prism_shared_cache_events", "Shared (Redis) cache tier events", labels=["event"])
         for event, field in (("hit", "hits"), ("miss", "misses"), ("corrupt", "corrupt"), ("collision", "collisions"),
-                             ("error", "errors"), ("write", "writes"), ("write_skipped", "writes_skipped")):
+                             ("error", "errors"), ("write", "writes"), ("write_skipped", "writes_skipped"),
+                             ("reattach", "reattaches")):
             shared_events.add_metric([event], sum(getattr(t, field) for t in shared))
         yield shared_events
 
@@ -109,6 +115,7 @@ def _replica_metrics(pools):
         "engine_up": GaugeMetricFamily("prism_engine_replica_up", "1 while the engine replica answers its heartbeat", labels=labels),
         "engine_outstanding": GaugeMetricFamily("prism_engine_replica_outstanding", "Requests generating on each engine replica", labels=labels),
         "engine_sent": CounterMetricFamily("prism_engine_replica_requests", "Generate requests sent to each engine replica", labels=labels),
+        "state": GaugeMetricFamily("prism_replica_state", "1 for the state each replica last reported (serving, draining, stalled, dead)", labels=["service", *labels, "state"]),
     }
     failovers = {"encoder": 0, "engine": 0}
     for model, encoders, engines in pools:
@@ -121,11 +128,13 @@ def _replica_metrics(pools):
                 families["encoded"].add_metric(label, replica.stats.images_encoded)
                 if replica.stats.shared_cache is not None:
                     families["shared_up"].add_metric(label, int(replica.stats.shared_cache.up))
+            _add_state(families["state"], "encoder", label, replica.stats)
         for index, replica in enumerate(engines.replicas):
             label = [model, str(index)]
             families["engine_up"].add_metric(label, int(replica.up))
             families["engine_outstanding"].add_metric(label, replica.outstanding)
             families["engine_sent"].add_metric(label, engines.requests_sent[index])
+            _add_state(families["state"], "engine", label, replica.stats)
         failovers["encoder"] += encoders.failovers
         failovers["engine"] += engines.failovers
     yield from families.values()
@@ -133,6 +142,12 @@ def _replica_metrics(pools):
     for service, count in failovers.items():
         failover.add_metric([service], count)
     yield failover
+
+
+def _add_state(family: GaugeMetricFamily, service: str, label: list[str], stats) -> None:
+    if stats is not None:
+        for state in ServiceState:
+            family.add_metric([service, *label, state.name.lower()], int(stats.state == state))
 
 
 def merge_histograms(snapshots: list[HistogramSnapshot]) -> HistogramSnapshot:

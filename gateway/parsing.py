@@ -3,6 +3,8 @@ OpenAI's shape (400 for "Prism does not do this", 422 for bad values)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pydantic
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -27,20 +29,25 @@ def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> 
     return APIError(422, f"invalid '{param}': {first['msg']}", param=param, code="invalid_value")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s (gateway.body_timeout_s); "
+                       f"{len(body)} bytes arrived", code="body_timeout", headers={"Connection": "close"}) from None
     return bytes(body)
 
 
-async def parse_request(request: Request, limit: int) -> ChatCompletionRequest:
-    body = await read_body(request, limit)
+async def parse_request(request: Request, limit: int, timeout_s: float) -> ChatCompletionRequest:
+    body = await read_body(request, limit, timeout_s)
     try:
         return ChatCompletionRequest.model_validate_json(body)
     except pydantic.ValidationError as exc:

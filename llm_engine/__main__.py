@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 from pathlib import Path
 
 import zmq.asyncio
@@ -14,12 +15,19 @@ from llm_engine.service import EngineService
 from prism.config import load_config
 from prism.logs import setup_logging
 
+DEAD_SHUTDOWN_TIMEOUT_S = 5
 
-async def serve(config: EngineConfig) -> None:
+
+async def serve(config: EngineConfig) -> int:
+    """The exit code: 1 when vLLM's engine core died or stalled for good (restart me)."""
     service = await EngineService.start(config, zmq.asyncio.Context.instance())
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.drain)
-    await service.run_until_drained()
-    service.engine.shutdown()
+    await service.run_until_stopped()
+    if service.dead_reason is None:
+        service.engine.shutdown()
+        return 0
+    service.engine.shutdown(timeout=DEAD_SHUTDOWN_TIMEOUT_S)  # a stopped engine core is killed, not waited for
+    return 1
 
 
 def main() -> None:
@@ -27,7 +35,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()
     setup_logging("engine")
-    asyncio.run(serve(load_config(EngineConfig, "engine", args.config)))
+    sys.exit(asyncio.run(serve(load_config(EngineConfig, "engine", args.config))))
 
 
 if __name__ == "__main__":

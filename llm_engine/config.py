@@ -23,6 +23,13 @@ class EngineConfig(FrozenConfig):
     enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     drain_timeout_s: float = Field(30, ge=0)  # on SIGTERM, requests in flight get this long to finish
+    # Stall watchdog (llm_engine/watchdog.py): requests in vLLM and no engine
+    # step for this long -> the replica reports itself stalled, fails what it
+    # holds (503) and takes nothing new until the engine core steps again...
+    stall_timeout_s: float = Field(30, gt=0)
+    # ...and a stall that lasts this long past that exits the process (code 1)
+    # for its supervisor to restart it.
+    stall_restart_s: float = Field(120, gt=0)
     tensor_parallel_size: int = Field(1, ge=1)
     kv_cache_dtype: str = "auto"  # vLLM's choices: auto, fp8, fp8_e4m3, ...
     enable_chunked_prefill: bool | None = None  # None: vLLM's default

@@ -3,14 +3,24 @@
 The receive loop only routes: each GenerateRequest becomes its own task that
 streams TokenDelta messages back; AbortGenerate aborts it in vLLM. The vision
 tower is never loaded (images arrive as embeddings).
+
+A watchdog task judges vLLM's engine core: dead (AsyncLLM `errored`) → every
+request in flight fails with 503 `engine_dead`, heartbeats say DEAD, and the
+process exits with code 1 for its supervisor to restart it; no step within
+`stall_timeout_s` while requests wait (llm_engine/watchdog.py) → they fail
+with 503 `engine_stalled`, heartbeats say STALLED (the gateway routes
+elsewhere) until the engine core answers again, and a stall that outlasts
+`stall_restart_s` exits the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
@@ -18,14 +28,17 @@ import zmq.asyncio
 from llm_engine.config import EngineConfig
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
 from llm_engine.shm_wait import sleep_in_spawned_vllm_processes
+from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
 from prism.logs import request_id_var
 from protocol.base import Hello
-from protocol.stats import EngineStats, StatsRequest
+from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, SamplingOptions
 from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
+WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
+DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long before it exits
 
 
 def engine_args(config: EngineConfig):
@@ -88,31 +101,42 @@ def engine_timings(metrics, received: float) -> EngineTimings | None:
     )
 
 
+@dataclass(eq=False)
+class InFlight:
+    peer: bytes
+    task: asyncio.Task
+
+
 class EngineService:
-    def __init__(self, config: EngineConfig, engine, router: AsyncRouter) -> None:
+    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch) -> None:
         from transformers import AutoConfig
 
         self.config = config
         self.engine = engine
         self.router = router
+        self.watch = watch
         hf = AutoConfig.from_pretrained(config.model)
         self.shape = ModelShape(hf.text_config.hidden_size, hf.vision_config.spatial_merge_size)
         self.tokenizer = None
-        self.tasks: dict[str, asyncio.Task] = {}
+        self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
         self.boot_id = uuid.uuid4().hex
         self.finished = 0
         self.failed = 0
         self.model_name = config.served_model_name or config.model
-        self._draining = asyncio.Event()  # set by `drain` (SIGTERM)
+        self.draining = False  # set by `drain` (SIGTERM)
+        self.dead_reason: str | None = None  # set once the engine core is gone
+        self._stopping = asyncio.Event()  # drain or death: `run_until_stopped` winds down
+        self._background: set[asyncio.Task] = set()
 
     @classmethod
     async def start(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineService":
         from vllm.v1.engine.async_llm import AsyncLLM
 
         sleep_in_spawned_vllm_processes(config.shm_wait_sleep_us)
-        engine = AsyncLLM.from_engine_args(engine_args(config))
-        service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound))
+        watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
+        engine = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=[step_clock_factory(watch)])
+        service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound), watch)
         service.tokenizer = await service._tokenizer()
         return service
 
@@ -120,52 +144,147 @@ class EngineService:
         tokenizer = self.engine.get_tokenizer()
         return await tokenizer if asyncio.iscoroutine(tokenizer) else tokenizer
 
-    async def run_until_drained(self) -> None:
-        """Serve until `drain` was called and the requests in flight are done."""
+    @property
+    def state(self) -> ServiceState:
+        if self.dead_reason is not None:
+            return ServiceState.DEAD
+        if self.draining:
+            return ServiceState.DRAINING
+        return ServiceState.STALLED if self.watch.stalled else ServiceState.SERVING
+
+    async def run_until_stopped(self) -> None:
+        """Serve until `drain` was called and the requests in flight are done,
+        or until the engine core is gone (then `dead_reason` says why)."""
         receiving = asyncio.create_task(self.run_forever())
-        await self._draining.wait()
-        if self.tasks:  # no new ones come while draining
-            await asyncio.wait(list(self.tasks.values()), timeout=self.config.drain_timeout_s)
-        if self.tasks:
-            log.warning("drain deadline passed with %d requests in flight", len(self.tasks))
+        watching = asyncio.create_task(self._watch())
+        await self._stopping.wait()
+        if self.dead_reason is not None:
+            await asyncio.sleep(DEAD_LINGER_S)  # the failures go out; heartbeats meanwhile say DEAD
+        elif self.requests:  # draining: no new ones come
+            await asyncio.wait([r.task for r in self.requests.values()], timeout=self.config.drain_timeout_s)
+            if self.requests:
+                log.warning("drain deadline passed with %d requests in flight", len(self.requests))
         receiving.cancel()
+        watching.cancel()
 
     def drain(self) -> None:
         """Stop taking requests (503: the gateway sends them to another replica);
-        the ones in flight finish, then `run_until_drained` returns."""
+        the ones in flight finish, then `run_until_stopped` returns."""
         if not self.draining:
-            log.info("draining: %d requests in flight", len(self.tasks))
-            self._draining.set()
-
-    @property
-    def draining(self) -> bool:
-        return self._draining.is_set()
+            log.info("draining: %d requests in flight", len(self.requests))
+            self.draining = True
+            self._stopping.set()
 
     async def run_forever(self) -> None:
         log.info("engine ready on %s (model %s)", self.config.address, self.config.model)
         while True:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
-                if self.draining:
-                    await self._send(peer, GenerateFailed(message.request_id, "engine is draining; retry shortly", 503))
-                    continue
-                if len(self.waiting) >= self.config.max_waiting_requests:
-                    await self._send(peer, GenerateFailed(message.request_id, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
-                    continue
-                task = asyncio.create_task(self._generate(peer, message, frames))
-                self.tasks[message.request_id] = task
-                task.add_done_callback(lambda _, rid=message.request_id: self.tasks.pop(rid, None))
+                await self._accept(peer, message, frames)
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
-                await self._send(peer, EngineStats(self.boot_id, len(self.tasks), len(self.waiting), self.finished, self.failed, self.draining))
+                await self._send(peer, self.stats())
             elif isinstance(message, Hello):
                 await self._send(peer, EngineReady(self.model_name, self.config.max_model_len))
 
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
+            self.watch.steps, self.watch.stalls,
+        )
+
+    async def _accept(self, peer: bytes, request: GenerateRequest, frames) -> None:
+        rid = request.request_id
+        if (refusal := self._refusal()) is not None:
+            await self._send(peer, GenerateFailed(rid, *refusal))
+            return
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
+            return
+        self.watch.note_work_arrived(time.monotonic(), was_idle=not self.requests)
+        task = asyncio.create_task(self._generate(peer, request, frames))
+        self.requests[rid] = InFlight(peer, task)
+        task.add_done_callback(lambda _: self.requests.pop(rid, None))
+
+    def _refusal(self) -> tuple[str, int, str] | None:
+        """(message, status, code) while this replica takes no new work."""
+        state = self.state
+        if state is ServiceState.DEAD:
+            return f"LLM engine is restarting ({self.dead_reason}); retry shortly", 503, "engine_dead"
+        if state is ServiceState.DRAINING:
+            return "engine is draining; retry shortly", 503, "engine_draining"
+        if state is ServiceState.STALLED:
+            return self._stall_message("is stalled"), 503, "engine_stalled"
+        return None
+
+    def _stall_message(self, what: str) -> str:
+        silent = self.watch.silent_for(time.monotonic())
+        return (f"LLM engine {what}: vLLM's engine core made no step for {silent:.1f} s "
+                f"(engine.stall_timeout_s = {self.config.stall_timeout_s:g} s); retry shortly")
+
     async def _abort(self, request_id: str) -> None:
-        if request_id in self.tasks:
+        if request_id in self.requests:
             await self.engine.abort(request_id)
-            self.tasks[request_id].cancel()
+            self.requests[request_id].task.cancel()
+
+    async def _watch(self) -> None:
+        """Judge the engine core every interval: dead, stalled, back, or stalled for too long."""
+        interval = min(WATCH_INTERVAL_S, self.config.stall_timeout_s / 4)
+        loop = asyncio.get_running_loop()
+        while True:
+            asked_at = loop.time()
+            await asyncio.sleep(interval)
+            if self.engine.errored:
+                self._die("vLLM's engine core died")
+                return
+            if loop.time() - asked_at > 2 * interval + 1:
+                continue  # our own timer woke late (this process was not run): no verdict on this round
+            verdict = self.watch.check(time.monotonic(), busy=bool(self.requests))
+            if verdict is Verdict.STALLED:
+                self._on_stall()
+            elif verdict is Verdict.RESTART:
+                self._die(f"vLLM's engine core made no step for {self.watch.silent_for(time.monotonic()):.0f} s "
+                          f"(engine.stall_restart_s = {self.config.stall_restart_s:g} s past the stall timeout)")
+                return
+
+    def _on_stall(self) -> None:
+        message = self._stall_message("stalled")
+        log.error("%s; failing %d requests in flight and probing the engine core", message, len(self.requests))
+        self._fail_in_flight(message, "engine_stalled")
+        self._in_background(self._probe())
+
+    async def _probe(self) -> None:
+        """A utility call to the engine core: it is answered between steps, so an
+        answer means the engine core runs again."""
+        with contextlib.suppress(Exception):  # a dead engine core: the watchdog sees `errored`
+            await self.engine.is_sleeping()
+            if self.watch.stalled and self.dead_reason is None:
+                self.watch.recovered(time.monotonic())
+                log.warning("vLLM's engine core answers again; serving")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        log.error("%s: failing %d requests in flight and exiting for a restart", reason, len(self.requests))
+        self._fail_in_flight(f"LLM engine failed ({reason}); retry shortly", "engine_dead")
+        self._stopping.set()
+
+    def _fail_in_flight(self, message: str, code: str) -> None:
+        """Every request in flight ends with a 503 (the gateway retries those with
+        no token yet on another replica); cancelling aborts each in vLLM."""
+        for rid, request in list(self.requests.items()):
+            if request.task is not asyncio.current_task():
+                request.task.cancel()
+            self.failed += 1
+            self._in_background(self._send(request.peer, GenerateFailed(rid, message, 503, code)))
+        self.requests.clear()
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _generate(self, peer: bytes, request: GenerateRequest, frames) -> None:
         received = time.monotonic()
@@ -179,6 +298,9 @@ class EngineService:
             except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
                 raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
             tokens = await self._stream(peer, rid, prompt.inputs, params, received)
+            if tokens is None:
+                log.info("aborted: the gateway that sent it is gone")
+                return
             self.finished += 1
             log.info("generated %d tokens for a %d-token prompt", tokens, prompt.num_tokens)
         except asyncio.CancelledError:
@@ -188,35 +310,44 @@ class EngineService:
             log.info("refused: %s", exc)
             await self._send(peer, GenerateFailed(rid, str(exc), status=400))
         except Exception as exc:
+            if self.engine.errored:  # EngineDeadError: this request and every other one fail as one
+                self._die("vLLM's engine core died")
+                return
             self.failed += 1
             log.exception("failed")
             await self._send(peer, GenerateFailed(rid, f"engine error: {exc}", status=500))
         finally:
             self.waiting.discard(rid)
 
-    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float) -> int:
+    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float) -> int | None:
+        """Tokens generated, or None if the gateway went away (then vLLM aborts it)."""
         completion_tokens = 0
         first = True
-        async for output in self.engine.generate(prompt, params, rid):
-            self.waiting.discard(rid)
-            choice = output.outputs[0]
-            completion_tokens += len(choice.token_ids)
-            finished = output.finished
-            timings = engine_timings(output.metrics, received) if first or finished else None
-            delta = TokenDelta(
-                request_id=rid,
-                text=choice.text,
-                completion_tokens=completion_tokens,
-                prompt_tokens=len(output.prompt_token_ids or ()),
-                finish_reason=choice.finish_reason if finished else None,
-                timings=timings,
-            )
-            await self._send(peer, delta)
-            first = False
+        async with contextlib.aclosing(self.engine.generate(prompt, params, rid)) as outputs:
+            async for output in outputs:
+                self.waiting.discard(rid)
+                choice = output.outputs[0]
+                completion_tokens += len(choice.token_ids)
+                finished = output.finished
+                timings = engine_timings(output.metrics, received) if first or finished else None
+                delta = TokenDelta(
+                    request_id=rid,
+                    text=choice.text,
+                    completion_tokens=completion_tokens,
+                    prompt_tokens=len(output.prompt_token_ids or ()),
+                    finish_reason=choice.finish_reason if finished else None,
+                    timings=timings,
+                )
+                if not await self._send(peer, delta):
+                    return None  # closing the generator aborts the request in vLLM
+                first = False
         return completion_tokens
 
-    async def _send(self, peer: bytes, message) -> None:
+    async def _send(self, peer: bytes, message) -> bool:
+        """False when the peer is gone (ROUTER_MANDATORY: a gateway that restarted has a new identity)."""
         try:
             await self.router.send(peer, message)
+            return True
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)
+            return False

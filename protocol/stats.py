@@ -4,6 +4,7 @@ gateway shows every service even when they run on other hosts."""
 from __future__ import annotations
 
 import bisect
+import enum
 
 import msgspec
 
@@ -24,6 +25,7 @@ class SharedTierStats(msgspec.Struct, array_like=True):
     errors: int = 0  # failed Redis calls (each one starts an outage)
     writes: int = 0
     writes_skipped: int = 0  # queue full or Redis down
+    reattaches: int = 0  # outages ended: a call succeeded again after one failed
 
 
 class HistogramSnapshot(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -54,6 +56,15 @@ class HistogramCounter:
         return HistogramSnapshot(self.bounds, tuple(self.counts), self.total)
 
 
+class ServiceState(enum.IntEnum):
+    """What a service says of itself in every heartbeat; only SERVING takes new work."""
+
+    SERVING = 0
+    DRAINING = 1  # shutting down: finishing its requests, taking no new ones
+    STALLED = 2  # its compute made no progress within its stall timeout; it fails what it holds
+    DEAD = 3  # its compute is gone (vLLM's engine core died); it exits for its supervisor to restart it
+
+
 class StatsRequest(Message):
     sender: str
 
@@ -76,6 +87,8 @@ class EncoderStats(Message):
     batch_images: HistogramSnapshot
     batch_patches: HistogramSnapshot
     shared_cache: SharedTierStats | None = None  # None: no shared tier configured
+    state: ServiceState = ServiceState.SERVING
+    stalls: int = 0  # batches that ran far past their predicted time
 
 
 class EngineStats(Message):
@@ -84,4 +97,6 @@ class EngineStats(Message):
     waiting: int  # in vLLM, no token yet
     finished: int
     failed: int
-    draining: bool = False  # shutting down: finishing its requests, taking no new ones
+    state: ServiceState = ServiceState.SERVING
+    steps: int = 0  # vLLM engine-core steps seen (the stall watchdog's progress signal)
+    stalls: int = 0  # times the watchdog saw no step within engine.stall_timeout_s

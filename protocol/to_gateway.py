@@ -59,7 +59,8 @@ class EncodeNeedsPixels(Message):
 class EncodeFailed(Message):
     request_id: str
     message: str
-    status: int = 500  # 429 when the encoder's queue is full, 400 for bad pixels
+    status: int = 500  # 429 when the encoder's queue is full, 400 for bad pixels, 503 when stalled
+    code: str | None = None  # OpenAI error code (None: by status)
 
 
 class EngineReady(Message):
@@ -86,6 +87,7 @@ class GenerateFailed(Message):
     request_id: str
     message: str
     status: int = 500  # 400 when the request itself was at fault
+    code: str | None = None  # OpenAI error code, e.g. engine_dead, engine_stalled (None: by status)
 
 
 GatewayInbound = EncoderReady | EncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats

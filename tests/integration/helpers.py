@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import psutil
@@ -52,3 +53,21 @@ def scrape(stack) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> float:
+    """Seconds until `predicate()` holds; fails the test, naming `what`, past the timeout."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(every_s)
+    return time.monotonic() - started
+
+
+def sse_error(lines: list[str]) -> dict | None:
+    """The error event of a stream that ended with one (OpenAI's shape), else None."""
+    for line in lines:
+        if line.startswith("data: {") and '"error"' in line:
+            return json.loads(line.removeprefix("data: "))["error"]
+    return None
