@@ -45,6 +45,14 @@ def child_pid(stack, module: str, address: str | None = None) -> int:
     raise LookupError(f"{module} {address or ''}")
 
 
+def engine_core(stack, address: str | None = None) -> psutil.Process:
+    """vLLM's EngineCore process under one of the stack's engine services."""
+    for process in psutil.Process(child_pid(stack, "llm_engine", address)).children(recursive=True):
+        if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
+            return process
+    raise LookupError("no EngineCore process")
+
+
 def scrape(stack) -> dict[tuple[str, tuple], float]:
     """Every sample of the gateway's /metrics, by (name, sorted labels)."""
     text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text

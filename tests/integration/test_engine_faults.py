@@ -18,7 +18,7 @@ import pytest
 
 from prism.stack import LocalStack
 from tests.integration.conftest import MODEL_NAME
-from tests.integration.helpers import child_pid, log_records, scrape, sse_error, wait_until
+from tests.integration.helpers import child_pid, engine_core, log_records, scrape, sse_error, wait_until
 
 STALL_TIMEOUT_S = 3
 STALL_RESTART_S = 12
@@ -66,14 +66,6 @@ def send(stack: LocalStack, payload: dict) -> Outcome:
     assert lines[-1] == "data: [DONE]", "a stream must end cleanly, with or without an error event"
     error = sse_error(lines)
     return Outcome(200, error and error["code"], ended_at, response.headers)
-
-
-def engine_core(stack: LocalStack) -> psutil.Process:
-    """vLLM's EngineCore process under Prism's engine service."""
-    for process in psutil.Process(child_pid(stack, "llm_engine")).children(recursive=True):
-        if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
-            return process
-    raise LookupError("no EngineCore process")
 
 
 def engine_pid(stack: LocalStack) -> int | None:

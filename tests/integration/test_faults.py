@@ -24,7 +24,7 @@ from prism.stack import LocalStack
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import child_pid, log_records, scrape
+from tests.integration.helpers import child_pid, log_records, scrape, wait_until
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
 BURST_SLO_S = 10  # end-to-end for an admitted 64-token request during a burst (they take ~1-2 s here)
@@ -36,7 +36,10 @@ OVERRIDES = {
     "PRISM_ENCODER__MAX_BATCH_IMAGES": "1",  # queued work stays queued long enough to be cancelled
     "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
     "PRISM_ENGINE__MAX_MODEL_LEN": "32768",  # generations long enough to outlast any stall
+    "PRISM_GATEWAY__BODY_TIMEOUT_S": "2",
+    "PRISM_GATEWAY__STREAM_WRITE_TIMEOUT_S": "2",
 }
+BODY_TIMEOUT_S = STREAM_WRITE_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +253,54 @@ def test_abandoned_unique_image_is_not_encoded(faulty):
     assert all(f.result().status_code == 200 for f in futures)
     busy.shutdown()
     assert wait_for(lambda: metric_total(faulty, "prism_encoder_jobs_dropped_total") > dropped_before)
+
+
+def gateway_in_flight(stack: LocalStack) -> float:
+    return scrape(stack)[("prism_in_flight_requests", (("service", "gateway"),))]
+
+
+def raw_post(conn: socket.socket, body: bytes, rid: str = "") -> None:
+    """Headers only: the body is the caller's to send."""
+    conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: prism\r\nContent-Type: application/json\r\n"
+                 b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n" % (rid.encode(), len(body)))
+
+
+def test_a_body_sent_at_one_byte_a_second_gets_408_and_holds_no_slot(faulty):
+    body = json.dumps(payload(0, stream=False)).encode()
+    with socket.create_connection(("127.0.0.1", faulty.port)) as conn:
+        raw_post(conn, body, "slow-body")
+        started = time.monotonic()
+        conn.settimeout(1.0)
+        answer = b""
+        for byte in body[: BODY_TIMEOUT_S + 5]:  # one byte a second
+            conn.sendall(bytes([byte]))
+            with contextlib.suppress(TimeoutError):
+                answer = conn.recv(4096)
+            if answer:
+                break
+        waited = time.monotonic() - started
+    print(f"\na body at 1 byte/s was answered after {waited:.1f} s: {answer.splitlines()[0]!r}")
+    assert answer.startswith(b"HTTP/1.1 408") and b"gateway.body_timeout_s" in answer
+    assert waited <= BODY_TIMEOUT_S + 2
+    wait_until(lambda: gateway_in_flight(faulty) == 0, 5, "its slot given back")
+
+
+def test_a_stream_nobody_reads_is_cut_and_its_generation_aborted(faulty):
+    rid = "unread-stream"
+    body = json.dumps({"model": MODEL_NAME, "max_tokens": 30000, "ignore_eos": True, "temperature": 1.0, "seed": 3,
+                       "stream": True, "messages": [{"role": "user", "content": "Write a very long story."}]}).encode()
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills in a few hundred tokens
+        conn.connect(("127.0.0.1", faulty.port))
+        raw_post(conn, body, rid)
+        conn.sendall(body)
+        # Never read: the socket buffers fill (megabytes: Linux grows the gateway's send buffer), then the deadline runs.
+        cut = wait_until(lambda: gateway_statuses(faulty, rid), 150, "the gateway gave up on the stream")
+    print(f"\na stream nobody read was cut after {cut:.1f} s")
+    assert gateway_statuses(faulty, rid) == ["status 408 (client_not_reading)"]
+    wait_until(lambda: any(r["message"] == "aborted" for r in engine_log_lines(faulty, rid)), 10, "vLLM aborted it")
+    assert not any(r["message"].startswith("generated") for r in engine_log_lines(faulty, rid)), "vLLM generated to the end"
+    wait_until(lambda: gateway_in_flight(faulty) == 0 and engine_in_flight(faulty) == 0, 10, "nothing left in flight")
 
 
 def test_graceful_shutdown_drains_in_flight_streams(faulty):

@@ -22,9 +22,10 @@ from prism.demo_model import RANDOM_MODEL, write_demo_model
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import child_pid, log_records, scrape
+from tests.integration.helpers import child_pid, engine_core, log_records, scrape, wait_until
 
 MAIN, OTHER, ALIAS = "prism-demo", "prism-demo-b", "prism-demo-alias"
+ENGINE_FAILOVERS = ("prism_replica_failovers_total", (("service", "engine"),))
 
 
 def tcp_addresses(count: int) -> list[str]:
@@ -69,6 +70,15 @@ def image(name: str, size=(320, 240)) -> str:
 def engine_requests(stack: LocalStack) -> list[float]:
     found = scrape(stack)
     return [found.get(("prism_engine_replica_requests_total", (("model", MAIN), ("replica", str(i)))), 0.0) for i in range(2)]
+
+
+def per_engine(stack: LocalStack, name: str) -> list[float]:
+    found = scrape(stack)
+    return [found.get((name, (("model", MAIN), ("replica", str(i)))), 0.0) for i in range(2)]
+
+
+def both_engines_up(stack: LocalStack) -> bool:
+    return per_engine(stack, "prism_engine_replica_up") == [1.0, 1.0]
 
 
 def test_each_model_answers_under_its_own_name(routed):
@@ -116,6 +126,23 @@ def test_stopping_an_engine_under_load_loses_no_request(routed):
     while httpx.get(f"{routed.base_url}/health/ready", timeout=5).status_code != 200:
         assert time.monotonic() < deadline, "the stopped engine did not come back"
         time.sleep(0.5)
+
+
+def test_requests_waiting_on_a_dead_engine_core_go_to_the_other_engine(routed):
+    victim = yaml.safe_load(routed.config_path.read_text())["gateway"]["models"][MAIN]["engine_addresses"][0]
+    wait_until(lambda: both_engines_up(routed), 180, "both engines serving")  # the drained one restarts
+    core = engine_core(routed, victim)
+    failovers = scrape(routed)[ENGINE_FAILOVERS]
+    core.suspend()  # requests reach it and get no token...
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(chat, routed, MAIN, f"Question number {i}?", 8) for i in range(4)]
+        wait_until(lambda: per_engine(routed, "prism_engine_replica_outstanding")[0] >= 1, 30, "requests waiting on the stopped engine core")
+        core.kill()  # ...and then it dies
+        statuses = [f.result().status_code for f in futures]
+    assert statuses == [200] * 4  # none had a token: each was retried on the other engine
+    assert scrape(routed)[ENGINE_FAILOVERS] > failovers
+    assert any(r["message"].startswith("vLLM's engine core died") for r in log_records(routed, "engine"))
+    wait_until(lambda: both_engines_up(routed), 180, "the restarted engine rejoined")
 
 
 def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):

@@ -27,7 +27,7 @@ from protocol.to_gateway import EncodeResult, GatewayInbound
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import handshake, reply_to
-from tests.integration.helpers import child_pid, log_records, scrape
+from tests.integration.helpers import child_pid, log_records, scrape, wait_until
 from tests.integration.system import RedisServer
 
 SIZES = [(256, 256), (640, 360), (960, 540), (1280, 720)]
@@ -89,14 +89,6 @@ def serve_all(stack: LocalStack, images: list[str], concurrency: int) -> list[in
         return [r.status_code for r in pool.map(lambda url: chat(stack, url), images)]
 
 
-def wait_for(condition, timeout_s: float, what: str) -> float:
-    started = time.monotonic()
-    while not condition():
-        if time.monotonic() - started > timeout_s:
-            raise TimeoutError(f"{what} within {timeout_s} s")
-        time.sleep(0.1)
-    return time.monotonic() - started
-
 
 def test_mixed_load_spreads_over_both_replicas(replicated):
     before = per_replica(replicated, "prism_encoder_replica_requests_total")
@@ -104,7 +96,7 @@ def test_mixed_load_spreads_over_both_replicas(replicated):
     assert statuses == [200] * 16
     sent = [after - b for after, b in zip(per_replica(replicated, "prism_encoder_replica_requests_total"), before)]
     assert all(count >= 3 for count in sent), f"requests per replica: {sent}"
-    wait_for(lambda: all(n > 0 for n in per_replica(replicated, "prism_encoder_replica_images_encoded_total")), 5, "both replicas encoded")
+    wait_until(lambda: all(n > 0 for n in per_replica(replicated, "prism_encoder_replica_images_encoded_total")), 5, "both replicas encoded")
 
 
 def test_the_same_new_image_costs_one_encode_across_replicas(replicated):
@@ -155,14 +147,36 @@ def test_a_redis_outage_fails_no_request_and_recovers(replicated, redis_server):
     try:
         statuses = serve_all(replicated, unique_images("during-outage", 6), concurrency=3)
         assert statuses == [200] * 6
-        wait_for(lambda: per_replica(replicated, "prism_shared_cache_up") == [0.0, 0.0], 3, "both replicas saw the outage")
+        wait_until(lambda: per_replica(replicated, "prism_shared_cache_up") == [0.0, 0.0], 3, "both replicas saw the outage")
         warnings = [r for r in log_records(replicated, "encoder") if "local cache only" in r.get("message", "")]
         assert warnings and all(r["level"] == "WARNING" for r in warnings)
     finally:
         redis_server.start()
     # Each replica probes again after its retry interval, on its next lookup or write.
-    wait_for(lambda: serve_all(replicated, unique_images(f"after-outage-{time.monotonic()}", 2), 2) == [200, 200]
+    wait_until(lambda: serve_all(replicated, unique_images(f"after-outage-{time.monotonic()}", 2), 2) == [200, 200]
              and per_replica(replicated, "prism_shared_cache_up") == [1.0, 1.0], 30, "the shared tier came back")
+
+
+def shared_events(stack: LocalStack, event: str) -> float:
+    return scrape(stack).get(("prism_shared_cache_events_total", (("event", event),)), 0.0)
+
+
+def test_redis_killed_and_restarted_under_load_fails_nothing_and_the_tier_reattaches(replicated, redis_server):
+    reattached, written = shared_events(replicated, "reattach"), shared_events(replicated, "write")
+    images = unique_images("redis-restart", 30)
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(chat, replicated, url) for url in images]
+        wait_until(lambda: sum(f.done() for f in futures) >= 6, 60, "load under way")
+        redis_server.stop()  # SIGKILL
+        wait_until(lambda: per_replica(replicated, "prism_shared_cache_up") == [0.0, 0.0], 10, "both replicas saw Redis go")
+        redis_server.start()  # same port, empty
+        statuses = [future.result().status_code for future in futures]
+    assert statuses == [200] * len(images)
+    # Each replica probes again after shared_cache_retry_s, on its next lookup or write.
+    wait_until(lambda: serve_all(replicated, unique_images(f"after-restart-{time.monotonic()}", 2), 2) == [200, 200]
+               and per_replica(replicated, "prism_shared_cache_up") == [1.0, 1.0], 30, "both replicas re-attached")
+    assert shared_events(replicated, "reattach") >= reattached + 2  # the counters say so
+    wait_until(lambda: shared_events(replicated, "write") > written, 5, "writes reach the restarted Redis")
 
 
 def test_killing_a_replica_under_load_loses_no_request(replicated):
@@ -171,11 +185,11 @@ def test_killing_a_replica_under_load_loses_no_request(replicated):
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(chat, replicated, url, 8) for url in images]
         # kill replica 0 while it holds requests (a fixed sleep sometimes found it idle)
-        wait_for(lambda: per_replica(replicated, "prism_encoder_replica_outstanding")[0] > 0, 30, "requests on replica 0")
+        wait_until(lambda: per_replica(replicated, "prism_encoder_replica_outstanding")[0] > 0, 30, "requests on replica 0")
         os.kill(child_pid(replicated, "vision_encoder", replicated.encoder_addresses[0]), signal.SIGKILL)
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * len(images)
     assert scrape(replicated)[ENCODER_FAILOVERS] > failovers  # its requests went to the other
-    recovered = wait_for(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
+    recovered = wait_until(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
     print(f"killed replica back in service after {recovered:.1f} s")
     assert serve_all(replicated, unique_images("after-failover", 4), concurrency=4) == [200] * 4
