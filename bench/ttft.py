@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 from bench.servers import prism_stack, vllm_server
-from prism.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.synthetic import encode, make_image
 

@@ -33,6 +33,14 @@ class EncoderConfig(FrozenConfig):
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
     torch_threads: int | None = Field(None, ge=1)
+    # Stall watchdog (vision_encoder/watchdog.py): the oldest running batch is
+    # stalled past stall_factor x its predicted time (never before
+    # stall_min_s); the replica then fails what it holds (503, the gateway
+    # retries elsewhere) and reports STALLED until the batch returns, and exits
+    # (code 1, for its supervisor to restart it) stall_restart_s after that.
+    stall_factor: float = Field(20, gt=1)
+    stall_min_s: float = Field(30, gt=0)
+    stall_restart_s: float = Field(120, gt=0)
     # Test hook: truncate cache keys to this many bytes, to force hash collisions.
     test_key_bytes: int | None = Field(None, ge=1, le=16)
 

@@ -7,11 +7,18 @@ N. The loop keeps answering meanwhile (cache hits, cancellations, stats: the
 gateway's heartbeat); the ViT thread wakes it through an inproc socket when a
 batch is done. Lookups go local LRU → an encode already in flight (join it) →
 shared tier (Redis, when configured) → queue; hits are answered on arrival.
+
+While batches run the loop also wakes every `WATCH_INTERVAL_MS` to judge the
+oldest one (vision_encoder/watchdog.py): stalled → every request held here
+fails with 503 `encoder_stalled` (the gateway retries on another replica),
+heartbeats say STALLED until the batch returns, and past `stall_restart_s`
+the process exits for its supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,58 +31,18 @@ from cache import CachedEmbedding, EmbeddingCache, content_key
 from cache.shared import SharedTier
 from protocol.base import Hello
 from protocol.sockets import SyncRouter
-from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, StatsRequest
+from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
 from protocol.tensors import to_frame, to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
 from vision_encoder.tower import VisionTower
+from vision_encoder.watchdog import BatchWatch
+from vision_encoder.work import PendingRequest, RunningBatch, StageTimes, requests_of
 
 log = logging.getLogger("prism.encoder")
-
-
-@dataclass(eq=False)
-class PendingRequest:
-    peer: bytes
-    request_id: str
-    arrived: float
-    results: list[tuple[CachedEmbedding, bool] | None]
-    cache_lookup_s: float = 0.0
-    encode_queue_s: float = 0.0
-    encode_s: float = 0.0
-    cancelled: bool = False
-
-    @property
-    def done(self) -> bool:
-        return all(r is not None for r in self.results)
-
-
-@dataclass
-class StageTimes:
-    """When a batch went through each stage (monotonic seconds)."""
-
-    preprocess_start: float = 0.0
-    preprocess_end: float = 0.0
-    vit_start: float = 0.0
-    vit_end: float = 0.0
-
-    @property
-    def busy_s(self) -> float:
-        return (self.preprocess_end - self.preprocess_start) + (self.vit_end - self.vit_start)
-
-    @property
-    def waiting_between_s(self) -> float:
-        return self.vit_start - self.preprocess_end
-
-
-@dataclass
-class RunningBatch:
-    jobs: list[Job]
-    future: Future  # the ViT stage's: (embeddings per image, StageTimes)
-
-    def job_for(self, slot: bytes) -> Job | None:
-        return next((job for job in self.jobs if job.slot == slot), None)
+WATCH_INTERVAL_MS = 250
 
 
 @dataclass
@@ -87,6 +54,7 @@ class EncoderService:
     router: SyncRouter
     wake: zmq.Socket  # the loop's end of the worker's "batch done" signal
     wake_sender: zmq.Socket  # used by the ViT thread only
+    watch: BatchWatch
     shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
     running: list[RunningBatch] = field(default_factory=list)  # oldest first; at most pipeline_depth
@@ -121,6 +89,7 @@ class EncoderService:
             router=SyncRouter(ctx, config.address, EncoderInbound),
             wake=wake,
             wake_sender=wake_sender,
+            watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
             shared=shared,
         )
 
@@ -141,15 +110,37 @@ class EncoderService:
             self._finish_batch(self.running.pop(0))  # the ViT thread finishes batches in order
         if self._can_start() and self.batcher.seconds_until_due(time.monotonic()) == 0:
             self._start_batch(self.batcher.take())
+        self._watch_batches()
 
     def _can_start(self) -> bool:
-        return len(self.running) < self.config.pipeline_depth
+        return len(self.running) < self.config.pipeline_depth and not self.watch.stalled
 
     def _poll_timeout_ms(self) -> int:
-        if not self._can_start():
-            return -1  # the ViT thread's wake-up ends the wait
-        due = self.batcher.seconds_until_due(time.monotonic())
-        return -1 if due is None else int(due * 1000)
+        due = None if not self._can_start() else self.batcher.seconds_until_due(time.monotonic())
+        wait = -1 if due is None else int(due * 1000)  # -1: until a message or the ViT thread's wake-up
+        if self.running:  # the watchdog looks at the oldest batch meanwhile
+            wait = WATCH_INTERVAL_MS if wait < 0 else min(wait, WATCH_INTERVAL_MS)
+        return wait
+
+    def _watch_batches(self) -> None:
+        now = time.monotonic()
+        oldest = self.running[0] if self.running else None
+        if oldest is not None and self.watch.newly_stalled(now, oldest.submitted, oldest.patches):
+            self._on_stall(oldest, now)
+        elif self.watch.should_restart(now):
+            log.error("the stalled batch has not returned within %g s (encoder.stall_restart_s); exiting for a restart",
+                      self.config.stall_restart_s)
+            os._exit(1)  # the ViT thread cannot be interrupted: no clean shutdown
+
+    def _on_stall(self, batch: RunningBatch, now: float) -> None:
+        message = (f"vision encoder stalled: a batch of {len(batch.jobs)} images ({batch.patches} patches) has run "
+                   f"{now - batch.submitted:.1f} s, past {self.watch.limit_s(batch.patches):.1f} s (encoder.stall_factor "
+                   f"x its predicted time, at least encoder.stall_min_s); retry shortly")
+        log.error("%s; failing %d requests", message, len(self.pending))
+        for (peer, request_id), state in list(self.pending.items()):
+            self._abandon(state)
+            self._send(peer, EncodeFailed(request_id, message, 503, "encoder_stalled"))
+        self.pending.clear()
 
     def _drain(self) -> None:
         while self.router.poll(0):
@@ -157,7 +148,9 @@ class EncoderService:
             self._handle(peer, message, frames)
 
     def _handle(self, peer: bytes, message, frames) -> None:
-        if isinstance(message, EncodeRequest):
+        if isinstance(message, EncodeRequest) and self.watch.stalled:
+            self._send(peer, EncodeFailed(message.request_id, "vision encoder is stalled; retry shortly", 503, "encoder_stalled"))
+        elif isinstance(message, EncodeRequest):
             self._accept(peer, message, frames)
         elif isinstance(message, CancelEncode):
             self._cancel(peer, message.request_id)
@@ -187,6 +180,8 @@ class EncoderService:
             batch_images=self.batch_images.snapshot(),
             batch_patches=self.batch_patches.snapshot(),
             shared_cache=self.shared.stats if self.shared else None,
+            state=ServiceState.STALLED if self.watch.stalled else ServiceState.SERVING,
+            stalls=self.watch.stalls,
         )
 
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
@@ -301,12 +296,16 @@ class EncoderService:
         self.running.append(RunningBatch(jobs, future))
 
     def _finish_batch(self, batch: RunningBatch) -> None:
+        if self.watch.stalled:
+            log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.submitted)
         try:
             encoded, times = batch.future.result()
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
+            self.watch.finished(batch.patches, time.monotonic() - batch.submitted)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
+        self.watch.finished(batch.patches, times.busy_s)
         self.encodes += len(batch.jobs)
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
@@ -321,12 +320,12 @@ class EncoderService:
                 # a request that joined a running batch did not queue before it
                 queued = max(0.0, times.preprocess_start - max(job.arrived, state.arrived)) + times.waiting_between_s
                 state.encode_queue_s = max(state.encode_queue_s, queued)
-        for state in _requests_of(batch.jobs):
+        for state in requests_of(batch.jobs):
             state.encode_s += times.busy_s  # once per batch, however many of its images it held
             self._reply_if_done(state)
 
     def _fail_batch(self, batch: list[Job], message: str) -> None:
-        for state in _requests_of(batch):
+        for state in requests_of(batch):
             self.pending.pop((state.peer, state.request_id), None)
             self.batcher.drop_waiters(state)
             if not state.cancelled:
@@ -359,8 +358,3 @@ class EncoderService:
             self.router.send(peer, message, frames)
         except zmq.ZMQError as exc:  # the gateway went away; its replies have no reader
             log.warning("dropping reply to a gone peer: %s", exc)
-
-
-def _requests_of(batch: list[Job]) -> list[PendingRequest]:
-    """Each request waiting on the batch, once."""
-    return list({id(state): state for job in batch for state, _ in job.waiters}.values())

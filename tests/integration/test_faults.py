@@ -166,6 +166,30 @@ def test_burst_past_capacity_gets_429s_and_no_server_errors(faulty):
     assert admitted[-1] < BURST_SLO_S  # refusing the excess keeps the admitted fast
 
 
+def encoder_queue(stack: LocalStack) -> float:
+    return scrape(stack).get(("prism_queue_depth", (("service", "encoder"),)), 0.0)
+
+
+def test_encoder_killed_mid_batch(faulty):
+    """What an OOM kill looks like: SIGKILL while batches of large images run."""
+    bodies = [{"model": MODEL_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_url(f"oom-{r}-{i}", (1920, 1080))}} for i in range(8)]}]} for r in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(httpx.post, f"{faulty.base_url}/v1/chat/completions", json=body, timeout=CLIENT_TIMEOUT_S) for body in bodies]
+        wait_until(lambda: encoder_queue(faulty) > 0, 60, "images queued behind a running batch", every_s=0.05)
+        killed_at = time.monotonic()
+        os.kill(child_pid(faulty, "vision_encoder"), signal.SIGKILL)
+        responses = [future.result() for future in futures]
+        ended = time.monotonic() - killed_at
+    print(f"\nencoder killed mid-batch: its requests ended {ended:.2f} s later with {[r.status_code for r in responses]}")
+    assert ended < 5  # the lost connection fails them at once, not at a timeout
+    for response in responses:
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert response.json()["error"]["type"] == "server_error" and "vision encoder" in response.json()["error"]["message"]
+    recovered = wait_until(lambda: outcome(faulty, 1) == "ok", 120, "serving images again")
+    print(f"serving images again {recovered:.1f} s after the kill was noticed")
+
+
 def engine_log_lines(stack: LocalStack, request_prefix: str) -> list[dict]:
     return log_records(stack, "engine", request_prefix)
 

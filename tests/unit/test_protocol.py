@@ -9,6 +9,7 @@ import torch
 
 from protocol.base import Hello
 from protocol.sockets import pack
+from protocol.stats import EncoderStats, EngineStats, HistogramCounter, ServiceState, SharedTierStats, StatsRequest
 from protocol.tensors import ArrayMeta, to_frame, to_numpy, to_torch
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, ImageInput
 from protocol.to_engine import (
@@ -58,6 +59,16 @@ MESSAGES = [
     (GatewayInbound, TokenDelta("r2", "hi", 1, 10, "stop", EngineTimings(0.01, 0.02, 0.03))),
     (GatewayInbound, TokenDelta("r2", "", 2, 10)),
     (GatewayInbound, GenerateFailed("r2", "bad shape", 400)),
+    (GatewayInbound, GenerateFailed("r2", "engine core died", 503, "engine_dead")),
+    (GatewayInbound, EncodeFailed("r1", "stalled", 503, "encoder_stalled")),
+    (GatewayInbound, EngineStats("boot", 3, 1, 10, 2, ServiceState.STALLED, steps=1000, stalls=1)),
+    (GatewayInbound, EngineStats("boot", 0, 0, 0, 0)),
+    (GatewayInbound, EncoderStats(
+        "boot", 2, 1, 1024, 4096, 3, 5, 6, 1, 0, 0, 4, 8, 0, HistogramCounter((1, 2)).snapshot(),
+        HistogramCounter((256,)).snapshot(), SharedTierStats(reattaches=2), ServiceState.DEAD, stalls=3,
+    )),
+    (EncoderInbound, StatsRequest("gateway")),
+    (EngineInbound, StatsRequest("gateway")),
 ]
 
 

@@ -1,0 +1,53 @@
+"""Is the encoder's oldest batch running far past what its size predicts?
+
+A hung accelerator, a driver stuck in a kernel, or a host starved of memory
+leaves the ViT thread in one batch for ever while the loop thread still
+answers heartbeats, so the gateway would keep routing here. The prediction
+is the batch's patch count times an exponentially weighted average of the
+seconds per patch of the batches finished so far (preprocess + ViT); the
+oldest running batch is stalled once it has run `factor` times its
+prediction, and never before `min_s` (so the first batches, warm-up
+included, and a noisy small batch are not judged by a guess).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMOOTHING = 0.2  # weight of the newest batch in the seconds-per-patch average
+
+
+@dataclass
+class BatchWatch:
+    factor: float
+    min_s: float
+    restart_after_s: float
+    seconds_per_patch: float | None = None
+    stalled_since: float | None = None
+    stalls: int = 0
+
+    def limit_s(self, patches: int) -> float:
+        predicted = 0.0 if self.seconds_per_patch is None else patches * self.seconds_per_patch
+        return max(self.min_s, self.factor * predicted)
+
+    def finished(self, patches: int, busy_s: float) -> None:
+        """A batch came back: learn from it, and a stall (if any) is over."""
+        rate = busy_s / max(1, patches)
+        average = self.seconds_per_patch
+        self.seconds_per_patch = rate if average is None else (1 - SMOOTHING) * average + SMOOTHING * rate
+        self.stalled_since = None
+
+    @property
+    def stalled(self) -> bool:
+        return self.stalled_since is not None
+
+    def newly_stalled(self, now: float, oldest_started: float | None, patches: int) -> bool:
+        """True once, when the oldest running batch passes its limit."""
+        if self.stalled or oldest_started is None or now - oldest_started <= self.limit_s(patches):
+            return False
+        self.stalled_since = now
+        self.stalls += 1
+        return True
+
+    def should_restart(self, now: float) -> bool:
+        return self.stalled_since is not None and now - self.stalled_since >= self.restart_after_s

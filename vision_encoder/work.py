@@ -1,0 +1,64 @@
+"""What the encoder's loop keeps about the work in its hands: each request
+waiting for its images, and each batch on the worker threads."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from cache import CachedEmbedding
+from vision_encoder.batcher import Job
+
+
+@dataclass(eq=False)
+class PendingRequest:
+    peer: bytes
+    request_id: str
+    arrived: float
+    results: list[tuple[CachedEmbedding, bool] | None]
+    cache_lookup_s: float = 0.0
+    encode_queue_s: float = 0.0
+    encode_s: float = 0.0
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self.results)
+
+
+@dataclass
+class StageTimes:
+    """When a batch went through each stage (monotonic seconds)."""
+
+    preprocess_start: float = 0.0
+    preprocess_end: float = 0.0
+    vit_start: float = 0.0
+    vit_end: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return (self.preprocess_end - self.preprocess_start) + (self.vit_end - self.vit_start)
+
+    @property
+    def waiting_between_s(self) -> float:
+        return self.vit_start - self.preprocess_end
+
+
+@dataclass
+class RunningBatch:
+    jobs: list[Job]
+    future: Future  # the ViT stage's: (embeddings per image, StageTimes)
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def patches(self) -> int:
+        return sum(job.patches for job in self.jobs)
+
+    def job_for(self, slot: bytes) -> Job | None:
+        return next((job for job in self.jobs if job.slot == slot), None)
+
+
+def requests_of(batch: list[Job]) -> list[PendingRequest]:
+    """Each request waiting on the batch, once."""
+    return list({id(state): state for job in batch for state, _ in job.waiters}.values())
