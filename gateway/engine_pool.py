@@ -50,7 +50,10 @@ class EnginePool(ReplicaPool[EngineClient]):
                         yield delta
                 return
             except APIError as error:
-                if started or error.status not in RETRIABLE:
+                if started:  # the client has tokens already: a retry would start over
+                    raise APIError(error.status, f"{error.message} (after the first token: not retried)",
+                                   error.param, error.code, error.headers) from None
+                if error.status not in RETRIABLE:
                     raise
                 refused = error
         raise refused or self.unavailable()

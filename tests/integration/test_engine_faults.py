@@ -35,10 +35,8 @@ OVERRIDES = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = LocalStack(tmp_path_factory.mktemp("engine-faults"), OVERRIDES)
-    stack.start()
-    yield stack
-    stack.stop()
+    with LocalStack(tmp_path_factory.mktemp("engine-faults"), OVERRIDES) as started:
+        yield started
 
 
 @dataclass

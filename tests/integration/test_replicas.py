@@ -28,7 +28,7 @@ from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import handshake, reply_to
 from tests.integration.helpers import child_pid, log_records, scrape, wait_until
-from tests.integration.system import RedisServer
+from tests.integration.system import redis_server as start_redis
 
 SIZES = [(256, 256), (640, 360), (960, 540), (1280, 720)]
 ENCODER_FAILOVERS = ("prism_replica_failovers_total", (("service", "encoder"),))
@@ -36,7 +36,7 @@ ENCODER_FAILOVERS = ("prism_replica_failovers_total", (("service", "encoder"),))
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisServer(free_port()).start()
+    server = start_redis(free_port()).start()
     yield server
     server.stop()
 

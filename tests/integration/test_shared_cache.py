@@ -14,14 +14,14 @@ import torch
 from cache import CachedEmbedding
 from cache.shared import NAMESPACE, SharedTier
 from prism.stack import free_port
-from tests.integration.system import RedisServer
+from tests.integration.system import redis_server as start_redis
 
 RETRY_S = 0.3
 
 
 @pytest.fixture
 def server():
-    server = RedisServer(free_port()).start()
+    server = start_redis(free_port()).start()
     yield server
     server.stop()
 

@@ -1,0 +1,68 @@
+"""How the gateway's client of one service follows what the service says of
+itself: it routes only to SERVING, and a restarted process (new boot id) is
+used again only after answering the handshake as its predecessor did. A real
+DEALER/ROUTER pair; the 'engine' side answers by hand."""
+
+from __future__ import annotations
+
+import asyncio
+
+import zmq.asyncio
+
+from gateway.clients import EngineClient
+from protocol.base import Hello
+from protocol.sockets import AsyncRouter
+from protocol.stats import EngineStats, ServiceState, StatsRequest
+from protocol.to_engine import EngineInbound
+from protocol.to_gateway import EngineReady
+
+
+class FakeEngine:
+    def __init__(self, router: AsyncRouter) -> None:
+        self.router, self.boot_id, self.state, self.model = router, "boot-1", ServiceState.SERVING, "m"
+
+    async def serve(self) -> None:
+        while True:
+            peer, message, _ = await self.router.recv()
+            if isinstance(message, Hello):
+                await self.router.send(peer, EngineReady(self.model, 4096))
+            elif isinstance(message, StatsRequest):
+                await self.router.send(peer, EngineStats(self.boot_id, 0, 0, 0, 0, self.state))
+
+
+async def until(predicate, timeout_s: float = 5) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def follow_states(tmp_path) -> None:
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/engine.sock"
+    engine = FakeEngine(AsyncRouter(ctx, address, EngineInbound))
+    serving = asyncio.create_task(engine.serve())
+    client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=30)
+    try:
+        await client.connect(timeout_s=5)
+        client.start_heartbeat(0.05)
+        for state in (ServiceState.STALLED, ServiceState.DEAD, ServiceState.DRAINING):
+            engine.state = state
+            await until(lambda: not client.up)
+            engine.state = ServiceState.SERVING
+            await until(lambda: client.up)
+        engine.boot_id, engine.model = "boot-2", "another-model"  # restarted, serving something else
+        await until(lambda: client.stats.boot_id == "boot-2")
+        await asyncio.sleep(0.3)  # several heartbeats and handshakes
+        assert not client.up and client.rejoining
+        engine.model = "m"  # the handshake now matches its predecessor's
+        await until(lambda: client.up)
+        assert not client.rejoining
+    finally:
+        serving.cancel()
+        await client.close()
+        engine.router.close()
+        ctx.term()
+
+
+def test_the_client_routes_only_to_a_serving_service_and_a_restart_rejoins_after_the_handshake(tmp_path):
+    asyncio.run(follow_states(tmp_path))
