@@ -119,8 +119,8 @@ class ImageFetcher:
         try:
             async with asyncio.timeout(self.limits.total_timeout_s):
                 return await self._follow(url, where)
-        except (TimeoutError, httpx.TimeoutException):
-            raise APIError(504, f"{where}: fetching the image timed out (limit {self.limits.total_timeout_s:g} s)", param=where, code="image_fetch_timeout") from None
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise APIError(504, f"{where}: fetching the image timed out ({_expired(exc, self.limits)})", param=where, code="image_fetch_timeout") from None
         except httpx.HTTPError as exc:
             raise APIError(400, f"{where}: fetching the image failed ({type(exc).__name__})", param=where, code="image_fetch_failed") from None
 
@@ -160,3 +160,12 @@ class ImageFetcher:
 def _too_large(where: str, size: int, cap: int, at_least: bool = False) -> APIError:
     more = "more than " if at_least else ""
     return APIError(413, f"{where}: image is {more}{size} bytes; the limit is {cap} bytes", param=where, code="image_too_large")
+
+
+def _expired(exc: Exception, limits: FetchLimits) -> str:
+    """Which deadline ran out, by its config key."""
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return f"gateway.fetch_connect_timeout_s = {limits.connect_timeout_s:g} s"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"gateway.fetch_read_timeout_s = {limits.read_timeout_s:g} s"
+    return f"gateway.fetch_total_timeout_s = {limits.total_timeout_s:g} s"
