@@ -21,6 +21,9 @@ class EngineConfig(FrozenConfig):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
+    # Images in one prompt, for a family vLLM takes only with its tower loaded
+    # (prism/families.py); the others take any number of embeddings.
+    max_images_per_prompt: int = Field(16, ge=1)
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     drain_timeout_s: float = Field(30, ge=0)  # on SIGTERM, requests in flight get this long to finish
     # Stall watchdog (llm_engine/watchdog.py): requests in vLLM and no engine

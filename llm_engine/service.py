@@ -29,6 +29,7 @@ from llm_engine.config import EngineConfig
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
 from llm_engine.shm_wait import sleep_in_spawned_vllm_processes
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
+from prism.families import Family, family_of
 from prism.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
@@ -41,11 +42,16 @@ WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of t
 DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long before it exits
 
 
-def engine_args(config: EngineConfig):
+def engine_args(config: EngineConfig, family: Family):
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kv_bytes = config.kv_cache_memory_mb * 2**20 if config.kv_cache_memory_mb else None
+    # Images arrive as embeddings: with a limit of 0 raw images and embeddings
+    # enabled, vLLM never loads the vision tower. A family whose embeddings
+    # vLLM takes only with its tower loaded (Qwen3-VL's DeepStack) keeps it,
+    # unprofiled: raw images never reach vLLM.
+    images = config.max_images_per_prompt if family.vllm_needs_tower else 0
     return AsyncEngineArgs(
         model=config.model,
         served_model_name=[config.served_model_name] if config.served_model_name else None,
@@ -62,10 +68,9 @@ def engine_args(config: EngineConfig):
         enable_chunked_prefill=config.enable_chunked_prefill,
         kv_transfer_config=KVTransferConfig(**config.kv_transfer_config) if config.kv_transfer_config else None,
         seed=config.seed,
-        # Images arrive as embeddings: with a limit of 0 raw images and embeddings
-        # enabled, vLLM never loads the vision tower.
         enable_mm_embeds=True,
-        limit_mm_per_prompt={"image": 0, "video": 0},
+        limit_mm_per_prompt={"image": images, "video": 0},
+        skip_mm_profiling=family.vllm_needs_tower,
         disable_log_stats=False,  # RequestOutput.metrics carries the engine timestamps only then
     )
 
@@ -108,15 +113,12 @@ class InFlight:
 
 
 class EngineService:
-    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch) -> None:
-        from transformers import AutoConfig
-
+    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape) -> None:
         self.config = config
         self.engine = engine
         self.router = router
         self.watch = watch
-        hf = AutoConfig.from_pretrained(config.model)
-        self.shape = ModelShape(hf.text_config.hidden_size, hf.vision_config.spatial_merge_size)
+        self.shape = shape
         self.tokenizer = None
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
@@ -131,12 +133,16 @@ class EngineService:
 
     @classmethod
     async def start(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineService":
+        from transformers import AutoConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        hf = AutoConfig.from_pretrained(config.model)
+        family = family_of(hf)  # an unsupported checkpoint stops here, naming why
+        shape = ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size)
         sleep_in_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
-        engine = AsyncLLM.from_engine_args(engine_args(config), stat_loggers=[step_clock_factory(watch)])
-        service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound), watch)
+        engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
+        service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound), watch, shape)
         service.tokenizer = await service._tokenizer()
         return service
 

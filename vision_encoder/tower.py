@@ -1,12 +1,15 @@
 """The visual tower alone: HF image processor + ViT + merger, no language model.
 
 Only the checkpoint's vision weights are read from disk. Images of different
-resolutions are packed into one forward pass: Qwen2-VL's tower takes a flat
-sequence of patches plus each image's (t, h, w) grid and attends within images.
+resolutions are packed into one forward pass: the Qwen towers take a flat
+sequence of patches plus each image's (t, h, w) grid and attend within images.
+The family (prism/families.py) names the tower's class and what its output
+is: the merger's tokens, followed for Qwen3-VL by each DeepStack feature.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,7 @@ import torch
 import xxhash
 
 from cache import content_key
+from prism.families import Family, family_of
 from protocol.to_gateway import ProcessorInfo
 
 # Key prefixes of the vision weights: transformers >= 4.52 saves `model.visual.`,
@@ -23,20 +27,9 @@ from protocol.to_gateway import ProcessorInfo
 _VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-def _vision_class(model_type: str):
-    if model_type == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel,
-        )
-
-        return Qwen2VisionTransformerPretrainedModel
-    if model_type == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
-
-        return Qwen2_5_VisionTransformerPretrainedModel
-    raise ValueError(f"unsupported model_type {model_type!r}: expected qwen2_vl or qwen2_5_vl")
+def _vision_class(family: Family, model_type: str):
+    module, _, name = family.towers[model_type].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def local_checkpoint(model: str) -> Path:
@@ -92,11 +85,12 @@ class VisionTower:
 
         path = local_checkpoint(checkpoint)
         config = AutoConfig.from_pretrained(path)
+        self.family = family_of(config)  # an unsupported checkpoint stops here, naming why
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.model_id = str(checkpoint)
         self.merge_size = config.vision_config.spatial_merge_size
-        self.hidden_size = config.text_config.hidden_size
+        self.embedding_width = self.family.embedding_width(config)
         overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
         if overrides:
             # Qwen processors read both spellings; `size` is the one they resize by.
@@ -107,7 +101,7 @@ class VisionTower:
         self.fingerprint = self._fingerprint(path, state)
 
     def _build(self, config, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        cls = _vision_class(config.model_type)
+        cls = _vision_class(self.family, config.model_type)
         model = cls._from_config(config.vision_config, dtype=self.dtype)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
@@ -162,7 +156,9 @@ class VisionTower:
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
         """One packed forward; each image's (tokens, hidden) embeddings and grid."""
         pixels = batch.pixel_values.to(self.device, self.dtype)
-        merged = self.model(pixels, grid_thw=batch.grid_thw.to(self.device)).pooler_output
+        out = self.model(pixels, grid_thw=batch.grid_thw.to(self.device))
+        # Qwen3-VL: each DeepStack layer's feature beside the merger's tokens, as vLLM takes them
+        merged = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1) if self.family.deepstack else out.pooler_output
         grids = [tuple(int(x) for x in row) for row in batch.grid_thw.tolist()]
         sizes = [t * h * w // self.merge_size**2 for t, h, w in grids]
         return [(t.to("cpu").contiguous(), g) for t, g in zip(merged.split(sizes), grids)]

@@ -42,11 +42,11 @@ STACK_OVERRIDES = {
 class Reference:
     """The vLLM reference outputs, computed in a child process beside the stack."""
 
-    def __init__(self, out: Path, images: Path, log: Path) -> None:
+    def __init__(self, out: Path, images: Path, log: Path, model: Path = RANDOM_MODEL) -> None:
         self.out = out
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(RANDOM_MODEL), str(images), str(out)],
+            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(model), str(images), str(out)],
             cwd=REPO_ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         )
         self._results: dict | None = None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from llm_engine.config import EngineConfig
 from llm_engine.service import engine_args
+from prism.families import FAMILIES
+
+QWEN2_VL, QWEN3_VL = FAMILIES[0], FAMILIES[2]
 
 
 def test_vllm_knobs_pass_through():
@@ -12,7 +15,7 @@ def test_vllm_knobs_pass_through():
         kv_cache_dtype="fp8", enable_chunked_prefill=True, enforce_eager=False, tensor_parallel_size=2,
         kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
     )
-    args = engine_args(config)
+    args = engine_args(config, QWEN2_VL)
     assert (args.max_num_batched_tokens, args.kv_cache_memory_bytes, args.gpu_memory_utilization) == (8192, None, 0.85)
     assert (args.kv_cache_dtype, args.enable_chunked_prefill, args.enforce_eager, args.tensor_parallel_size) == ("fp8", True, False, 2)
     assert args.kv_transfer_config.kv_connector == "NixlConnector" and args.kv_transfer_config.kv_role == "kv_both"
@@ -21,6 +24,11 @@ def test_vllm_knobs_pass_through():
 
 
 def test_defaults_leave_vllm_its_own_choices():
-    args = engine_args(EngineConfig(model="/models/demo"))
+    args = engine_args(EngineConfig(model="/models/demo"), QWEN2_VL)
     assert args.kv_transfer_config is None and args.enable_chunked_prefill is None and args.kv_cache_dtype == "auto"
     assert args.kv_cache_memory_bytes == 1024 * 2**20
+
+
+def test_a_deepstack_family_keeps_the_tower_in_vllm_unprofiled():
+    args = engine_args(EngineConfig(model="/models/qwen3", max_images_per_prompt=6), QWEN3_VL)
+    assert args.enable_mm_embeds and args.limit_mm_per_prompt == {"image": 6, "video": 0} and args.skip_mm_profiling

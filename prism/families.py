@@ -1,0 +1,90 @@
+"""The model families Prism serves, and what each service must know of them.
+
+A checkpoint's `model_type` picks its family. The gateway needs none of this
+(the encoder's handshake gives it the processor's patch and merge sizes and
+pixel budget, and every family here resizes with Qwen's `smart_resize`); the
+encoder needs the vision tower's class and what its output is; the engine
+needs the width of the embeddings it hands vLLM, and whether vLLM must keep
+the checkpoint's vision tower loaded to take them.
+
+No torch here: the gateway and the launcher import this module too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint is of a family Prism cannot serve; the message says why."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # model_type → the transformers vision-tower class, "module:Class"
+    towers: dict[str, str]
+    # Qwen3-VL: the encoder's output is the merger's tokens followed, along the
+    # hidden axis, by the DeepStack feature of each `deepstack_visual_indexes`
+    # layer (vLLM splits them again and adds them into the first LLM layers).
+    deepstack: bool = False
+
+    def embedding_width(self, hf_config: Any) -> int:
+        """Columns of one image's embeddings as vLLM takes them."""
+        hidden = hf_config.text_config.hidden_size
+        if self.deepstack:
+            return hidden * (1 + len(hf_config.vision_config.deepstack_visual_indexes))
+        return hidden
+
+    @property
+    def vllm_needs_tower(self) -> bool:
+        """vLLM 0.32 drops Qwen3-VL's DeepStack path when its vision tower is not
+        loaded (`use_deepstack` is False once every image limit is 0), and then
+        cannot take the wider embeddings: such a family keeps vLLM's tower
+        (weights only: raw images never reach vLLM)."""
+        return self.deepstack
+
+
+_QWEN2 = "transformers.models.qwen2_vl.modeling_qwen2_vl"
+_QWEN2_5 = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
+_QWEN3 = "transformers.models.qwen3_vl.modeling_qwen3_vl"
+_QWEN3_MOE = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe"
+
+FAMILIES = (
+    Family("Qwen2-VL", {"qwen2_vl": f"{_QWEN2}:Qwen2VisionTransformerPretrainedModel"}),
+    Family("Qwen2.5-VL", {"qwen2_5_vl": f"{_QWEN2_5}:Qwen2_5_VisionTransformerPretrainedModel"}),
+    Family("Qwen3-VL", {"qwen3_vl": f"{_QWEN3}:Qwen3VLVisionModel", "qwen3_vl_moe": f"{_QWEN3_MOE}:Qwen3VLMoeVisionModel"},
+           deepstack=True),
+)
+
+# Families vLLM 0.32 serves only from raw images: it takes no precomputed
+# image embeddings for them (read from vLLM's model files), and Prism's engine
+# receives images only as embeddings.
+NO_EMBEDDINGS_IN_VLLM = {
+    "gemma3": "Gemma 3",
+    "mistral3": "Mistral 3 / Pixtral",
+    "pixtral": "Pixtral",
+    "idefics3": "Idefics3",
+    "smolvlm": "SmolVLM",
+}
+
+
+def supported() -> str:
+    return ", ".join(f"{f.name} ({', '.join(f.towers)})" for f in FAMILIES)
+
+
+def family_of(hf_config: Any) -> Family:
+    """The checkpoint's family, or UnsupportedModel naming its architecture and why."""
+    model_type = getattr(hf_config, "model_type", None)
+    for family in FAMILIES:
+        if model_type in family.towers:
+            return family
+    architecture = (getattr(hf_config, "architectures", None) or [model_type])[0]
+    if model_type in NO_EMBEDDINGS_IN_VLLM:
+        raise UnsupportedModel(
+            f"{NO_EMBEDDINGS_IN_VLLM[model_type]} ({architecture}) cannot be served by Prism: vLLM 0.32 takes no "
+            f"precomputed image embeddings for this family, and Prism's engine receives images only as embeddings "
+            f"from its vision encoder. Supported families: {supported()}"
+        )
+    raise UnsupportedModel(f"unsupported architecture {architecture} (model_type {model_type!r}); supported families: {supported()}")

@@ -1,0 +1,100 @@
+"""Tiny random-weights checkpoints of the other families Prism serves, built
+from each family's own transformers config with the real structure kept
+(Qwen3-VL: its DeepStack layers), for tests and benchmarks on two cores.
+
+Widths follow what vLLM's CPU backend accepts (text head size 64, an
+mrope_section summing to head_dim / 2); the tokenizer and chat template are
+the demo model's (prism/demo_model.py).
+
+Run: python -m prism.tiny_models qwen3-vl --out models/tiny-qwen3-vl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from prism.config import REPO_ROOT
+from prism.demo_model import CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer
+
+QWEN3_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen3-vl"
+QWEN3_VL_MIN_PIXELS = 32 * 32
+
+
+def qwen3_vl_config(tokenizer):
+    from transformers import Qwen3VLConfig
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
+        rope_scaling={"rope_type": "default", "mrope_section": [8, 12, 12], "mrope_interleaved": True, "rope_theta": 5000000.0},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=3, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16, spatial_merge_size=2,
+        temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=576,
+        deepstack_visual_indexes=[0, 1],  # two DeepStack layers: embeddings are 3 × 128 wide
+    )
+    return Qwen3VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )
+
+
+def qwen3_vl_processor_configs(max_pixels: int, min_pixels: int) -> tuple[dict, dict]:
+    image = {
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "resample": 3, "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+    }
+    video = {**image, "video_processor_type": "Qwen3VLVideoProcessor"}
+    del video["image_processor_type"]
+    return image, video
+
+
+def write_qwen3_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    tokenizer = build_tokenizer(seed)
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(qwen3_vl_config(tokenizer)).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    image, video = qwen3_vl_processor_configs(max_pixels, QWEN3_VL_MIN_PIXELS)
+    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights", "family": "qwen3-vl"}, indent=2) + "\n")
+    return out
+
+
+BUILDERS = {"qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL)}
+
+
+def ensure_tiny_model(family: str, out: Path | None = None) -> Path:
+    """Write the family's tiny checkpoint unless a complete one is already there."""
+    write, default = BUILDERS[family]
+    out = out or default
+    return out if (out / "prism_demo.json").exists() else write(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("family", choices=sorted(BUILDERS))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args()
+    write, default = BUILDERS[args.family]
+    print(write(args.out or default, args.seed))
+
+
+if __name__ == "__main__":
+    main()

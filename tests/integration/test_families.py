@@ -1,0 +1,66 @@
+"""The other model families, each token-for-token equal to vLLM given the raw
+images (in-process, float32), on a tiny random-weights checkpoint of the
+family's own structure built at test time (prism/tiny_models.py).
+
+Qwen3-VL: its embeddings carry the merger's tokens and each DeepStack
+layer's feature side by side; vLLM adds the DeepStack part into the first
+LLM layers, so an answer that matches shows both parts arrived intact.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from openai import OpenAI
+
+from prism.stack import LocalStack
+from prism.tiny_models import ensure_tiny_model
+from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS
+from tests.integration.conftest import STACK_OVERRIDES, Reference
+from tests.integration.helpers import ask
+
+FAMILIES = ["qwen3-vl"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, images):
+    checkpoint = ensure_tiny_model(request.param)
+    run_dir = tmp_path_factory.mktemp(request.param)
+    reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint)
+    try:
+        with LocalStack(run_dir, STACK_OVERRIDES, model=checkpoint) as stack:
+            client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+            yield client, reference
+    finally:
+        if reference.process.poll() is None:
+            reference.process.kill()
+
+
+def test_the_parity_images_include_a_strip_and_images_over_the_budget():
+    assert {"strip", "portrait"} <= set(PARITY_IMAGES)
+    assert sum(w * h > TEST_MAX_PIXELS for w, h in PARITY_IMAGES.values()) >= 2
+
+
+@pytest.mark.parametrize("name", list(PARITY_IMAGES))
+def test_single_image_matches_vllm(family, images, name):
+    client, reference = family
+    response = ask(client, f"image-{name}", images)
+    expected = reference[f"image-{name}"]
+    assert response.choices[0].message.content == expected["text"]
+    assert response.usage.prompt_tokens == expected["prompt_tokens"]  # the same visual token count
+
+
+def test_two_images_and_a_second_turn_match_vllm(family, images):
+    client, reference = family
+    for case in ("two-images", "two-turns"):
+        assert ask(client, case, images).choices[0].message.content == reference[case]["text"], case
+
+
+def test_eight_concurrent_requests_each_match_vllm(family, images):
+    client, reference = family
+    names = list(CONCURRENT_IMAGES)[:8]
+    with ThreadPoolExecutor(len(names)) as pool:
+        got = list(pool.map(lambda n: ask(client, f"image-{n}", images).choices[0].message.content, names))
+    want = [reference[f"image-{n}"]["text"] for n in names]
+    assert got == want and len(set(want)) > 1  # the answers differ, so a mix-up would show

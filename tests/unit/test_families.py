@@ -1,0 +1,26 @@
+"""Which checkpoints Prism serves, and what it says of the others."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig, Gemma3Config, LlamaConfig, Qwen2VLConfig, Qwen3VLConfig
+
+from prism.families import UnsupportedModel, family_of
+
+
+def test_the_qwen_families_are_recognised_and_qwen3_embeddings_carry_the_deepstack_layers():
+    qwen3 = Qwen3VLConfig(text_config={"hidden_size": 256}, vision_config={"deepstack_visual_indexes": [8, 16, 24]})
+    assert family_of(qwen3).name == "Qwen3-VL" and family_of(qwen3).embedding_width(qwen3) == 256 * 4
+    qwen2 = Qwen2VLConfig(text_config={"hidden_size": 128})
+    assert family_of(qwen2).name == "Qwen2-VL" and family_of(qwen2).embedding_width(qwen2) == 128
+    assert family_of(AutoConfig.for_model("qwen3_vl_moe")).name == "Qwen3-VL"
+
+
+def test_a_family_vllm_takes_no_embeddings_for_is_refused_with_the_reason():
+    with pytest.raises(UnsupportedModel, match=r"Gemma 3 \(Gemma3ForConditionalGeneration\).*no precomputed image embeddings.*Qwen2-VL"):
+        family_of(Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]))
+
+
+def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_families():
+    with pytest.raises(UnsupportedModel, match=r"unsupported architecture LlamaForCausalLM .*'llama'.*Qwen2-VL.*Qwen2.5-VL.*Qwen3-VL"):
+        family_of(LlamaConfig(architectures=["LlamaForCausalLM"]))
