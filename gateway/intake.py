@@ -93,12 +93,12 @@ class Inspected:
     size: tuple[int, int]  # (width, height) as stored, before EXIF transpose
     budget: PixelBudget
     target: tuple[int, int]  # (height, width) the ViT will see
-    patch_size: int
+    token_side: int  # pixels per visual token along each side: patch size × merge size
 
     @property
     def visual_tokens(self) -> int:
         h, w = self.target
-        return (h // self.patch_size) * (w // self.patch_size) // 4
+        return (h // self.token_side) * (w // self.token_side)
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
     if max(width, height) / min(width, height) > limits.max_aspect_ratio:
         raise _invalid(where, f"image is {width}×{height}: aspect ratio {max(width, height) / min(width, height):.0f} exceeds the model's limit of {limits.max_aspect_ratio:g}")
     target = smart_resize(height, width, policy.factor, budget.min_pixels, budget.max_pixels)
-    return Inspected(raw, where, fmt, (width, height), budget, target, policy.processor.patch_size)
+    return Inspected(raw, where, fmt, (width, height), budget, target, policy.factor)
 
 
 def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
