@@ -72,8 +72,8 @@ def chat_messages(request: ChatCompletionRequest) -> list[ChatMessage]:
 def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
     return SamplingOptions(
         max_tokens=request.max_completion_tokens or request.max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
+        temperature=request.temperature,  # None: the checkpoint's default (the engine applies it)
+        top_p=request.top_p,
         seed=request.seed,
         stop=list(request.stop or []),
         presence_penalty=request.presence_penalty,

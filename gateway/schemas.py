@@ -65,8 +65,8 @@ class ChatCompletionRequest(_Strict):
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     mm_processor_kwargs: PixelOverrides | None = None
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False

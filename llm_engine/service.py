@@ -75,18 +75,39 @@ def engine_args(config: EngineConfig, family: Family):
     )
 
 
-def sampling_params(options: SamplingOptions, max_tokens: int):
+# Sampling fields a checkpoint's generation_config.json may set, as vLLM's
+# server reads them (ModelConfig.get_diff_sampling_param), and OpenAI's default
+# for each, used when neither the request nor the checkpoint sets one.
+OPENAI_DEFAULTS = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+}
+
+
+def generation_defaults(model_config) -> dict:
+    """The checkpoint's sampling defaults that Prism applies (generation_config.json)."""
+    found = {k: v for k, v in model_config.get_diff_sampling_param().items() if k in OPENAI_DEFAULTS}
+    if found:
+        log.info("sampling defaults from the checkpoint's generation config: %s", found)
+    return found
+
+
+def sampling_params(options: SamplingOptions, max_tokens: int, checkpoint_defaults: dict):
+    """The request's values, else the checkpoint's generation defaults, else OpenAI's:
+    the order vLLM's OpenAI server applies (`--generation-config auto`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    sent = {name: getattr(options, name, None) for name in OPENAI_DEFAULTS}
+    chosen = {
+        name: sent[name] if sent[name] is not None else checkpoint_defaults.get(name, default)
+        for name, default in OPENAI_DEFAULTS.items()
+    }
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=options.temperature,
-        top_p=options.top_p,
+        **chosen,
         seed=options.seed,
         stop=options.stop or None,
-        presence_penalty=options.presence_penalty,
-        frequency_penalty=options.frequency_penalty,
         ignore_eos=options.ignore_eos,
         min_tokens=options.min_tokens,
         output_kind=RequestOutputKind.DELTA,
@@ -119,6 +140,7 @@ class EngineService:
         self.router = router
         self.watch = watch
         self.shape = shape
+        self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
         self.tokenizer = None
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
@@ -143,6 +165,7 @@ class EngineService:
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
         service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound), watch, shape)
+        service.generation_defaults = generation_defaults(engine.model_config)
         service.tokenizer = await service._tokenizer()
         return service
 
@@ -300,7 +323,7 @@ class EngineService:
         try:
             prompt = build_prompt(request, frames, self.tokenizer, self.shape, self.config.max_model_len)
             try:
-                params = sampling_params(request.sampling, prompt.max_tokens)
+                params = sampling_params(request.sampling, prompt.max_tokens, self.generation_defaults)
             except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
                 raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
             tokens = await self._stream(peer, rid, prompt.inputs, params, received)

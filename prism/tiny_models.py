@@ -72,6 +72,10 @@ def write_qwen3_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PI
     (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    # A sampling default as real checkpoints ship them (Qwen3-VL's sets top_k 20):
+    # top_k 1 makes sampling greedy, so a test can see that it was applied.
+    generation = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))
     (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights", "family": "qwen3-vl"}, indent=2) + "\n")
     return out
 

@@ -20,13 +20,16 @@ class ChatMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """What the client sent; None where it sent nothing (the engine fills in the
+    checkpoint's generation_config.json defaults, then OpenAI's)."""
+
     max_tokens: int | None = None  # None: up to the model's context length
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: list[str] = []
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
 

@@ -14,8 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from openai import OpenAI
 
+from cache import content_key
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
+from vision_encoder.tower import VisionTower
 from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS
 from tests.integration.conftest import STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask
@@ -64,3 +67,24 @@ def test_eight_concurrent_requests_each_match_vllm(family, images):
         got = list(pool.map(lambda n: ask(client, f"image-{n}", images).choices[0].message.content, names))
     want = [reference[f"image-{n}"]["text"] for n in names]
     assert got == want and len(set(want)) > 1  # the answers differ, so a mix-up would show
+
+
+def test_the_checkpoint_s_generation_defaults_apply(family, client):
+    """The tiny checkpoints' generation_config.json sets top_k 1: sampled answers no longer depend on the seed.
+    The demo checkpoint (`client`) sets no top_k, and there they do."""
+    family_client, _ = family
+
+    def story(through: OpenAI, seed: int) -> str:
+        messages = [{"role": "user", "content": "Write a story."}]
+        return through.chat.completions.create(model="prism-demo", messages=messages, max_tokens=12, temperature=1.0, seed=seed).choices[0].message.content
+
+    assert story(family_client, 1) == story(family_client, 2) == story(family_client, 3)
+    assert len({story(client, seed) for seed in (1, 2, 3)}) > 1
+
+
+def test_two_families_given_the_same_image_never_share_a_cache_entry():
+    towers = [VisionTower(str(ensure_demo_model(RANDOM_MODEL)), "float32", "cpu")]
+    towers += [VisionTower(str(ensure_tiny_model(name)), "float32", "cpu") for name in FAMILIES]
+    digest = bytes(range(16))  # one image, as the gateway digests it
+    assert len({content_key(tower.fingerprint, digest) for tower in towers}) == len(towers)
+    assert len({tower.family.name for tower in towers}) == len(towers)
