@@ -65,6 +65,6 @@ def test_every_shipped_profile_is_valid_for_every_service(path):
 
 def test_the_profiles_include_a_real_gpu_model_and_several_hosts():
     names = {p.name for p in PROFILES}
-    assert {"cpu-demo.yaml", "compose.yaml", "qwen2.5-vl-7b.yaml", "multi-host.yaml"} <= names
+    assert {"cpu-demo.yaml", "compose.yaml", "qwen2.5-vl-7b.yaml", "qwen3-vl-8b.yaml", "multi-host.yaml"} <= names
     gpu = load_config(EngineConfig, "engine", REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml", env={})
     assert gpu.kv_cache_memory_mb is None and gpu.enable_chunked_prefill and not gpu.enforce_eager
