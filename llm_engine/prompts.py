@@ -3,7 +3,7 @@ reach the engine core in a shape it cannot take.
 
 vLLM accepts some malformed embeddings at its front end and then dies in the
 engine core (a 3-D tensor does that), so every shape is checked here: one
-placeholder per image, 2-D embeddings, hidden size, rows = t·h·w / merge².
+placeholder per image, 2-D embeddings, the family's width, rows = t·h·w / merge².
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class InvalidPrompt(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    hidden_size: int
+    embedding_width: int  # columns vLLM takes per visual token (the family says: hidden, or more)
     merge_size: int
 
 
@@ -52,8 +52,8 @@ def image_tensors(request: GenerateRequest, frames: list, shape: ModelShape) -> 
         if min(t, h, w) < 1 or h % shape.merge_size or w % shape.merge_size:
             raise InvalidPrompt(f"image {index}: grid {image.grid_thw} is not a positive multiple of merge size {shape.merge_size}")
         rows = t * h * w // shape.merge_size**2
-        if meta.shape != (rows, shape.hidden_size):
-            raise InvalidPrompt(f"image {index}: embeddings shape {meta.shape} does not match grid {image.grid_thw} (expected ({rows}, {shape.hidden_size}))")
+        if meta.shape != (rows, shape.embedding_width):
+            raise InvalidPrompt(f"image {index}: embeddings shape {meta.shape} does not match grid {image.grid_thw} (expected ({rows}, {shape.embedding_width}))")
         tensors.append(to_torch(meta, frame))
         grids.append(image.grid_thw)
     dtype = tensors[0].dtype

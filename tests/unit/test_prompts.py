@@ -9,7 +9,7 @@ from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, image_te
 from protocol.tensors import to_frame
 from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
 
-SHAPE = ModelShape(hidden_size=128, merge_size=2)
+SHAPE = ModelShape(embedding_width=128, merge_size=2)
 
 
 class FakeTemplate:
