@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
 import httpx
 import psutil
 from openai import OpenAI
+import torch
+import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.sockets import AsyncDealer
+from protocol.tensors import to_frame
+from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
+from protocol.to_gateway import GatewayInbound, GenerateFailed, TokenDelta
 from tests.integration.cases import CASES
 from tests.integration.conftest import MODEL_NAME
 
@@ -79,3 +86,24 @@ def sse_error(lines: list[str]) -> dict | None:
         if line.startswith("data: {") and '"error"' in line:
             return json.loads(line.removeprefix("data: "))["error"]
     return None
+
+
+async def send_raw(address: str, request: GenerateRequest, frames) -> object:
+    """Straight to an engine's socket, as a gateway would: its failure or its finishing delta."""
+    ctx = zmq.asyncio.Context()
+    socket = AsyncDealer(ctx, address, GatewayInbound)
+    try:
+        await socket.send(request, frames)
+        while True:
+            message, _ = await asyncio.wait_for(socket.recv(), 60)
+            if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finish_reason):
+                return message
+    finally:
+        socket.close()
+        ctx.term()
+
+
+def embeddings_request(rid: str, tensor: torch.Tensor, grid) -> tuple[GenerateRequest, list]:
+    meta, frame = to_frame(tensor)
+    message = ChatMessage("user", [ChatPart("image"), ChatPart("text", "hi")])
+    return GenerateRequest(rid, [message], SamplingOptions(max_tokens=2, temperature=0), [ImageEmbedding(meta, grid)]), [frame]
