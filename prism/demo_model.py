@@ -133,26 +133,33 @@ def build_config(tokenizer, text_layers: int = 2, text_intermediate: int = 256, 
     )
 
 
-def _processor_configs(max_pixels: int, min_pixels: int) -> tuple[dict, dict]:
+CLIP_MEAN, CLIP_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def processor_configs(
+    max_pixels: int, min_pixels: int, *, patch_size: int = 14, mean: list = CLIP_MEAN, std: list = CLIP_STD,
+    image_processor: str = "Qwen2VLImageProcessor", processor: str = "Qwen2VLProcessor", video_processor: str = "Qwen2VLVideoProcessor",
+) -> tuple[dict, dict]:
+    """A Qwen-style image and video processor config (Qwen2-VL's by default)."""
     image = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2VLProcessor",
+        "image_processor_type": image_processor,
+        "processor_class": processor,
         "do_resize": True,
         "do_rescale": True,
         "do_normalize": True,
         "do_convert_rgb": True,
         "resample": 3,
         "rescale_factor": 1 / 255,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "patch_size": 14,
+        "image_mean": mean,
+        "image_std": std,
+        "patch_size": patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
         "min_pixels": min_pixels,
         "max_pixels": max_pixels,
         "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
     }
-    video = {**image, "video_processor_type": "Qwen2VLVideoProcessor"}
+    video = {**image, "video_processor_type": video_processor}
     del video["image_processor_type"]
     return image, video
 
@@ -180,7 +187,7 @@ def save_checkpoint(out: Path, model, tokenizer, max_pixels: int, min_pixels: in
 
 
 def write_processor_configs(out: Path, max_pixels: int, min_pixels: int) -> None:
-    image_cfg, video_cfg = _processor_configs(max_pixels, min_pixels)
+    image_cfg, video_cfg = processor_configs(max_pixels, min_pixels)
     (out / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
 

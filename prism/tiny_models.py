@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from prism.config import REPO_ROOT
-from prism.demo_model import CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer
+from prism.demo_model import CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs
 
 QWEN3_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen3-vl"
 QWEN3_VL_MIN_PIXELS = 32 * 32
@@ -44,18 +44,10 @@ def qwen3_vl_config(tokenizer):
 
 
 def qwen3_vl_processor_configs(max_pixels: int, min_pixels: int) -> tuple[dict, dict]:
-    image = {
-        "image_processor_type": "Qwen2VLImageProcessorFast",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-        "resample": 3, "rescale_factor": 1 / 255,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
-    }
-    video = {**image, "video_processor_type": "Qwen3VLVideoProcessor"}
-    del video["image_processor_type"]
-    return image, video
+    return processor_configs(
+        max_pixels, min_pixels, patch_size=16, mean=[0.5, 0.5, 0.5], std=[0.5, 0.5, 0.5],
+        image_processor="Qwen2VLImageProcessorFast", processor="Qwen3VLProcessor", video_processor="Qwen3VLVideoProcessor",
+    )
 
 
 def write_qwen3_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
