@@ -2,7 +2,7 @@
 
 The receive loop only routes: each GenerateRequest becomes its own task that
 streams TokenDelta messages back; AbortGenerate aborts it in vLLM. The vision
-tower is never loaded (images arrive as embeddings).
+tower is never run here (images arrive as embeddings).
 
 A watchdog task judges vLLM's engine core: dead (AsyncLLM `errored`) → every
 request in flight fails with 503 `engine_dead`, heartbeats say DEAD, and the
@@ -98,6 +98,8 @@ def sampling_params(options: SamplingOptions, max_tokens: int, checkpoint_defaul
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    # top_k, min_p and repetition_penalty are not on the wire yet (the chat API takes
+    # them in issue #17): for those the checkpoint's value or OpenAI's applies.
     sent = {name: getattr(options, name, None) for name in OPENAI_DEFAULTS}
     chosen = {
         name: sent[name] if sent[name] is not None else checkpoint_defaults.get(name, default)
@@ -134,13 +136,14 @@ class InFlight:
 
 
 class EngineService:
-    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape) -> None:
+    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape,
+                 generation_defaults: dict) -> None:
         self.config = config
         self.engine = engine
         self.router = router
         self.watch = watch
         self.shape = shape
-        self.generation_defaults: dict = {}  # from the checkpoint's generation_config.json
+        self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
         self.tokenizer = None
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
@@ -164,8 +167,8 @@ class EngineService:
         sleep_in_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
-        service = cls(config, engine, AsyncRouter(ctx, config.address, EngineInbound), watch, shape)
-        service.generation_defaults = generation_defaults(engine.model_config)
+        router = AsyncRouter(ctx, config.address, EngineInbound)
+        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config))
         service.tokenizer = await service._tokenizer()
         return service
 
