@@ -78,6 +78,13 @@ def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
         stop=list(request.stop or []),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=request.logit_bias or {},
+        stop_token_ids=request.stop_token_ids,
+        skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         min_tokens=request.min_tokens,
     )

@@ -67,6 +67,15 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[int, float] | None = None  # token id → bias in [-100, 100] (OpenAI sends ids as strings)
+    # vLLM's sampling extensions (`extra_body` in the openai SDK); unset: the
+    # checkpoint's generation_config.json value, else vLLM's default.
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     mm_processor_kwargs: PixelOverrides | None = None
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
@@ -86,6 +95,15 @@ class ChatCompletionRequest(_Strict):
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and len(value) > 300:
+            raise ValueError("at most 300 token biases")
+        if value and any(not -100 <= bias <= 100 for bias in value.values()):
+            raise ValueError("each bias must be between -100 and 100")
+        return value
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "ChatCompletionRequest":

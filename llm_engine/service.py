@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from vllm.exceptions import VLLMClientError
 
 from llm_engine.config import EngineConfig
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
@@ -98,9 +99,7 @@ def sampling_params(options: SamplingOptions, max_tokens: int, checkpoint_defaul
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    # top_k, min_p and repetition_penalty are not on the wire yet (the chat API takes
-    # them in issue #17): for those the checkpoint's value or OpenAI's applies.
-    sent = {name: getattr(options, name, None) for name in OPENAI_DEFAULTS}
+    sent = {name: getattr(options, name) for name in OPENAI_DEFAULTS}
     chosen = {
         name: sent[name] if sent[name] is not None else checkpoint_defaults.get(name, default)
         for name, default in OPENAI_DEFAULTS.items()
@@ -110,6 +109,10 @@ def sampling_params(options: SamplingOptions, max_tokens: int, checkpoint_defaul
         **chosen,
         seed=options.seed,
         stop=options.stop or None,
+        stop_token_ids=options.stop_token_ids or None,
+        logit_bias=options.logit_bias or None,
+        skip_special_tokens=options.skip_special_tokens,
+        include_stop_str_in_output=options.include_stop_str_in_output,
         ignore_eos=options.ignore_eos,
         min_tokens=options.min_tokens,
         output_kind=RequestOutputKind.DELTA,
@@ -337,7 +340,7 @@ class EngineService:
             log.info("generated %d tokens for a %d-token prompt", tokens, prompt.num_tokens)
         except asyncio.CancelledError:
             log.info("aborted")
-        except (InvalidPrompt, ValueError, TypeError) as exc:  # vLLM raises ValueError for bad input
+        except (InvalidPrompt, ValueError, TypeError, VLLMClientError) as exc:  # vLLM's errors caused by the request
             self.failed += 1
             log.info("refused: %s", exc)
             await self._send(peer, GenerateFailed(rid, str(exc), status=400))

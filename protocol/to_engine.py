@@ -30,6 +30,13 @@ class SamplingOptions(msgspec.Struct, array_like=True, omit_defaults=True, froze
     stop: list[str] = []
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = {}
+    stop_token_ids: list[int] = []
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
 
