@@ -23,6 +23,7 @@ from gateway import metrics, responses
 from gateway.errors import APIError
 from gateway.parsing import parse_request
 from gateway.pipeline import Prepared
+from gateway.schemas import StreamOptions
 from gateway.streaming import ClientNotReading, DeadlineStreamingResponse
 from gateway.timing import RequestTimer
 from prism.logs import request_id_var
@@ -127,8 +128,7 @@ class ChatHandler:
         deltas = served.pipeline.generate(prepared, timer)
         if request.stream:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            body = self._stream(prepared, first, deltas, timer, include_usage, done)
+            body = self._stream(prepared, first, deltas, timer, request.stream_options or StreamOptions(), done)
             return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
         return await self._complete(prepared, deltas, timer)
 
@@ -144,15 +144,15 @@ class ChatHandler:
         timer.mark_finished()
         body = responses.completion(
             prepared.request.request_id, prepared.model, "".join(text), last.finish_reason,
-            responses.usage(last.prompt_tokens, last.completion_tokens), timer.breakdown(),
+            responses.usage(last, timer.visual_tokens), timer.breakdown(),
         )
         self.finish(timer, 200, "ok")
         return JSONResponse(body, headers={"Server-Timing": timer.server_timing()})
 
-    async def _stream(self, prepared, first, deltas, timer, include_usage, done) -> AsyncIterator[bytes]:
+    async def _stream(self, prepared, first, deltas, timer, options: StreamOptions, done) -> AsyncIterator[bytes]:
         outcome = None  # (status, reason); still None at the end: the client went away mid-stream
         try:
-            async with contextlib.aclosing(self._events(prepared, first, deltas, timer, include_usage)) as events:
+            async with contextlib.aclosing(self._events(prepared, first, deltas, timer, options)) as events:
                 async for event in events:
                     if isinstance(event, APIError):
                         outcome = (event.status, event.code or "error")
@@ -165,31 +165,38 @@ class ChatHandler:
             self.finish(timer, *(outcome or (499, "client_disconnected")))
             done()
 
-    async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, include_usage: bool):
+    async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, options: StreamOptions):
         """SSE events; an APIError item reports a failure after the stream began."""
         rid, model, created = prepared.request.request_id, prepared.model, int(time.time())
+
+        def usage(delta: TokenDelta) -> dict:
+            return {"usage": responses.usage(delta, timer.visual_tokens)} if options.continuous_usage_stats else {}
+
+        def content(delta: TokenDelta, fields: dict) -> bytes:
+            return responses.sse(responses.chunk(rid, model, created, fields, **usage(delta)))
+
         last = first
         async with contextlib.aclosing(deltas):
             try:
                 timer.mark_first_token()
                 timer.mark_delta(first.completion_tokens)
-                yield responses.sse(responses.chunk(rid, model, created, {"role": "assistant", "content": first.text}))
+                yield content(first, {"role": "assistant", "content": first.text})
                 if first.finish_reason is None:
                     async for delta in deltas:
                         last = delta
                         timer.mark_delta(delta.completion_tokens)
                         if delta.text:
-                            yield responses.sse(responses.chunk(rid, model, created, {"content": delta.text}))
+                            yield content(delta, {"content": delta.text})
             except APIError as exc:  # the stream has started: the error travels as a final event
                 yield exc
                 yield responses.sse(exc.body())
                 yield responses.sse("[DONE]")
                 return
         timer.mark_finished()
-        yield responses.sse(responses.chunk(rid, model, created, {}, last.finish_reason, prism=timer.breakdown()))
-        if include_usage:
-            usage = responses.usage(last.prompt_tokens, last.completion_tokens)
-            yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage})
+        yield responses.sse(responses.chunk(rid, model, created, {}, last.finish_reason, prism=timer.breakdown(), **usage(last)))
+        if options.include_usage:
+            total = responses.usage(last, timer.visual_tokens)
+            yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": total})
         yield responses.sse("[DONE]")
 
 

@@ -6,11 +6,14 @@ import json
 import time
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(delta, image_tokens: int) -> dict:
+    """OpenAI's usage from the latest token delta: vLLM's prefix-cache hits as
+    `cached_tokens`, and Prism's own count of the prompt's visual tokens."""
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": delta.prompt_tokens,
+        "completion_tokens": delta.completion_tokens,
+        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": delta.cached_tokens, "image_tokens": image_tokens},
     }
 
 

@@ -51,6 +51,7 @@ class PixelOverrides(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
 
 
 class ChatCompletionRequest(_Strict):

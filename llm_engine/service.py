@@ -372,6 +372,7 @@ class EngineService:
                     prompt_tokens=len(output.prompt_token_ids or ()),
                     finish_reason=choice.finish_reason if finished else None,
                     timings=timings,
+                    cached_tokens=output.num_cached_tokens or 0,
                 )
                 if not await self._send(peer, delta):
                     return None  # closing the generator aborts the request in vLLM

@@ -81,6 +81,7 @@ class TokenDelta(Message):
     prompt_tokens: int
     finish_reason: str | None = None
     timings: EngineTimings | None = None  # on the first delta and the last
+    cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
 
 
 class GenerateFailed(Message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 
@@ -80,3 +82,27 @@ def test_seeded_sampling_is_reproducible(client, images):
     first = ask(client, "image-odd", images, temperature=1.0, top_p=0.9, seed=7)
     second = ask(client, "image-odd", images, temperature=1.0, top_p=0.9, seed=7)
     assert first.choices[0].message.content == second.choices[0].message.content
+
+
+def test_usage_counts_prefix_cache_hits_and_image_tokens(client, images):
+    long_prompt = f"{uuid.uuid4().hex} " + "Describe a red circle on a blue background. " * 40  # several KV blocks, new to the cache
+    first, again = (client.chat.completions.create(model=MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": long_prompt}])
+                    for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.model_dump()["image_tokens"] == 0
+    with_image = ask(client, "image-landscape", images)
+    image_tokens = with_image.usage.prompt_tokens_details.model_dump()["image_tokens"]
+    text_only = ask(client, "text-only", images)
+    assert 0 < image_tokens < with_image.usage.prompt_tokens and text_only.usage.prompt_tokens_details.model_dump()["image_tokens"] == 0
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(client):
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=10, stream=True, messages=[{"role": "user", "content": "Tell me a story."}],
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    counted = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert counted and counted == sorted(counted) and all(c.usage is not None for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
