@@ -13,6 +13,7 @@ import torch
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.faults import engine_core as engine_core_of
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
@@ -54,10 +55,10 @@ def child_pid(stack, module: str, address: str | None = None) -> int:
 
 def engine_core(stack, address: str | None = None) -> psutil.Process:
     """vLLM's EngineCore process under one of the stack's engine services."""
-    for process in psutil.Process(child_pid(stack, "llm_engine", address)).children(recursive=True):
-        if "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline()):
-            return process
-    raise LookupError("no EngineCore process")
+    core = engine_core_of(psutil.Process(child_pid(stack, "llm_engine", address)))
+    if core is None:
+        raise LookupError("no EngineCore process")
+    return core
 
 
 def scrape(stack) -> dict[tuple[str, tuple], float]:
