@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import uvicorn
-
-from gateway.app import create_app
+from gateway.app import serve
 from gateway.config import GatewayConfig
 from prism.config import load_config
 from prism.logs import setup_logging
@@ -19,10 +17,7 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("gateway")
     config = load_config(GatewayConfig, "gateway", args.config)
-    uvicorn.run(
-        create_app(config), host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=config.drain_timeout_s,
-    )
+    serve(config)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import uvicorn
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -220,3 +221,11 @@ def _openapi(app: FastAPI) -> dict:
         components["ChatCompletionRequest"] = request_schema
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+def serve(config: GatewayConfig, config_path: Path | None = None) -> None:
+    """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`."""
+    uvicorn.run(
+        create_app(config, config_path), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s,
+    )

@@ -35,6 +35,11 @@ class GatewayConfig(FrozenConfig):
     stats_interval_s: float = Field(1.0, gt=0)  # polling the services' stats (also a heartbeat)
     heartbeat_timeout_s: float = Field(5.0, gt=0)  # silent this long: the service is down (503)
     drain_timeout_s: float = Field(30, ge=0)  # on shutdown, in-flight requests get this long to finish
+    # An idle keep-alive connection is closed after this. It must outlast the
+    # clients' own idle expiry (httpx, hence the openai client: 5 s), or the
+    # server may close a connection just as a client reuses it, and that
+    # request fails with "Server disconnected" (uvicorn's default is also 5 s).
+    keep_alive_s: float = Field(75, gt=0)
 
     # Auth and admission. API keys may also come from the environment:
     # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.

@@ -124,9 +124,7 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
 
 
 def serve(config_path: Path) -> None:
-    import uvicorn
-
-    from gateway.app import create_app
+    from gateway.app import serve as serve_gateway
     from gateway.config import GatewayConfig
     from vision_encoder.config import EncoderConfig
 
@@ -140,10 +138,7 @@ def serve(config_path: Path) -> None:
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
     # down) and raises it again when done; this handler then runs atexit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        create_app(gateway_config, config_path), host=gateway_config.host, port=gateway_config.port,
-        log_level="warning", timeout_graceful_shutdown=gateway_config.drain_timeout_s,
-    )
+    serve_gateway(gateway_config, config_path)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -106,3 +107,16 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client):
     counted = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
     assert counted and counted == sorted(counted) and all(c.usage is not None for c in chunks)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_an_idle_keep_alive_connection_outlasts_the_clients_own_expiry(stack):
+    # httpx (so the openai client) reuses a connection idle for up to 5 s; a
+    # server closing it at the same moment fails the next request with
+    # "Server disconnected". One HTTP/1.1 connection, idle 6 s, then reused.
+    with httpx.Client(base_url=stack.base_url, limits=httpx.Limits(keepalive_expiry=60)) as http:
+        first = http.get("/health")
+        peer = first.extensions["network_stream"].get_extra_info("client_addr")
+        time.sleep(6)
+        second = http.get("/health")
+        assert first.status_code == second.status_code == 200
+        assert second.extensions["network_stream"].get_extra_info("client_addr") == peer  # the same connection
