@@ -133,17 +133,17 @@ class ChatHandler:
         return await self._complete(prepared, deltas, timer)
 
     async def _complete(self, prepared: Prepared, deltas: AsyncIterator[TokenDelta], timer: RequestTimer) -> Response:
-        text: list[str] = []
+        answer = responses.Answer()
         last = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 timer.mark_first_token()
                 timer.mark_delta(delta.completion_tokens)
-                text.append(delta.text)
+                answer.add(delta)
                 last = delta
         timer.mark_finished()
         body = responses.completion(
-            prepared.request.request_id, prepared.model, "".join(text), last.finish_reason,
+            prepared.request.request_id, prepared.model, answer.choices(),
             responses.usage(last, timer.visual_tokens), timer.breakdown(),
         )
         self.finish(timer, 200, "ok")
@@ -168,32 +168,40 @@ class ChatHandler:
     async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, options: StreamOptions):
         """SSE events; an APIError item reports a failure after the stream began."""
         rid, model, created = prepared.request.request_id, prepared.model, int(time.time())
+        started: set[int] = set()  # choices that have sent their first chunk (with the role)
 
-        def usage(delta: TokenDelta) -> dict:
-            return {"usage": responses.usage(delta, timer.visual_tokens)} if options.continuous_usage_stats else {}
-
-        def content(delta: TokenDelta, fields: dict) -> bytes:
-            return responses.sse(responses.chunk(rid, model, created, fields, **usage(delta)))
+        def events_of(delta: TokenDelta) -> list[bytes]:
+            entries = []
+            for choice in delta.choices:
+                if (entry := responses.stream_choice(choice, choice.index not in started)) is not None:
+                    started.add(choice.index)
+                    entries.append(entry)
+            extra = {"usage": responses.usage(delta, timer.visual_tokens)} if options.continuous_usage_stats else {}
+            if delta.finished:
+                timer.mark_finished()
+                extra["prism"] = timer.breakdown()
+            # One chunk per choice, as OpenAI streams them; the request's last
+            # chunk carries Prism's timings.
+            return [responses.sse(responses.chunk(rid, model, created, [entry], **(extra if i == len(entries) - 1 else {})))
+                    for i, entry in enumerate(entries)]
 
         last = first
         async with contextlib.aclosing(deltas):
             try:
                 timer.mark_first_token()
                 timer.mark_delta(first.completion_tokens)
-                yield content(first, {"role": "assistant", "content": first.text})
-                if first.finish_reason is None:
-                    async for delta in deltas:
-                        last = delta
-                        timer.mark_delta(delta.completion_tokens)
-                        if delta.text:
-                            yield content(delta, {"content": delta.text})
+                for event in events_of(first):
+                    yield event
+                if not first.finished:
+                    async for last in deltas:  # the engine client's stream ends with the finished delta
+                        timer.mark_delta(last.completion_tokens)
+                        for event in events_of(last):
+                            yield event
             except APIError as exc:  # the stream has started: the error travels as a final event
                 yield exc
                 yield responses.sse(exc.body())
                 yield responses.sse("[DONE]")
                 return
-        timer.mark_finished()
-        yield responses.sse(responses.chunk(rid, model, created, {}, last.finish_reason, prism=timer.breakdown(), **usage(last)))
         if options.include_usage:
             total = responses.usage(last, timer.visual_tokens)
             yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": total})

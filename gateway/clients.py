@@ -286,7 +286,7 @@ class EngineClient(ServiceClient):
                     finished = True
                     code = message.code or ("engine_error" if message.status >= 500 else None)
                     raise APIError(message.status, message.message, code=code, headers=retry_after(message.status))
-                finished = message.finish_reason is not None
+                finished = message.finished
                 yield message
         except asyncio.TimeoutError:
             raise APIError(504, f"LLM engine produced no token within {timeout_s:g} s (gateway.generate_timeout_s)", code="engine_timeout") from None

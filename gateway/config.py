@@ -48,6 +48,7 @@ class GatewayConfig(FrozenConfig):
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
     max_visual_tokens_in_flight: int | None = Field(None, ge=1)
+    max_n: int = Field(8, ge=1)  # choices per request (`n`): each is a whole generation
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     # A client must send its whole body within this (else 408): a slow sender
     # cannot hold a concurrency slot for longer.

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from gateway.admission import ConcurrencyLimiter
 from gateway.encoder_pool import EncoderPool
 from gateway.engine_pool import EnginePool
@@ -26,7 +28,7 @@ from gateway.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
-from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
+from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
 from protocol.to_gateway import EncodeResult, TokenDelta
 
 _ROLES = {"developer": "system"}
@@ -58,36 +60,22 @@ def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
     return found
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[ChatMessage]:
-    out = []
-    for message in request.messages:
-        if isinstance(message.content, str):
-            parts = [ChatPart("text", message.content)]
-        else:
-            parts = [ChatPart("text", p.text) if p.type == "text" else ChatPart("image") for p in message.content]
-        out.append(ChatMessage(_ROLES.get(message.role, message.role), parts))
-    return out
+# Fields the gateway itself acts on, or that change nothing: not forwarded.
+_IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
+_GATEWAY_ONLY = {"mm_processor_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
 
 
-def sampling_options(request: ChatCompletionRequest) -> SamplingOptions:
-    return SamplingOptions(
-        max_tokens=request.max_completion_tokens or request.max_tokens,
-        temperature=request.temperature,  # None: the checkpoint's default (the engine applies it)
-        top_p=request.top_p,
-        seed=request.seed,
-        stop=list(request.stop or []),
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        logit_bias=request.logit_bias or {},
-        stop_token_ids=request.stop_token_ids,
-        skip_special_tokens=request.skip_special_tokens,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
-    )
+def engine_chat(request: ChatCompletionRequest) -> bytes:
+    """The request as the engine reads it (vLLM's ChatCompletionRequest): what
+    the client set, each image's URL replaced by a placeholder (its embeddings
+    travel beside, in order; OpenAI's part shape keeps vLLM's validation
+    happy), `developer` as `system` (chat templates know no `developer`)."""
+    body = request.model_dump(mode="json", exclude_unset=True, by_alias=True, exclude=_GATEWAY_ONLY)
+    for message in body["messages"]:
+        message["role"] = _ROLES.get(message["role"], message["role"])
+        if isinstance(message.get("content"), list):
+            message["content"] = [_IMAGE if p["type"] == "image_url" else p for p in message["content"]]
+    return msgspec.json.encode(body)
 
 
 class ChatPipeline:
@@ -192,6 +180,8 @@ class ChatPipeline:
         self.engine.require_up()
         if refs:
             self.encoder.require_up()
+        if request.n > self.config.max_n:
+            raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
         embeddings, frames, digests = [], [], []
@@ -200,12 +190,7 @@ class ChatPipeline:
             digests = [digest_of(item, self.policy) for item in images]
             # The encoder's frames are forwarded to the engine as they came: no copy, no decode.
             embeddings, frames = await self._encode(request_id, images, digests, timer)
-        generate = GenerateRequest(
-            request_id=request_id,
-            messages=chat_messages(request),
-            sampling=sampling_options(request),
-            images=embeddings,
-        )
+        generate = GenerateRequest(request_id=request_id, chat=engine_chat(request), images=embeddings)
         return Prepared(generate, frames, digests)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:

@@ -1,14 +1,23 @@
-"""OpenAI response bodies: chat.completion, chat.completion.chunk, SSE framing."""
+"""OpenAI response bodies: chat.completion, chat.completion.chunk, SSE framing.
+
+The engine sends each step's choices as ChoiceDelta (content, reasoning,
+logprobs, tool-call pieces); a non-streamed answer is their sum (`Answer`),
+a streamed one sends each as a chunk (`stream_choice`).
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
+
+from protocol.to_gateway import ChoiceDelta, TokenDelta, ToolCallDelta
 
 
-def usage(delta, image_tokens: int) -> dict:
-    """OpenAI's usage from the latest token delta: vLLM's prefix-cache hits as
-    `cached_tokens`, and Prism's own count of the prompt's visual tokens."""
+def usage(delta: TokenDelta, image_tokens: int) -> dict:
+    """OpenAI's usage from the latest token delta (all choices together):
+    vLLM's prefix-cache hits as `cached_tokens`, and Prism's own count of the
+    prompt's visual tokens."""
     return {
         "prompt_tokens": delta.prompt_tokens,
         "completion_tokens": delta.completion_tokens,
@@ -17,33 +26,116 @@ def usage(delta, image_tokens: int) -> dict:
     }
 
 
-def completion(request_id: str, model: str, text: str, finish_reason: str, usage_: dict, timings: dict) -> dict:
+def _logprobs(choice: ChoiceDelta) -> dict | None:
+    """OpenAI's chat logprobs object (the wire's structs travel as arrays)."""
+    if choice.logprobs is None:
+        return None
+    return {"content": [
+        {"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
+         "top_logprobs": [{"token": x.token, "logprob": x.logprob, "bytes": x.bytes} for x in t.top_logprobs]}
+        for t in choice.logprobs
+    ]}
+
+
+@dataclass
+class _Call:
+    id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+    def add(self, piece: ToolCallDelta) -> None:
+        self.id = self.id or piece.id
+        self.name = self.name or piece.name
+        self.arguments.append(piece.arguments)
+
+    def body(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": "".join(self.arguments)}}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    calls: dict[int, _Call] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.text.append(delta.text)
+        self.reasoning.append(delta.reasoning)
+        if (logprobs := _logprobs(delta)) is not None:
+            self.logprobs = (self.logprobs or []) + logprobs["content"]
+        for piece in delta.tool_calls:
+            self.calls.setdefault(piece.index, _Call()).add(piece)
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+    def body(self, index: int) -> dict:
+        text = "".join(self.text)
+        message: dict = {"role": "assistant", "content": text if text or not self.calls else None}
+        if reasoning := "".join(self.reasoning):
+            message["reasoning"] = reasoning
+        if self.calls:
+            message["tool_calls"] = [self.calls[i].body() for i in sorted(self.calls)]
+        logprobs = None if self.logprobs is None else {"content": self.logprobs}
+        return {"index": index, "message": message, "finish_reason": self.finish_reason, "logprobs": logprobs}
+
+
+class Answer:
+    """A non-streamed answer: every delta of every choice, summed."""
+
+    def __init__(self) -> None:
+        self._choices: dict[int, _Choice] = {}
+
+    def add(self, delta: TokenDelta) -> None:
+        for choice in delta.choices:
+            self._choices.setdefault(choice.index, _Choice()).add(choice)
+
+    def choices(self) -> list[dict]:
+        return [self._choices[i].body(i) for i in sorted(self._choices)]
+
+
+def completion(request_id: str, model: str, choices: list[dict], usage_: dict, timings: dict) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason,
-                "logprobs": None,
-            }
-        ],
+        "choices": choices,
         "usage": usage_,
         "prism": timings,
     }
 
 
-def chunk(request_id: str, model: str, created: int, delta: dict, finish_reason: str | None = None, **extra) -> dict:
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
-    }
+def stream_choice(choice: ChoiceDelta, first: bool) -> dict | None:
+    """One choice's chunk entry; None when it says nothing (e.g. tool-call
+    markup the parser held back). A choice's first entry carries the role."""
+    delta: dict = {"role": "assistant"} if first else {}
+    if choice.text or first:
+        delta["content"] = choice.text
+    if choice.reasoning:
+        delta["reasoning"] = choice.reasoning
+    if choice.tool_calls:
+        delta["tool_calls"] = [_tool_call_piece(piece) for piece in choice.tool_calls]
+    logprobs = _logprobs(choice)
+    if not delta and logprobs is None and choice.finish_reason is None:
+        return None
+    return {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+
+
+def _tool_call_piece(piece: ToolCallDelta) -> dict:
+    """OpenAI's streamed shape: id, type and name on a call's first piece only."""
+    body: dict = {"index": piece.index}
+    if piece.id:
+        body.update(id=piece.id, type="function")
+    function = {"arguments": piece.arguments}
+    if piece.name:
+        function["name"] = piece.name
+    body["function"] = function
+    return body
+
+
+def chunk(request_id: str, model: str, created: int, choices: list[dict], **extra) -> dict:
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
     body.update(extra)
     return body
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from prism.config import FrozenConfig
 
@@ -24,6 +24,22 @@ class EngineConfig(FrozenConfig):
     # Images in one prompt, for a family vLLM takes only with its tower loaded
     # (prism/families.py); the others take any number of embeddings.
     max_images_per_prompt: int = Field(16, ge=1)
+    # vLLM's tool-call parser for `tools` (any name vLLM's ToolParserManager
+    # knows, e.g. hermes); "auto": the model family's (prism/families.py);
+    # null: no tool calling (requests with tools get a 400).
+    tool_call_parser: str | None = "auto"
+    # vLLM's reasoning parser (e.g. qwen3 for thinking checkpoints): the
+    # reasoning comes back apart from the content, as `reasoning`. null: none.
+    reasoning_parser: str | None = None
+    # vLLM's StructuredOutputsConfig for response_format / structured_outputs /
+    # forced tool calls, e.g. {backend: xgrammar, disable_any_whitespace: true}
+    # (small models otherwise tend to pad JSON with whitespace up to max_tokens).
+    structured_outputs: dict[str, Any] = Field(default_factory=dict)
+    # true (vLLM's default): tool calls are constrained by vLLM's structural
+    # tags, which only the xgrammar backend compiles. false: `tool_choice`
+    # required / named are constrained by a JSON schema (any backend) and
+    # `auto` is not constrained (vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING).
+    strict_tool_calling: bool = True
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     drain_timeout_s: float = Field(30, ge=0)  # on SIGTERM, requests in flight get this long to finish
     # Stall watchdog (llm_engine/watchdog.py): requests in vLLM and no engine
@@ -45,3 +61,13 @@ class EngineConfig(FrozenConfig):
     # instead (small CPU machines: the gateway and encoder need that core).
     # 0 keeps vLLM's spin (hosts with cores to spare). See llm_engine/shm_wait.py.
     shm_wait_sleep_us: int = Field(0, ge=0, le=10_000)
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _vllm_accepts(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """Checked by vLLM's own config class now, not when the engine starts."""
+        if value:
+            from vllm.config import StructuredOutputsConfig
+
+            StructuredOutputsConfig(**value)  # a ValueError names what is wrong
+        return value

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.tensors import to_torch
-from protocol.to_engine import ChatMessage, GenerateRequest
+from protocol.to_engine import GenerateRequest
 
 _FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
 
@@ -28,11 +28,40 @@ class ModelShape:
     merge_size: int
 
 
-def chat_dicts(messages: list[ChatMessage]) -> list[dict]:
-    return [
-        {"role": m.role, "content": [{"type": p.type, "text": p.text} if p.type == "text" else {"type": "image"} for p in m.content]}
-        for m in messages
-    ]
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The conversation as vLLM's renderer hands it to an HF chat template
+    (`content_format` "openai"): content as a list of parts, tool results as
+    one string, tool-call arguments as objects."""
+    from vllm.renderers.chat_utils import _postprocess_messages
+
+    out = []
+    for message in messages:
+        content = message.get("content")
+        parts = [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else content
+        rendered = {"role": message["role"], "content": [_template_part(p) for p in parts]}
+        if message["role"] == "tool":
+            rendered["content"] = "\n".join(p["text"] for p in parts if p.get("type") == "text")
+            if "tool_call_id" in message:
+                rendered["tool_call_id"] = message["tool_call_id"]
+        if message.get("tool_calls") is not None:
+            rendered["tool_calls"] = [dict(call, function=dict(call["function"])) for call in message["tool_calls"]]
+        if isinstance(message.get("name"), str):
+            rendered["name"] = message["name"]
+        out.append(rendered)
+    _postprocess_messages(out)  # vLLM's: arguments JSON text -> object, as templates expect
+    return out
+
+
+def _template_part(part: dict) -> dict:
+    return {"type": "image"} if _is_image(part) else {"type": "text", "text": part.get("text", "")}
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def image_parts(messages: list[dict]) -> int:
+    return sum(_is_image(part) for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
 def image_tensors(request: GenerateRequest, frames: list, shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -68,11 +97,15 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def build_prompt(request: GenerateRequest, frames: list, tokenizer, shape: ModelShape, max_model_len: int) -> Prompt:
-    image_parts = sum(p.type == "image" for m in request.messages for p in m.content)
-    if image_parts != len(request.images):
-        raise InvalidPrompt(f"{image_parts} image parts in the messages but {len(request.images)} images sent")
-    text = tokenizer.apply_chat_template(chat_dicts(request.messages), tokenize=False, add_generation_prompt=True)
+def build_prompt(chat, request: GenerateRequest, frames: list, tokenizer, shape: ModelShape, max_model_len: int,
+                 template_kwargs: dict) -> Prompt:
+    """`chat`: vLLM's ChatCompletionRequest read from `request.chat`."""
+    if (parts := image_parts(chat.messages)) != len(request.images):
+        raise InvalidPrompt(f"{parts} image parts in the messages but {len(request.images)} images sent")
+    tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
+    text = tokenizer.apply_chat_template(
+        template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
+    )
     inputs: dict = {"prompt": text}
     images = image_tensors(request, frames, shape)
     visual_tokens = 0
@@ -81,7 +114,8 @@ def build_prompt(request: GenerateRequest, frames: list, tokenizer, shape: Model
         inputs["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
         visual_tokens = embeds.shape[0] - len(request.images)  # each placeholder becomes `rows` tokens
     num_tokens = len(tokenizer.encode(text, add_special_tokens=False)) + visual_tokens
-    return Prompt(inputs, num_tokens, _output_budget(request.sampling.max_tokens, num_tokens, max_model_len))
+    requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+    return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len))
 
 
 def _output_budget(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ import zmq.asyncio
 from vllm.exceptions import VLLMClientError
 
 from llm_engine.config import EngineConfig
+from llm_engine.outputs import ChoiceStream
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
+from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.shm_wait import sleep_in_spawned_vllm_processes
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
 from prism.families import Family, family_of
@@ -35,7 +38,7 @@ from prism.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, SamplingOptions
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
 from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
@@ -44,7 +47,7 @@ DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long
 
 
 def engine_args(config: EngineConfig, family: Family):
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVTransferConfig, StructuredOutputsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     kv_bytes = config.kv_cache_memory_mb * 2**20 if config.kv_cache_memory_mb else None
@@ -72,51 +75,18 @@ def engine_args(config: EngineConfig, family: Family):
         enable_mm_embeds=True,
         limit_mm_per_prompt={"image": images, "video": 0},
         skip_mm_profiling=family.vllm_needs_tower,
+        structured_outputs_config=StructuredOutputsConfig(**config.structured_outputs),
         disable_log_stats=False,  # RequestOutput.metrics carries the engine timestamps only then
     )
 
 
-# Sampling fields a checkpoint's generation_config.json may set, as vLLM's
-# server reads them (ModelConfig.get_diff_sampling_param), and OpenAI's default
-# for each, used when neither the request nor the checkpoint sets one.
-OPENAI_DEFAULTS = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-    "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-}
-
-
 def generation_defaults(model_config) -> dict:
-    """The checkpoint's sampling defaults that Prism applies (generation_config.json)."""
-    found = {k: v for k, v in model_config.get_diff_sampling_param().items() if k in OPENAI_DEFAULTS}
+    """The checkpoint's sampling defaults (generation_config.json), as vLLM's
+    server reads them (`--generation-config auto`)."""
+    found = model_config.get_diff_sampling_param()
     if found:
         log.info("sampling defaults from the checkpoint's generation config: %s", found)
     return found
-
-
-def sampling_params(options: SamplingOptions, max_tokens: int, checkpoint_defaults: dict):
-    """The request's values, else the checkpoint's generation defaults, else OpenAI's:
-    the order vLLM's OpenAI server applies (`--generation-config auto`)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    sent = {name: getattr(options, name) for name in OPENAI_DEFAULTS}
-    chosen = {
-        name: sent[name] if sent[name] is not None else checkpoint_defaults.get(name, default)
-        for name, default in OPENAI_DEFAULTS.items()
-    }
-    return SamplingParams(
-        max_tokens=max_tokens,
-        **chosen,
-        seed=options.seed,
-        stop=options.stop or None,
-        stop_token_ids=options.stop_token_ids or None,
-        logit_bias=options.logit_bias or None,
-        skip_special_tokens=options.skip_special_tokens,
-        include_stop_str_in_output=options.include_stop_str_in_output,
-        ignore_eos=options.ignore_eos,
-        min_tokens=options.min_tokens,
-        output_kind=RequestOutputKind.DELTA,
-    )
 
 
 def engine_timings(metrics, received: float) -> EngineTimings | None:
@@ -140,14 +110,16 @@ class InFlight:
 
 class EngineService:
     def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape,
-                 generation_defaults: dict) -> None:
+                 generation_defaults: dict, tool_parser: str | None) -> None:
         self.config = config
         self.engine = engine
         self.router = router
         self.watch = watch
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
+        self.tool_parser = tool_parser  # the vLLM tool-call parser's name (engine.tool_call_parser, resolved)
         self.tokenizer = None
+        self.parsing: Parsing | None = None
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
         self.boot_id = uuid.uuid4().hex
@@ -164,6 +136,8 @@ class EngineService:
         from transformers import AutoConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Read by vLLM when its tool parsers are imported, here and in its engine core.
+        os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1" if config.strict_tool_calling else "0"
         hf = AutoConfig.from_pretrained(config.model)
         family = family_of(hf)  # an unsupported checkpoint stops here, naming why
         shape = ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size)
@@ -171,8 +145,10 @@ class EngineService:
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)
-        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config))
+        tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
+        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), tool_parser)
         service.tokenizer = await service._tokenizer()
+        service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model)
         return service
 
     async def _tokenizer(self):
@@ -321,18 +297,32 @@ class EngineService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    def _plan(self, request: GenerateRequest, frames):
+        """(vLLM's request, prompt, SamplingParams, parser factory) or InvalidPrompt."""
+        chat = read_chat(request.chat)
+        kwargs = template_kwargs(chat, self.tokenizer)
+        check_tool_choice(chat, self.parsing, getattr(self.tokenizer, "chat_template", None))
+
+        def new_parser():
+            return self.parsing.for_request(chat, self.tokenizer, self.engine.model_config, kwargs)
+
+        if (parser := new_parser()) is not None:
+            chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
+        prompt = build_prompt(chat, request, frames, self.tokenizer, self.shape, self.config.max_model_len, kwargs)
+        try:
+            params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
+        except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
+            raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
+        return chat, prompt, params, new_parser
+
     async def _generate(self, peer: bytes, request: GenerateRequest, frames) -> None:
         received = time.monotonic()
         rid = request.request_id
         request_id_var.set(rid)
         self.waiting.add(rid)
         try:
-            prompt = build_prompt(request, frames, self.tokenizer, self.shape, self.config.max_model_len)
-            try:
-                params = sampling_params(request.sampling, prompt.max_tokens, self.generation_defaults)
-            except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
-                raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
-            tokens = await self._stream(peer, rid, prompt.inputs, params, received)
+            chat, prompt, params, new_parser = self._plan(request, frames)
+            tokens = await self._stream(peer, rid, prompt.inputs, params, received, chat, new_parser)
             if tokens is None:
                 log.info("aborted: the gateway that sent it is gone")
                 return
@@ -354,24 +344,28 @@ class EngineService:
         finally:
             self.waiting.discard(rid)
 
-    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float) -> int | None:
-        """Tokens generated, or None if the gateway went away (then vLLM aborts it)."""
+    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float, chat, new_parser) -> int | None:
+        """Tokens generated (all choices), or None if the gateway went away (then vLLM aborts it)."""
         completion_tokens = 0
         first = True
+        choices: dict[int, ChoiceStream] = {}
         async with contextlib.aclosing(self.engine.generate(prompt, params, rid)) as outputs:
             async for output in outputs:
                 self.waiting.discard(rid)
-                choice = output.outputs[0]
-                completion_tokens += len(choice.token_ids)
+                deltas = []
+                for choice in output.outputs:
+                    if choice.index not in choices:  # parsers are stateful: one per choice
+                        choices[choice.index] = ChoiceStream(choice.index, chat, new_parser(), self.tokenizer, output.prompt_token_ids)
+                    deltas.append(choices[choice.index].delta(choice))
+                    completion_tokens += len(choice.token_ids)
                 finished = output.finished
-                timings = engine_timings(output.metrics, received) if first or finished else None
                 delta = TokenDelta(
                     request_id=rid,
-                    text=choice.text,
+                    choices=deltas,
                     completion_tokens=completion_tokens,
                     prompt_tokens=len(output.prompt_token_ids or ()),
-                    finish_reason=choice.finish_reason if finished else None,
-                    timings=timings,
+                    finished=finished,
+                    timings=engine_timings(output.metrics, received) if first or finished else None,
                     cached_tokens=output.num_cached_tokens or 0,
                 )
                 if not await self._send(peer, delta):

@@ -40,21 +40,42 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
-# Qwen2-VL's chat template, trimmed to what the demo needs: system default,
-# string or list content, one <|vision_start|><|image_pad|><|vision_end|> per image.
+# Qwen2-VL's chat template, trimmed to what the demo needs (system default,
+# string or list content, one <|vision_start|><|image_pad|><|vision_end|> per
+# image), with Qwen2.5's tool calling: the tools listed in the system prompt,
+# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> (vLLM's
+# hermes parser reads them back), results as <tool_response> in a user turn.
+# Qwen3's `enable_thinking: false` (a chat_template_kwargs switch) opens the
+# answer with an empty <think></think>. Without either it renders exactly as
+# Qwen2-VL's does. (HF renders with trim_blocks: a newline right after a tag
+# is written as {{ '\\n' }}.)
 CHAT_TEMPLATE = (
+    "{% macro render(content) %}{% if content is string %}{{ content }}{% elif content %}{% for part in content %}"
+    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ render(messages[0]['content']) }}{% else %}You are a helpful assistant.{% endif %}"
+    "{{ '\\n\\n' }}# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n"
+    "</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ render(message['content']) }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif not (loop.first and tools and message['role'] == 'system') %}"
+    "<|im_start|>{{ message['role'] }}\n{{ render(message['content']) }}"
+    "{% if message.tool_calls is defined and message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% set function = call.function if call.function is defined else call %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ function.name }}\", \"arguments\": {{ function.arguments | tojson }}}\n</tool_call>"
     "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 _WORDS = (
@@ -193,10 +214,18 @@ def write_processor_configs(out: Path, max_pixels: int, min_pixels: int) -> None
 
 
 def ensure_demo_model(out: Path, seed: int = SEED) -> Path:
-    """Write the checkpoint unless a complete one is already there."""
+    """Write the checkpoint unless a complete one is already there (then only
+    its chat template is brought up to date: it is not part of the weights)."""
     if (out / "prism_demo.json").exists():
+        refresh_chat_template(out)
         return out
     return write_demo_model(out, seed)
+
+
+def refresh_chat_template(out: Path) -> None:
+    path = out / "chat_template.jinja"
+    if not path.exists() or path.read_text() != CHAT_TEMPLATE:
+        path.write_text(CHAT_TEMPLATE)
 
 
 def main() -> None:

@@ -29,6 +29,9 @@ class Family:
     # hidden axis, by the DeepStack feature of each `deepstack_visual_indexes`
     # layer (vLLM splits them again and adds them into the first LLM layers).
     deepstack: bool = False
+    # vLLM's tool-call parser for the family's chat format (engine.tool_call_parser "auto").
+    # Qwen2-VL, Qwen2.5-VL and Qwen3-VL all call tools as <tool_call>{json}</tool_call>.
+    tool_call_parser: str | None = "hermes"
 
     def embedding_width(self, hf_config: Any) -> int:
         """Columns of one image's embeddings as vLLM takes them."""

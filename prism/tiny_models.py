@@ -16,7 +16,9 @@ import json
 from pathlib import Path
 
 from prism.config import REPO_ROOT
-from prism.demo_model import CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs
+from prism.demo_model import (
+    CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs, refresh_chat_template,
+)
 
 QWEN3_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen3-vl"
 QWEN3_VL_MIN_PIXELS = 32 * 32
@@ -79,7 +81,10 @@ def ensure_tiny_model(family: str, out: Path | None = None) -> Path:
     """Write the family's tiny checkpoint unless a complete one is already there."""
     write, default = BUILDERS[family]
     out = out or default
-    return out if (out / "prism_demo.json").exists() else write(out)
+    if (out / "prism_demo.json").exists():
+        refresh_chat_template(out)
+        return out
+    return write(out)
 
 
 def main() -> None:

@@ -74,12 +74,46 @@ class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
     decode_s: float  # first token → last token (0 until finished)
 
 
+class TopLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One sampled token, in OpenAI's chat logprobs shape."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] = []
+
+
+class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """A piece of a tool call as OpenAI streams it: id and name first, then
+    argument text; pieces with the same index concatenate."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+class ChoiceDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    index: int  # which of the request's n choices
+    text: str = ""  # content (tool-call markup parsed out)
+    finish_reason: str | None = None  # set on the choice's last delta
+    logprobs: list[TokenLogprob] | None = None  # None: not asked for
+    tool_calls: list[ToolCallDelta] = []
+    reasoning: str = ""
+
+
 class TokenDelta(Message):
     request_id: str
-    text: str
-    completion_tokens: int  # cumulative
+    choices: list[ChoiceDelta]
+    completion_tokens: int  # cumulative, all choices together
     prompt_tokens: int
-    finish_reason: str | None = None
+    finished: bool = False  # every choice has finished
     timings: EngineTimings | None = None  # on the first delta and the last
     cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
 

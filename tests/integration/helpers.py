@@ -7,16 +7,17 @@ import json
 import time
 
 import httpx
+import msgspec
 import psutil
-from openai import OpenAI
 import torch
 import zmq.asyncio
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.faults import engine_core as engine_core_of
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
-from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
+from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
 from protocol.to_gateway import GatewayInbound, GenerateFailed, TokenDelta
 from tests.integration.cases import CASES
 from tests.integration.conftest import MODEL_NAME
@@ -97,7 +98,7 @@ async def send_raw(address: str, request: GenerateRequest, frames) -> object:
         await socket.send(request, frames)
         while True:
             message, _ = await asyncio.wait_for(socket.recv(), 60)
-            if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finish_reason):
+            if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finished):
                 return message
     finally:
         socket.close()
@@ -106,5 +107,13 @@ async def send_raw(address: str, request: GenerateRequest, frames) -> object:
 
 def embeddings_request(rid: str, tensor: torch.Tensor, grid) -> tuple[GenerateRequest, list]:
     meta, frame = to_frame(tensor)
-    message = ChatMessage("user", [ChatPart("image"), ChatPart("text", "hi")])
-    return GenerateRequest(rid, [message], SamplingOptions(max_tokens=2, temperature=0), [ImageEmbedding(meta, grid)]), [frame]
+    chat = chat_json([{"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "hi"}]}], max_tokens=2, temperature=0)
+    return GenerateRequest(rid, chat, [ImageEmbedding(meta, grid)]), [frame]
+
+
+IMAGE_PART = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
+
+
+def chat_json(messages: list[dict], **fields) -> bytes:
+    """A GenerateRequest's `chat`: the OpenAI request as the gateway forwards it."""
+    return msgspec.json.encode({"model": "any", "messages": messages, **fields})

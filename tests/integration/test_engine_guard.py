@@ -7,9 +7,9 @@ import asyncio
 
 import torch
 
-from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, SamplingOptions
+from protocol.to_engine import GenerateRequest
 from protocol.to_gateway import GenerateFailed, TokenDelta
-from tests.integration.helpers import embeddings_request, send_raw
+from tests.integration.helpers import chat_json, embeddings_request, send_raw
 
 
 def test_three_d_embeddings_are_refused_and_the_engine_lives(stack, client):
@@ -23,7 +23,6 @@ def test_three_d_embeddings_are_refused_and_the_engine_lives(stack, client):
 
 
 def test_sampling_values_vllm_refuses_are_a_400_not_a_500(stack):
-    message = ChatMessage("user", [ChatPart("text", "hi")])
-    request = GenerateRequest("guard-stop", [message], SamplingOptions(max_tokens=2, stop=[""]))
+    request = GenerateRequest("guard-stop", chat_json([{"role": "user", "content": "hi"}], max_tokens=2, stop=[""]))
     failed = asyncio.run(send_raw(stack.engine_addresses[0], request, []))
     assert isinstance(failed, GenerateFailed) and failed.status == 400 and "sampling" in failed.message

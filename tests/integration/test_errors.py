@@ -29,10 +29,8 @@ def body(**fields) -> dict:
 
 
 BAD_REQUESTS = [
-    ("unsupported-field", body(tools=[{"type": "function"}]), 400, "tools"),
-    ("response-format", body(response_format={"type": "json_object"}), 400, "response_format"),
-    ("logprobs", body(logprobs=True), 400, "logprobs"),
-    ("n=2", body(n=2), 400, "n=1"),
+    ("unsupported-field", body(best_of=2), 400, "best_of"),
+    ("tool-without-function", body(tools=[{"type": "function"}]), 422, "function"),
     ("temperature", body(temperature=5), 422, "temperature"),
     ("max-tokens-zero", body(max_tokens=0), 422, "max_tokens"),
     ("min-over-max-tokens", body(min_tokens=5), 422, "min_tokens (5) exceeds max_tokens (2)"),

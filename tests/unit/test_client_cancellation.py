@@ -11,8 +11,8 @@ import zmq.asyncio
 
 from gateway.clients import EngineClient, next_reply
 from protocol.sockets import AsyncRouter
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, SamplingOptions
-from protocol.to_gateway import TokenDelta
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
+from protocol.to_gateway import ChoiceDelta, TokenDelta
 
 
 async def _reply_lands_with_the_cancel() -> asyncio.Task:
@@ -73,7 +73,7 @@ def test_an_abandoned_generation_is_aborted_in_the_engine(tmp_path):
 
 
 async def _hang_up_mid_stream(client: EngineClient, engine: AsyncRouter, rid: str, after: int) -> None:
-    request = GenerateRequest(rid, [], SamplingOptions(max_tokens=10_000))
+    request = GenerateRequest(rid, b'{"messages":[],"max_tokens":10000}')
     received = 0
     first = asyncio.Event()
 
@@ -90,7 +90,7 @@ async def _hang_up_mid_stream(client: EngineClient, engine: AsyncRouter, rid: st
 
     async def stream() -> None:
         for n in range(1, 10_001):
-            await engine.send(peer, TokenDelta(rid, "x", n, 5))
+            await engine.send(peer, TokenDelta(rid, [ChoiceDelta(0, "x")], n, 5))
             await asyncio.sleep(0)
 
     streaming = asyncio.create_task(stream())

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, image_tensors
+import msgspec
+
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build, image_tensors
+from llm_engine.requests import read_chat
 from protocol.tensors import to_frame
-from protocol.to_engine import ChatMessage, ChatPart, GenerateRequest, ImageEmbedding, SamplingOptions
+from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
 
 SHAPE = ModelShape(embedding_width=128, merge_size=2)
 
@@ -15,22 +18,30 @@ SHAPE = ModelShape(embedding_width=128, merge_size=2)
 class FakeTemplate:
     """Only apply_chat_template is used; the real tokenizer is covered end to end."""
 
-    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+    def apply_chat_template(self, messages, tools, tokenize, add_generation_prompt):
         return "|".join(p.get("text", "<img>") for m in messages for p in m["content"])
 
     def encode(self, text, add_special_tokens=False):
         return text.split("|")
 
 
-def request_with(tensors, grids, image_parts=None):
-    parts = [ChatPart("image")] * (len(tensors) if image_parts is None else image_parts) + [ChatPart("text", "q")]
+def chat_bytes(image_parts: int, max_tokens: int | None = 4) -> bytes:
+    parts = [{"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}] * image_parts + [{"type": "text", "text": "q"}]
+    return msgspec.json.encode({"messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens})
+
+
+def request_with(tensors, grids, image_parts=None, max_tokens: int | None = 4):
     images, frames = [], []
     for tensor, grid in zip(tensors, grids):
         meta, frame = to_frame(tensor)
         images.append(ImageEmbedding(meta, grid))
         frames.append(frame)
-    req = GenerateRequest("r", [ChatMessage("user", parts)], SamplingOptions(max_tokens=4), images)
+    req = GenerateRequest("r", chat_bytes(len(tensors) if image_parts is None else image_parts, max_tokens), images)
     return req, frames
+
+
+def build_prompt(req, frames, tokenizer, shape, max_model_len):
+    return build(read_chat(req.chat), req, frames, tokenizer, shape, max_model_len, {})
 
 
 def test_valid_images_are_concatenated_flat_with_their_grids():
@@ -79,13 +90,20 @@ def test_text_only_request_has_no_multimodal_data():
 
 @pytest.mark.parametrize("max_tokens,budget", [(None, 4096 - 1), (100, 100)])
 def test_output_budget_defaults_to_the_rest_of_the_context(max_tokens, budget):
-    req, frames = request_with([], [])  # a one-token prompt: "q"
-    req = GenerateRequest(req.request_id, req.messages, SamplingOptions(max_tokens=max_tokens), [])
+    req, frames = request_with([], [], max_tokens=max_tokens)  # a one-token prompt: "q"
     assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).max_tokens == budget
 
 
 def test_prompt_plus_output_over_the_context_is_refused():
-    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
-    req = GenerateRequest(req.request_id, req.messages, SamplingOptions(max_tokens=30), req.images)
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], max_tokens=30)
     with pytest.raises(InvalidPrompt, match="maximum context length is 32"):
         build_prompt(req, frames, FakeTemplate(), SHAPE, 32)
+
+
+def test_a_message_of_images_alone_counts_every_image():
+    # OpenAI's user-message type validates an all-image content lazily: read once, it is gone.
+    req, frames = request_with([torch.randn(4, 128), torch.randn(4, 128)], [(1, 4, 4), (1, 4, 4)])
+    chat = msgspec.json.decode(req.chat)
+    chat["messages"][0]["content"] = chat["messages"][0]["content"][:2]
+    req = GenerateRequest(req.request_id, msgspec.json.encode(chat), req.images)
+    assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).num_tokens == len(["<img>", "<img>"]) + 8 - 2

@@ -14,26 +14,27 @@ from protocol.tensors import ArrayMeta, to_frame, to_numpy, to_torch
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, ImageInput
 from protocol.to_engine import (
     AbortGenerate,
-    ChatMessage,
-    ChatPart,
     EngineInbound,
     GenerateRequest,
     ImageEmbedding,
-    SamplingOptions,
 )
 from protocol.to_gateway import (
-    EncodedImage,
+    ChoiceDelta,
     EncodeFailed,
     EncodeNeedsPixels,
+    EncodeResult,
+    EncodedImage,
     EncoderReady,
     EncoderTimings,
-    EncodeResult,
     EngineReady,
     EngineTimings,
     GatewayInbound,
     GenerateFailed,
     ProcessorInfo,
     TokenDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    TopLogprob,
 )
 
 META = ArrayMeta("bfloat16", (4, 128))
@@ -44,10 +45,8 @@ MESSAGES = [
     (EncoderInbound, CancelEncode("r1")),
     (EngineInbound, GenerateRequest(
         "r2",
-        [ChatMessage("user", [ChatPart("image"), ChatPart("text", "what is this?")])],
-        SamplingOptions(max_tokens=8, temperature=0.0, seed=3, stop=["\n"]),
+        b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"prism:embedding"}},{"type":"text","text":"what is this?"}]}],"max_tokens":8}',
         [ImageEmbedding(META, (1, 4, 4))],
-        stream=False,
     )),
     (EngineInbound, AbortGenerate("r2")),
     (GatewayInbound, EncoderReady("m", "abc", ProcessorInfo(14, 2, 3136, 1048576))),
@@ -56,8 +55,12 @@ MESSAGES = [
     (GatewayInbound, EncodeFailed("r1", "queue full", 429)),
     (GatewayInbound, EncodeNeedsPixels("r1", [0, 2], 0.001, 0.002)),
     (GatewayInbound, EngineReady("m", 4096)),
-    (GatewayInbound, TokenDelta("r2", "hi", 1, 10, "stop", EngineTimings(0.01, 0.02, 0.03))),
-    (GatewayInbound, TokenDelta("r2", "", 2, 10)),
+    (GatewayInbound, TokenDelta("r2", [ChoiceDelta(0, "hi", "stop")], 1, 10, True, EngineTimings(0.01, 0.02, 0.03))),
+    (GatewayInbound, TokenDelta("r2", [], 2, 10)),
+    (GatewayInbound, TokenDelta("r2", [
+        ChoiceDelta(1, "", None, [TokenLogprob("a", -0.5, [97], [TopLogprob("a", -0.5, [97]), TopLogprob("b", -1.5, [98])])]),
+        ChoiceDelta(0, "", "tool_calls", None, [ToolCallDelta(0, "call-1", "get_weather", '{"city": "Paris"}')]),
+    ], 4, 10, True)),
     (GatewayInbound, GenerateFailed("r2", "bad shape", 400)),
     (GatewayInbound, GenerateFailed("r2", "engine core died", 503, "engine_dead")),
     (GatewayInbound, EncodeFailed("r1", "stalled", 503, "encoder_stalled")),

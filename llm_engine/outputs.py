@@ -1,0 +1,119 @@
+"""vLLM's per-choice outputs → the wire's ChoiceDelta: content, logprobs in the
+chat shape, and tool calls parsed out by vLLM's own Parser.
+
+Streamed requests go through `parse_delta` as vLLM's server streams them;
+non-streamed ones send token counts as they come (the gateway times them)
+and the parsed message once, from `parse` over the whole text, as vLLM's
+server answers them. OpenAI's finish reason for a call: "tool_calls" unless
+the function was named by `tool_choice` ("stop").
+"""
+
+from __future__ import annotations
+
+from protocol.to_gateway import ChoiceDelta, TokenLogprob, ToolCallDelta, TopLogprob
+
+LOGPROB_FLOOR = -9999.0  # vLLM's server clamps -inf to this (JSON has no infinity)
+
+
+def _bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(token_ids, step_logprobs, top: int, tokenizer) -> list[TokenLogprob]:
+    """vLLM's server's `_create_chat_logprobs`: the sampled token first in each
+    step's dict, the first `top` entries (in vLLM's order) as top_logprobs."""
+
+    def decoded(logprob, token_id: int) -> str:
+        return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+
+    out = []
+    for token_id, step in zip(token_ids, step_logprobs):
+        sampled = step.get(token_id) if step else None
+        if sampled is None:
+            token = tokenizer.decode(token_id)
+            out.append(TokenLogprob(token, LOGPROB_FLOOR, _bytes(token)))
+            continue
+        tops = [
+            TopLogprob(text := decoded(lp, tid), max(lp.logprob, LOGPROB_FLOOR), _bytes(text))
+            for i, (tid, lp) in enumerate(step.items()) if top == -1 or i < top
+        ]
+        token = decoded(sampled, token_id)
+        out.append(TokenLogprob(token, max(sampled.logprob, LOGPROB_FLOOR), _bytes(token), tops))
+    return out
+
+
+def tool_call_deltas(calls, parallel: bool) -> list[ToolCallDelta]:
+    """vLLM's DeltaToolCall list → wire pieces (`parallel_tool_calls: false`: the first call only)."""
+    pieces = [
+        ToolCallDelta(call.index, call.id or "", (call.function.name or "") if call.function else "",
+                      (call.function.arguments or "") if call.function else "")
+        for call in calls
+    ]
+    return pieces if parallel else [p for p in pieces if p.index == 0]
+
+
+class ChoiceStream:
+    """One choice of one request: turns each of its vLLM outputs into a delta."""
+
+    def __init__(self, index: int, chat, parser, tokenizer, prompt_token_ids) -> None:
+        self.index = index
+        self.chat = chat
+        self.parser = parser  # vLLM's Parser, or None (plain text)
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids
+        self.text: list[str] = []  # non-streamed with a parser: parsed once at the end
+        self.token_ids: list[int] = []
+        self.called_tools = False
+        self.named = chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
+
+    def delta(self, output) -> ChoiceDelta:
+        finished = output.finish_reason is not None
+        logprobs = None
+        if self.chat.logprobs:
+            logprobs = chat_logprobs(output.token_ids, output.logprobs or [], self.chat.top_logprobs, self.tokenizer)
+        fields = self._parsed(output, finished)
+        if fields.get("tool_calls"):
+            self.called_tools = True
+        reason = self._finish_reason(output.finish_reason) if finished else None
+        return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, **fields)
+
+    def _parsed(self, output, finished: bool) -> dict:
+        if self.parser is None:
+            return {"text": output.text}
+        if self.chat.stream:
+            message = self.parser.parse_delta(
+                delta_text=output.text, delta_token_ids=list(output.token_ids), request=self.chat,
+                prompt_token_ids=self.prompt_token_ids, finished=finished,
+            )
+            return self._message_fields(message.content, message.reasoning, message.tool_calls) if message else {}
+        self.text.append(output.text)
+        self.token_ids.extend(output.token_ids)
+        if not finished:
+            return {}
+        reasoning, content, calls = self.parser.parse(
+            "".join(self.text), self.chat, enable_auto_tools=True, model_output_token_ids=self.token_ids,
+        )
+        as_deltas = [_indexed(i, call) for i, call in enumerate(calls or [])]
+        return self._message_fields(content, reasoning, as_deltas)
+
+    def _message_fields(self, content, reasoning, calls) -> dict:
+        fields = {"text": content or "", "reasoning": reasoning or ""}
+        if calls:
+            fields["tool_calls"] = tool_call_deltas(calls, self.chat.parallel_tool_calls is not False)
+        return fields
+
+    def _finish_reason(self, reason: str) -> str:
+        if self.called_tools and reason == "stop" and not self.named:
+            return "tool_calls"
+        return reason
+
+
+def _indexed(index: int, call):
+    """A whole parsed call (FunctionCall, or a ToolCall's function) as one delta."""
+    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall
+    from vllm.renderers.chat_utils import make_tool_call_id
+
+    function = getattr(call, "function", call)
+    call_id = getattr(call, "id", None) or make_tool_call_id()
+    return DeltaToolCall(index=index, id=call_id, type="function",
+                         function=DeltaFunctionCall(name=function.name, arguments=function.arguments))

@@ -1,0 +1,119 @@
+"""The client's chat request, read with vLLM's own OpenAI request model.
+
+The gateway validated the request's shape and forwards it as JSON; here vLLM's
+`ChatCompletionRequest` reads it, so sampling defaults and checks, structured
+outputs (`response_format`, `structured_outputs`), tool choice and logprobs
+mean exactly what they mean on vLLM's OpenAI server, through the same code:
+`to_sampling_params`, and the tool/reasoning `Parser` that vLLM's
+ParserManager composes (it constrains `tool_choice` required or named with a
+structured-output schema, and parses tool calls out of the text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_engine.prompts import InvalidPrompt
+
+
+@dataclass(frozen=True)
+class Parsing:
+    """Which of vLLM's tool-call and reasoning parsers this engine runs."""
+
+    parser_cls: type | None  # vLLM's composed Parser class; None: neither is configured
+    tool_parser: str | None
+    reasoning_parser: str | None
+
+    @classmethod
+    def create(cls, tool_parser: str | None, reasoning_parser: str | None, tokenizer, model: str) -> "Parsing":
+        from vllm.parser.parser_manager import ParserManager
+
+        from prism.config import ConfigError
+
+        try:
+            parser_cls = ParserManager.get_parser(
+                tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
+                enable_auto_tools=tool_parser is not None, model_name=model, tokenizer=tokenizer,
+            )
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConfigError(f"engine.tool_call_parser / engine.reasoning_parser: {exc}") from None
+        return cls(parser_cls, tool_parser, reasoning_parser)
+
+    def for_request(self, chat, tokenizer, model_config, template_kwargs: dict):
+        """A fresh parser (they are stateful: one per choice), or None when this
+        request needs none: no tools in play and no reasoning parser."""
+        if self.parser_cls is None or not (self.reasoning_parser or uses_tools(chat)):
+            return None
+        return self.parser_cls(tokenizer, chat.tools, model_config=model_config, chat_template_kwargs=template_kwargs)
+
+
+def uses_tools(chat) -> bool:
+    return bool(chat.tools) and chat.tool_choice != "none"
+
+
+def read_chat(raw: bytes):
+    """vLLM's ChatCompletionRequest from the forwarded JSON; its own checks
+    (e.g. `top_logprobs` without `logprobs`) become a 400 naming the field."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        chat = ChatCompletionRequest.model_validate_json(raw)
+        for message in chat.messages:  # some of OpenAI's message types validate their parts lazily, once
+            if message.get("content") is not None and not isinstance(message["content"], str):
+                message["content"] = list(message["content"])
+        return chat
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "request"
+        raise InvalidPrompt(f"{where}: {first['msg']}") from None
+    except VLLMValidationError as exc:
+        raise InvalidPrompt(str(exc)) from None
+
+
+def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
+    """What vLLM's server refuses for tools, refused the same way, plus a chat
+    template that cannot show the model its tools at all."""
+    if not chat.tools or chat.tool_choice == "none":
+        return
+    if template is None or "tools" not in template:
+        raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them")
+    if parsing.tool_parser is None:
+        raise InvalidPrompt("tools: this engine has no tool-call parser (engine.tool_call_parser)")
+
+
+def sampling_params(chat, max_tokens: int, checkpoint_defaults: dict):
+    """vLLM's own mapping (request value, else the checkpoint's
+    generation_config.json default, else OpenAI's), as deltas: the engine
+    always streams to the gateway, which assembles non-streamed answers."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = chat.to_sampling_params(max_tokens, checkpoint_defaults)
+    params.output_kind = RequestOutputKind.DELTA
+    return params
+
+
+# Set by the engine itself; a client may not override them through the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "chat_template", "return_dict", "return_assistant_tokens_mask",
+})
+
+
+def template_kwargs(chat, tokenizer) -> dict:
+    """`chat_template_kwargs` (e.g. Qwen3's `enable_thinking`), each checked
+    against the variables the chat template uses (vLLM's
+    resolve_chat_template_kwargs). vLLM's server drops a key the template does
+    not use; here it is a 400, since the client expected it to change the prompt."""
+    asked = dict(chat.chat_template_kwargs or {})
+    if not asked:
+        return {}
+    from vllm.renderers.hf import resolve_chat_template_kwargs
+
+    if reserved := sorted(asked.keys() & RESERVED_TEMPLATE_KWARGS):
+        raise InvalidPrompt(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through the template's arguments")
+    accepted = resolve_chat_template_kwargs(tokenizer, tokenizer.chat_template, asked, raise_on_unexpected=False)
+    if unused := sorted(asked.keys() - accepted.keys()):
+        raise InvalidPrompt(f"chat_template_kwargs: this model's chat template does not use {', '.join(unused)}")
+    return accepted

@@ -1,0 +1,98 @@
+"""The same requests to Prism and to vLLM's own OpenAI server on the same
+checkpoint (float32, the same pixel budget, the same tool parser and
+structured-output backend): structured outputs, tool calls, logprobs and
+seeded choices come back the same.
+
+vLLM's server runs the vision tower on the raw image itself; Prism's encoder
+service does it and hands vLLM the embeddings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+
+from bench.servers import vllm_server
+from prism.demo_model import RANDOM_MODEL
+from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.chat_requests import QUESTION, SCENE_SCHEMA, TIME, WEATHER, image_part
+
+# What configs/cpu-demo.yaml sets for the engine, said to vLLM's server.
+SERVER_FLAGS = (
+    "--mm-processor-kwargs", json.dumps({"max_pixels": TEST_MAX_PIXELS, "min_pixels": TEST_MIN_PIXELS}),
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    "--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
+)
+SERVER_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}  # engine.strict_tool_calling: false
+
+
+@pytest.fixture(scope="module")
+def vllm(stack, tmp_path_factory) -> OpenAI:
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with vllm_server(RANDOM_MODEL, MODEL_NAME, TEST_MAX_PIXELS, log, max_images=4, dtype="float32",
+                     extra=SERVER_FLAGS, env=SERVER_ENV) as base_url:
+        yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def both(client: OpenAI, vllm: OpenAI, **fields):
+    fields.setdefault("messages", QUESTION)
+    fields.setdefault("temperature", 0)
+    return [c.chat.completions.create(model=MODEL_NAME, **fields) for c in (client, vllm)]
+
+
+def test_json_schema_output_is_byte_identical(client, vllm, images):
+    messages = [{"role": "user", "content": [image_part(images), {"type": "text", "text": "What is it?"}]}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCENE_SCHEMA, "strict": True}}
+    prism, reference = both(client, vllm, messages=messages, max_tokens=40, response_format=fmt)
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+def calls(response) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in response.choices[0].message.tool_calls or []]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])
+def test_forced_tool_calls_are_identical(client, vllm, tool_choice):
+    prism, reference = both(client, vllm, max_tokens=120, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    assert calls(prism) and calls(prism) == calls(reference)
+    assert prism.choices[0].finish_reason == reference.choices[0].finish_reason
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens  # the same prompt, tools rendered alike
+
+
+def test_auto_tool_calls_are_parsed_alike(client, vllm):
+    markup = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+    prism, reference = both(client, vllm, max_tokens=120, tools=[WEATHER], extra_body={"structured_outputs": {"regex": markup}})
+    assert calls(prism) and calls(prism) == calls(reference)
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+
+
+def test_a_tool_result_in_the_history_gives_the_same_answer(client, vllm, images):
+    history = [
+        {"role": "user", "content": [image_part(images), {"type": "text", "text": "Weather here?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 24 C"},
+    ]
+    prism, reference = both(client, vllm, messages=history, max_tokens=8, tools=[WEATHER])
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens
+
+
+def test_logprobs_agree_within_1e_3(client, vllm, images):
+    messages = [{"role": "user", "content": [image_part(images), {"type": "text", "text": "Describe it."}]}]
+    prism, reference = both(client, vllm, messages=messages, max_tokens=6, logprobs=True, top_logprobs=5)
+    ours, theirs = prism.choices[0].logprobs.content, reference.choices[0].logprobs.content
+    assert [t.token for t in ours] == [t.token for t in theirs]
+    for a, b in zip(ours, theirs):
+        assert abs(a.logprob - b.logprob) < 1e-3
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+        assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(a.top_logprobs, b.top_logprobs))
+
+
+def test_seeded_choices_are_identical(client, vllm):
+    prism, reference = both(client, vllm, max_tokens=8, n=2, seed=1234, temperature=1.0)
+    assert [c.message.content for c in prism.choices] == [c.message.content for c in reference.choices]
+    assert prism.usage.completion_tokens == reference.usage.completion_tokens
