@@ -44,8 +44,8 @@ def held_out(per_kind: int, seed: str = HELD_OUT_SEED, min_side: int = 128, max_
     cases = []
     for kind in scenes.KINDS:
         for _ in range(per_kind):
-            scene, question = scenes.sample(rng, kind)
-            cases.append(Case(scene, question, scenes.render_size(scene, rng, min_side, max_side)))
+            scene = scenes.make_scene(rng)
+            cases.append(Case(scene, scenes.ask(scene, rng, kind), scenes.render_size(scene, rng, min_side, max_side)))
     return cases
 
 

@@ -9,7 +9,6 @@ accuracy set and the tests all regenerate the same scenes.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from dataclasses import dataclass
@@ -37,9 +36,6 @@ TEMPLATES = {
     "shape": ("What shape is the {colour} one?", "Which shape is {colour}?"),
     "count": ("How many shapes are there?", "How many shapes are in the image?"),
     "describe": ("Describe the image.", "What is in the image?"),
-    # Asked of one-shape scenes only; the answer is compact JSON, as a
-    # structured-output backend writes it with no free whitespace.
-    "json": ("Describe the image as JSON.", "What is in the image? Answer in JSON."),
 }
 KINDS = tuple(TEMPLATES)
 
@@ -137,13 +133,6 @@ def _apart(cx: float, cy: float, size: float, other: Shape, aspect: float) -> bo
     return distance > (size + other.size) / 2 * 1.15
 
 
-def sample(rng: random.Random, kind: str | None = None) -> tuple[Scene, Question]:
-    """A scene and a question about it (a JSON question gets a one-shape scene)."""
-    kind = kind or rng.choice(KINDS)
-    scene = make_scene(rng, count=1 if kind == "json" else None)
-    return scene, ask(scene, rng, kind)
-
-
 def ask(scene: Scene, rng: random.Random, kind: str | None = None) -> Question:
     kind = kind or rng.choice(KINDS)
     template = rng.choice(TEMPLATES[kind])
@@ -159,8 +148,6 @@ def answer(scene: Scene, kind: str, target: Shape) -> str:
         return target.kind
     if kind == "count":
         return COUNT_WORDS[len(scene.shapes)]
-    if kind == "json":
-        return json.dumps({"shape": target.kind, "colour": target.colour}, separators=(",", ":"))
     return scene.describe()
 
 

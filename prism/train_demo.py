@@ -202,7 +202,8 @@ def token_targets(samples: list[tuple], grids: torch.Tensor, patch: int, merge: 
 def draw_samples(rng: random.Random, n: int, recipe: Recipe, kind: str | None = None) -> list[tuple]:
     samples = []
     for _ in range(n):
-        scene, question = scenes.sample(rng, kind)
+        scene = scenes.make_scene(rng)
+        question = scenes.ask(scene, rng, kind)
         image = scene.render(*scenes.render_size(scene, rng, recipe.min_side, recipe.max_side))
         samples.append((image, question.text, question.answer, scene))
     return samples

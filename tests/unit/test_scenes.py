@@ -3,7 +3,6 @@ and drawn where their geometry says they are, at any resolution."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import numpy as np
@@ -59,12 +58,3 @@ def test_one_scene_at_two_resolutions_is_the_same_picture():
     small = np.asarray(scene.render(128, 128)).astype(int)
     large = np.asarray(scene.render(1024, 1024).resize((128, 128))).astype(int)
     assert np.abs(small - large).mean() < 12
-
-
-def test_a_json_question_gets_a_one_shape_scene_and_compact_json():
-    rng = random.Random("json")
-    for _ in range(20):
-        scene, question = scenes.sample(rng, "json")
-        (shape,) = scene.shapes
-        assert question.answer == '{"shape":"%s","colour":"%s"}' % (shape.kind, shape.colour)
-        assert json.loads(question.answer) == {"shape": shape.kind, "colour": shape.colour}
