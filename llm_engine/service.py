@@ -110,16 +110,15 @@ class InFlight:
 
 class EngineService:
     def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape,
-                 generation_defaults: dict, tool_parser: str | None) -> None:
+                 generation_defaults: dict) -> None:
         self.config = config
         self.engine = engine
         self.router = router
         self.watch = watch
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
-        self.tool_parser = tool_parser  # the vLLM tool-call parser's name (engine.tool_call_parser, resolved)
         self.tokenizer = None
-        self.parsing: Parsing | None = None
+        self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
         self.boot_id = uuid.uuid4().hex
@@ -146,7 +145,7 @@ class EngineService:
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
-        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), tool_parser)
+        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config))
         service.tokenizer = await service._tokenizer()
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model)
         return service
