@@ -60,8 +60,8 @@ def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
     return found
 
 
-# Fields the gateway itself acts on, or that change nothing: not forwarded.
 _IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
+# Fields the gateway itself acts on, or that change nothing: not forwarded.
 _GATEWAY_ONLY = {"mm_processor_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
 
 

@@ -26,15 +26,15 @@ def usage(delta: TokenDelta, image_tokens: int) -> dict:
     }
 
 
-def _logprobs(choice: ChoiceDelta) -> dict | None:
-    """OpenAI's chat logprobs object (the wire's structs travel as arrays)."""
+def _logprob_content(choice: ChoiceDelta) -> list[dict] | None:
+    """The entries of OpenAI's chat logprobs `content` (the wire's structs travel as arrays)."""
     if choice.logprobs is None:
         return None
-    return {"content": [
+    return [
         {"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
          "top_logprobs": [{"token": x.token, "logprob": x.logprob, "bytes": x.bytes} for x in t.top_logprobs]}
         for t in choice.logprobs
-    ]}
+    ]
 
 
 @dataclass
@@ -63,8 +63,10 @@ class _Choice:
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
         self.reasoning.append(delta.reasoning)
-        if (logprobs := _logprobs(delta)) is not None:
-            self.logprobs = (self.logprobs or []) + logprobs["content"]
+        if (content := _logprob_content(delta)) is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(content)
         for piece in delta.tool_calls:
             self.calls.setdefault(piece.index, _Call()).add(piece)
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -116,9 +118,10 @@ def stream_choice(choice: ChoiceDelta, first: bool) -> dict | None:
         delta["reasoning"] = choice.reasoning
     if choice.tool_calls:
         delta["tool_calls"] = [_tool_call_piece(piece) for piece in choice.tool_calls]
-    logprobs = _logprobs(choice)
-    if not delta and logprobs is None and choice.finish_reason is None:
+    content = _logprob_content(choice)
+    if not delta and content is None and choice.finish_reason is None:
         return None
+    logprobs = None if content is None else {"content": content}
     return {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason, "logprobs": logprobs}
 
 

@@ -75,7 +75,7 @@ def read_chat(raw: bytes):
 def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
     """What vLLM's server refuses for tools, refused the same way, plus a chat
     template that cannot show the model its tools at all."""
-    if not chat.tools or chat.tool_choice == "none":
+    if not uses_tools(chat):
         return
     if template is None or "tools" not in template:
         raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them")
