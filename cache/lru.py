@@ -14,7 +14,7 @@ from typing import Any
 @dataclass(frozen=True)
 class CachedEmbedding:
     embeddings: Any  # torch.Tensor (tokens, hidden)
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None  # None where the family has no grid
     # What the key was hashed from; compared on every hit, so a hash collision
     # can never serve another image's tokens (as nano-vllm does for KV blocks).
     identity: bytes = b""

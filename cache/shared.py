@@ -39,7 +39,7 @@ _LENGTH = struct.Struct("<I")
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
     meta: ArrayMeta
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None  # None where the family has no grid
     identity: bytes
     checksum: int  # xxh3-64 of the payload
 
@@ -61,7 +61,7 @@ def unpack(blob: bytes) -> tuple[SharedEntry, CachedEmbedding]:
     if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
         raise ValueError("checksum mismatch")
     embeddings = to_torch(entry.meta, payload).clone()  # own the memory, not Redis's reply buffer
-    return entry, CachedEmbedding(embeddings, tuple(entry.grid_thw), entry.identity)
+    return entry, CachedEmbedding(embeddings, None if entry.grid_thw is None else tuple(entry.grid_thw), entry.identity)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import io
 import warnings
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -29,7 +30,8 @@ from cache import content_key
 from gateway.errors import APIError
 from gateway.resize import smart_resize
 from gateway.sniff import ALLOWED_NAMES, describe_refused, sniff
-from protocol.to_gateway import ProcessorInfo
+from prism.anyres import AnyresLayout
+from protocol.to_gateway import AnyresInfo, ProcessorInfo
 
 INTAKE_VERSION = "intake-v2"
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
@@ -58,10 +60,16 @@ class PixelBudget:
 
 @dataclass(frozen=True)
 class IntakePolicy:
-    """What the gateway does to pixels. `processor` is the encoder's, from its handshake."""
+    """What the gateway does to pixels. `processor` is the encoder's, from its
+    handshake: a Qwen pixel budget, or LLaVA-OneVision's tiling (`anyres`)."""
 
-    processor: ProcessorInfo
+    processor: ProcessorInfo | AnyresInfo
     limits: ImageLimits
+
+    @property
+    def anyres(self) -> AnyresLayout | None:
+        p = self.processor
+        return AnyresLayout(p.tile_size, p.patch_size, p.grid_pinpoints, p.max_tiles) if isinstance(p, AnyresInfo) else None
 
     @property
     def factor(self) -> int:
@@ -69,15 +77,33 @@ class IntakePolicy:
 
     @property
     def default_budget(self) -> PixelBudget:
+        if (layout := self.anyres) is not None:  # informational: the tiling, not a budget, sizes the image
+            return PixelBudget(1, max(h * w for h, w in layout.grid_pinpoints))
         return PixelBudget(self.processor.min_pixels, self.processor.max_pixels)
 
+    def target(self, height: int, width: int, budget: PixelBudget) -> tuple[int, int]:
+        """(height, width) of the pixels sent to the encoder."""
+        if (layout := self.anyres) is not None:
+            # No larger than the tiles hold it; never enlarged (the processor does that).
+            fitted = layout.fitted_size(height, width)
+            return fitted if fitted[0] * fitted[1] < height * width else (height, width)
+        return smart_resize(height, width, self.factor, budget.min_pixels, budget.max_pixels)
+
+    def visual_tokens(self, height: int, width: int, target: tuple[int, int]) -> int:
+        if (layout := self.anyres) is not None:
+            return layout.visual_tokens(height, width)  # the original size: the encoder unpads by it
+        return (target[0] // self.factor) * (target[1] // self.factor)
+
     def key_part(self, budget: PixelBudget) -> dict:
-        return {
-            "version": INTAKE_VERSION,
+        sizing = {"anyres": msgspec.structs.asdict(self.processor)} if self.anyres else {
             "min_pixels": budget.min_pixels,
             "max_pixels": budget.max_pixels,
             "passthrough_budget": [self.processor.min_pixels, self.processor.max_pixels],
             "factor": self.factor,
+        }
+        return {
+            "version": INTAKE_VERSION,
+            **sizing,
             "resample": "bicubic",
             "background": list(BACKGROUND),
             "exif_transpose": True,
@@ -92,13 +118,8 @@ class Inspected:
     format: str
     size: tuple[int, int]  # (width, height) as stored, before EXIF transpose
     budget: PixelBudget
-    target: tuple[int, int]  # (height, width) the ViT will see
-    token_side: int  # pixels per visual token along each side: patch size × merge size
-
-    @property
-    def visual_tokens(self) -> int:
-        h, w = self.target
-        return (h // self.token_side) * (w // self.token_side)
+    target: tuple[int, int]  # (height, width) the encoder will be sent
+    visual_tokens: int
 
 
 @dataclass(frozen=True)
@@ -157,8 +178,8 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
         raise _invalid(where, f"image is {width}×{height}; the minimum side is {limits.min_side} pixels")
     if max(width, height) / min(width, height) > limits.max_aspect_ratio:
         raise _invalid(where, f"image is {width}×{height}: aspect ratio {max(width, height) / min(width, height):.0f} exceeds the model's limit of {limits.max_aspect_ratio:g}")
-    target = smart_resize(height, width, policy.factor, budget.min_pixels, budget.max_pixels)
-    return Inspected(raw, where, fmt, (width, height), budget, target, policy.factor)
+    target = policy.target(height, width, budget)
+    return Inspected(raw, where, fmt, (width, height), budget, target, policy.visual_tokens(height, width, target))
 
 
 def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
@@ -183,12 +204,12 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy) -> Image.Image:
     width, height = image.size
-    if item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
+    if policy.anyres is None and item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
         # Within the encoder's own budget: its processor does the final rounding,
         # exactly as vLLM's would on the raw image.
         return image
-    target_h, target_w = smart_resize(height, width, policy.factor, item.budget.min_pixels, item.budget.max_pixels)
-    return image.resize((target_w, target_h), RESAMPLE)
+    target_h, target_w = policy.target(height, width, item.budget)
+    return image if (target_w, target_h) == (width, height) else image.resize((target_w, target_h), RESAMPLE)
 
 
 def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:

@@ -3,7 +3,10 @@ reach the engine core in a shape it cannot take.
 
 vLLM accepts some malformed embeddings at its front end and then dies in the
 engine core (a 3-D tensor does that), so every shape is checked here: one
-placeholder per image, 2-D embeddings, the family's width, rows = t·h·w / merge².
+placeholder per image, 2-D embeddings, the family's width, and for families
+with a grid, rows = t·h·w / merge². vLLM takes Qwen's families' images as one
+flat tensor plus their grids, and LLaVA-OneVision's as a list of tensors
+(each image's length is its own; vLLM counts its placeholders from it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class InvalidPrompt(ValueError):
 @dataclass(frozen=True)
 class ModelShape:
     embedding_width: int  # columns vLLM takes per visual token (the family says: hidden, or more)
-    merge_size: int
+    merge_size: int | None  # None: the family's images have no grid (LLaVA-OneVision)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -64,30 +67,41 @@ def image_parts(messages: list[dict]) -> int:
     return sum(_is_image(part) for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
-def image_tensors(request: GenerateRequest, frames: list, shape: ModelShape) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Validated (flat embeddings, grid_thw) for all images, or None without images."""
+def image_data(request: GenerateRequest, frames: list, shape: ModelShape) -> dict | None:
+    """vLLM's `multi_modal_data["image"]` for the request's validated embeddings, or None without images."""
     if len(frames) != len(request.images):
         raise InvalidPrompt(f"{len(frames)} embedding frames for {len(request.images)} images")
     if not request.images:
         return None
-    tensors, grids = [], []
-    for index, (image, frame) in enumerate(zip(request.images, frames)):
-        meta = image.embeddings
+    tensors = [_checked(index, image, frame, shape) for index, (image, frame) in enumerate(zip(request.images, frames))]
+    dtype = tensors[0].dtype
+    if shape.merge_size is None:
+        return {"image": [x.to(dtype) for x in tensors]}
+    grids = torch.tensor([image.grid_thw for image in request.images], dtype=torch.int64)
+    return {"image": {"image_embeds": torch.cat([x.to(dtype) for x in tensors]), "image_grid_thw": grids}}
+
+
+def _checked(index: int, image, frame, shape: ModelShape) -> torch.Tensor:
+    meta = image.embeddings
+    if meta.dtype not in _FLOAT_DTYPES:
+        raise InvalidPrompt(f"image {index}: embeddings dtype {meta.dtype} is not a float type")
+    if len(meta.shape) != 2 or meta.shape[0] < 1:
+        raise InvalidPrompt(f"image {index}: embeddings must be 2-D (tokens, hidden), got shape {meta.shape}")
+    rows = meta.shape[0]
+    if shape.merge_size is None:
+        if image.grid_thw is not None:
+            raise InvalidPrompt(f"image {index}: this model's images have no grid, got grid {image.grid_thw}")
+    else:
+        if image.grid_thw is None:
+            raise InvalidPrompt(f"image {index}: this model needs each image's (t, h, w) grid")
         t, h, w = image.grid_thw
-        if meta.dtype not in _FLOAT_DTYPES:
-            raise InvalidPrompt(f"image {index}: embeddings dtype {meta.dtype} is not a float type")
-        if len(meta.shape) != 2:
-            raise InvalidPrompt(f"image {index}: embeddings must be 2-D (tokens, hidden), got shape {meta.shape}")
         if min(t, h, w) < 1 or h % shape.merge_size or w % shape.merge_size:
             raise InvalidPrompt(f"image {index}: grid {image.grid_thw} is not a positive multiple of merge size {shape.merge_size}")
         rows = t * h * w // shape.merge_size**2
-        if meta.shape != (rows, shape.embedding_width):
-            raise InvalidPrompt(f"image {index}: embeddings shape {meta.shape} does not match grid {image.grid_thw} (expected ({rows}, {shape.embedding_width}))")
-        tensors.append(to_torch(meta, frame))
-        grids.append(image.grid_thw)
-    dtype = tensors[0].dtype
-    flat = torch.cat([x.to(dtype) for x in tensors])
-    return flat, torch.tensor(grids, dtype=torch.int64)
+    if meta.shape != (rows, shape.embedding_width):
+        given = f"grid {image.grid_thw}" if image.grid_thw else "the model"
+        raise InvalidPrompt(f"image {index}: embeddings shape {meta.shape} does not match {given} (expected ({rows}, {shape.embedding_width}))")
+    return to_torch(meta, frame)
 
 
 @dataclass(frozen=True)
@@ -107,12 +121,11 @@ def build_prompt(chat, request: GenerateRequest, frames: list, tokenizer, shape:
         template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
     )
     inputs: dict = {"prompt": text}
-    images = image_tensors(request, frames, shape)
     visual_tokens = 0
-    if images is not None:
-        embeds, grid = images
-        inputs["multi_modal_data"] = {"image": {"image_embeds": embeds, "image_grid_thw": grid}}
-        visual_tokens = embeds.shape[0] - len(request.images)  # each placeholder becomes `rows` tokens
+    if (images := image_data(request, frames, shape)) is not None:
+        inputs["multi_modal_data"] = images
+        # each placeholder becomes the image's rows of tokens
+        visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
     num_tokens = len(tokenizer.encode(text, add_special_tokens=False)) + visual_tokens
     requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len))

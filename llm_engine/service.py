@@ -31,7 +31,7 @@ from llm_engine.config import EngineConfig
 from llm_engine.outputs import ChoiceStream
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
-from llm_engine.shm_wait import sleep_in_spawned_vllm_processes
+from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
 from prism.families import Family, family_of
 from prism.logs import request_id_var
@@ -139,8 +139,8 @@ class EngineService:
         os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1" if config.strict_tool_calling else "0"
         hf = AutoConfig.from_pretrained(config.model)
         family = family_of(hf)  # an unsupported checkpoint stops here, naming why
-        shape = ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size)
-        sleep_in_spawned_vllm_processes(config.shm_wait_sleep_us)
+        shape = ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size if family.layout == "qwen" else None)
+        customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)

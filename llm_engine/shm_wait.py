@@ -12,27 +12,11 @@ timer was not run for 1.6-35 s during a long decode, so a client's hang-up or
 a new request was seen only when the generation ended (docs, Known issues).
 
 With `engine.shm_wait_sleep_us` > 0, each of those checks sleeps instead: the
-kernel gets the core back between checks. The vLLM processes are spawned
-(fresh interpreters), so the change travels the only way into them that needs
-no change to vLLM: the environment. `PYTHONPATH` gains `vllm_site/`, whose
-`sitecustomize` (imported by every Python start-up) swaps `os.sched_yield`,
-the call vLLM's wait makes, for the sleep. `python -m bench.shm_wait` measures
-both settings side by side.
+kernel gets the core back between checks. The setting reaches vLLM's spawned
+processes through the environment (llm_engine/spawned.py), where
+`vllm_site/sitecustomize.py` swaps `os.sched_yield`, the call vLLM's wait
+makes, for the sleep. `python -m bench.shm_wait` measures both settings side
+by side.
 """
 
-from __future__ import annotations
-
-import os
-from pathlib import Path
-
-SITE_DIR = Path(__file__).with_name("vllm_site")
 SLEEP_ENV = "PRISM_SHM_WAIT_SLEEP_US"
-
-
-def sleep_in_spawned_vllm_processes(sleep_us: int) -> None:
-    """Call before vLLM starts: the processes it spawns inherit the environment."""
-    if sleep_us <= 0:
-        return
-    os.environ[SLEEP_ENV] = str(sleep_us)
-    paths = [str(SITE_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))

@@ -1,9 +1,15 @@
 """The model families Prism serves, and what each service must know of them.
 
-A checkpoint's `model_type` picks its family. The gateway needs none of this
-(the encoder's handshake gives it the processor's patch and merge sizes and
-pixel budget, and every family here resizes with Qwen's `smart_resize`); the
-encoder needs the vision tower's class and what its output is; the engine
+A checkpoint's `model_type` picks its family. A family's `layout` says how
+its images become tokens:
+- "qwen" (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the image is resized to a pixel
+  budget with sides a multiple of patch × merge (gateway/resize.py), and its
+  tokens form a (t, h, w) grid that vLLM takes beside the embeddings;
+- "anyres" (LLaVA-OneVision): tiles of the image at its best grid pinpoint
+  plus a base tile, one token list per image with newline tokens in it
+  (prism/anyres.py); vLLM takes the list alone.
+The gateway learns the layout's numbers from the encoder's handshake; the
+encoder picks its tower by layout (vision_encoder/towers.py); the engine
 needs the width of the embeddings it hands vLLM, and whether vLLM must keep
 the checkpoint's vision tower loaded to take them.
 
@@ -23,8 +29,9 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class Family:
     name: str
-    # model_type → the transformers vision-tower class, "module:Class"
+    # model_type → the transformers class that holds the vision code, "module:Class"
     towers: dict[str, str]
+    layout: str = "qwen"  # "qwen" | "anyres", see above
     # Qwen3-VL: the encoder's output is the merger's tokens followed, along the
     # hidden axis, by the DeepStack feature of each `deepstack_visual_indexes`
     # layer (vLLM splits them again and adds them into the first LLM layers).
@@ -53,12 +60,14 @@ _QWEN2 = "transformers.models.qwen2_vl.modeling_qwen2_vl"
 _QWEN2_5 = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
 _QWEN3 = "transformers.models.qwen3_vl.modeling_qwen3_vl"
 _QWEN3_MOE = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe"
+_ONEVISION = "transformers.models.llava_onevision.modeling_llava_onevision"
 
 FAMILIES = (
     Family("Qwen2-VL", {"qwen2_vl": f"{_QWEN2}:Qwen2VisionTransformerPretrainedModel"}),
     Family("Qwen2.5-VL", {"qwen2_5_vl": f"{_QWEN2_5}:Qwen2_5_VisionTransformerPretrainedModel"}),
     Family("Qwen3-VL", {"qwen3_vl": f"{_QWEN3}:Qwen3VLVisionModel", "qwen3_vl_moe": f"{_QWEN3_MOE}:Qwen3VLMoeVisionModel"},
            deepstack=True),
+    Family("LLaVA-OneVision", {"llava_onevision": f"{_ONEVISION}:LlavaOnevisionModel"}, layout="anyres"),
 )
 
 # Families vLLM 0.32 serves only from raw images: it takes no precomputed

@@ -16,6 +16,9 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # uint8 (height, width, 3), one frame per image that has pixels, in order.
     # None: "look it up only" — a cache hit then costs the gateway no decoding.
     pixels: ArrayMeta | None = None
+    # (height, width) before the gateway downscaled it: LLaVA-OneVision cuts the
+    # padding of its tiles by the original aspect ratio, as vLLM does on the raw image.
+    original_size: tuple[int, int] | None = None
 
 
 class EncodeRequest(Message):

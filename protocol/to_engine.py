@@ -11,7 +11,7 @@ from protocol.tensors import ArrayMeta
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
     embeddings: ArrayMeta  # (tokens, hidden), one frame per image, in order
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
 
 
 # What an image part's URL says once its pixels have become embeddings.

@@ -13,8 +13,9 @@ from protocol.stats import EncoderStats, EngineStats
 from protocol.tensors import ArrayMeta
 
 
-class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """What the gateway needs to downscale exactly as the encoder's processor would."""
+class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="qwen"):
+    """What the gateway needs to downscale exactly as the encoder's processor
+    would (Qwen's families: a pixel budget, sides a multiple of patch × merge)."""
 
     patch_size: int
     merge_size: int
@@ -22,15 +23,25 @@ class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False):
     max_pixels: int
 
 
+class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="anyres"):
+    """LLaVA-OneVision's tiling (prism/anyres.py): the gateway scales an image no
+    further down than the tiles would hold it, and counts its tokens."""
+
+    tile_size: int
+    patch_size: int
+    grid_pinpoints: tuple[tuple[int, int], ...]  # (height, width)
+    max_tiles: int
+
+
 class EncoderReady(Message):
     model: str
     fingerprint: str  # model identity + preprocessing parameters, as hashed into the cache key
-    processor: ProcessorInfo
+    processor: ProcessorInfo | AnyresInfo
 
 
 class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
     embeddings: ArrayMeta
-    grid_thw: tuple[int, int, int]
+    grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
     cache_hit: bool
 
 

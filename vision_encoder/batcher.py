@@ -17,7 +17,7 @@ from typing import Any
 @dataclass
 class Job:
     key: bytes
-    pixels: Any  # numpy (h, w, 3) uint8
+    image: Any  # the tower's input (vision_encoder/tower.py TowerImage)
     patches: int
     arrived: float
     identity: bytes = b""  # stored with the cached result (collision check)
@@ -39,11 +39,11 @@ class Batcher:
         self.joins = 0
         self.dropped = 0
 
-    def add(self, key: bytes, pixels: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"") -> None:
+    def add(self, key: bytes, image: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"") -> None:
         slot = identity or key
         job = self._queue.get(slot)
         if job is None:
-            job = self._queue[slot] = Job(key, pixels, patches, time.monotonic(), identity)
+            job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity)
         else:
             self.joins += 1
         job.waiters.append(waiter)

@@ -37,7 +37,8 @@ from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
-from vision_encoder.tower import VisionTower
+from vision_encoder.tower import TowerImage, VisionTower
+from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import PendingRequest, RunningBatch, StageTimes, requests_of
 
@@ -70,7 +71,7 @@ class EncoderService:
     def start(cls, config: EncoderConfig, ctx: zmq.Context) -> "EncoderService":
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        tower = VisionTower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels)
+        tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels)
         wake_address = f"inproc://encoder-wake-{uuid.uuid4().hex}"
         wake = ctx.socket(zmq.PAIR)
         wake.bind(wake_address)
@@ -212,7 +213,8 @@ class EncoderService:
                 if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8":
                     raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, got {image.pixels}")
                 patches = self.tower.num_patches(pixels.shape[0], pixels.shape[1])
-                self.batcher.add(key, pixels, patches, (state, index), self._identity(image.digest))
+                tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]))
+                self.batcher.add(key, tower_image, patches, (state, index), self._identity(image.digest))
         except ValueError as exc:
             self._abandon(state)
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
@@ -279,7 +281,7 @@ class EncoderService:
         def preprocess():
             times.preprocess_start = time.monotonic()
             try:
-                return self.tower.preprocess([job.pixels for job in jobs])
+                return self.tower.preprocess([job.image for job in jobs])
             finally:
                 times.preprocess_end = time.monotonic()
 

@@ -1,10 +1,13 @@
 """Imported by every Python process the engine service spawns (vLLM's engine
-core and workers), through PYTHONPATH; see llm_engine/shm_wait.py for why.
+core and workers), through PYTHONPATH (llm_engine/spawned.py). Two changes:
 
-vLLM's waits between steps call `os.sched_yield()` in a loop; here that call
+1. LLaVA-NeXT / OneVision embeddings of different lengths may share a batch
+   (prism_embedding_shapes.py says why vLLM needs telling).
+2. vLLM's waits between steps call `os.sched_yield()` in a loop; here that call
 sleeps `PRISM_SHM_WAIT_SLEEP_US` microseconds instead, so a waiting vLLM
 process gives its core back rather than holding it for the whole generation.
-Nothing else in these processes calls `os.sched_yield` from Python.
+   Nothing else in these processes calls `os.sched_yield` from Python; see
+   llm_engine/shm_wait.py for why.
 """
 
 import importlib.machinery
@@ -12,6 +15,10 @@ import importlib.util
 import os
 import sys
 import time
+
+import prism_embedding_shapes
+
+prism_embedding_shapes.install()
 
 _sleep_s = int(os.environ.get("PRISM_SHM_WAIT_SLEEP_US", "0")) / 1e6
 

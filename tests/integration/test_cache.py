@@ -16,7 +16,7 @@ from tests.integration.cases import data_url
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.helpers import stages
-from vision_encoder.tower import VisionTower
+from vision_encoder.towers import load_tower
 
 
 def ask_about(client, url: str, max_tokens: int = 4):
@@ -39,9 +39,9 @@ def test_second_request_with_the_same_image_is_a_hit_without_encoding(client, tm
 
 def test_same_bytes_under_other_preprocessing_are_other_entries():
     digest = b"\x01" * 16  # the gateway's digest of one image's bytes
-    default = VisionTower(str(RANDOM_MODEL), "float32", "cpu")
-    smaller = VisionTower(str(RANDOM_MODEL), "float32", "cpu", max_pixels=200704)
-    bf16 = VisionTower(str(RANDOM_MODEL), "bfloat16", "cpu")
+    default = load_tower(str(RANDOM_MODEL), "float32", "cpu")
+    smaller = load_tower(str(RANDOM_MODEL), "float32", "cpu", max_pixels=200704)
+    bf16 = load_tower(str(RANDOM_MODEL), "bfloat16", "cpu")
     keys = {content_key(t.fingerprint, digest) for t in (default, smaller, bf16)}
     assert len(keys) == 3
     assert smaller.processor_info.max_pixels == 200704 != default.processor_info.max_pixels
@@ -52,7 +52,7 @@ def test_retrained_weights_of_the_same_shapes_are_other_entries(tmp_path):
     fingerprints = []
     for seed in (1, 2, 1):
         write_demo_model(tmp_path / "retrained", seed=seed)
-        fingerprints.append(VisionTower(str(tmp_path / "retrained"), "float32", "cpu").fingerprint)
+        fingerprints.append(load_tower(str(tmp_path / "retrained"), "float32", "cpu").fingerprint)
     assert fingerprints[0] != fingerprints[1] and fingerprints[0] == fingerprints[2]
 
 

@@ -5,6 +5,13 @@ family's own structure built at test time (prism/tiny_models.py).
 Qwen3-VL: its embeddings carry the merger's tokens and each DeepStack
 layer's feature side by side; vLLM adds the DeepStack part into the first
 LLM layers, so an answer that matches shows both parts arrived intact.
+
+LLaVA-OneVision: each image is tiled at its best grid pinpoint; the gateway
+sends the encoder pixels no larger than the tiles hold and the original size,
+by which the encoder unpads the features as vLLM does on the raw image. Its
+images' token lists differ in length, which vLLM's own schema refused within
+one batch (llm_engine/vllm_site/prism_embedding_shapes.py): the concurrent
+test batches different sizes together.
 """
 
 from __future__ import annotations
@@ -21,12 +28,17 @@ from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed, TokenDelta
-from vision_encoder.tower import VisionTower
+from vision_encoder.towers import load_tower
 from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS
 from tests.integration.conftest import STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 
-FAMILIES = ["qwen3-vl"]
+FAMILIES = ["qwen3-vl", "llava-onevision"]
+# The encoder's pixel budget is Qwen's; LLaVA-OneVision refuses one at start-up.
+NO_PIXEL_BUDGET = {k: v for k, v in STACK_OVERRIDES.items() if k not in ("PRISM_ENCODER__MAX_PIXELS", "PRISM_ENCODER__MIN_PIXELS")}
+OVERRIDES = {"qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET}
+# (width the family's embeddings must have, a wrong one, the grid sent with them)
+WIDTHS = {"qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -35,9 +47,9 @@ def family(request, tmp_path_factory, images):
     run_dir = tmp_path_factory.mktemp(request.param)
     reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint)
     try:
-        with LocalStack(run_dir, STACK_OVERRIDES, model=checkpoint) as stack:
+        with LocalStack(run_dir, OVERRIDES[request.param], model=checkpoint) as stack:
             client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-            yield client, reference, stack
+            yield client, reference, stack, request.param
     finally:
         if reference.process.poll() is None:
             reference.process.kill()
@@ -50,7 +62,7 @@ def test_the_parity_images_include_a_strip_and_images_over_the_budget():
 
 @pytest.mark.parametrize("name", list(PARITY_IMAGES))
 def test_single_image_matches_vllm(family, images, name):
-    client, reference, _ = family
+    client, reference, _, _ = family
     response = ask(client, f"image-{name}", images)
     expected = reference[f"image-{name}"]
     assert response.choices[0].message.content == expected["text"]
@@ -58,13 +70,13 @@ def test_single_image_matches_vllm(family, images, name):
 
 
 def test_two_images_and_a_second_turn_match_vllm(family, images):
-    client, reference, _ = family
+    client, reference, _, _ = family
     for case in ("two-images", "two-turns"):
         assert ask(client, case, images).choices[0].message.content == reference[case]["text"], case
 
 
 def test_eight_concurrent_requests_each_match_vllm(family, images):
-    client, reference, _ = family
+    client, reference, _, _ = family
     names = list(CONCURRENT_IMAGES)[:8]
     with ThreadPoolExecutor(len(names)) as pool:
         got = list(pool.map(lambda n: ask(client, f"image-{n}", images).choices[0].message.content, names))
@@ -75,7 +87,7 @@ def test_eight_concurrent_requests_each_match_vllm(family, images):
 def test_the_checkpoint_s_generation_defaults_apply(family, client):
     """The tiny checkpoints' generation_config.json sets top_k 1: sampled answers no longer depend on the seed.
     The demo checkpoint (`client`) sets no top_k, and there they do."""
-    family_client, _, _ = family
+    family_client, _, _, _ = family
 
     def story(through: OpenAI, seed: int) -> str:
         messages = [{"role": "user", "content": "Write a story."}]
@@ -86,19 +98,21 @@ def test_the_checkpoint_s_generation_defaults_apply(family, client):
 
 
 def test_two_families_given_the_same_image_never_share_a_cache_entry():
-    towers = [VisionTower(str(ensure_demo_model(RANDOM_MODEL)), "float32", "cpu")]
-    towers += [VisionTower(str(ensure_tiny_model(name)), "float32", "cpu") for name in FAMILIES]
+    towers = [load_tower(str(ensure_demo_model(RANDOM_MODEL)), "float32", "cpu")]
+    towers += [load_tower(str(ensure_tiny_model(name)), "float32", "cpu") for name in FAMILIES]
     digest = bytes(range(16))  # one image, as the gateway digests it
     assert len({content_key(tower.fingerprint, digest) for tower in towers}) == len(towers)
     assert len({tower.family.name for tower in towers}) == len(towers)
 
 
-def test_embeddings_of_plain_hidden_width_are_refused_and_the_engine_lives(family):
+def test_embeddings_of_the_wrong_width_are_refused_and_the_engine_lives(family):
     """Qwen3-VL without its DeepStack part: vLLM's engine core would die on it (EngineDeadError for
-    every request after); the engine refuses that request alone."""
-    client, _, stack = family
+    every request after); the engine refuses that request alone. The same for a LLaVA-OneVision
+    embedding narrower than the language model."""
+    client, _, stack, name = family
+    width, wrong, grid = WIDTHS[name]
     address = stack.engine_addresses[0]
-    plain = asyncio.run(send_raw(address, *embeddings_request("deepstack-missing", torch.randn(4, 128), (1, 4, 4))))
-    assert isinstance(plain, GenerateFailed) and plain.status == 400 and "expected (4, 384)" in plain.message
-    full = asyncio.run(send_raw(address, *embeddings_request("deepstack-ok", torch.randn(4, 384), (1, 4, 4))))
-    assert isinstance(full, TokenDelta) and full.completion_tokens == 2
+    bad = asyncio.run(send_raw(address, *embeddings_request("wrong-width", torch.randn(4, wrong), grid)))
+    assert isinstance(bad, GenerateFailed) and bad.status == 400 and f"expected (4, {width})" in bad.message
+    good = asyncio.run(send_raw(address, *embeddings_request("right-width", torch.randn(4, width), grid)))
+    assert isinstance(good, TokenDelta) and good.completion_tokens == 2

@@ -56,4 +56,4 @@ def test_jobs_with_colliding_keys_but_different_images_stay_apart():
     b.add(b"k", "pixels-A", 1, ("r1", 0), identity=b"A")
     b.add(b"k", "pixels-B", 1, ("r2", 0), identity=b"B")
     jobs = b.take()
-    assert [(j.key, j.pixels) for j in jobs] == [(b"k", "pixels-A"), (b"k", "pixels-B")] and b.joins == 0
+    assert [(j.key, j.image) for j in jobs] == [(b"k", "pixels-A"), (b"k", "pixels-B")] and b.joins == 0

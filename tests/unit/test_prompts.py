@@ -7,12 +7,13 @@ import torch
 
 import msgspec
 
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build, image_tensors
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build, image_data
 from llm_engine.requests import read_chat
 from protocol.tensors import to_frame
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
 
 SHAPE = ModelShape(embedding_width=128, merge_size=2)
+NO_GRID = ModelShape(embedding_width=128, merge_size=None)  # LLaVA-OneVision
 
 
 class FakeTemplate:
@@ -46,8 +47,8 @@ def build_prompt(req, frames, tokenizer, shape, max_model_len):
 
 def test_valid_images_are_concatenated_flat_with_their_grids():
     req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)])
-    embeds, grid = image_tensors(req, frames, SHAPE)
-    assert embeds.shape == (10, 128) and grid.tolist() == [[1, 4, 4], [1, 4, 6]]
+    data = image_data(req, frames, SHAPE)["image"]
+    assert data["image_embeds"].shape == (10, 128) and data["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
     prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
     assert prompt.inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
     assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
@@ -71,6 +72,30 @@ def test_bad_shapes_are_refused_before_vllm(tensor, grid, message):
         build_prompt(req, frames, FakeTemplate(), SHAPE, 4096)
 
 
+def test_images_without_a_grid_go_to_vllm_as_a_list_of_their_own_lengths():
+    req, frames = request_with([torch.randn(7, 128), torch.randn(3, 128)], [None, None])
+    images = image_data(req, frames, NO_GRID)["image"]
+    assert [tuple(x.shape) for x in images] == [(7, 128), (3, 128)]
+    prompt = build_prompt(req, frames, FakeTemplate(), NO_GRID, max_model_len=4096)
+    assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
+
+
+@pytest.mark.parametrize(
+    "tensor,grid,shape,message",
+    [
+        (torch.randn(4, 64), None, NO_GRID, "does not match the model"),
+        (torch.randn(0, 128), None, NO_GRID, "must be 2-D"),
+        (torch.randn(4, 128), (1, 4, 4), NO_GRID, "have no grid"),
+        (torch.randn(4, 128), None, SHAPE, "needs each image's"),
+    ],
+    ids=["width", "empty", "grid-for-none", "no-grid-for-qwen"],
+)
+def test_a_grid_is_given_exactly_where_the_family_has_one(tensor, grid, shape, message):
+    req, frames = request_with([tensor], [grid])
+    with pytest.raises(InvalidPrompt, match=message):
+        build_prompt(req, frames, FakeTemplate(), shape, 4096)
+
+
 def test_placeholder_count_must_match_images():
     req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], image_parts=2)
     with pytest.raises(InvalidPrompt, match="2 image parts"):
@@ -80,7 +105,7 @@ def test_placeholder_count_must_match_images():
 def test_missing_frames_are_refused():
     req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
     with pytest.raises(InvalidPrompt, match="0 embedding frames"):
-        image_tensors(req, [], SHAPE)
+        image_data(req, [], SHAPE)
 
 
 def test_text_only_request_has_no_multimodal_data():

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from llm_engine.config import EngineConfig
-from llm_engine.shm_wait import SITE_DIR, SLEEP_ENV, sleep_in_spawned_vllm_processes
+from llm_engine.shm_wait import SLEEP_ENV
+from llm_engine.spawned import SITE_DIR, customize_spawned_vllm_processes
 
 
 def _time_100_yields() -> float:
@@ -26,7 +27,7 @@ def _time_100_yields() -> float:
 def _in_spawned_process(monkeypatch, sleep_us: int) -> float:
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after the test
     monkeypatch.delenv(SLEEP_ENV, raising=False)
-    sleep_in_spawned_vllm_processes(sleep_us)
+    customize_spawned_vllm_processes(sleep_us)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(_time_100_yields)
 

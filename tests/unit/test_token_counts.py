@@ -1,7 +1,12 @@
 """The gateway's visual-token count of an image equals the placeholder count
-vLLM puts in the prompt (grid t·h·w / merge², from the family's own HF
-processor), for 50 random sizes per family. The gateway computes it from the
-image's header and the processor numbers the encoder's handshake gives it."""
+vLLM puts in the prompt, for 50 random sizes per family. The gateway computes
+it from the image's header and the numbers the encoder's handshake gives it.
+
+- Qwen's families: grid t·h·w / merge², from the family's own HF processor.
+- LLaVA-OneVision: vLLM's own `get_num_image_tokens`, and the length of the
+  features the encoder's tower gives, both for the original image and for the
+  smaller one the gateway sends with the original size beside it.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +14,25 @@ import random
 
 import numpy as np
 import pytest
+from PIL import Image
 from transformers import AutoImageProcessor
 
-from gateway.intake import IntakePolicy, Inspected, ImageLimits, PixelBudget
-from gateway.resize import smart_resize
+from gateway.intake import IntakePolicy, ImageLimits, PixelBudget
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import ProcessorInfo
+from vision_encoder.tower import TowerImage
+from vision_encoder.towers import load_tower
 
 CHECKPOINTS = {"qwen2-vl": lambda: ensure_demo_model(RANDOM_MODEL), "qwen3-vl": lambda: ensure_tiny_model("qwen3-vl")}
+LIMITS = ImageLimits(1, 1, 1, 200)
 
 
-def random_sizes(seed: int, count: int = 50) -> list[tuple[int, int]]:
+def random_sizes(seed: int, count: int = 50, largest: int = 2400) -> list[tuple[int, int]]:
     rng = random.Random(seed)
     sizes = []
     while len(sizes) < count:
-        height, width = rng.randint(8, 2400), rng.randint(8, 2400)
+        height, width = rng.randint(8, largest), rng.randint(8, largest)
         if max(height, width) / min(height, width) <= 200:
             sizes.append((height, width))
     return sizes
@@ -34,9 +42,45 @@ def random_sizes(seed: int, count: int = 50) -> list[tuple[int, int]]:
 def test_the_gateway_counts_the_placeholders_vllm_will_expand(family):
     processor = AutoImageProcessor.from_pretrained(CHECKPOINTS[family]())
     info = ProcessorInfo(processor.patch_size, processor.merge_size, processor.size["shortest_edge"], processor.size["longest_edge"])
-    policy = IntakePolicy(info, ImageLimits(1, 1, 1, 200))
+    policy = IntakePolicy(info, LIMITS)
+    budget = PixelBudget(info.min_pixels, info.max_pixels)
     for height, width in random_sizes(seed=len(family)):
-        target = smart_resize(height, width, policy.factor, info.min_pixels, info.max_pixels)
-        ours = Inspected(b"", "image", "PNG", (width, height), PixelBudget(info.min_pixels, info.max_pixels), target, policy.factor)
+        ours = policy.visual_tokens(height, width, policy.target(height, width, budget))
         grid = processor(images=[np.zeros((height, width, 3), np.uint8)], return_tensors="np")["image_grid_thw"][0]
-        assert ours.visual_tokens == int(np.prod(grid)) // processor.merge_size**2, (family, height, width)
+        assert ours == int(np.prod(grid)) // processor.merge_size**2, (family, height, width)
+
+
+@pytest.fixture(scope="module")
+def onevision():
+    return load_tower(str(ensure_tiny_model("llava-onevision")), "float32", "cpu")
+
+
+def test_llava_onevision_counts_equal_vllm_s(onevision):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    vllm_info = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=onevision.model_id)).info
+    policy = IntakePolicy(onevision.processor_info, LIMITS)
+    for height, width in random_sizes(seed=11, largest=1600):
+        ours = policy.visual_tokens(height, width, policy.target(height, width, policy.default_budget))
+        assert ours == vllm_info.get_num_image_tokens(image_width=width, image_height=height), (height, width)
+
+
+def test_llava_onevision_features_have_the_counted_length_as_sent_by_the_gateway(onevision):
+    """The gateway scales an image down to what the tiles hold and sends the original size; the
+    tower's features are as long as counted, as from the full image (vLLM's path)."""
+    policy = IntakePolicy(onevision.processor_info, LIMITS)
+    rng = np.random.default_rng(0)
+    sizes = random_sizes(seed=12, count=12, largest=900) + [(40, 900), (900, 40), (20, 12)]
+    full, sent, counted = [], [], []
+    for height, width in sizes:
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        target_h, target_w = policy.target(height, width, policy.default_budget)
+        smaller = np.asarray(Image.fromarray(pixels).resize((target_w, target_h), Image.Resampling.BICUBIC))
+        full.append(TowerImage(pixels, (height, width)))
+        sent.append(TowerImage(smaller, (height, width)))
+        counted.append(policy.visual_tokens(height, width, (target_h, target_w)))
+    lengths = [[len(tokens) for tokens, _ in onevision.encode(onevision.preprocess(batch))] for batch in (full, sent)]
+    assert lengths[0] == lengths[1] == counted
+    assert sum(h * w > t_h * t_w for (h, w), (t_h, t_w) in
+               ((s, policy.target(*s, policy.default_budget)) for s in sizes)) >= 5  # most were scaled down

@@ -1,0 +1,132 @@
+"""LLaVA-OneVision: SigLIP over each image's tiles (its best grid pinpoint,
+cut into tiles, after a base tile of the whole image), the projector, then
+the tiles' features stitched, unpadded, shrunk to `max_tiles` and given a
+newline token per row (prism/anyres.py). One token list per image, of a
+length that depends on its size: vLLM takes the lists as they are.
+
+The forward is transformers' own `LlavaOnevisionModel.get_image_features`,
+run on a module that holds only the three vision parts it uses (SigLIP, the
+projector, the newline embedding), so the language model is never built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prism.anyres import AnyresLayout
+from prism.families import Family
+from protocol.to_gateway import AnyresInfo
+from vision_encoder.tower import TowerImage, VisionTower
+
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")
+
+
+@dataclass(frozen=True)
+class Preprocessed:
+    pixel_values: torch.Tensor  # (n_images, most tiles, 3, tile, tile), padded
+    image_sizes: torch.Tensor  # (n_images, 2): (height, width) before the gateway downscaled
+
+
+def layout_of(config: Any) -> AnyresLayout:
+    ratio = config.vision_aspect_ratio
+    if not ratio.startswith("anyres_max_"):
+        raise ValueError(f"vision_aspect_ratio {ratio!r}: only anyres_max_N is served (vLLM's LLaVA-OneVision assumes it)")
+    return AnyresLayout(
+        tile_size=config.vision_config.image_size,
+        patch_size=config.vision_config.patch_size,
+        grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints),
+        max_tiles=int(ratio.removeprefix("anyres_max_")),
+    )
+
+
+class OnevisionTower(VisionTower):
+    def __init__(self, model_id: str, path: Path, config: Any, family: Family, dtype: str, device: str,
+                 min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+        from transformers import AutoImageProcessor
+
+        if min_pixels or max_pixels:
+            raise ValueError(f"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; {family.name} tiles "
+                             "each image at the checkpoint's grid pinpoints instead: leave them unset")
+        super().__init__(model_id, config, family, dtype, device)
+        self.layout = layout_of(config)
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        if [tuple(p) for p in self.processor.image_grid_pinpoints] != list(self.layout.grid_pinpoints):
+            raise ValueError("the image processor's image_grid_pinpoints differ from config.json's: vLLM counts "
+                             "tokens by the config and tiles by the processor, so the checkpoint is inconsistent")
+        self.feature_layer = config.vision_feature_layer
+        self.select_strategy = config.vision_feature_select_strategy
+        self._load(path, config)
+
+    def vision_weight(self, name: str) -> str | None:
+        name = name.removeprefix("model.")
+        if not name.startswith(_VISION_PARTS):
+            return None
+        # Published checkpoints (and vLLM) name SigLIP's weights with a `vision_model.`
+        # level that transformers 5's SigLIP module no longer has.
+        return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
+
+    def _module(self, config: Any) -> torch.nn.Module:
+        module, _, name = self.family.towers[config.model_type].partition(":")
+        source = getattr(importlib.import_module(module), name)
+        from transformers import AutoModel
+
+        class OnevisionVision(torch.nn.Module):
+            get_image_features = source.get_image_features
+            pack_image_features = source.pack_image_features
+
+            def __init__(self) -> None:
+                super().__init__()
+                self.config = config
+                self.vision_tower = AutoModel.from_config(config.vision_config)
+                projector = getattr(importlib.import_module(module), "LlavaOnevisionMultiModalProjector")
+                self.multi_modal_projector = projector(config)
+                self.image_newline = torch.nn.Parameter(torch.empty(config.text_config.hidden_size))
+
+        return OnevisionVision()
+
+    @property
+    def processor_info(self) -> AnyresInfo:
+        layout = self.layout
+        return AnyresInfo(layout.tile_size, layout.patch_size, layout.grid_pinpoints, layout.max_tiles)
+
+    def preprocessing_params(self) -> dict:
+        p = self.processor
+        return {
+            "class": type(p).__name__,
+            "size": dict(p.size),
+            "image_grid_pinpoints": [list(x) for x in p.image_grid_pinpoints],
+            "do_pad": bool(p.do_pad),
+            "resample": int(p.resample),
+            "rescale_factor": float(p.rescale_factor),
+            "image_mean": list(map(float, p.image_mean)),
+            "image_std": list(map(float, p.image_std)),
+            "vision_feature_layer": self.feature_layer,
+            "vision_feature_select_strategy": self.select_strategy,
+            "max_tiles": self.layout.max_tiles,
+            "dtype": str(self.dtype),
+        }
+
+    def num_patches(self, height: int, width: int) -> int:
+        pin_h, pin_w = self.layout.best_resolution(height, width)
+        tiles = 1 + (pin_h // self.layout.tile_size) * (pin_w // self.layout.tile_size)
+        return tiles * self.layout.tile_grid**2
+
+    def preprocess(self, images: list[TowerImage]) -> Preprocessed:
+        out = self.processor(images=[image.pixels for image in images], return_tensors="pt")
+        # The tiles come from the pixels as sent; the unpadding follows the original
+        # aspect ratio, as vLLM's does on the raw image (the best pinpoint is the same).
+        return Preprocessed(out["pixel_values"], torch.tensor([image.original_size for image in images]))
+
+    @torch.inference_mode()
+    def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, None]]:
+        out = self.model.get_image_features(
+            batch.pixel_values.to(self.device, self.dtype), batch.image_sizes,
+            vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy,
+            vision_aspect_ratio=f"anyres_max_{self.layout.max_tiles}",
+        )
+        return [(features.to("cpu").contiguous(), None) for features in out.pooler_output]

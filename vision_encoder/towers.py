@@ -1,0 +1,20 @@
+"""The tower for a checkpoint, by its family's layout (prism/families.py)."""
+
+from __future__ import annotations
+
+from prism.families import family_of
+from vision_encoder.onevision_tower import OnevisionTower
+from vision_encoder.qwen_tower import QwenTower
+from vision_encoder.tower import VisionTower, local_checkpoint
+
+TOWERS = {"qwen": QwenTower, "anyres": OnevisionTower}
+
+
+def load_tower(checkpoint: str, dtype: str, device: str, min_pixels: int | None = None,
+               max_pixels: int | None = None) -> VisionTower:
+    from transformers import AutoConfig
+
+    path = local_checkpoint(checkpoint)
+    config = AutoConfig.from_pretrained(path)
+    family = family_of(config)  # an unsupported checkpoint stops here, naming why
+    return TOWERS[family.layout](str(checkpoint), path, config, family, dtype, device, min_pixels, max_pixels)
