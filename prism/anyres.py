@@ -1,5 +1,5 @@
-"""LLaVA-OneVision's "anyres" image layout, in plain arithmetic (the gateway
-imports it; no torch).
+"""LLaVA-OneVision's and LLaVA-NeXT's "anyres" image layout, in plain
+arithmetic (the gateway imports it; no torch).
 
 The processor picks the grid pinpoint (a multiple of the tile size) that
 keeps the most of the image while wasting the least, scales the image to fit
@@ -23,7 +23,9 @@ class AnyresLayout:
     tile_size: int  # the ViT's input side (vision_config.image_size)
     patch_size: int
     grid_pinpoints: tuple[tuple[int, int], ...]  # (height, width), each a multiple of tile_size
-    max_tiles: int  # "anyres_max_9" → 9: a larger feature map is shrunk to about this many tiles
+    # OneVision's "anyres_max_9" → 9: a larger feature map is shrunk to about this
+    # many tiles; None (LLaVA-NeXT): never shrunk.
+    max_tiles: int | None
 
     @property
     def tile_grid(self) -> int:
@@ -60,7 +62,8 @@ class AnyresLayout:
         else:
             kept = int(round(width * (rows / height), 7))
             cols -= 2 * ((cols - kept) // 2)
-        ratio = math.sqrt(rows * cols / (self.max_tiles * grid**2))
-        if ratio > 1.1:
-            rows, cols = int(rows // ratio), int(cols // ratio)
+        if self.max_tiles is not None:
+            ratio = math.sqrt(rows * cols / (self.max_tiles * grid**2))
+            if ratio > 1.1:
+                rows, cols = int(rows // ratio), int(cols // ratio)
         return grid * grid + rows * cols + rows  # base tile, the unpadded map, one newline per row

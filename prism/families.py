@@ -5,7 +5,7 @@ its images become tokens:
 - "qwen" (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the image is resized to a pixel
   budget with sides a multiple of patch × merge (gateway/resize.py), and its
   tokens form a (t, h, w) grid that vLLM takes beside the embeddings;
-- "anyres" (LLaVA-OneVision): tiles of the image at its best grid pinpoint
+- "anyres" (LLaVA-OneVision, LLaVA-NeXT): tiles of the image at its best grid pinpoint
   plus a base tile, one token list per image with newline tokens in it
   (prism/anyres.py); vLLM takes the list alone.
 The gateway learns the layout's numbers from the encoder's handshake; the
@@ -61,6 +61,7 @@ _QWEN2_5 = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
 _QWEN3 = "transformers.models.qwen3_vl.modeling_qwen3_vl"
 _QWEN3_MOE = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe"
 _ONEVISION = "transformers.models.llava_onevision.modeling_llava_onevision"
+_NEXT = "transformers.models.llava_next.modeling_llava_next"
 
 FAMILIES = (
     Family("Qwen2-VL", {"qwen2_vl": f"{_QWEN2}:Qwen2VisionTransformerPretrainedModel"}),
@@ -68,6 +69,8 @@ FAMILIES = (
     Family("Qwen3-VL", {"qwen3_vl": f"{_QWEN3}:Qwen3VLVisionModel", "qwen3_vl_moe": f"{_QWEN3_MOE}:Qwen3VLMoeVisionModel"},
            deepstack=True),
     Family("LLaVA-OneVision", {"llava_onevision": f"{_ONEVISION}:LlavaOnevisionModel"}, layout="anyres"),
+    # LLaVA-NeXT's language models (Mistral, Vicuna, Llama 3, Qwen) have no one tool-call format.
+    Family("LLaVA-NeXT", {"llava_next": f"{_NEXT}:LlavaNextModel"}, layout="anyres", tool_call_parser=None),
 )
 
 # Families vLLM 0.32 serves only from raw images: it takes no precomputed

@@ -1,8 +1,9 @@
 """Tiny random-weights checkpoints of the other families Prism serves, built
 from each family's own transformers config with the real structure kept
 (Qwen3-VL: its DeepStack layers; LLaVA-OneVision: SigLIP, anyres grid
-pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink), for tests and
-benchmarks on two cores.
+pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink; LLaVA-NeXT: CLIP
+with its class token dropped, the second-to-last layer's features, five
+pinpoints of 1 × 2 to 3 × 1 tiles), for tests and benchmarks on two cores.
 
 Widths follow what vLLM's CPU backend accepts (text head size 64, an
 mrope_section summing to head_dim / 2); the tokenizer and chat template are
@@ -28,6 +29,7 @@ ONEVISION_MODEL = REPO_ROOT / "models" / "tiny-llava-onevision"
 # The real checkpoints tile at 384 with patch 14 (27 × 27 features a tile); a
 # 56-pixel tile keeps the layout (4 × 4 features a tile) at a size two cores run.
 ONEVISION_TILE, ONEVISION_PATCH = 56, 14
+NEXT_MODEL = REPO_ROOT / "models" / "tiny-llava-next"
 
 
 def qwen3_vl_config(tokenizer):
@@ -105,9 +107,29 @@ def onevision_pinpoints() -> list[list[int]]:
     return [[ONEVISION_TILE * rows, ONEVISION_TILE * cols] for rows in range(1, 7) for cols in range(1, 7)]
 
 
+def _save_llava(model, out: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    # transformers 5 saves SigLIP and CLIP without the `vision_model.` level that
+    # the published checkpoints (llava-hf/*) have and vLLM loads: put it back.
+    weights = load_file(out / "model.safetensors")
+    renamed = {f"vision_tower.vision_model.{k.removeprefix('vision_tower.')}" if k.startswith("vision_tower.") else k: v
+               for k, v in weights.items()}
+    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _finish_llava(out: Path, seed: int, family: str) -> Path:
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    generation = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))  # as Qwen3-VL's, above
+    (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights", "family": family}, indent=2) + "\n")
+    return out
+
+
 def write_onevision(out: Path, seed: int = SEED) -> Path:
     import torch
-    from safetensors.torch import load_file, save_file
     from transformers import (
         LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessor, LlavaOnevisionProcessor,
         LlavaOnevisionVideoProcessor,
@@ -115,15 +137,7 @@ def write_onevision(out: Path, seed: int = SEED) -> Path:
 
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(onevision_config(tokenizer)).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    # transformers 5 saves SigLIP without the `vision_model.` level that the
-    # published checkpoints (llava-hf/*) have and vLLM loads: put it back.
-    weights = load_file(out / "model.safetensors")
-    renamed = {f"vision_tower.vision_model.{k.removeprefix('vision_tower.')}" if k.startswith("vision_tower.") else k: v
-               for k, v in weights.items()}
-    save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
+    _save_llava(LlavaOnevisionForConditionalGeneration(onevision_config(tokenizer)).to(torch.bfloat16), out)
     size = {"height": ONEVISION_TILE, "width": ONEVISION_TILE}
     image = LlavaOnevisionImageProcessor(size=size, image_grid_pinpoints=onevision_pinpoints(), image_mean=[0.5] * 3,
                                          image_std=[0.5] * 3, do_pad=True)
@@ -133,14 +147,56 @@ def write_onevision(out: Path, seed: int = SEED) -> Path:
         num_image_tokens=(ONEVISION_TILE // ONEVISION_PATCH) ** 2, vision_feature_select_strategy="full",
         vision_aspect_ratio="anyres_max_9", image_token="<|image_pad|>", video_token="<|video_pad|>",
     ).save_pretrained(out)
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    generation = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))  # as Qwen3-VL's, above
-    (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights", "family": "llava-onevision"}, indent=2) + "\n")
-    return out
+    return _finish_llava(out, seed, "llava-onevision")
 
 
-BUILDERS = {"qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL), "llava-onevision": (write_onevision, ONEVISION_MODEL)}
+def next_config(tokenizer):
+    from transformers import LlavaNextConfig
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text = dict(
+        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
+    )
+    vision = dict(
+        model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=2, image_size=ONEVISION_TILE, patch_size=ONEVISION_PATCH, projection_dim=64,
+    )
+    return LlavaNextConfig(
+        text_config=text, vision_config=vision, image_token_index=ids["<|image_pad|>"], vision_feature_layer=-2,
+        vision_feature_select_strategy="default", image_grid_pinpoints=next_pinpoints(), tie_word_embeddings=False,
+    )
+
+
+def next_pinpoints() -> list[list[int]]:
+    """LLaVA-NeXT's five (336 × 672, 672 × 336, 672², 1008 × 336, 336 × 1008), at the tiny tile."""
+    return [[ONEVISION_TILE * rows, ONEVISION_TILE * cols] for rows, cols in ((1, 2), (2, 1), (2, 2), (3, 1), (1, 3))]
+
+
+def write_next(out: Path, seed: int = SEED) -> Path:
+    import torch
+    from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor
+
+    tokenizer = build_tokenizer(seed)
+    torch.manual_seed(seed)
+    _save_llava(LlavaNextForConditionalGeneration(next_config(tokenizer)).to(torch.bfloat16), out)
+    image = LlavaNextImageProcessor(
+        size={"shortest_edge": ONEVISION_TILE}, crop_size={"height": ONEVISION_TILE, "width": ONEVISION_TILE},
+        image_grid_pinpoints=next_pinpoints(), image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    )
+    LlavaNextProcessor(
+        image_processor=image, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE, patch_size=ONEVISION_PATCH,
+        vision_feature_select_strategy="default", image_token="<|image_pad|>", num_additional_image_tokens=1,
+    ).save_pretrained(out)
+    return _finish_llava(out, seed, "llava-next")
+
+
+BUILDERS = {
+    "qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL),
+    "llava-onevision": (write_onevision, ONEVISION_MODEL),
+    "llava-next": (write_next, NEXT_MODEL),
+}
 
 
 def ensure_tiny_model(family: str, out: Path | None = None) -> Path:

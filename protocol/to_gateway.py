@@ -24,13 +24,13 @@ class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
 
 
 class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="anyres"):
-    """LLaVA-OneVision's tiling (prism/anyres.py): the gateway scales an image no
+    """LLaVA-OneVision's and LLaVA-NeXT's tiling (prism/anyres.py): the gateway scales an image no
     further down than the tiles would hold it, and counts its tokens."""
 
     tile_size: int
     patch_size: int
     grid_pinpoints: tuple[tuple[int, int], ...]  # (height, width)
-    max_tiles: int
+    max_tiles: int | None  # OneVision's anyres_max_N; None: LLaVA-NeXT, no shrink
 
 
 class EncoderReady(Message):

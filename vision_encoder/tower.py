@@ -3,7 +3,7 @@ no language model. Only the checkpoint's vision weights are read from disk.
 
 This module holds what every family's tower shares: finding the checkpoint,
 reading its vision weights, and the fingerprint that goes into every cache
-key. The families' own towers (qwen_tower.py, onevision_tower.py) say how
+key. The families' own towers (qwen_tower.py, anyres_tower.py) say how
 images are preprocessed, run and measured; towers.py picks one by family.
 """
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from prism.families import family_of
-from vision_encoder.onevision_tower import OnevisionTower
+from vision_encoder.anyres_tower import AnyresTower
 from vision_encoder.qwen_tower import QwenTower
 from vision_encoder.tower import VisionTower, local_checkpoint
 
-TOWERS = {"qwen": QwenTower, "anyres": OnevisionTower}
+TOWERS = {"qwen": QwenTower, "anyres": AnyresTower}
 
 
 def load_tower(checkpoint: str, dtype: str, device: str, min_pixels: int | None = None,

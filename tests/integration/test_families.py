@@ -6,7 +6,7 @@ Qwen3-VL: its embeddings carry the merger's tokens and each DeepStack
 layer's feature side by side; vLLM adds the DeepStack part into the first
 LLM layers, so an answer that matches shows both parts arrived intact.
 
-LLaVA-OneVision: each image is tiled at its best grid pinpoint; the gateway
+LLaVA-OneVision and LLaVA-NeXT: each image is tiled at its best grid pinpoint; the gateway
 sends the encoder pixels no larger than the tiles hold and the original size,
 by which the encoder unpads the features as vLLM does on the raw image. Its
 images' token lists differ in length, which vLLM's own schema refused within
@@ -33,12 +33,12 @@ from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_P
 from tests.integration.conftest import STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 
-FAMILIES = ["qwen3-vl", "llava-onevision"]
+FAMILIES = ["qwen3-vl", "llava-onevision", "llava-next"]
 # The encoder's pixel budget is Qwen's; LLaVA-OneVision refuses one at start-up.
 NO_PIXEL_BUDGET = {k: v for k, v in STACK_OVERRIDES.items() if k not in ("PRISM_ENCODER__MAX_PIXELS", "PRISM_ENCODER__MIN_PIXELS")}
-OVERRIDES = {"qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET}
+OVERRIDES = {"qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET}
 # (width the family's embeddings must have, a wrong one, the grid sent with them)
-WIDTHS = {"qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None)}
+WIDTHS = {"qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

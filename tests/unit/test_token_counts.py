@@ -3,7 +3,7 @@ vLLM puts in the prompt, for 50 random sizes per family. The gateway computes
 it from the image's header and the numbers the encoder's handshake gives it.
 
 - Qwen's families: grid t·h·w / merge², from the family's own HF processor.
-- LLaVA-OneVision: vLLM's own `get_num_image_tokens`, and the length of the
+- LLaVA-OneVision and LLaVA-NeXT: vLLM's own `get_num_image_tokens`, and the length of the
   features the encoder's tower gives, both for the original image and for the
   smaller one the gateway sends with the original size beside it.
 """
@@ -50,26 +50,27 @@ def test_the_gateway_counts_the_placeholders_vllm_will_expand(family):
         assert ours == int(np.prod(grid)) // processor.merge_size**2, (family, height, width)
 
 
-@pytest.fixture(scope="module")
-def onevision():
-    return load_tower(str(ensure_tiny_model("llava-onevision")), "float32", "cpu")
+@pytest.fixture(scope="module", params=["llava-onevision", "llava-next"])
+def anyres(request):
+    """A tower of each anyres family."""
+    return load_tower(str(ensure_tiny_model(request.param)), "float32", "cpu")
 
 
-def test_llava_onevision_counts_equal_vllm_s(onevision):
+def test_anyres_counts_equal_vllm_s(anyres):
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    vllm_info = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=onevision.model_id)).info
-    policy = IntakePolicy(onevision.processor_info, LIMITS)
+    vllm_info = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=anyres.model_id)).info
+    policy = IntakePolicy(anyres.processor_info, LIMITS)
     for height, width in random_sizes(seed=11, largest=1600):
         ours = policy.visual_tokens(height, width, policy.target(height, width, policy.default_budget))
         assert ours == vllm_info.get_num_image_tokens(image_width=width, image_height=height), (height, width)
 
 
-def test_llava_onevision_features_have_the_counted_length_as_sent_by_the_gateway(onevision):
+def test_anyres_features_have_the_counted_length_as_sent_by_the_gateway(anyres):
     """The gateway scales an image down to what the tiles hold and sends the original size; the
     tower's features are as long as counted, as from the full image (vLLM's path)."""
-    policy = IntakePolicy(onevision.processor_info, LIMITS)
+    policy = IntakePolicy(anyres.processor_info, LIMITS)
     rng = np.random.default_rng(0)
     sizes = random_sizes(seed=12, count=12, largest=900) + [(40, 900), (900, 40), (20, 12)]
     full, sent, counted = [], [], []
@@ -80,7 +81,7 @@ def test_llava_onevision_features_have_the_counted_length_as_sent_by_the_gateway
         full.append(TowerImage(pixels, (height, width)))
         sent.append(TowerImage(smaller, (height, width)))
         counted.append(policy.visual_tokens(height, width, (target_h, target_w)))
-    lengths = [[len(tokens) for tokens, _ in onevision.encode(onevision.preprocess(batch))] for batch in (full, sent)]
+    lengths = [[len(tokens) for tokens, _ in anyres.encode(anyres.preprocess(batch))] for batch in (full, sent)]
     assert lengths[0] == lengths[1] == counted
     assert sum(h * w > t_h * t_w for (h, w), (t_h, t_w) in
                ((s, policy.target(*s, policy.default_budget)) for s in sizes)) >= 5  # most were scaled down

@@ -1,12 +1,14 @@
-"""LLaVA-OneVision: SigLIP over each image's tiles (its best grid pinpoint,
-cut into tiles, after a base tile of the whole image), the projector, then
-the tiles' features stitched, unpadded, shrunk to `max_tiles` and given a
-newline token per row (prism/anyres.py). One token list per image, of a
-length that depends on its size: vLLM takes the lists as they are.
+"""LLaVA-OneVision and LLaVA-NeXT: the ViT (SigLIP, CLIP) over each image's
+tiles (its best grid pinpoint, cut into tiles, after a base tile of the whole
+image), the projector, then the tiles' features stitched, unpadded, shrunk
+to `max_tiles` (OneVision) and given a newline token per row
+(prism/anyres.py). One token list per image, of a length that depends on its
+size: vLLM takes the lists as they are.
 
-The forward is transformers' own `LlavaOnevisionModel.get_image_features`,
-run on a module that holds only the three vision parts it uses (SigLIP, the
-projector, the newline embedding), so the language model is never built.
+The forward is transformers' own `get_image_features` of the family's model
+class (`LlavaOnevisionModel`, `LlavaNextModel`), run on a module that holds
+only the three vision parts it uses (the ViT, the projector, the newline
+embedding), so the language model is never built.
 """
 
 from __future__ import annotations
@@ -33,18 +35,18 @@ class Preprocessed:
 
 
 def layout_of(config: Any) -> AnyresLayout:
-    ratio = config.vision_aspect_ratio
-    if not ratio.startswith("anyres_max_"):
+    ratio = getattr(config, "vision_aspect_ratio", None)  # OneVision's; LLaVA-NeXT does not shrink
+    if ratio is not None and not ratio.startswith("anyres_max_"):
         raise ValueError(f"vision_aspect_ratio {ratio!r}: only anyres_max_N is served (vLLM's LLaVA-OneVision assumes it)")
     return AnyresLayout(
         tile_size=config.vision_config.image_size,
         patch_size=config.vision_config.patch_size,
         grid_pinpoints=tuple((int(h), int(w)) for h, w in config.image_grid_pinpoints),
-        max_tiles=int(ratio.removeprefix("anyres_max_")),
+        max_tiles=None if ratio is None else int(ratio.removeprefix("anyres_max_")),
     )
 
 
-class OnevisionTower(VisionTower):
+class AnyresTower(VisionTower):
     def __init__(self, model_id: str, path: Path, config: Any, family: Family, dtype: str, device: str,
                  min_pixels: int | None = None, max_pixels: int | None = None) -> None:
         from transformers import AutoImageProcessor
@@ -66,8 +68,8 @@ class OnevisionTower(VisionTower):
         name = name.removeprefix("model.")
         if not name.startswith(_VISION_PARTS):
             return None
-        # Published checkpoints (and vLLM) name SigLIP's weights with a `vision_model.`
-        # level that transformers 5's SigLIP module no longer has.
+        # Published checkpoints (and vLLM) name the ViT's weights with a `vision_model.`
+        # level that transformers 5's SigLIP and CLIP modules no longer have.
         return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
     def _module(self, config: Any) -> torch.nn.Module:
@@ -75,7 +77,7 @@ class OnevisionTower(VisionTower):
         source = getattr(importlib.import_module(module), name)
         from transformers import AutoModel
 
-        class OnevisionVision(torch.nn.Module):
+        class AnyresVision(torch.nn.Module):
             get_image_features = source.get_image_features
             pack_image_features = source.pack_image_features
 
@@ -83,11 +85,12 @@ class OnevisionTower(VisionTower):
                 super().__init__()
                 self.config = config
                 self.vision_tower = AutoModel.from_config(config.vision_config)
-                projector = getattr(importlib.import_module(module), "LlavaOnevisionMultiModalProjector")
+                # LlavaOnevisionModel's is LlavaOnevisionMultiModalProjector, LlavaNextModel's LlavaNextMultiModalProjector
+                projector = getattr(importlib.import_module(module), name.removesuffix("Model") + "MultiModalProjector")
                 self.multi_modal_projector = projector(config)
                 self.image_newline = torch.nn.Parameter(torch.empty(config.text_config.hidden_size))
 
-        return OnevisionVision()
+        return AnyresVision()
 
     @property
     def processor_info(self) -> AnyresInfo:
@@ -124,9 +127,9 @@ class OnevisionTower(VisionTower):
 
     @torch.inference_mode()
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, None]]:
+        shrink = {} if self.layout.max_tiles is None else {"vision_aspect_ratio": f"anyres_max_{self.layout.max_tiles}"}
         out = self.model.get_image_features(
             batch.pixel_values.to(self.device, self.dtype), batch.image_sizes,
-            vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy,
-            vision_aspect_ratio=f"anyres_max_{self.layout.max_tiles}",
+            vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy, **shrink,
         )
         return [(features.to("cpu").contiguous(), None) for features in out.pooler_output]
