@@ -31,7 +31,8 @@ from gateway.errors import APIError
 from gateway.resize import smart_resize
 from gateway.sniff import ALLOWED_NAMES, describe_refused, sniff
 from prism.anyres import AnyresLayout
-from protocol.to_gateway import AnyresInfo, ProcessorInfo
+from prism.tiles import TileLayout
+from protocol.to_gateway import AnyresInfo, ProcessorInfo, TilesInfo
 
 INTAKE_VERSION = "intake-v2"
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
@@ -61,15 +62,21 @@ class PixelBudget:
 @dataclass(frozen=True)
 class IntakePolicy:
     """What the gateway does to pixels. `processor` is the encoder's, from its
-    handshake: a Qwen pixel budget, or LLaVA-OneVision's tiling (`anyres`)."""
+    handshake: a Qwen pixel budget, or the family's own tiling (LLaVA's anyres,
+    InternVL's tiles)."""
 
-    processor: ProcessorInfo | AnyresInfo
+    processor: ProcessorInfo | AnyresInfo | TilesInfo
     limits: ImageLimits
 
     @property
-    def anyres(self) -> AnyresLayout | None:
+    def tiling(self) -> AnyresLayout | TileLayout | None:
+        """The family's own tiling (LLaVA, InternVL), or None for Qwen's pixel budget."""
         p = self.processor
-        return AnyresLayout(p.tile_size, p.patch_size, p.grid_pinpoints, p.max_tiles) if isinstance(p, AnyresInfo) else None
+        if isinstance(p, AnyresInfo):
+            return AnyresLayout(p.tile_size, p.patch_size, p.grid_pinpoints, p.max_tiles)
+        if isinstance(p, TilesInfo):
+            return TileLayout(p.tile_size, p.min_tiles, p.max_tiles, p.crop, p.tokens_per_tile)
+        return None
 
     @property
     def factor(self) -> int:
@@ -77,25 +84,23 @@ class IntakePolicy:
 
     @property
     def default_budget(self) -> PixelBudget:
-        if (layout := self.anyres) is not None:  # informational: the tiling, not a budget, sizes the image
-            return PixelBudget(1, max(h * w for h, w in layout.grid_pinpoints))
+        if self.tiling is not None:  # informational: the tiling, not a budget, sizes the image
+            return PixelBudget(1, self.limits.max_pixels)
         return PixelBudget(self.processor.min_pixels, self.processor.max_pixels)
 
     def target(self, height: int, width: int, budget: PixelBudget) -> tuple[int, int]:
         """(height, width) of the pixels sent to the encoder."""
-        if (layout := self.anyres) is not None:
-            # No larger than the tiles hold it; never enlarged (the processor does that).
-            fitted = layout.fitted_size(height, width)
-            return fitted if fitted[0] * fitted[1] < height * width else (height, width)
+        if (tiling := self.tiling) is not None:
+            return tiling.sent_size(height, width)
         return smart_resize(height, width, self.factor, budget.min_pixels, budget.max_pixels)
 
     def visual_tokens(self, height: int, width: int, target: tuple[int, int]) -> int:
-        if (layout := self.anyres) is not None:
-            return layout.visual_tokens(height, width)  # the original size: the encoder unpads by it
+        if (tiling := self.tiling) is not None:
+            return tiling.visual_tokens(height, width)  # the original size: the encoder tiles by it
         return (target[0] // self.factor) * (target[1] // self.factor)
 
     def key_part(self, budget: PixelBudget) -> dict:
-        sizing = {"anyres": msgspec.structs.asdict(self.processor)} if self.anyres else {
+        sizing = {"tiling": msgspec.structs.asdict(self.processor)} if self.tiling else {
             "min_pixels": budget.min_pixels,
             "max_pixels": budget.max_pixels,
             "passthrough_budget": [self.processor.min_pixels, self.processor.max_pixels],
@@ -204,7 +209,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy) -> Image.Image:
     width, height = image.size
-    if policy.anyres is None and item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
+    if policy.tiling is None and item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
         # Within the encoder's own budget: its processor does the final rounding,
         # exactly as vLLM's would on the raw image.
         return image

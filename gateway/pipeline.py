@@ -100,8 +100,8 @@ class ChatPipeline:
         overrides = request.mm_processor_kwargs
         if overrides is None:
             return default
-        if self.policy.anyres is not None:
-            raise APIError(400, "mm_processor_kwargs: a pixel budget applies to Qwen-family models; this model tiles each image at its grid pinpoints", param="mm_processor_kwargs", code="unsupported_parameter")
+        if self.policy.tiling is not None:
+            raise APIError(400, "mm_processor_kwargs: a pixel budget applies to Qwen-family models; this model tiles each image its own way", param="mm_processor_kwargs", code="unsupported_parameter")
         budget = PixelBudget(overrides.min_pixels or default.min_pixels, overrides.max_pixels or default.max_pixels)
         if not default.min_pixels <= budget.min_pixels <= budget.max_pixels <= default.max_pixels:
             raise APIError(422, f"mm_processor_kwargs: pixel budget [{budget.min_pixels}, {budget.max_pixels}] must lie within the deployment's [{default.min_pixels}, {default.max_pixels}] with min <= max", param="mm_processor_kwargs", code="invalid_value")
@@ -110,8 +110,8 @@ class ChatPipeline:
     def image_budget(self, ref: ImageRef, request_budget: PixelBudget) -> PixelBudget:
         if ref.detail != "low":
             return request_budget
-        if self.policy.anyres is not None:
-            raise APIError(400, f"{ref.where}.image_url.detail: 'low' is not served for this model, which tiles each image at its grid pinpoints; send 'auto' or 'high'", param=f"{ref.where}.image_url.detail", code="unsupported_parameter")
+        if self.policy.tiling is not None:
+            raise APIError(400, f"{ref.where}.image_url.detail: 'low' is not served for this model, which tiles each image its own way; send 'auto' or 'high'", param=f"{ref.where}.image_url.detail", code="unsupported_parameter")
         low = min(request_budget.max_pixels, self.config.detail_low_max_pixels)
         return PixelBudget(min(request_budget.min_pixels, low), low)
 

@@ -52,6 +52,12 @@ class AnyresLayout:
             return min(math.ceil(height * scale_w), target_h), target_w
         return target_h, min(math.ceil(width * scale_h), target_w)
 
+    def sent_size(self, height: int, width: int) -> tuple[int, int]:
+        """What the gateway sends: no larger than the tiles hold it, never enlarged
+        (the encoder unpads by the original size, which travels beside it)."""
+        fitted = self.fitted_size(height, width)
+        return fitted if fitted[0] * fitted[1] < height * width else (height, width)
+
     def visual_tokens(self, height: int, width: int) -> int:
         grid = self.tile_grid
         pin_h, pin_w = self.best_resolution(height, width)

@@ -7,7 +7,9 @@ its images become tokens:
   tokens form a (t, h, w) grid that vLLM takes beside the embeddings;
 - "anyres" (LLaVA-OneVision, LLaVA-NeXT): tiles of the image at its best grid pinpoint
   plus a base tile, one token list per image with newline tokens in it
-  (prism/anyres.py); vLLM takes the list alone.
+  (prism/anyres.py); vLLM takes the list alone;
+- "tiles" (InternVL3): square tiles of the image stretched onto the grid
+  closest to its aspect ratio, plus a thumbnail (prism/tiles.py); a list, too.
 The gateway learns the layout's numbers from the encoder's handshake; the
 encoder picks its tower by layout (vision_encoder/towers.py); the engine
 needs the width of the embeddings it hands vLLM, and whether vLLM must keep
@@ -31,7 +33,7 @@ class Family:
     name: str
     # model_type → the transformers class that holds the vision code, "module:Class"
     towers: dict[str, str]
-    layout: str = "qwen"  # "qwen" | "anyres", see above
+    layout: str = "qwen"  # "qwen" | "anyres" | "tiles", see above
     # Qwen3-VL: the encoder's output is the merger's tokens followed, along the
     # hidden axis, by the DeepStack feature of each `deepstack_visual_indexes`
     # layer (vLLM splits them again and adds them into the first LLM layers).
@@ -62,6 +64,7 @@ _QWEN3 = "transformers.models.qwen3_vl.modeling_qwen3_vl"
 _QWEN3_MOE = "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe"
 _ONEVISION = "transformers.models.llava_onevision.modeling_llava_onevision"
 _NEXT = "transformers.models.llava_next.modeling_llava_next"
+_INTERNVL = "transformers.models.internvl.modeling_internvl"
 
 FAMILIES = (
     Family("Qwen2-VL", {"qwen2_vl": f"{_QWEN2}:Qwen2VisionTransformerPretrainedModel"}),
@@ -71,6 +74,8 @@ FAMILIES = (
     Family("LLaVA-OneVision", {"llava_onevision": f"{_ONEVISION}:LlavaOnevisionModel"}, layout="anyres"),
     # LLaVA-NeXT's language models (Mistral, Vicuna, Llama 3, Qwen) have no one tool-call format.
     Family("LLaVA-NeXT", {"llava_next": f"{_NEXT}:LlavaNextModel"}, layout="anyres", tool_call_parser=None),
+    # The Hugging Face format (OpenGVLab/InternVL3-*-hf); InternVL3's language models are Qwen2.5's.
+    Family("InternVL3", {"internvl": f"{_INTERNVL}:InternVLModel"}, layout="tiles"),
 )
 
 # Families vLLM 0.32 serves only from raw images: it takes no precomputed

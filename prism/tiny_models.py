@@ -3,7 +3,8 @@ from each family's own transformers config with the real structure kept
 (Qwen3-VL: its DeepStack layers; LLaVA-OneVision: SigLIP, anyres grid
 pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink; LLaVA-NeXT: CLIP
 with its class token dropped, the second-to-last layer's features, five
-pinpoints of 1 × 2 to 3 × 1 tiles), for tests and benchmarks on two cores.
+pinpoints of 1 × 2 to 3 × 1 tiles; InternVL3: InternViT, up to 12 tiles
+and a thumbnail, pixel shuffle), for tests and benchmarks on two cores.
 
 Widths follow what vLLM's CPU backend accepts (text head size 64, an
 mrope_section summing to head_dim / 2); the tokenizer and chat template are
@@ -30,6 +31,8 @@ ONEVISION_MODEL = REPO_ROOT / "models" / "tiny-llava-onevision"
 # 56-pixel tile keeps the layout (4 × 4 features a tile) at a size two cores run.
 ONEVISION_TILE, ONEVISION_PATCH = 56, 14
 NEXT_MODEL = REPO_ROOT / "models" / "tiny-llava-next"
+INTERNVL_MODEL = REPO_ROOT / "models" / "tiny-internvl3"
+INTERNVL_TILE = 112  # InternVL3's is 448: 16 tokens a tile here instead of 256
 
 
 def qwen3_vl_config(tokenizer):
@@ -120,7 +123,7 @@ def _save_llava(model, out: Path) -> None:
     save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
 
 
-def _finish_llava(out: Path, seed: int, family: str) -> Path:
+def _finish(out: Path, seed: int, family: str) -> Path:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     generation = json.loads((out / "generation_config.json").read_text())
     (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))  # as Qwen3-VL's, above
@@ -147,7 +150,7 @@ def write_onevision(out: Path, seed: int = SEED) -> Path:
         num_image_tokens=(ONEVISION_TILE // ONEVISION_PATCH) ** 2, vision_feature_select_strategy="full",
         vision_aspect_ratio="anyres_max_9", image_token="<|image_pad|>", video_token="<|video_pad|>",
     ).save_pretrained(out)
-    return _finish_llava(out, seed, "llava-onevision")
+    return _finish(out, seed, "llava-onevision")
 
 
 def next_config(tokenizer):
@@ -189,13 +192,64 @@ def write_next(out: Path, seed: int = SEED) -> Path:
         image_processor=image, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE, patch_size=ONEVISION_PATCH,
         vision_feature_select_strategy="default", image_token="<|image_pad|>", num_additional_image_tokens=1,
     ).save_pretrained(out)
-    return _finish_llava(out, seed, "llava-next")
+    return _finish(out, seed, "llava-next")
+
+
+def internvl_tokenizer(seed: int):
+    """The demo tokenizer, naming its image tokens as InternVL's processor looks them up."""
+    from transformers import PreTrainedTokenizerFast
+
+    base = build_tokenizer(seed)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:], chat_template=CHAT_TEMPLATE, model_max_length=8192,
+        extra_special_tokens={"start_image_token": "<|vision_start|>", "end_image_token": "<|vision_end|>",
+                              "context_image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    )
+
+
+def internvl_config(tokenizer):
+    from transformers import InternVLConfig
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text = dict(
+        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
+    )
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=[INTERNVL_TILE] * 2, patch_size=[14, 14])
+    return InternVLConfig(
+        vision_config=vision, text_config=text, image_token_id=ids["<|image_pad|>"], downsample_ratio=0.5,
+        vision_feature_layer=-1, vision_feature_select_strategy="default", tie_word_embeddings=False,
+    )
+
+
+def write_internvl(out: Path, seed: int = SEED) -> Path:
+    import torch
+    from transformers import GotOcr2ImageProcessor, InternVLForConditionalGeneration, InternVLProcessor, InternVLVideoProcessor
+
+    tokenizer = internvl_tokenizer(seed)
+    torch.manual_seed(seed)
+    model = InternVLForConditionalGeneration(internvl_config(tokenizer)).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    size = {"height": INTERNVL_TILE, "width": INTERNVL_TILE}
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # InternVL3's
+    image = GotOcr2ImageProcessor(size=size, crop_to_patches=True, min_patches=1, max_patches=12, image_mean=mean, image_std=std)
+    video = InternVLVideoProcessor(size=size, image_mean=mean, image_std=std)
+    InternVLProcessor(
+        image_processor=image, tokenizer=tokenizer, video_processor=video, chat_template=CHAT_TEMPLATE,
+        image_seq_length=(INTERNVL_TILE // 14) ** 2 // 4,
+    ).save_pretrained(out)
+    return _finish(out, seed, "internvl3")
 
 
 BUILDERS = {
     "qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL),
     "llava-onevision": (write_onevision, ONEVISION_MODEL),
     "llava-next": (write_next, NEXT_MODEL),
+    "internvl3": (write_internvl, INTERNVL_MODEL),
 }
 
 

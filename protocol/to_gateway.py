@@ -33,10 +33,20 @@ class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="an
     max_tiles: int | None  # OneVision's anyres_max_N; None: LLaVA-NeXT, no shrink
 
 
+class TilesInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="tiles"):
+    """InternVL's tiles (prism/tiles.py), for the same two purposes."""
+
+    tile_size: int
+    min_tiles: int
+    max_tiles: int
+    crop: bool
+    tokens_per_tile: int
+
+
 class EncoderReady(Message):
     model: str
     fingerprint: str  # model identity + preprocessing parameters, as hashed into the cache key
-    processor: ProcessorInfo | AnyresInfo
+    processor: ProcessorInfo | AnyresInfo | TilesInfo
 
 
 class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):

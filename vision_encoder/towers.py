@@ -5,9 +5,10 @@ from __future__ import annotations
 from prism.families import family_of
 from vision_encoder.anyres_tower import AnyresTower
 from vision_encoder.qwen_tower import QwenTower
+from vision_encoder.tiles_tower import TilesTower
 from vision_encoder.tower import VisionTower, local_checkpoint
 
-TOWERS = {"qwen": QwenTower, "anyres": AnyresTower}
+TOWERS = {"qwen": QwenTower, "anyres": AnyresTower, "tiles": TilesTower}
 
 
 def load_tower(checkpoint: str, dtype: str, device: str, min_pixels: int | None = None,

@@ -23,6 +23,7 @@ import typing
 FIXES = {
     "vllm.model_executor.models.llava_onevision": ("LlavaOnevisionImageEmbeddingInputs", "data", "ifs"),
     "vllm.model_executor.models.llava_next": ("LlavaNextImageEmbeddingInputs", "data", "ifs"),
+    "vllm.model_executor.models.interns1": ("InternS1ImageEmbeddingInputs", "data", "tifs"),  # InternVL's
 }
 
 

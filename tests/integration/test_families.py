@@ -12,6 +12,10 @@ by which the encoder unpads the features as vLLM does on the raw image. Its
 images' token lists differ in length, which vLLM's own schema refused within
 one batch (llm_engine/vllm_site/prism_embedding_shapes.py): the concurrent
 test batches different sizes together.
+
+InternVL3: the grid of tiles closest to the image's aspect ratio, plus a
+thumbnail; the gateway sends the image no larger than covers that canvas and
+the encoder holds the processor to the original's tile count.
 """
 
 from __future__ import annotations
@@ -33,12 +37,12 @@ from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_P
 from tests.integration.conftest import STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 
-FAMILIES = ["qwen3-vl", "llava-onevision", "llava-next"]
-# The encoder's pixel budget is Qwen's; LLaVA-OneVision refuses one at start-up.
+FAMILIES = ["qwen3-vl", "llava-onevision", "llava-next", "internvl3"]
+# The encoder's pixel budget is Qwen's; the families that tile images their own way refuse one at start-up.
 NO_PIXEL_BUDGET = {k: v for k, v in STACK_OVERRIDES.items() if k not in ("PRISM_ENCODER__MAX_PIXELS", "PRISM_ENCODER__MIN_PIXELS")}
-OVERRIDES = {"qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET}
+OVERRIDES = {"qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET, "internvl3": NO_PIXEL_BUDGET}
 # (width the family's embeddings must have, a wrong one, the grid sent with them)
-WIDTHS = {"qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None)}
+WIDTHS = {"qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None), "internvl3": (128, 64, None)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

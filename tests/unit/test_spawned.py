@@ -1,5 +1,5 @@
 """The embedding-length fix reaches the processes vLLM spawns: there, once vLLM
-imports LLaVA-OneVision's and LLaVA-NeXT's model modules, their embedding
+imports LLaVA-OneVision's, LLaVA-NeXT's and InternVL's model modules, their embedding
 schemas accept images of different lengths in one batch (without it a second
 concurrent user of another image size killed vLLM's engine core)."""
 
@@ -15,11 +15,12 @@ from llm_engine.spawned import customize_spawned_vllm_processes
 
 
 def _schemas_accept_mixed_lengths() -> list[str]:
+    from vllm.model_executor.models.interns1 import InternS1ImageEmbeddingInputs
     from vllm.model_executor.models.llava_next import LlavaNextImageEmbeddingInputs
     from vllm.model_executor.models.llava_onevision import LlavaOnevisionImageEmbeddingInputs
 
     accepted = []
-    for schema in (LlavaOnevisionImageEmbeddingInputs, LlavaNextImageEmbeddingInputs):
+    for schema in (LlavaOnevisionImageEmbeddingInputs, LlavaNextImageEmbeddingInputs, InternS1ImageEmbeddingInputs):
         schema(type="image_embeds", data=[torch.zeros(7, 8), torch.zeros(3, 8)])  # raises if not
         accepted.append(schema.__name__)
     return accepted
@@ -29,7 +30,7 @@ def test_spawned_vllm_processes_take_embeddings_of_different_lengths_in_one_batc
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after the test
     customize_spawned_vllm_processes(0)
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(_schemas_accept_mixed_lengths) == ["LlavaOnevisionImageEmbeddingInputs", "LlavaNextImageEmbeddingInputs"]
+        assert pool.apply(_schemas_accept_mixed_lengths) == ["LlavaOnevisionImageEmbeddingInputs", "LlavaNextImageEmbeddingInputs", "InternS1ImageEmbeddingInputs"]
 
 
 def test_without_it_vllm_refuses_them():

@@ -3,14 +3,17 @@ vLLM puts in the prompt, for 50 random sizes per family. The gateway computes
 it from the image's header and the numbers the encoder's handshake gives it.
 
 - Qwen's families: grid t·h·w / merge², from the family's own HF processor.
-- LLaVA-OneVision and LLaVA-NeXT: vLLM's own `get_num_image_tokens`, and the length of the
-  features the encoder's tower gives, both for the original image and for the
-  smaller one the gateway sends with the original size beside it.
+- LLaVA-OneVision, LLaVA-NeXT and InternVL3 (families that tile images their
+  own way): vLLM's own `get_num_image_tokens`, and the length of the features
+  the encoder's tower gives, both for the original image and for the smaller
+  one the gateway sends with the original size beside it.
 """
 
 from __future__ import annotations
 
+import inspect
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ from transformers import AutoImageProcessor
 
 from gateway.intake import IntakePolicy, ImageLimits, PixelBudget
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+from prism.tiles import TileLayout
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import ProcessorInfo
 from vision_encoder.tower import TowerImage
@@ -50,13 +54,19 @@ def test_the_gateway_counts_the_placeholders_vllm_will_expand(family):
         assert ours == int(np.prod(grid)) // processor.merge_size**2, (family, height, width)
 
 
-@pytest.fixture(scope="module", params=["llava-onevision", "llava-next"])
+@pytest.fixture(scope="module", params=["llava-onevision", "llava-next", "internvl3"])
 def anyres(request):
-    """A tower of each anyres family."""
+    """A tower of each family that tiles images its own way."""
     return load_tower(str(ensure_tiny_model(request.param)), "float32", "cpu")
 
 
-def test_anyres_counts_equal_vllm_s(anyres):
+def vllm_count(info, height: int, width: int) -> int:
+    if "processor" in inspect.signature(info.get_num_image_tokens).parameters:  # InternVL's takes its processor
+        return info.get_num_image_tokens(image_width=width, image_height=height, processor=info.get_hf_processor(), mm_kwargs={})
+    return info.get_num_image_tokens(image_width=width, image_height=height)
+
+
+def test_tiled_counts_equal_vllm_s(anyres):
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
@@ -64,10 +74,24 @@ def test_anyres_counts_equal_vllm_s(anyres):
     policy = IntakePolicy(anyres.processor_info, LIMITS)
     for height, width in random_sizes(seed=11, largest=1600):
         ours = policy.visual_tokens(height, width, policy.target(height, width, policy.default_budget))
-        assert ours == vllm_info.get_num_image_tokens(image_width=width, image_height=height), (height, width)
+        assert ours == vllm_count(vllm_info, height, width), (height, width)
 
 
-def test_anyres_features_have_the_counted_length_as_sent_by_the_gateway(anyres):
+def test_internvl_finds_the_original_grid_in_the_smaller_image_it_is_sent():
+    """The encoder holds InternVL's processor to the original's tile count; within that count the
+    closest aspect ratio of the smaller image is the original's grid, for every size tried."""
+    for tile in (448, 112):
+        layout = TileLayout(tile, 1, 12, True, 256)
+        for height, width in random_sizes(seed=tile, count=2000, largest=8000):
+            sent = layout.sent_size(height, width)
+            if sent == (height, width):
+                continue
+            cols, rows = layout.grid(height, width)
+            held = replace(layout, min_tiles=cols * rows, max_tiles=cols * rows)
+            assert held.grid(*sent) == (cols, rows), (tile, height, width)
+
+
+def test_tiled_features_have_the_counted_length_as_sent_by_the_gateway(anyres):
     """The gateway scales an image down to what the tiles hold and sends the original size; the
     tower's features are as long as counted, as from the full image (vLLM's path)."""
     policy = IntakePolicy(anyres.processor_info, LIMITS)
