@@ -72,6 +72,8 @@ class Gateway:
     async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
         served = ServedModel.create(name, route, self.ctx, self.config)
         await served.start(self.config, image_limits(self.config), self.fetcher, self.limiter)
+        for pool, addresses in ((served.encoder, route.encoder_addresses), (served.engine, route.engine_addresses)):
+            pool.follow_dns(addresses, self.config.discovery_interval_s, join_timeout_s=self.config.startup_timeout_s)
         return served
 
     async def start(self) -> None:

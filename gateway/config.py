@@ -35,6 +35,11 @@ class GatewayConfig(FrozenConfig):
     stats_interval_s: float = Field(1.0, gt=0)  # polling the services' stats (also a heartbeat)
     heartbeat_timeout_s: float = Field(5.0, gt=0)  # silent this long: the service is down (503)
     drain_timeout_s: float = Field(30, ge=0)  # on shutdown, in-flight requests get this long to finish
+    # tcp:// host names in the encoder and engine addresses are resolved again
+    # this often (a Kubernetes headless Service has one A record per ready pod),
+    # so replicas join and leave while the gateway runs (gateway/discovery.py).
+    # 0: resolved once, at start-up.
+    discovery_interval_s: float = Field(5.0, ge=0)
     # An idle keep-alive connection is closed after this. It must outlast the
     # clients' own idle expiry (httpx, hence the openai client: 5 s), or the
     # server may close a connection just as a client reuses it, and that

@@ -51,6 +51,14 @@ class EncoderPool(ReplicaPool[EncoderClient]):
         super().__init__(ctx, addresses, heartbeat_timeout_s)
         self._encoding: list[Counter[bytes]] = [Counter() for _ in self.replicas]  # digests in flight per replica
 
+    def _added(self, index: int) -> None:
+        if index == len(self._encoding):
+            self._encoding.append(Counter())  # a reused index's is empty: it was idle when closed
+
+    def in_use(self, index: int) -> bool:
+        """A route holds its replica between rounds, with no request outstanding."""
+        return super().in_use(index) or bool(self._encoding[index])
+
     @contextlib.contextmanager
     def route(self, digests: Sequence[bytes]) -> Iterator[Route]:
         """Hold one request's replica over all its rounds (lookup, then pixels)."""

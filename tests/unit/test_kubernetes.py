@@ -1,0 +1,312 @@
+"""deploy/kubernetes: every overlay renders, every object is valid against the
+Kubernetes API schema (offline, kubernetes-validate), and what the objects
+say agrees with Prism itself: probes on endpoints that exist, grace periods
+that cover the drains the configs set, the gateway dialling headless Services
+where the encoders and engines listen, requests on every container, one image.
+
+Each container's Prism config is loaded as the pod would load it: the profile
+PRISM_CONFIG names (baked into the image, or mounted from a ConfigMap) plus
+the environment its ConfigMaps and `env` give it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.config import GatewayConfig
+from llm_engine.config import EngineConfig
+from prism.config import REPO_ROOT, load_config
+from vision_encoder.config import EncoderConfig
+
+DEPLOY = REPO_ROOT / "deploy" / "kubernetes"
+OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+K8S_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())  # the oldest we claim, the newest bundled
+# Custom resources the bundled schemas cannot know: checked field by field below.
+CUSTOM_KINDS = {"ServiceMonitor"}
+SERVICES = {"gateway": ("gateway", GatewayConfig), "vision_encoder": ("encoder", EncoderConfig),
+            "llm_engine": ("engine", EngineConfig)}  # module run by the container → config section
+DNS_TTL_S = 5  # CoreDNS's default for cluster records
+IMAGE_ROOT = "/opt/prism"  # docker/Dockerfile's WORKDIR, holding the repository
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (with kustomize) is not installed")
+
+
+@functools.cache
+def render(overlay: str) -> tuple[dict, ...]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(DEPLOY / "overlays" / overlay)],
+        check=True, capture_output=True, text=True).stdout
+    return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+
+
+def of_kind(objects, kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def prism_containers(objects):
+    """(Deployment, container, module) for every container running a Prism service."""
+    for deployment in of_kind(objects, "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            command = container.get("command", [])
+            if command[:2] == ["python", "-m"] and command[2] in SERVICES:
+                yield deployment, container, command[2]
+
+
+def container_config(objects, deployment: dict, container: dict, module: str, tmp_path: Path):
+    """The service's config as the pod loads it."""
+    config_maps = {c["metadata"]["name"]: c.get("data", {}) for c in of_kind(objects, "ConfigMap")}
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(config_maps[source["configMapRef"]["name"]])
+    env.update({e["name"]: e["value"] for e in container.get("env", [])})
+    section, model = SERVICES[module]
+    return load_config(model, section, local_profile(env["PRISM_CONFIG"], deployment, container, config_maps, tmp_path), env)
+
+
+def local_profile(path: str, deployment: dict, container: dict, config_maps: dict, tmp_path: Path) -> Path:
+    if path.startswith(IMAGE_ROOT + "/"):
+        return REPO_ROOT / path.removeprefix(IMAGE_ROOT + "/")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            data = config_maps[volumes[mount["name"]]["configMap"]["name"]]
+            local = tmp_path / path.lstrip("/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(data[path.removeprefix(mount["mountPath"].rstrip("/") + "/")])
+            return local
+    raise AssertionError(f"{deployment['metadata']['name']}: PRISM_CONFIG={path} is neither in the image nor mounted")
+
+
+def pre_stop_sleep_s(container: dict) -> int:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep", command
+    return int(command[1])
+
+
+@functools.cache
+def gateway_get_routes() -> frozenset[str]:
+    from gateway.app import create_app
+
+    app = create_app(GatewayConfig())
+    return frozenset(r.path for r in app.routes if "GET" in getattr(r, "methods", ()))
+
+
+def test_the_dockerfile_puts_the_repository_where_the_manifests_look():
+    dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
+    assert f"WORKDIR {IMAGE_ROOT}\n" in dockerfile and "COPY . ." in dockerfile
+    assert "COPY requirements/ requirements/" in dockerfile and "scripts/install.sh" in dockerfile  # the lock files
+
+
+def test_there_are_the_three_overlays():
+    assert set(OVERLAYS) == {"cpu-demo", "gpu-qwen2.5-vl-7b", "multi-model"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_is_valid_against_the_api_schema(overlay):
+    objects = render(overlay)
+    assert {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ConfigMap",
+            "ServiceMonitor", "Namespace"} <= {o["kind"] for o in objects}
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue  # test_the_service_monitor_scrapes_the_gateway
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)  # raises, naming the field
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_service_monitor_scrapes_the_gateway(overlay):
+    objects = render(overlay)
+    (monitor,) = of_kind(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(monitor["spec"]) == {"selector", "endpoints"}
+    labels = monitor["spec"]["selector"]["matchLabels"]
+    (service,) = [s for s in of_kind(objects, "Service") if labels.items() <= s["metadata"].get("labels", {}).items()]
+    assert service["metadata"]["name"] == "gateway"
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval"}
+        assert endpoint["port"] in ports and endpoint["path"] in gateway_get_routes()
+        assert re.fullmatch(r"\d+s", endpoint["interval"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_point_at_real_endpoints(overlay, tmp_path):
+    objects = render(overlay)
+    for deployment, container, module in prism_containers(objects):
+        config = container_config(objects, deployment, container, module, tmp_path)
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            probe = container[kind]
+            if module == "gateway":
+                ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+                assert probe["httpGet"]["path"] in gateway_get_routes()
+                assert ports[probe["httpGet"]["port"]] == config.port
+            else:
+                assert probe["exec"]["command"] == ["python", "-m", "prism.healthcheck", SERVICES[module][0]]
+        if module == "gateway":
+            assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+            assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+            startup = container["startupProbe"]
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= config.startup_timeout_s  # handshakes first
+            annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/port"] == str(config.port) and annotations["prometheus.io/path"] in gateway_get_routes()
+
+
+def test_the_exec_probes_really_check_the_service(tmp_path):
+    """The encoder's and engine's probe command, run as the pod runs it, passes
+    against a socket that answers the handshake and fails against silence."""
+    import zmq
+
+    from protocol.sockets import SyncRouter
+    from protocol.base import Hello
+    from protocol.to_encoder import EncoderInbound
+    from protocol.to_engine import EngineInbound
+    from protocol.to_gateway import EncoderReady, EngineReady, ProcessorInfo
+
+    objects = render("cpu-demo")
+    answers = {"vision_encoder": (EncoderInbound, EncoderReady("m", "f", ProcessorInfo(14, 2, 3136, 65536))),
+               "llm_engine": (EngineInbound, EngineReady("m", 4096))}
+    ctx = zmq.Context()
+    try:
+        for deployment, container, module in prism_containers(objects):
+            if module == "gateway":
+                continue
+            router = SyncRouter(ctx, "tcp://127.0.0.1:*", answers[module][0])
+            port = router.socket.last_endpoint.decode().rsplit(":", 1)[1]
+            env = probe_env(objects, container, port, SERVICES[module][0])
+            command = [sys.executable, *container["readinessProbe"]["exec"]["command"][1:], "--timeout-s", "10"]
+            probe = subprocess.Popen(command, env=env, cwd=REPO_ROOT)
+            assert router.poll(20_000), f"{module}'s probe never asked"
+            peer, message, _ = router.recv()
+            assert isinstance(message, Hello)
+            router.send(peer, answers[module][1])
+            assert probe.wait(30) == 0
+            router.close()
+            silent = subprocess.run([*command[:-1], "0.2"], env=env, cwd=REPO_ROOT, capture_output=True, text=True)
+            assert silent.returncode == 1 and "Traceback" not in silent.stderr
+    finally:
+        ctx.term()
+
+
+def probe_env(objects, container: dict, port: str, section: str) -> dict[str, str]:
+    config_maps = {c["metadata"]["name"]: c.get("data", {}) for c in of_kind(objects, "ConfigMap")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_")}
+    for source in container["envFrom"]:
+        env.update(config_maps[source["configMapRef"]["name"]])
+    env["PRISM_CONFIG"] = str(REPO_ROOT / env["PRISM_CONFIG"].removeprefix(IMAGE_ROOT + "/"))
+    env[f"PRISM_{section.upper()}__ADDRESS"] = f"tcp://0.0.0.0:{port}"  # a free port, not the pod's
+    return env
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grace_periods_cover_the_pre_stop_and_the_drain(overlay, tmp_path):
+    objects = render(overlay)
+    gateway = next(container_config(objects, d, c, m, tmp_path) for d, c, m in prism_containers(objects) if m == "gateway")
+    for deployment, container, module in prism_containers(objects):
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        pre_stop = pre_stop_sleep_s(container)
+        config = container_config(objects, deployment, container, module, tmp_path)
+        if module == "vision_encoder":
+            assert grace > pre_stop
+        else:
+            assert grace >= pre_stop + config.drain_timeout_s, deployment["metadata"]["name"]
+        if module != "gateway":  # the gateway has stopped sending before SIGTERM
+            assert pre_stop >= gateway.discovery_interval_s + DNS_TTL_S
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_dials_the_headless_services_where_the_services_listen(overlay, tmp_path):
+    objects = render(overlay)
+    services = {s["metadata"]["name"]: s for s in of_kind(objects, "Service")}
+    containers = list(prism_containers(objects))
+    (gateway,) = [container_config(objects, d, c, m, tmp_path) for d, c, m in containers if m == "gateway"]
+    routes = gateway.routes()
+    assert len(routes) == (2 if overlay == "multi-model" else 1)
+    for route in routes.values():
+        for addresses, module in ((route.encoder_addresses, "vision_encoder"), (route.engine_addresses, "llm_engine")):
+            for address in addresses:
+                host, port = re.fullmatch(r"tcp://([a-z0-9-]+):(\d+)", address).groups()
+                service = services[host]
+                assert service["spec"]["clusterIP"] == "None", f"{host} is not headless: one record per pod"
+                (service_port,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+                selected = [(d, c) for d, c, m in containers
+                            if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+                assert [m for d, c, m in containers if (d, c) in selected] == [module]
+                deployment, container = selected[0]
+                listens = container_config(objects, deployment, container, module, tmp_path).address
+                assert listens == f"tcp://0.0.0.0:{port}" and service_port["targetPort"] in {
+                    p["name"] for p in container["ports"] if p["containerPort"] == int(port)}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_requests_resources(overlay):
+    for deployment in of_kind(render(overlay), "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]), deployment["metadata"]["name"]
+            gpus = container["resources"]["requests"].get("nvidia.com/gpu")
+            assert gpus == container["resources"].get("limits", {}).get("nvidia.com/gpu")  # extended resources: equal
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_image_comes_from_one_place(overlay):
+    (entry,) = yaml.safe_load((DEPLOY / "components" / "image" / "kustomization.yaml").read_text())["images"]
+    elsewhere = [p for p in DEPLOY.rglob("*.yaml") if entry["newName"] in p.read_text() and p.parent.name != "image"]
+    assert not elsewhere
+    objects = render(overlay)
+    images = {c["image"] for _, c, _ in prism_containers(objects)}
+    flavour = "cpu" if overlay == "cpu-demo" else "gpu"
+    assert images == {f"{entry['newName']}:{flavour}"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_overlays_give_each_encoder_and_engine_a_gpu_and_the_models(overlay):
+    for deployment, container, module in prism_containers(render(overlay)):
+        gpus = container["resources"]["requests"].get("nvidia.com/gpu")
+        if module == "gateway" or overlay == "cpu-demo":
+            assert gpus is None
+        else:
+            assert gpus == "1" and {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_disruption_budgets_cover_every_prism_deployment(overlay):
+    objects = render(overlay)
+    budgets = [b["spec"]["selector"]["matchLabels"] for b in of_kind(objects, "PodDisruptionBudget")]
+    for deployment, _, _ in prism_containers(objects):
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert sum(budget.items() <= labels.items() for budget in budgets) == 1, deployment["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_dashboard_config_map_is_the_file_in_configs(overlay):
+    (dashboard,) = [c for c in of_kind(render(overlay), "ConfigMap") if c["metadata"]["name"] == "prism-grafana-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["data"] == {"prism-dashboard.json": (REPO_ROOT / "configs/grafana/prism-dashboard.json").read_text()}
+    json.loads(dashboard["data"]["prism-dashboard.json"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_encoder_autoscalers_read_a_metric_the_adapter_serves_from_the_gateway(overlay):
+    rules = yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())["rules"]["external"]
+    served = {rule["name"]["as"]: rule["seriesQuery"].split("{")[0].strip("'") for rule in rules}
+    exported = (REPO_ROOT / "gateway" / "metrics.py").read_text()
+    objects = render(overlay)
+    encoders = {d["metadata"]["name"] for d, _, m in prism_containers(objects) if m == "vision_encoder"}
+    autoscalers = of_kind(objects, "HorizontalPodAutoscaler")
+    assert {a["spec"]["scaleTargetRef"]["name"] for a in autoscalers} == encoders
+    for autoscaler in autoscalers:
+        (metric,) = autoscaler["spec"]["metrics"]
+        name = metric["external"]["metric"]["name"]
+        assert f'"{served[name]}"' in exported, f"the gateway exports no {served[name]}"
+        assert math.isfinite(float(metric["external"]["target"]["averageValue"]))
