@@ -12,7 +12,7 @@ from prism.config import FrozenConfig
 class ModelRoute(FrozenConfig):
     """One served model: where its encoders and engines listen."""
 
-    encoder_addresses: tuple[str, ...] = Field(min_length=1)
+    encoder_addresses: tuple[str, ...] = ()  # none: a text-only model (images get a 400)
     engine_addresses: tuple[str, ...] = Field(min_length=1)
     # The checkpoint `prism serve` starts this model's services with (None: the
     # shared top-level `model`). Gateways started alone ignore it.
@@ -23,7 +23,8 @@ class GatewayConfig(FrozenConfig):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # One address per encoder replica; `prism serve` starts one encoder for each.
-    encoder_addresses: tuple[str, ...] = Field(("ipc:///tmp/prism/encoder.sock",), min_length=1)
+    # None ([]): the model is served text-only, with no encoder (images get a 400).
+    encoder_addresses: tuple[str, ...] = ("ipc:///tmp/prism/encoder.sock",)
     engine_addresses: tuple[str, ...] = Field(("ipc:///tmp/prism/engine.sock",), min_length=1)  # one per engine replica
     served_model_name: str | None = None  # None: the name the engine reports
     # Several models behind one gateway: name → its encoders and engines. When

@@ -46,6 +46,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
     kind = "vision encoder"
     client = EncoderClient
     same = "fingerprint"  # checkpoint and every preprocessing parameter
+    optional = True  # a text-only model has none
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
         super().__init__(ctx, addresses, heartbeat_timeout_s)

@@ -48,8 +48,11 @@ class ServedModel:
         timeout = config.startup_timeout_s
         encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
         self.name = self.name or engine_info.model
-        policy = IntakePolicy(encoder_info.processor, limits)
-        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, limiter)
+        if encoder_info is not None and not engine_info.takes_images:
+            raise RuntimeError(f"model {self.name!r} is text-only, yet encoders are configured for it: "
+                               "list no encoder addresses for a text-only model")
+        policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits)
+        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, limiter, self.name)
         self.encoder.start_heartbeat(config.stats_interval_s)
         self.engine.start_heartbeat(config.stats_interval_s)
         self._idle.set()
@@ -57,8 +60,12 @@ class ServedModel:
                  len(self.engine.replicas), engine_info.model)
 
     @property
+    def takes_images(self) -> bool:
+        return bool(self.encoder.replicas)
+
+    @property
     def up(self) -> bool:
-        return self.encoder.up and self.engine.up
+        return (self.encoder.up or not self.takes_images) and self.engine.up
 
     def enter(self) -> None:
         """A request starts using this model (retiring waits until none does)."""

@@ -80,15 +80,16 @@ def engine_chat(request: ChatCompletionRequest) -> bytes:
 
 class ChatPipeline:
     def __init__(
-        self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, policy: IntakePolicy,
-        fetcher: ImageFetcher, limiter: ConcurrencyLimiter,
+        self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, policy: IntakePolicy | None,
+        fetcher: ImageFetcher, limiter: ConcurrencyLimiter, model_name: str | None = None,
     ) -> None:
         self.config = config
         self.limiter = limiter
         self.encoder = encoder
         self.engine = engine
-        self.policy = policy
+        self.policy = policy  # None: the model is served text-only
         self.fetcher = fetcher
+        self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
 
     async def _in_pool(self, fn, *args):
@@ -184,6 +185,9 @@ class ChatPipeline:
 
     async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer, request_id: str) -> Prepared:
         refs = image_refs(request)
+        if refs and self.policy is None:
+            raise APIError(400, f"{refs[0].where}: model '{self.model_name}' is served text-only and takes no images",
+                           param=refs[0].where, code="images_not_supported")
         self.engine.require_up()
         if refs:
             self.encoder.require_up()

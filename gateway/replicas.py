@@ -51,9 +51,10 @@ class ReplicaPool(Generic[C]):
     kind = "service"  # named in errors and logs: "vision encoder", "LLM engine"
     client: type[C]  # the client class of one replica
     same: str  # the handshake field every replica must agree on
+    optional = False  # may have no replicas at all (encoders, for a text-only model)
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
-        if not addresses:
+        if not addresses and not self.optional:
             raise ValueError(f"at least one {self.kind} address is needed")
         self.ctx = ctx
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -71,7 +72,9 @@ class ReplicaPool(Generic[C]):
         self._rotation = itertools.count()
 
     async def connect(self, timeout_s: float):
-        """Handshake with every replica; they must agree on `same`. The first one's answer."""
+        """Handshake with every replica; they must agree on `same`. The first one's answer (None without replicas)."""
+        if not self.replicas:
+            return None
         infos = await asyncio.gather(*(replica.connect(timeout_s) for replica in self.replicas))
         if len({getattr(info, self.same) for info in infos}) > 1:
             raise RuntimeError(f"{self.kind} replicas differ in {self.same}: " + ", ".join(

@@ -27,6 +27,8 @@ class InvalidPrompt(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
+    """What every image's embeddings must look like (None where a model takes no images)."""
+
     embedding_width: int  # columns vLLM takes per visual token (the family says: hidden, or more)
     merge_size: int | None  # None: the family's images have no grid (LLaVA-OneVision)
 
@@ -67,12 +69,14 @@ def image_parts(messages: list[dict]) -> int:
     return sum(_is_image(part) for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
-def image_data(request: GenerateRequest, frames: list, shape: ModelShape) -> dict | None:
+def image_data(request: GenerateRequest, frames: list, shape: ModelShape | None) -> dict | None:
     """vLLM's `multi_modal_data["image"]` for the request's validated embeddings, or None without images."""
     if len(frames) != len(request.images):
         raise InvalidPrompt(f"{len(frames)} embedding frames for {len(request.images)} images")
     if not request.images:
         return None
+    if shape is None:
+        raise InvalidPrompt("this model is text-only: it takes no images")
     tensors = [_checked(index, image, frame, shape) for index, (image, frame) in enumerate(zip(request.images, frames))]
     dtype = tensors[0].dtype
     if shape.merge_size is None:
@@ -111,7 +115,7 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def build_prompt(chat, request: GenerateRequest, frames: list, tokenizer, shape: ModelShape, max_model_len: int,
+def build_prompt(chat, request: GenerateRequest, frames: list, tokenizer, shape: ModelShape | None, max_model_len: int,
                  template_kwargs: dict) -> Prompt:
     """`chat`: vLLM's ChatCompletionRequest read from `request.chat`."""
     if (parts := image_parts(chat.messages)) != len(request.images):

@@ -56,6 +56,9 @@ def engine_args(config: EngineConfig, family: Family):
     # vLLM takes only with its tower loaded (Qwen3-VL's DeepStack) keeps it,
     # unprofiled: raw images never reach vLLM.
     images = config.max_images_per_prompt if family.vllm_needs_tower else 0
+    # A text-only model: no multimodal settings (vLLM refuses them for one).
+    multimodal = dict(enable_mm_embeds=True, limit_mm_per_prompt={"image": images, "video": 0},
+                      skip_mm_profiling=family.vllm_needs_tower) if family.takes_images else {}
     return AsyncEngineArgs(
         model=config.model,
         served_model_name=[config.served_model_name] if config.served_model_name else None,
@@ -72,12 +75,17 @@ def engine_args(config: EngineConfig, family: Family):
         enable_chunked_prefill=config.enable_chunked_prefill,
         kv_transfer_config=KVTransferConfig(**config.kv_transfer_config) if config.kv_transfer_config else None,
         seed=config.seed,
-        enable_mm_embeds=True,
-        limit_mm_per_prompt={"image": images, "video": 0},
-        skip_mm_profiling=family.vllm_needs_tower,
+        **multimodal,
         structured_outputs_config=StructuredOutputsConfig(**config.structured_outputs),
         disable_log_stats=False,  # RequestOutput.metrics carries the engine timestamps only then
     )
+
+
+def model_shape(family: Family, hf) -> ModelShape | None:
+    """What every image's embeddings must look like; None: the model takes no images."""
+    if not family.takes_images:
+        return None
+    return ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size if family.layout == "qwen" else None)
 
 
 def generation_defaults(model_config) -> dict:
@@ -109,7 +117,7 @@ class InFlight:
 
 
 class EngineService:
-    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape,
+    def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape | None,
                  generation_defaults: dict) -> None:
         self.config = config
         self.engine = engine
@@ -139,7 +147,7 @@ class EngineService:
         os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1" if config.strict_tool_calling else "0"
         hf = AutoConfig.from_pretrained(config.model)
         family = family_of(hf)  # an unsupported checkpoint stops here, naming why
-        shape = ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size if family.layout == "qwen" else None)
+        shape = model_shape(family, hf)
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
@@ -196,7 +204,7 @@ class EngineService:
             elif isinstance(message, StatsRequest):
                 await self._send(peer, self.stats())
             elif isinstance(message, Hello):
-                await self._send(peer, EngineReady(self.model_name, self.config.max_model_len))
+                await self._send(peer, EngineReady(self.model_name, self.config.max_model_len, self.shape is not None))
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -9,7 +9,10 @@ its images become tokens:
   plus a base tile, one token list per image with newline tokens in it
   (prism/anyres.py); vLLM takes the list alone;
 - "tiles" (InternVL3): square tiles of the image stretched onto the grid
-  closest to its aspect ratio, plus a thumbnail (prism/tiles.py); a list, too.
+  closest to its aspect ratio, plus a thumbnail (prism/tiles.py); a list, too;
+- "text": a language model with no vision part (any checkpoint without a
+  `vision_config`, of an architecture vLLM serves). It is served with no
+  encoder, and a request with an image gets a 400 naming the model.
 The gateway learns the layout's numbers from the encoder's handshake; the
 encoder picks its tower by layout (vision_encoder/towers.py); the engine
 needs the width of the embeddings it hands vLLM, and whether vLLM must keep
@@ -33,7 +36,7 @@ class Family:
     name: str
     # model_type → the transformers class that holds the vision code, "module:Class"
     towers: dict[str, str]
-    layout: str = "qwen"  # "qwen" | "anyres" | "tiles", see above
+    layout: str = "qwen"  # "qwen" | "anyres" | "tiles" | "text", see above
     # Qwen3-VL: the encoder's output is the merger's tokens followed, along the
     # hidden axis, by the DeepStack feature of each `deepstack_visual_indexes`
     # layer (vLLM splits them again and adds them into the first LLM layers).
@@ -41,6 +44,10 @@ class Family:
     # vLLM's tool-call parser for the family's chat format (engine.tool_call_parser "auto").
     # Qwen2-VL, Qwen2.5-VL and Qwen3-VL all call tools as <tool_call>{json}</tool_call>.
     tool_call_parser: str | None = "hermes"
+
+    @property
+    def takes_images(self) -> bool:
+        return self.layout != "text"
 
     def embedding_width(self, hf_config: Any) -> int:
         """Columns of one image's embeddings as vLLM takes them."""
@@ -78,6 +85,9 @@ FAMILIES = (
     Family("InternVL3", {"internvl": f"{_INTERNVL}:InternVLModel"}, layout="tiles"),
 )
 
+# Any language model without a vision part; vLLM judges its architecture.
+TEXT_ONLY = Family("text-only", {}, layout="text", tool_call_parser=None)
+
 # Families vLLM 0.32 serves only from raw images: it takes no precomputed
 # image embeddings for them (read from vLLM's model files), and Prism's engine
 # receives images only as embeddings.
@@ -97,6 +107,8 @@ def supported() -> str:
 def family_of(hf_config: Any) -> Family:
     """The checkpoint's family, or UnsupportedModel naming its architecture and why."""
     model_type = getattr(hf_config, "model_type", None)
+    if getattr(hf_config, "vision_config", None) is None and model_type not in NO_EMBEDDINGS_IN_VLLM:
+        return TEXT_ONLY
     for family in FAMILIES:
         if model_type in family.towers:
             return family

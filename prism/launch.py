@@ -103,6 +103,17 @@ class Supervisor:
                 _kill_group(child.process, signal.SIGKILL)
 
 
+def takes_images(checkpoint: str) -> bool:
+    from transformers import AutoConfig
+
+    from prism.families import UnsupportedModel, family_of
+
+    try:
+        return family_of(AutoConfig.from_pretrained(checkpoint)).takes_images
+    except UnsupportedModel as exc:
+        raise SystemExit(f"{checkpoint}: {exc}") from None
+
+
 def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
     """One encoder per encoder address and one engine per engine address of every
     served model (an address shared by several names starts once), each told
@@ -114,6 +125,9 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
             ensure_demo_model(RANDOM_MODEL)
         env = {"PRISM_MODEL": checkpoint}
         label = name or "default"
+        if route.encoder_addresses and not takes_images(checkpoint):
+            raise SystemExit(f"model {label} ({checkpoint}) is text-only: list no encoder addresses for it "
+                             "(gateway.encoder_addresses: [], or none in its models entry)")
         for i, address in enumerate(route.encoder_addresses):
             child_env = {**env, "PRISM_ENCODER__ADDRESS": address}
             children.setdefault(address, Child("vision_encoder", config_path, child_env, f"vision_encoder[{label}:{i}]"))

@@ -4,7 +4,8 @@ from each family's own transformers config with the real structure kept
 pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink; LLaVA-NeXT: CLIP
 with its class token dropped, the second-to-last layer's features, five
 pinpoints of 1 × 2 to 3 × 1 tiles; InternVL3: InternViT, up to 12 tiles
-and a thumbnail, pixel shuffle), for tests and benchmarks on two cores.
+and a thumbnail, pixel shuffle), and a text-only Qwen2 served with no encoder,
+for tests and benchmarks on two cores.
 
 Widths follow what vLLM's CPU backend accepts (text head size 64, an
 mrope_section summing to head_dim / 2); the tokenizer and chat template are
@@ -32,6 +33,7 @@ ONEVISION_MODEL = REPO_ROOT / "models" / "tiny-llava-onevision"
 ONEVISION_TILE, ONEVISION_PATCH = 56, 14
 NEXT_MODEL = REPO_ROOT / "models" / "tiny-llava-next"
 INTERNVL_MODEL = REPO_ROOT / "models" / "tiny-internvl3"
+TEXT_MODEL = REPO_ROOT / "models" / "tiny-qwen2-text"  # no vision part: served text-only
 INTERNVL_TILE = 112  # InternVL3's is 448: 16 tokens a tile here instead of 256
 
 
@@ -245,11 +247,31 @@ def write_internvl(out: Path, seed: int = SEED) -> Path:
     return _finish(out, seed, "internvl3")
 
 
+def write_text_only(out: Path, seed: int = SEED) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer(seed)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return _finish(out, seed, "qwen2-text")
+
+
 BUILDERS = {
     "qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL),
     "llava-onevision": (write_onevision, ONEVISION_MODEL),
     "llava-next": (write_next, NEXT_MODEL),
     "internvl3": (write_internvl, INTERNVL_MODEL),
+    "qwen2-text": (write_text_only, TEXT_MODEL),
 }
 
 

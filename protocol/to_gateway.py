@@ -87,6 +87,7 @@ class EncodeFailed(Message):
 class EngineReady(Message):
     model: str
     max_model_len: int
+    takes_images: bool = True  # False: a text-only model, served with no encoder
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

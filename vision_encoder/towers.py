@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prism.families import family_of
+from prism.families import UnsupportedModel, family_of
 from vision_encoder.anyres_tower import AnyresTower
 from vision_encoder.qwen_tower import QwenTower
 from vision_encoder.tiles_tower import TilesTower
@@ -18,4 +18,7 @@ def load_tower(checkpoint: str, dtype: str, device: str, min_pixels: int | None 
     path = local_checkpoint(checkpoint)
     config = AutoConfig.from_pretrained(path)
     family = family_of(config)  # an unsupported checkpoint stops here, naming why
+    if not family.takes_images:
+        raise UnsupportedModel(f"{checkpoint} is a text-only model ({(config.architectures or [config.model_type])[0]}): it has "
+                               "no vision tower for an encoder to run; serve it with no encoder (gateway.encoder_addresses: [])")
     return TOWERS[family.layout](str(checkpoint), path, config, family, dtype, device, min_pixels, max_pixels)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoConfig, Gemma3Config, LlamaConfig, Qwen2VLConfig, Qwen3VLConfig
+from transformers import AutoConfig, Gemma3Config, LlamaConfig, PaliGemmaConfig, Qwen2VLConfig, Qwen3VLConfig
 
-from prism.families import UnsupportedModel, family_of
+from prism.families import TEXT_ONLY, UnsupportedModel, family_of
 
 
 def test_the_qwen_families_are_recognised_and_qwen3_embeddings_carry_the_deepstack_layers():
@@ -21,6 +21,12 @@ def test_a_family_vllm_takes_no_embeddings_for_is_refused_with_the_reason():
         family_of(Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]))
 
 
-def test_an_unknown_architecture_is_refused_naming_it_and_the_supported_families():
-    with pytest.raises(UnsupportedModel, match=r"unsupported architecture LlamaForCausalLM .*'llama'.*Qwen2-VL.*Qwen2.5-VL.*Qwen3-VL"):
-        family_of(LlamaConfig(architectures=["LlamaForCausalLM"]))
+def test_an_unknown_vision_architecture_is_refused_naming_it_and_the_supported_families():
+    with pytest.raises(UnsupportedModel, match=r"unsupported architecture PaliGemmaForConditionalGeneration .*'paligemma'.*Qwen2-VL.*Qwen3-VL.*LLaVA-OneVision.*LLaVA-NeXT.*InternVL3"):
+        family_of(PaliGemmaConfig(architectures=["PaliGemmaForConditionalGeneration"]))
+
+
+def test_a_language_model_without_a_vision_part_is_served_text_only():
+    family = family_of(LlamaConfig(architectures=["LlamaForCausalLM"]))
+    assert family is TEXT_ONLY and not family.takes_images
+    assert all(f.takes_images for f in (family_of(Qwen2VLConfig()), family_of(AutoConfig.for_model("llava_onevision"))))
