@@ -1,6 +1,7 @@
 """Tiny random-weights checkpoints of the other families Prism serves, built
 from each family's own transformers config with the real structure kept
-(Qwen3-VL: its DeepStack layers; LLaVA-OneVision: SigLIP, anyres grid
+(Qwen2.5-VL: windowed attention blocks with full-attention ones between;
+Qwen3-VL: its DeepStack layers; LLaVA-OneVision: SigLIP, anyres grid
 pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink; LLaVA-NeXT: CLIP
 with its class token dropped, the second-to-last layer's features, five
 pinpoints of 1 × 2 to 3 × 1 tiles; InternVL3: InternViT, up to 12 tiles
@@ -22,9 +23,11 @@ from pathlib import Path
 
 from prism.config import REPO_ROOT
 from prism.demo_model import (
-    CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs, refresh_chat_template,
+    CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs,
+    refresh_chat_template,
 )
 
+QWEN2_5_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen2.5-vl"
 QWEN3_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen3-vl"
 QWEN3_VL_MIN_PIXELS = 32 * 32
 ONEVISION_MODEL = REPO_ROOT / "models" / "tiny-llava-onevision"
@@ -35,6 +38,44 @@ NEXT_MODEL = REPO_ROOT / "models" / "tiny-llava-next"
 INTERNVL_MODEL = REPO_ROOT / "models" / "tiny-internvl3"
 TEXT_MODEL = REPO_ROOT / "models" / "tiny-qwen2-text"  # no vision part: served text-only
 INTERNVL_TILE = 112  # InternVL3's is 448: 16 tokens a tile here instead of 256
+
+
+def qwen2_5_vl_config(tokenizer):
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
+        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=4, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu",
+        # Qwen2.5-VL-7B: windows of 112 pixels, every 8th block attends over the whole image
+        window_size=112, fullatt_block_indexes=[1, 3],
+    )
+    return Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
+    )
+
+
+def write_qwen2_5_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = build_tokenizer(seed)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config(tokenizer)).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    image, video = processor_configs(max_pixels, DEFAULT_MIN_PIXELS, processor="Qwen2_5_VLProcessor")
+    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return _finish(out, seed, "qwen2.5-vl")
 
 
 def qwen3_vl_config(tokenizer):
@@ -267,6 +308,7 @@ def write_text_only(out: Path, seed: int = SEED) -> Path:
 
 
 BUILDERS = {
+    "qwen2.5-vl": (write_qwen2_5_vl, QWEN2_5_VL_MODEL),
     "qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL),
     "llava-onevision": (write_onevision, ONEVISION_MODEL),
     "llava-next": (write_next, NEXT_MODEL),

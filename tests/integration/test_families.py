@@ -2,6 +2,9 @@
 images (in-process, float32), on a tiny random-weights checkpoint of the
 family's own structure built at test time (prism/tiny_models.py).
 
+Qwen2.5-VL: windowed attention blocks with full-attention ones between, as
+its 7B checkpoint has.
+
 Qwen3-VL: its embeddings carry the merger's tokens and each DeepStack
 layer's feature side by side; vLLM adds the DeepStack part into the first
 LLM layers, so an answer that matches shows both parts arrived intact.
@@ -37,12 +40,12 @@ from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_P
 from tests.integration.conftest import STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 
-FAMILIES = ["qwen3-vl", "llava-onevision", "llava-next", "internvl3"]
+FAMILIES = ["qwen2.5-vl", "qwen3-vl", "llava-onevision", "llava-next", "internvl3"]
 # The encoder's pixel budget is Qwen's; the families that tile images their own way refuse one at start-up.
 NO_PIXEL_BUDGET = {k: v for k, v in STACK_OVERRIDES.items() if k not in ("PRISM_ENCODER__MAX_PIXELS", "PRISM_ENCODER__MIN_PIXELS")}
-OVERRIDES = {"qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET, "internvl3": NO_PIXEL_BUDGET}
+OVERRIDES = {"qwen2.5-vl": STACK_OVERRIDES, "qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET, "internvl3": NO_PIXEL_BUDGET}
 # (width the family's embeddings must have, a wrong one, the grid sent with them)
-WIDTHS = {"qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None), "internvl3": (128, 64, None)}
+WIDTHS = {"qwen2.5-vl": (128, 64, (1, 4, 4)), "qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None), "internvl3": (128, 64, None)}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

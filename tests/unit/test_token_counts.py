@@ -28,7 +28,11 @@ from protocol.to_gateway import ProcessorInfo
 from vision_encoder.tower import TowerImage
 from vision_encoder.towers import load_tower
 
-CHECKPOINTS = {"qwen2-vl": lambda: ensure_demo_model(RANDOM_MODEL), "qwen3-vl": lambda: ensure_tiny_model("qwen3-vl")}
+CHECKPOINTS = {
+    "qwen2-vl": lambda: ensure_demo_model(RANDOM_MODEL),
+    "qwen2.5-vl": lambda: ensure_tiny_model("qwen2.5-vl"),
+    "qwen3-vl": lambda: ensure_tiny_model("qwen3-vl"),
+}
 LIMITS = ImageLimits(1, 1, 1, 200)
 
 
