@@ -180,7 +180,8 @@ def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAP
         body = {"status": "ready" if ready else "degraded", "models": {
             name: {"encoder": ("up" if served.encoder.up else "down") if served.takes_images else "none",
                    "engine": "up" if served.engine.up else "down",
-                   "replicas": {r.address: "up" if r.up else "down" for r in (*served.encoder.replicas, *served.engine.replicas)}}
+                   "replicas": {r.address: "up" if r.up else "down"
+                                for _, r in (*served.encoder.serving(), *served.engine.serving())}}
             for name, served in gateway.models.items()}}
         return JSONResponse(body, status_code=200 if ready else 503)
 

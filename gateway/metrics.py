@@ -119,7 +119,7 @@ def _replica_metrics(pools):
     }
     failovers = {"encoder": 0, "engine": 0}
     for model, encoders, engines in pools:
-        for index, replica in enumerate(encoders.replicas):
+        for index, replica in encoders.serving():
             label = [model, str(index)]
             families["up"].add_metric(label, int(replica.up))
             families["outstanding"].add_metric(label, replica.outstanding)
@@ -129,7 +129,7 @@ def _replica_metrics(pools):
                 if replica.stats.shared_cache is not None:
                     families["shared_up"].add_metric(label, int(replica.stats.shared_cache.up))
             _add_state(families["state"], "encoder", label, replica.stats)
-        for index, replica in enumerate(engines.replicas):
+        for index, replica in engines.serving():
             label = [model, str(index)]
             families["engine_up"].add_metric(label, int(replica.up))
             families["engine_outstanding"].add_metric(label, replica.outstanding)

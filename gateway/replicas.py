@@ -82,6 +82,10 @@ class ReplicaPool(Generic[C]):
         self.info = infos[0]
         return infos[0]
 
+    def serving(self) -> list[tuple[int, C]]:
+        """(index, replica) of every replica not yet closed; a closed index waits for a newcomer."""
+        return [(i, r) for i, r in enumerate(self.replicas) if i not in self._free]
+
     def start_heartbeat(self, interval_s: float) -> None:
         self._heartbeat_interval_s = interval_s
         for replica in self.replicas:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import sys
 from pathlib import Path
 
 import zmq
@@ -21,6 +23,10 @@ def main() -> None:
     setup_logging("encoder")
     config = load_config(EncoderConfig, "encoder", args.config)
     logging.getLogger("prism.encoder").info("config: %s", config.model_dump())
+    # A container's first process ignores SIGTERM unless it handles it (Kubernetes would
+    # wait out the grace period, then kill): stop at once. The gateway sends the encodes
+    # it had here to another replica, as for an encoder that died.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     EncoderService.start(config, zmq.Context.instance()).run_forever()
 
 
