@@ -82,6 +82,19 @@ class FakeEngine:
         self.router.close()
 
 
+async def bind_again(ctx: zmq.asyncio.Context, address: str) -> FakeEngine:
+    """A fake engine at an address just closed: ZMQ releases the port in its own
+    thread, so the first binds may find it still taken."""
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                return FakeEngine(ctx, address)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE:
+                    raise
+                await asyncio.sleep(0.05)
+
+
 async def until(predicate, timeout_s: float = 20) -> None:
     """Wait for a condition; the timeout only keeps a broken build from hanging."""
     async with asyncio.timeout(timeout_s):
@@ -157,7 +170,7 @@ async def replicas_come_and_go() -> None:
         assert max(first.received) < cutoff, "a retired replica was sent new requests"
 
         # The pod comes back (a new process at the same address): it joins again, in the freed index.
-        again = FakeEngine(ctx, a)
+        again = await bind_again(ctx, a)
         engines.append(again)
         records.ips = ["127.0.0.1", "127.0.0.2"]
         await until(lambda: len(again.received) >= 3)
@@ -173,7 +186,7 @@ async def replicas_come_and_go() -> None:
         await pool.close()
         for engine in engines:
             engine.stop()
-        ctx.term()
+        ctx.destroy(linger=0)  # also any socket a failed bind left open: term() would wait on it
 
 
 def test_replicas_join_and_leave_while_requests_run_and_none_is_lost():
@@ -199,7 +212,7 @@ async def lookup_fails_then_answers() -> None:
     finally:
         await pool.close()
         engine.stop()
-        ctx.term()
+        ctx.destroy(linger=0)  # also any socket a failed bind left open: term() would wait on it
 
 
 def test_a_failing_lookup_changes_nothing_and_the_next_answer_does():
@@ -227,7 +240,7 @@ def test_a_retired_encoder_stays_open_while_a_route_holds_it(tmp_path):
             assert held in pool._free
         finally:
             await pool.close()
-            ctx.term()
+            ctx.destroy(linger=0)  # also any socket a failed bind left open: term() would wait on it
 
     asyncio.run(run())
 
