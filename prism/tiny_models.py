@@ -63,19 +63,26 @@ def qwen2_5_vl_config(tokenizer):
 
 
 def write_qwen2_5_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
-    import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
+
+    configs = processor_configs(max_pixels, DEFAULT_MIN_PIXELS, processor="Qwen2_5_VLProcessor")
+    return _write_qwen(out, seed, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config, configs, "qwen2.5-vl")
+
+
+def _write_qwen(out: Path, seed: int, model_class, config, processor_configs: tuple[dict, dict], family: str) -> Path:
+    """A Qwen-family checkpoint: weights, the demo tokenizer, image and video processor configs."""
+    import torch
 
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config(tokenizer)).to(torch.bfloat16)
+    model = model_class(config(tokenizer)).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    image, video = processor_configs(max_pixels, DEFAULT_MIN_PIXELS, processor="Qwen2_5_VLProcessor")
+    image, video = processor_configs
     (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    return _finish(out, seed, "qwen2.5-vl")
+    return _finish(out, seed, family)
 
 
 def qwen3_vl_config(tokenizer):
@@ -107,36 +114,27 @@ def qwen3_vl_processor_configs(max_pixels: int, min_pixels: int) -> tuple[dict, 
 
 
 def write_qwen3_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
-    import torch
     from transformers import Qwen3VLForConditionalGeneration
 
-    tokenizer = build_tokenizer(seed)
-    torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(qwen3_vl_config(tokenizer)).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    image, video = qwen3_vl_processor_configs(max_pixels, QWEN3_VL_MIN_PIXELS)
-    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
-    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    # A sampling default as real checkpoints ship them (Qwen3-VL's sets top_k 20):
-    # top_k 1 makes sampling greedy, so a test can see that it was applied.
-    generation = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))
-    (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights", "family": "qwen3-vl"}, indent=2) + "\n")
-    return out
+    configs = qwen3_vl_processor_configs(max_pixels, QWEN3_VL_MIN_PIXELS)
+    return _write_qwen(out, seed, Qwen3VLForConditionalGeneration, qwen3_vl_config, configs, "qwen3-vl")
+
+
+def tiny_qwen2_text(tokenizer) -> dict:
+    """The language model of the LLaVA, InternVL and text-only checkpoints: Qwen2, head size 64."""
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    return dict(
+        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
+    )
 
 
 def onevision_config(tokenizer):
     from transformers import LlavaOnevisionConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    text = dict(
-        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
-    )
+    text = tiny_qwen2_text(tokenizer)
     vision = dict(
         model_type="siglip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=2, image_size=ONEVISION_TILE, patch_size=ONEVISION_PATCH,
@@ -168,8 +166,10 @@ def _save_llava(model, out: Path) -> None:
 
 def _finish(out: Path, seed: int, family: str) -> Path:
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    # A sampling default as real checkpoints ship them (Qwen3-VL's sets top_k 20):
+    # top_k 1 makes sampling greedy, so a test can see that it was applied.
     generation = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))  # as Qwen3-VL's, above
+    (out / "generation_config.json").write_text(json.dumps({**generation, "top_k": 1}, indent=2))
     (out / "prism_demo.json").write_text(json.dumps({"seed": seed, "kind": "random-weights", "family": family}, indent=2) + "\n")
     return out
 
@@ -200,11 +200,7 @@ def next_config(tokenizer):
     from transformers import LlavaNextConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    text = dict(
-        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
-    )
+    text = tiny_qwen2_text(tokenizer)
     vision = dict(
         model_type="clip_vision_model", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=2, image_size=ONEVISION_TILE, patch_size=ONEVISION_PATCH, projection_dim=64,
@@ -255,11 +251,7 @@ def internvl_config(tokenizer):
     from transformers import InternVLConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    text = dict(
-        model_type="qwen2", vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=32768,
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
-    )
+    text = tiny_qwen2_text(tokenizer)
     vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                   image_size=[INTERNVL_TILE] * 2, patch_size=[14, 14])
     return InternVLConfig(
@@ -293,12 +285,8 @@ def write_text_only(out: Path, seed: int = SEED) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = build_tokenizer(seed)
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"],
-    )
+    text = {k: v for k, v in tiny_qwen2_text(tokenizer).items() if k != "model_type"}
+    config = Qwen2Config(**text, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)

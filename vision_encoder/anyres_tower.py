@@ -97,21 +97,13 @@ class AnyresTower(VisionTower):
         layout = self.layout
         return AnyresInfo(layout.tile_size, layout.patch_size, layout.grid_pinpoints, layout.max_tiles)
 
-    def preprocessing_params(self) -> dict:
-        p = self.processor
+    def family_params(self) -> dict:
         return {
-            "class": type(p).__name__,
-            "size": dict(p.size),
-            "image_grid_pinpoints": [list(x) for x in p.image_grid_pinpoints],
-            "do_pad": bool(p.do_pad),
-            "resample": int(p.resample),
-            "rescale_factor": float(p.rescale_factor),
-            "image_mean": list(map(float, p.image_mean)),
-            "image_std": list(map(float, p.image_std)),
+            "image_grid_pinpoints": [list(x) for x in self.processor.image_grid_pinpoints],
+            "do_pad": bool(self.processor.do_pad),
             "vision_feature_layer": self.feature_layer,
             "vision_feature_select_strategy": self.select_strategy,
             "max_tiles": self.layout.max_tiles,
-            "dtype": str(self.dtype),
         }
 
     def num_patches(self, height: int, width: int) -> int:

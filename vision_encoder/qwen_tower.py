@@ -59,20 +59,9 @@ class QwenTower(VisionTower):
             max_pixels=int(size["longest_edge"]),
         )
 
-    def preprocessing_params(self) -> dict:
+    def family_params(self) -> dict:
         p = self.processor
-        return {
-            "class": type(p).__name__,
-            "size": dict(p.size),
-            "patch_size": p.patch_size,
-            "temporal_patch_size": p.temporal_patch_size,
-            "merge_size": p.merge_size,
-            "resample": int(p.resample),
-            "rescale_factor": float(p.rescale_factor),
-            "image_mean": list(map(float, p.image_mean)),
-            "image_std": list(map(float, p.image_std)),
-            "dtype": str(self.dtype),
-        }
+        return {"patch_size": p.patch_size, "temporal_patch_size": p.temporal_patch_size, "merge_size": p.merge_size}
 
     def num_patches(self, height: int, width: int) -> int:
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize

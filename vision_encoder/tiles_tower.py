@@ -102,22 +102,15 @@ class TilesTower(VisionTower):
         layout = self.layout
         return TilesInfo(layout.tile_size, layout.min_tiles, layout.max_tiles, layout.crop, layout.tokens_per_tile)
 
-    def preprocessing_params(self) -> dict:
+    def family_params(self) -> dict:
         p = self.processor
         return {
-            "class": type(p).__name__,
-            "size": dict(p.size),
             "crop_to_patches": bool(p.crop_to_patches),
             "min_patches": p.min_patches,
             "max_patches": p.max_patches,
-            "resample": int(p.resample),
-            "rescale_factor": float(p.rescale_factor),
-            "image_mean": list(map(float, p.image_mean)),
-            "image_std": list(map(float, p.image_std)),
             "vision_feature_layer": self.feature_layer,
             "vision_feature_select_strategy": self.select_strategy,
             "tokens_per_tile": self.layout.tokens_per_tile,
-            "dtype": str(self.dtype),
         }
 
     def num_patches(self, height: int, width: int) -> int:

@@ -110,6 +110,20 @@ class VisionTower:
 
     def preprocessing_params(self) -> dict:
         """Every processor parameter that changes the pixels the ViT sees."""
+        p = self.processor
+        return {
+            "class": type(p).__name__,
+            "size": dict(p.size),
+            "resample": int(p.resample),
+            "rescale_factor": float(p.rescale_factor),
+            "image_mean": list(map(float, p.image_mean)),
+            "image_std": list(map(float, p.image_std)),
+            "dtype": str(self.dtype),
+            **self.family_params(),
+        }
+
+    def family_params(self) -> dict:
+        """The family's own parameters beside the common ones above."""
         raise NotImplementedError
 
     def num_patches(self, height: int, width: int) -> int:
