@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import warnings
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class IntakePolicy:
     processor: ProcessorInfo | AnyresInfo | TilesInfo
     limits: ImageLimits
 
-    @property
+    @functools.cached_property  # asked for every image; the handshake's numbers never change
     def tiling(self) -> AnyresLayout | TileLayout | None:
         """The family's own tiling (LLaVA, InternVL), or None for Qwen's pixel budget."""
         p = self.processor

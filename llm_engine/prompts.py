@@ -5,7 +5,7 @@ vLLM accepts some malformed embeddings at its front end and then dies in the
 engine core (a 3-D tensor does that), so every shape is checked here: one
 placeholder per image, 2-D embeddings, the family's width, and for families
 with a grid, rows = t·h·w / merge². vLLM takes Qwen's families' images as one
-flat tensor plus their grids, and LLaVA-OneVision's as a list of tensors
+flat tensor plus their grids, and LLaVA's and InternVL's as a list of tensors
 (each image's length is its own; vLLM counts its placeholders from it).
 """
 
@@ -30,7 +30,7 @@ class ModelShape:
     """What every image's embeddings must look like (None where a model takes no images)."""
 
     embedding_width: int  # columns vLLM takes per visual token (the family says: hidden, or more)
-    merge_size: int | None  # None: the family's images have no grid (LLaVA-OneVision)
+    merge_size: int | None  # None: the family's images have no grid (LLaVA, InternVL)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
