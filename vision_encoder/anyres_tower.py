@@ -13,7 +13,6 @@ embedding), so the language model is never built.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +50,7 @@ class AnyresTower(VisionTower):
                  min_pixels: int | None = None, max_pixels: int | None = None) -> None:
         from transformers import AutoImageProcessor
 
-        if min_pixels or max_pixels:
-            raise ValueError(f"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; {family.name} tiles "
-                             "each image at the checkpoint's grid pinpoints instead: leave them unset")
+        self.refuse_pixel_budget(family, min_pixels, max_pixels, "tiles each image at the checkpoint's grid pinpoints")
         super().__init__(model_id, config, family, dtype, device)
         self.layout = layout_of(config)
         self.processor = AutoImageProcessor.from_pretrained(path)
@@ -73,8 +70,7 @@ class AnyresTower(VisionTower):
         return name.replace("vision_tower.vision_model.", "vision_tower.", 1)
 
     def _module(self, config: Any) -> torch.nn.Module:
-        module, _, name = self.family.towers[config.model_type].partition(":")
-        source = getattr(importlib.import_module(module), name)
+        module, source = self._vision_code(config)
         from transformers import AutoModel
 
         class AnyresVision(torch.nn.Module):
@@ -86,7 +82,7 @@ class AnyresTower(VisionTower):
                 self.config = config
                 self.vision_tower = AutoModel.from_config(config.vision_config)
                 # LlavaOnevisionModel's is LlavaOnevisionMultiModalProjector, LlavaNextModel's LlavaNextMultiModalProjector
-                projector = getattr(importlib.import_module(module), name.removesuffix("Model") + "MultiModalProjector")
+                projector = getattr(module, source.__name__.removesuffix("Model") + "MultiModalProjector")
                 self.multi_modal_projector = projector(config)
                 self.image_newline = torch.nn.Parameter(torch.empty(config.text_config.hidden_size))
 

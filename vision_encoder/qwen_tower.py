@@ -5,7 +5,6 @@ followed along the hidden axis for Qwen3-VL by each DeepStack feature."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +45,8 @@ class QwenTower(VisionTower):
         return None if prefix is None else name[len(prefix):]
 
     def _module(self, config: Any) -> torch.nn.Module:
-        module, _, name = self.family.towers[config.model_type].partition(":")
-        return getattr(importlib.import_module(module), name)._from_config(config.vision_config, dtype=self.dtype)
+        _, tower = self._vision_code(config)
+        return tower._from_config(config.vision_config, dtype=self.dtype)
 
     @property
     def processor_info(self) -> ProcessorInfo:

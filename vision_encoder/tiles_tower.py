@@ -17,7 +17,6 @@ projector), so the language model is never built.
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +48,7 @@ class TilesTower(VisionTower):
                  min_pixels: int | None = None, max_pixels: int | None = None) -> None:
         from transformers import AutoImageProcessor
 
-        if min_pixels or max_pixels:
-            raise ValueError(f"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; {family.name} tiles "
-                             "each image by its aspect ratio instead: leave them unset")
+        self.refuse_pixel_budget(family, min_pixels, max_pixels, "tiles each image by its aspect ratio")
         super().__init__(model_id, config, family, dtype, device)
         self.processor = p = AutoImageProcessor.from_pretrained(path)
         if p.size["height"] != p.size["width"]:
@@ -76,9 +73,7 @@ class TilesTower(VisionTower):
         return name if name.startswith(_VISION_PARTS) else None
 
     def _module(self, config: Any) -> torch.nn.Module:
-        module, _, name = self.family.towers[config.model_type].partition(":")
-        source = importlib.import_module(module)
-        model = getattr(source, name)
+        source, model = self._vision_code(config)
         from transformers import AutoModel
 
         class TilesVision(torch.nn.Module):

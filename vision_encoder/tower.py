@@ -9,6 +9,7 @@ images are preprocessed, run and measured; towers.py picks one by family.
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,19 @@ class VisionTower:
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
         self.embedding_width = family.embedding_width(config)
+
+    def _vision_code(self, config: Any) -> tuple[Any, type]:
+        """The transformers module and class that hold the family's vision code (prism/families.py)."""
+        module, _, name = self.family.towers[config.model_type].partition(":")
+        source = importlib.import_module(module)
+        return source, getattr(source, name)
+
+    @staticmethod
+    def refuse_pixel_budget(family: Family, min_pixels: int | None, max_pixels: int | None, sizing: str) -> None:
+        """`encoder.min_pixels` / `max_pixels` are Qwen's; a family that sizes images otherwise stops at start-up."""
+        if min_pixels or max_pixels:
+            raise ValueError(f"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; {family.name} "
+                             f"{sizing} instead: leave them unset")
 
     def _load(self, path: Path, config: Any) -> None:
         state = self._vision_state(_weight_files(path))

@@ -113,3 +113,9 @@ def test_tiled_features_have_the_counted_length_as_sent_by_the_gateway(anyres):
     assert lengths[0] == lengths[1] == counted
     assert sum(h * w > t_h * t_w for (h, w), (t_h, t_w) in
                ((s, policy.target(*s, policy.default_budget)) for s in sizes)) >= 5  # most were scaled down
+
+
+@pytest.mark.parametrize("family", ["llava-onevision", "internvl3"])
+def test_a_qwen_pixel_budget_stops_a_tiled_family_at_start_up(family):
+    with pytest.raises(ValueError, match=r"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; (LLaVA-OneVision|InternVL3) tiles"):
+        load_tower(str(ensure_tiny_model(family)), "float32", "cpu", max_pixels=200704)
