@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -16,6 +16,7 @@ import pytest
 from prism.config import REPO_ROOT
 from prism.stack import free_port, wait_for_health
 from tests.integration.conftest import MODEL_NAME
+from tests.integration.helpers import wait_until
 
 KEYS = ("key-alpha", "key-beta")
 
@@ -62,6 +63,12 @@ def test_a_valid_key_is_served_and_models_need_one_too(guarded):
     assert httpx.get(f"{guarded}/v1/models", headers={"Authorization": "Bearer key-alpha"}, timeout=10).json()["data"][0]["id"] == MODEL_NAME
 
 
+def gateway_in_flight(base_url: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    found = re.search(r'^prism_in_flight_requests\{service="gateway"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0  # no request admitted yet
+
+
 class SlowUpload:
     """A request that holds its admission slot while its body trickles in."""
 
@@ -78,9 +85,11 @@ class SlowUpload:
         def send():
             self.response = httpx.post(f"{base_url}/v1/chat/completions", content=chunks(), headers={"Authorization": f"Bearer {key}", "Content-Length": str(len(body))}, timeout=60)
 
+        admitted = gateway_in_flight(base_url)
         self.thread = threading.Thread(target=send)
         self.thread.start()
-        time.sleep(0.5)  # let the request reach the gateway and take its slot
+        # the gateway takes the slot (and counts the request in flight) as the headers arrive, before the body
+        wait_until(lambda: gateway_in_flight(base_url) > admitted, 10, f"a slow upload for {key} holding its slot")
 
     def finish(self) -> httpx.Response:
         self.release.set()

@@ -13,7 +13,7 @@ from gateway.timing import TTFT_STAGES
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import log_records
+from tests.integration.helpers import log_records, wait_until
 
 TOLERANCE_MS = 1.0  # rounding of each stage to µs, and nothing else
 
@@ -82,16 +82,19 @@ def test_one_scrape_shows_every_service(stack):
     url = b64(save(make_image("scrape", (300, 200)), "PNG"))
     for _ in range(2):  # a miss, then a hit
         assert httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, True), timeout=60).status_code == 200
-    time.sleep(1.5)  # the gateway polls service stats every second
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
-    for stage in TTFT_STAGES:
-        assert f'prism_stage_seconds_count{{stage="{stage}"}}' in text
-    for name in (
+    names = (
+        *(f'prism_stage_seconds_count{{stage="{stage}"}}' for stage in TTFT_STAGES),
         "prism_ttft_seconds_bucket", "prism_tpot_seconds_bucket", "prism_itl_seconds_bucket", "prism_e2e_seconds_bucket",
         "prism_encoder_batch_images_bucket", "prism_encoder_batch_patches_bucket", "prism_visual_tokens_per_request_bucket",
         'prism_cache_events_total{event="hit"}', 'prism_cache_events_total{event="miss"}', 'prism_cache_events_total{event="join"}',
         'prism_cache_events_total{event="eviction"}', "prism_cache_bytes", 'prism_queue_depth{service="encoder"}',
         'prism_queue_depth{service="engine"}', 'prism_in_flight_requests{service="gateway"}', 'prism_images_total{size="le_0.25mp"}',
         'prism_requests_total{reason="ok",status="200"}',
-    ):
-        assert name in text, name
+    )
+
+    def missing() -> list[str]:
+        text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+        return [name for name in names if name not in text]
+
+    # the services' figures come from the stats the gateway polls (every second)
+    wait_until(lambda: not missing(), 10, "one scrape showing every stage and every service's metrics")

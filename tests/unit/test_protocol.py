@@ -1,85 +1,232 @@
-"""Wire round-trips: every message type, and awkward tensors as raw frames."""
+"""Wire round-trips: every message type, and arrays of every dtype as raw frames.
+
+Every message is encoded with `protocol.sockets.pack` and decoded by a msgspec
+msgpack Decoder of the union its receiving socket reads (as `_Typed` does), and
+must come back equal. Each field of each struct is given a non-default value in
+at least one case, so a field that failed to travel would fail here; a struct
+added to protocol/ without a case fails `test_every_protocol_struct_has_a_case`.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import pkgutil
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq.asyncio
 
-from protocol.base import Hello
-from protocol.sockets import pack
-from protocol.stats import EncoderStats, EngineStats, HistogramCounter, ServiceState, SharedTierStats, StatsRequest
+import protocol
+from protocol.base import Hello, Message
+from protocol.sockets import AsyncDealer, AsyncRouter, pack
+from protocol.stats import (
+    BATCH_IMAGE_BUCKETS,
+    BATCH_PATCH_BUCKETS,
+    EncoderStats,
+    EngineStats,
+    HistogramCounter,
+    ServiceState,
+    SharedTierStats,
+    StatsRequest,
+)
 from protocol.tensors import ArrayMeta, to_frame, to_numpy, to_torch
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, ImageInput
-from protocol.to_engine import (
-    AbortGenerate,
-    EngineInbound,
-    GenerateRequest,
-    ImageEmbedding,
-)
+from protocol.to_engine import IMAGE_PLACEHOLDER, AbortGenerate, EngineInbound, GenerateRequest, ImageEmbedding
 from protocol.to_gateway import (
+    AnyresInfo,
     ChoiceDelta,
+    EncodedImage,
     EncodeFailed,
     EncodeNeedsPixels,
-    EncodeResult,
-    EncodedImage,
     EncoderReady,
+    EncodeResult,
     EncoderTimings,
     EngineReady,
     EngineTimings,
     GatewayInbound,
     GenerateFailed,
     ProcessorInfo,
+    TilesInfo,
     TokenDelta,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
 )
 
-META = ArrayMeta("bfloat16", (4, 128))
 
-MESSAGES = [
-    (EncoderInbound, Hello("gateway")),
-    (EncoderInbound, EncodeRequest("r1", [ImageInput(b"\x00" * 16, ArrayMeta("uint8", (28, 56, 3))), ImageInput(b"\x01" * 16)])),
-    (EncoderInbound, CancelEncode("r1")),
+def _histogram(bounds: tuple[int, ...], observations: list[int]):
+    counter = HistogramCounter(bounds)
+    for value in observations:
+        counter.observe(value)
+    return counter.snapshot()
+
+
+QWEN_EMBEDDINGS = ArrayMeta("bfloat16", (391, 3584))  # a 476×644 image: grid (1, 34, 46), merge 2×2
+CHAT = (
+    b'{"model":"qwen","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"'
+    + IMAGE_PLACEHOLDER.encode()
+    + b'"}},{"type":"text","text":"What is in this picture?"}]}],"max_tokens":64,"logprobs":true,"top_logprobs":2}'
+)
+
+# (the union the receiving socket decodes, a message); every field non-default somewhere.
+CASES = [
+    (EncoderInbound, Hello("gateway-5f0c")),
+    (EngineInbound, Hello("gateway-5f0c")),
+    (EncoderInbound, StatsRequest("gateway-5f0c")),
+    (EngineInbound, StatsRequest("gateway-5f0c")),
+    (EncoderInbound, EncodeRequest(
+        "chatcmpl-41",
+        [
+            ImageInput(bytes(range(16)), ArrayMeta("uint8", (476, 644, 3)), (1512, 2048)),
+            ImageInput(bytes(range(16, 32))),  # look-up only
+        ],
+        retry=True,
+    )),
+    (EncoderInbound, CancelEncode("chatcmpl-41")),
     (EngineInbound, GenerateRequest(
-        "r2",
-        b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"prism:embedding"}},{"type":"text","text":"what is this?"}]}],"max_tokens":8}',
-        [ImageEmbedding(META, (1, 4, 4))],
+        "chatcmpl-41",
+        CHAT,
+        [ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46)), ImageEmbedding(ArrayMeta("float16", (729, 896)), None)],
     )),
-    (EngineInbound, AbortGenerate("r2")),
-    (GatewayInbound, EncoderReady("m", "abc", ProcessorInfo(14, 2, 3136, 1048576))),
-    (GatewayInbound, EncodeResult("r1", [EncodedImage(META, (1, 4, 4), True)], EncoderTimings(0.1, 0.2, 0.3, 0.7))),
-    (GatewayInbound, EncodeFailed("r1", "boom")),
-    (GatewayInbound, EncodeFailed("r1", "queue full", 429)),
-    (GatewayInbound, EncodeNeedsPixels("r1", [0, 2], 0.001, 0.002)),
-    (GatewayInbound, EngineReady("m", 4096)),
-    (GatewayInbound, TokenDelta("r2", [ChoiceDelta(0, "hi", "stop")], 1, 10, True, EngineTimings(0.01, 0.02, 0.03))),
-    (GatewayInbound, TokenDelta("r2", [], 2, 10)),
-    (GatewayInbound, TokenDelta("r2", [
-        ChoiceDelta(1, "", None, [TokenLogprob("a", -0.5, [97], [TopLogprob("a", -0.5, [97]), TopLogprob("b", -1.5, [98])])]),
-        ChoiceDelta(0, "", "tool_calls", None, [ToolCallDelta(0, "call-1", "get_weather", '{"city": "Paris"}')]),
-    ], 4, 10, True)),
-    (GatewayInbound, GenerateFailed("r2", "bad shape", 400)),
-    (GatewayInbound, GenerateFailed("r2", "engine core died", 503, "engine_dead")),
-    (GatewayInbound, EncodeFailed("r1", "stalled", 503, "encoder_stalled")),
-    (GatewayInbound, EngineStats("boot", 3, 1, 10, 2, ServiceState.STALLED, steps=1000, stalls=1)),
-    (GatewayInbound, EngineStats("boot", 0, 0, 0, 0)),
+    (EngineInbound, AbortGenerate("chatcmpl-41")),
+    (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056))),
+    (GatewayInbound, EncoderReady(
+        "llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
+        "41bd0e6a3f02",
+        AnyresInfo(384, 14, ((384, 384), (384, 768), (768, 384), (768, 768)), 9),
+    )),
+    (GatewayInbound, EncoderReady(
+        "llava-hf/llava-v1.6-mistral-7b-hf", "d03b5c9e1a64", AnyresInfo(336, 14, ((336, 672), (672, 336)), None)
+    )),
+    (GatewayInbound, EncoderReady("OpenGVLab/InternVL3-1B-hf", "7a2f9b4c0e11", TilesInfo(448, 1, 12, True, 256))),
+    (GatewayInbound, EncodeResult(
+        "chatcmpl-41",
+        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True), EncodedImage(ArrayMeta("float16", (729, 896)), None, False)],
+        EncoderTimings(0.0004, 0.0125, 0.0851, 0.1013),
+    )),
+    (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
+    (GatewayInbound, EncodeFailed("chatcmpl-41", "encoder queue is full (512 images waiting)", 429)),
+    (GatewayInbound, EncodeFailed("chatcmpl-41", "vision encoder is stalled; retry shortly", 503, "encoder_stalled")),
+    (GatewayInbound, EngineReady("Qwen/Qwen2.5-VL-7B-Instruct", 32768)),
+    (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
+    (GatewayInbound, TokenDelta(
+        "chatcmpl-41", [ChoiceDelta(0, "A red")], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0)
+    )),
+    (GatewayInbound, TokenDelta(
+        "chatcmpl-41",
+        [
+            ChoiceDelta(
+                1,
+                " bicycle.",
+                "stop",
+                [TokenLogprob(" bicycle", -0.25, [32, 98, 105], [
+                    TopLogprob(" bicycle", -0.25, [32, 98, 105]), TopLogprob(" bike", -1.625, [32, 98, 105, 107]),
+                ])],
+                reasoning="The image shows a bicycle.",
+            ),
+            ChoiceDelta(0, "", "tool_calls", None, [
+                ToolCallDelta(0, "call-7d1", "get_weather", '{"city": "Paris"}'),
+                ToolCallDelta(1, "call-7d2", "get_time", '{"tz": "Europe/Paris"}'),
+            ]),
+        ],
+        37,
+        412,
+        finished=True,
+        timings=EngineTimings(0.0031, 0.0472, 0.6125),
+        cached_tokens=256,
+    )),
+    (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400)),
+    (GatewayInbound, GenerateFailed("chatcmpl-41", "engine core died", 503, "engine_dead")),
+    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1)),
     (GatewayInbound, EncoderStats(
-        "boot", 2, 1, 1024, 4096, 3, 5, 6, 1, 0, 0, 4, 8, 0, HistogramCounter((1, 2)).snapshot(),
-        HistogramCounter((256,)).snapshot(), SharedTierStats(reattaches=2), ServiceState.DEAD, stalls=3,
+        "a8f20b",
+        queue_depth=5,
+        in_flight=3,
+        cache_bytes=734003200,
+        cache_capacity_bytes=4294967296,
+        cache_entries=812,
+        cache_hits=4410,
+        cache_misses=903,
+        cache_joins=17,
+        cache_evictions=91,
+        cache_collisions=1,
+        batches=377,
+        images_encoded=903,
+        jobs_dropped=4,
+        batch_images=_histogram(BATCH_IMAGE_BUCKETS, [1, 1, 3, 8, 70]),
+        batch_patches=_histogram(BATCH_PATCH_BUCKETS, [1564, 6256, 300000]),
+        shared_cache=SharedTierStats(False, 120, 33, 1, 2, 5, 150, 7, 2),
+        state=ServiceState.DRAINING,
+        stalls=2,
     )),
-    (EncoderInbound, StatsRequest("gateway")),
-    (EngineInbound, StatsRequest("gateway")),
 ]
 
 
-@pytest.mark.parametrize("inbound,message", MESSAGES, ids=lambda m: type(m).__name__)
+SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway"}
+
+
+@pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])
 def test_every_message_round_trips_through_its_union(inbound, message):
     header, *frames = pack(message)
     assert frames == []
-    assert msgspec.msgpack.Decoder(inbound).decode(header) == message
+    back = msgspec.msgpack.Decoder(inbound).decode(header)
+    assert type(back) is type(message) and back == message
+
+
+def _protocol_structs() -> set[type]:
+    """Every msgspec.Struct defined in a module of protocol/ (except the abstract `Message` base)."""
+    structs = set()
+    for info in pkgutil.iter_modules(protocol.__path__):
+        module = importlib.import_module(f"protocol.{info.name}")
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__ and obj is not Message:
+                structs.add(obj)
+    return structs
+
+
+def _structs_in(value):
+    if isinstance(value, msgspec.Struct):
+        yield value
+        for field in msgspec.structs.fields(value):
+            yield from _structs_in(getattr(value, field.name))
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _structs_in(item)
+
+
+def _default(field: msgspec.structs.FieldInfo):
+    if field.default is not msgspec.NODEFAULT:
+        return field.default
+    if field.default_factory is not msgspec.NODEFAULT:
+        return field.default_factory()
+    return msgspec.NODEFAULT
+
+
+def test_every_protocol_struct_has_a_case_with_every_field_set():
+    structs = _protocol_structs()
+    assert {Hello, StatsRequest, EncoderStats, EngineStats, TokenDelta, ArrayMeta} <= structs  # the walk finds them
+    seen = {type(message) for _, message in CASES}
+    messages = {cls for cls in structs if issubclass(cls, Message)}
+    assert not messages - seen, f"messages with no round-trip case: {sorted(c.__name__ for c in messages - seen)}"
+    set_fields = set()
+    for _, message in CASES:
+        for struct in _structs_in(message):
+            for field in msgspec.structs.fields(struct):
+                value, default = getattr(struct, field.name), _default(field)
+                # required: a non-empty, non-zero value; optional: anything but its default
+                if (value != default) if default is not msgspec.NODEFAULT else bool(value):
+                    set_fields.add((type(struct), field.name))
+    missing = [
+        f"{cls.__name__}.{field.name}"
+        for cls in structs
+        for field in msgspec.structs.fields(cls)
+        if (cls, field.name) not in set_fields
+    ]
+    assert not missing, f"no case carries a non-default value for: {sorted(missing)}"
 
 
 def test_a_message_of_another_direction_is_refused():
@@ -88,16 +235,90 @@ def test_a_message_of_another_direction_is_refused():
         msgspec.msgpack.Decoder(EncoderInbound).decode(header)
 
 
+async def _request_and_reply_through_sockets(pixels: np.ndarray, embeddings: torch.Tensor):
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, "inproc://encoder", EncoderInbound)
+    dealer = AsyncDealer(ctx, "inproc://encoder", GatewayInbound)
+    try:
+        meta, frame = to_frame(pixels)
+        request = EncodeRequest("chatcmpl-41", [ImageInput(b"\x07" * 16, meta, (960, 1280))])
+        await dealer.send(request, [frame])
+        peer, received, frames = await asyncio.wait_for(router.recv(), 5)
+        assert received == request and len(frames) == 1
+        assert np.array_equal(to_numpy(received.images[0].pixels, frames[0]), pixels)
+        meta, frame = to_frame(embeddings)
+        timings = EncoderTimings(0.001, 0.002, 0.03, 0.04)
+        reply = EncodeResult("chatcmpl-41", [EncodedImage(meta, (1, 2, 4), False)], timings)
+        await router.send(peer, reply, [frame])
+        answer, frames = await asyncio.wait_for(dealer.recv(), 5)
+        assert answer == reply and len(frames) == 1
+        assert torch.equal(to_torch(answer.images[0].embeddings, frames[0]), embeddings)
+    finally:
+        dealer.close()
+        router.close()
+        ctx.term()
+
+
+def test_a_request_and_its_reply_cross_real_sockets_with_their_frames():
+    pixels = np.random.default_rng(0).integers(0, 256, (28, 56, 3), dtype=np.uint8)
+    asyncio.run(_request_and_reply_through_sockets(pixels, torch.randn(2, 64, dtype=torch.bfloat16)))
+
+
+def sample(dtype: str) -> np.ndarray:
+    """3×4 values in range for the dtype: fractions and negatives where it holds them."""
+    values = np.arange(12).reshape(3, 4) * 1.5
+    return (values if np.dtype(dtype).kind in "bu" else values - 6).astype(dtype)
+
+
+NUMPY_DTYPES = [
+    "bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64", "complex64", "complex128",
+]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+def test_numpy_arrays_of_every_dtype_round_trip_bit_exact(dtype):
+    array = sample(dtype)
+    meta, frame = to_frame(array)
+    assert meta == ArrayMeta(dtype, (3, 4))
+    back = to_numpy(meta, bytes(frame))  # bytes: what actually crosses the socket
+    assert back.dtype == array.dtype and back.shape == array.shape
+    assert back.tobytes() == array.tobytes()
+
+
+TORCH_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+]
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_torch_tensors_of_every_dtype_round_trip_bit_exact(dtype):
+    name = str(dtype).removeprefix("torch.")
+    tensor = torch.from_numpy(sample("float32" if dtype == torch.bfloat16 else name)).to(dtype)
+    meta, frame = to_frame(tensor)
+    assert meta == ArrayMeta(name, (3, 4))
+    back = to_torch(meta, bytes(frame))
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    assert torch.equal(back, tensor)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64"])
+def test_numpy_and_torch_name_a_dtype_alike(dtype):
+    """The gateway writes with numpy, the services read with torch (and back)."""
+    array = sample(dtype)
+    assert torch.equal(to_torch(*to_frame(array)), torch.from_numpy(array))
+    assert np.array_equal(to_numpy(*to_frame(torch.from_numpy(array))), array)
+
+
 @pytest.mark.parametrize(
     "tensor",
     [
         torch.randn(7, 128, dtype=torch.bfloat16),
-        torch.randn(5, 3, dtype=torch.float32),
         torch.randn(6, 4).t(),  # non-contiguous
         torch.empty(0, 128, dtype=torch.bfloat16),
-        torch.arange(12, dtype=torch.int64).reshape(3, 4),
     ],
-    ids=["bf16", "f32", "non-contiguous", "empty", "int64"],
+    ids=["bf16", "non-contiguous", "empty"],
 )
 def test_torch_tensors_round_trip_bit_exact(tensor):
     meta, frame = to_frame(tensor)
