@@ -72,6 +72,9 @@ class GatewayConfig(FrozenConfig):
     max_visual_tokens_per_request: int = Field(16384, ge=1)
     detail_low_max_pixels: int = Field(256 * 28 * 28, ge=1)  # `detail: low` budget
     intake_workers: int = Field(2, ge=1)  # threads decoding and resizing images
+    # Decode JPEGs at a reduced DCT scale (libjpeg's 1/2, 1/4, 1/8) no smaller
+    # than the target. Faster; pixels differ from a full decode (vLLM's path).
+    jpeg_draft: bool = False
 
     # http(s) image URLs.
     fetch_connect_timeout_s: float = Field(5, gt=0)

@@ -51,7 +51,7 @@ class ServedModel:
         if encoder_info is not None and not engine_info.takes_images:
             raise RuntimeError(f"model {self.name!r} is text-only, yet encoders are configured for it: "
                                "list no encoder addresses for a text-only model")
-        policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits)
+        policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
         self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, limiter, self.name)
         self.encoder.start_heartbeat(config.stats_interval_s)
         self.engine.start_heartbeat(config.stats_interval_s)
