@@ -25,10 +25,10 @@ bench: install
 demo-model: install
 	$(PY) -m prism demo-model
 
-# Re-train the committed demo model (18 minutes on two cores; bit-identical).
+# Re-train the demo model from scratch (about 20 minutes on two cores; README, "The demo model").
 train-demo: install
 	$(PY) -m prism.train_demo --out models/prism-shapes
 
 # Its held-out accuracy through gateway -> encoder -> engine.
 accuracy: install
-	$(PY) -m bench.accuracy
+	$(PY) -m bench.accuracy $(ARGS)

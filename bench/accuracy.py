@@ -4,15 +4,19 @@ Held-out scenes (their own seed, never seen in training) are rendered at
 varied resolutions and aspect ratios, sent as images through the gateway with
 the official `openai` client, encoded by the vision encoder service and
 answered by the LLM engine. Prints accuracy per question kind against the bars
-of issue #9 (colour ≥ 95 %, shape and count ≥ 90 %).
+of issue #9 (colour ≥ 95 %, shape and count ≥ 90 %). "json" questions are
+asked of one-shape scenes with `response_format` set to the scene schema;
+right means the parsed object is the expected one.
 
 Run: python -m bench.accuracy                # starts a stack on models/prism-shapes
      python -m bench.accuracy --base-url http://127.0.0.1:8000 --per-kind 50
+     python -m bench.accuracy --format JPEG --jpeg-draft   # the gateway's draft JPEG decoding
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +32,9 @@ from prism.demo_model import SHAPES_MODEL
 from prism.stack import LocalStack
 from prism.synthetic import data_url
 
-BARS = {"colour": 0.95, "shape": 0.90, "count": 0.90}
+BARS = {"colour": 0.95, "shape": 0.90, "count": 0.90, "json": 0.90}
+KINDS = (*scenes.KINDS, "json")
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "shape", "schema": scenes.JSON_SCHEMA, "strict": True}}
 HELD_OUT_SEED = "prism-held-out"
 
 
@@ -42,14 +48,15 @@ class Case:
 def held_out(per_kind: int, seed: str = HELD_OUT_SEED, min_side: int = 128, max_side: int = 1024) -> list[Case]:
     rng = random.Random(seed)
     cases = []
-    for kind in scenes.KINDS:
+    for kind in KINDS:
         for _ in range(per_kind):
-            scene = scenes.make_scene(rng)
+            scene = scenes.make_scene(rng, 1 if kind == "json" else None)
             cases.append(Case(scene, scenes.ask(scene, rng, kind), scenes.render_size(scene, rng, min_side, max_side)))
     return cases
 
 
-def ask(client: OpenAI, model: str, image_url: str, question: str) -> str:
+def ask(client: OpenAI, model: str, image_url: str, question: str, response_format: dict | None = None) -> str:
+    constrained = {"response_format": response_format} if response_format else {}
     response = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": [
@@ -58,6 +65,7 @@ def ask(client: OpenAI, model: str, image_url: str, question: str) -> str:
         ]}],
         max_tokens=24,
         temperature=0,
+        **constrained,
     )
     return response.choices[0].message.content
 
@@ -66,9 +74,19 @@ def normalise(text: str) -> str:
     return " ".join(text.lower().strip().rstrip(".").split())
 
 
-def answers(client: OpenAI, model: str, cases: list[Case], concurrency: int = 8) -> list[str]:
+def is_right(question: scenes.Question, reply: str) -> bool:
+    if question.kind != "json":
+        return normalise(reply) == normalise(question.answer)
+    try:
+        return json.loads(reply) == json.loads(question.answer)
+    except json.JSONDecodeError:
+        return False
+
+
+def answers(client: OpenAI, model: str, cases: list[Case], concurrency: int = 8, fmt: str = "PNG") -> list[str]:
     def one(case: Case) -> str:
-        return ask(client, model, data_url(case.scene.render(*case.size), "PNG"), case.question.text)
+        constrained = JSON_FORMAT if case.question.kind == "json" else None
+        return ask(client, model, data_url(case.scene.render(*case.size), fmt), case.question.text, constrained)
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, cases))
@@ -79,7 +97,7 @@ def accuracy(cases: list[Case], replies: list[str]) -> dict[str, tuple[int, int]
     scores: dict[str, list[int]] = {}
     for case, reply in zip(cases, replies):
         right, asked = scores.setdefault(case.question.kind, [0, 0])
-        scores[case.question.kind] = [right + (normalise(reply) == normalise(case.question.answer)), asked + 1]
+        scores[case.question.kind] = [right + is_right(case.question, reply), asked + 1]
     return {kind: (right, asked) for kind, (right, asked) in scores.items()}
 
 
@@ -98,20 +116,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", help="a running Prism; default: start one on the trained demo model")
     parser.add_argument("--model", default="prism-demo")
+    parser.add_argument("--checkpoint", type=Path, default=SHAPES_MODEL, help="the checkpoint the started stack serves")
     parser.add_argument("--per-kind", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--format", default="PNG", choices=["PNG", "JPEG"], help="how the scenes are sent")
+    parser.add_argument("--jpeg-draft", action="store_true", help="the started stack decodes JPEGs in draft (gateway.jpeg_draft)")
     args = parser.parse_args()
     cases = held_out(args.per_kind)
+    overrides = {"PRISM_GATEWAY__JPEG_DRAFT": "true"} if args.jpeg_draft else {}
     with tempfile.TemporaryDirectory() as run_dir:
-        stack = None if args.base_url else LocalStack(Path(run_dir), model=SHAPES_MODEL).start()
+        stack = None if args.base_url else LocalStack(Path(run_dir), overrides, model=args.checkpoint).start()
         try:
             client = OpenAI(base_url=f"{args.base_url or stack.base_url}/v1", api_key="unused", timeout=120)
-            scores = accuracy(cases, answers(client, args.model, cases, args.concurrency))
+            scores = accuracy(cases, answers(client, args.model, cases, args.concurrency, args.format))
         finally:
             if stack:
                 stack.stop()
     Console().print(table(scores))
-    for case in cases[: len(scenes.KINDS) * args.per_kind : args.per_kind][:4]:
+    for case in cases[:: args.per_kind]:
         print(f"e.g. {case.size[0]}×{case.size[1]}: {case.question.text!r} → expected {case.question.answer!r}")
 
 

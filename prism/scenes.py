@@ -9,6 +9,7 @@ accuracy set and the tests all regenerate the same scenes.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -36,8 +37,19 @@ TEMPLATES = {
     "shape": ("What shape is the {colour} one?", "Which shape is {colour}?"),
     "count": ("How many shapes are there?", "How many shapes are in the image?"),
     "describe": ("Describe the image.", "What is in the image?"),
+    # Asked of one-shape scenes only, and only in the last training phase; the
+    # answer is compact JSON, as a structured-output backend without
+    # whitespace writes it.
+    "json": ("Describe the shape in JSON.", "Answer in JSON: which shape is it, and what colour?"),
 }
-KINDS = tuple(TEMPLATES)
+KINDS = ("colour", "shape", "count", "describe")  # the plain kinds, asked of any scene
+# What a "json" answer holds, as a `response_format` schema; keys in the trained order.
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"shape": {"enum": list(SHAPES)}, "colour": {"enum": list(COLOURS)}},
+    "required": ["shape", "colour"],
+    "additionalProperties": False,
+}
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,8 @@ def answer(scene: Scene, kind: str, target: Shape) -> str:
         return target.kind
     if kind == "count":
         return COUNT_WORDS[len(scene.shapes)]
+    if kind == "json":
+        return json.dumps({"shape": target.kind, "colour": target.colour}, separators=(",", ":"))
     return scene.describe()
 
 

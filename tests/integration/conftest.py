@@ -36,6 +36,8 @@ STACK_OVERRIDES = {
     "PRISM_GATEWAY__FETCH_ALLOWED_NETWORKS": f"[{ALLOWED_LOOPBACK}/32]",
     "PRISM_GATEWAY__FETCH_READ_TIMEOUT_S": "2",
     "PRISM_GATEWAY__FETCH_TOTAL_TIMEOUT_S": "4",
+    # Parity: vLLM decodes every JPEG in full (the CPU demo config drafts them).
+    "PRISM_GATEWAY__JPEG_DRAFT": "false",
 }
 
 

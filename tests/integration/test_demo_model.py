@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import pytest
 from openai import OpenAI
+from pydantic import BaseModel
 
 from bench.accuracy import BARS, accuracy, answers, ask, held_out, normalise
 from prism import scenes
@@ -66,6 +68,28 @@ def test_held_out_accuracy_stays_above_the_bar(shapes_client):
     for kind, bar in BARS.items():
         right, asked = scores[kind]
         assert right / asked >= bar, (kind, right, asked)
+
+
+class SceneShape(BaseModel):
+    """The README's example: what the demo model answers in JSON."""
+
+    shape: Literal["circle", "square", "triangle"]
+    colour: Literal["red", "green", "blue", "yellow", "orange", "purple"]
+
+
+def test_parse_with_a_pydantic_model_returns_the_scene_as_an_object(shapes_client):
+    rng = random.Random("json")
+    for scene in one_shape_scenes(4, "json"):
+        (shape,) = scene.shapes
+        completion = shapes_client.chat.completions.parse(
+            model=MODEL, max_tokens=32, temperature=0, response_format=SceneShape,
+            messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": data_url(scene.render(*scenes.render_size(scene, rng, 128, 640)), "PNG")}},
+                {"type": "text", "text": "Describe the shape in JSON."},
+            ]}],
+        )
+        message = completion.choices[0].message
+        assert message.parsed == SceneShape(shape=shape.kind, colour=shape.colour), message.content
 
 
 def test_ignore_eos_and_min_tokens_are_honoured(shapes_client):
