@@ -180,7 +180,7 @@ class ChatPipeline:
         timer.cache_hits += sum(i.cache_hit for i in result.images)
         timer.cache_misses += sum(not i.cache_hit for i in result.images)
         timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
-        embeddings = [ImageEmbedding(i.embeddings, i.grid_thw) for i in result.images]
+        embeddings = [ImageEmbedding(i.embeddings, i.grid_thw, i.key) for i in result.images]
         return embeddings, reply_frames
 
     async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer, request_id: str) -> Prepared:

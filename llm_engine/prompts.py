@@ -128,6 +128,8 @@ def build_prompt(chat, request: GenerateRequest, frames: list, tokenizer, shape:
     visual_tokens = 0
     if (images := image_data(request, frames, shape)) is not None:
         inputs["multi_modal_data"] = images
+        if all(image.key for image in request.images):  # Prism's content keys: vLLM hashes nothing
+            inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}
         # each placeholder becomes the image's rows of tokens
         visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
     num_tokens = len(tokenizer.encode(text, add_special_tokens=False)) + visual_tokens

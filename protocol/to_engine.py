@@ -12,6 +12,10 @@ from protocol.tensors import ArrayMeta
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
     embeddings: ArrayMeta  # (tokens, hidden), one frame per image, in order
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
+    # The encoder's content key: handed to vLLM as the image's `multi_modal_uuids`
+    # entry, so vLLM neither hashes the tensor nor keys its prefix cache on
+    # anything else. Empty: vLLM hashes the embeddings itself.
+    key: bytes = b""
 
 
 # What an image part's URL says once its pixels have become embeddings.

@@ -53,6 +53,7 @@ class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
     embeddings: ArrayMeta
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
     cache_hit: bool
+    key: bytes  # the content key (encoder fingerprint + the gateway's digest), never truncated
 
 
 class EncoderTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -191,7 +191,8 @@ class EncoderService:
         if len(frames) != with_pixels:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
-        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images))
+        keys = [self._full_key(image.digest) for image in request.images]
+        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys)
         misses, lacking = [], []
         for index, key, image, frame in self._look_up(state, request, frames):
             if frame is None:
@@ -247,8 +248,12 @@ class EncoderService:
                 state.results[index] = (value, True)
         return [item for item, value in zip(unresolved, found) if value is None]
 
+    def _full_key(self, digest: bytes) -> bytes:
+        return content_key(self.tower.fingerprint, digest)
+
     def _key(self, digest: bytes) -> bytes:
-        key = content_key(self.tower.fingerprint, digest)
+        """The cache's key: the full key, or its first `test_key_bytes` (collision tests)."""
+        key = self._full_key(digest)
         return key[: self.config.test_key_bytes] if self.config.test_key_bytes else key
 
     def _identity(self, digest: bytes) -> bytes:
@@ -338,9 +343,9 @@ class EncoderService:
             return
         self.pending.pop((state.peer, state.request_id), None)
         images, frames = [], []
-        for value, hit in state.results:
+        for (value, hit), key in zip(state.results, state.keys):
             meta, frame = to_frame(value.embeddings)
-            images.append(EncodedImage(meta, value.grid_thw, hit))
+            images.append(EncodedImage(meta, value.grid_thw, hit, key))
             frames.append(frame)
         timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,

@@ -17,6 +17,7 @@ class PendingRequest:
     request_id: str
     arrived: float
     results: list[tuple[CachedEmbedding, bool] | None]
+    keys: list[bytes]  # each image's full content key, for the engine (EncodedImage.key)
     cache_lookup_s: float = 0.0
     encode_queue_s: float = 0.0
     encode_s: float = 0.0

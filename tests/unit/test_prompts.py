@@ -31,11 +31,11 @@ def chat_bytes(image_parts: int, max_tokens: int | None = 4) -> bytes:
     return msgspec.json.encode({"messages": [{"role": "user", "content": parts}], "max_tokens": max_tokens})
 
 
-def request_with(tensors, grids, image_parts=None, max_tokens: int | None = 4):
+def request_with(tensors, grids, image_parts=None, max_tokens: int | None = 4, keys=None):
     images, frames = [], []
-    for tensor, grid in zip(tensors, grids):
+    for tensor, grid, key in zip(tensors, grids, keys or [b""] * len(tensors)):
         meta, frame = to_frame(tensor)
-        images.append(ImageEmbedding(meta, grid))
+        images.append(ImageEmbedding(meta, grid, key))
         frames.append(frame)
     req = GenerateRequest("r", chat_bytes(len(tensors) if image_parts is None else image_parts, max_tokens), images)
     return req, frames
@@ -52,6 +52,14 @@ def test_valid_images_are_concatenated_flat_with_their_grids():
     prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
     assert prompt.inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
     assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
+    assert "multi_modal_uuids" not in prompt.inputs  # no keys: vLLM hashes the tensors itself
+
+
+def test_content_keys_reach_vllm_as_its_multimodal_uuids():
+    keys = [b"\x01" * 16, b"\xab" * 16]
+    req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)], keys=keys)
+    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
+    assert prompt.inputs["multi_modal_uuids"] == {"image": ["01" * 16, "ab" * 16]}
 
 
 @pytest.mark.parametrize(

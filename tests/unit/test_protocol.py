@@ -90,7 +90,7 @@ CASES = [
     (EngineInbound, GenerateRequest(
         "chatcmpl-41",
         CHAT,
-        [ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46)), ImageEmbedding(ArrayMeta("float16", (729, 896)), None)],
+        [ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16), ImageEmbedding(ArrayMeta("float16", (729, 896)), None)],
     )),
     (EngineInbound, AbortGenerate("chatcmpl-41")),
     (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056))),
@@ -105,7 +105,7 @@ CASES = [
     (GatewayInbound, EncoderReady("OpenGVLab/InternVL3-1B-hf", "7a2f9b4c0e11", TilesInfo(448, 1, 12, True, 256))),
     (GatewayInbound, EncodeResult(
         "chatcmpl-41",
-        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True), EncodedImage(ArrayMeta("float16", (729, 896)), None, False)],
+        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16), EncodedImage(ArrayMeta("float16", (729, 896)), None, False, b"\x08" * 16)],
         EncoderTimings(0.0004, 0.0125, 0.0851, 0.1013),
     )),
     (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
@@ -248,7 +248,7 @@ async def _request_and_reply_through_sockets(pixels: np.ndarray, embeddings: tor
         assert np.array_equal(to_numpy(received.images[0].pixels, frames[0]), pixels)
         meta, frame = to_frame(embeddings)
         timings = EncoderTimings(0.001, 0.002, 0.03, 0.04)
-        reply = EncodeResult("chatcmpl-41", [EncodedImage(meta, (1, 2, 4), False)], timings)
+        reply = EncodeResult("chatcmpl-41", [EncodedImage(meta, (1, 2, 4), False, b"\x01" * 16)], timings)
         await router.send(peer, reply, [frame])
         answer, frames = await asyncio.wait_for(dealer.recv(), 5)
         assert answer == reply and len(frames) == 1
