@@ -260,7 +260,7 @@ def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
             with Image.open(io.BytesIO(item.raw), formats=[item.format]) as opened:
                 opened.seek(0)  # animated images: the first frame
                 drafted_from = _draft(opened, item, policy)
-                image = ImageOps.exif_transpose(opened)
+                image = ImageOps.exif_transpose(opened, in_place=True) or opened  # in place: no copy of a full-size image
                 image.load()
                 original_size = drafted_from or image.size
                 image = _fit(to_rgb(image), item, policy, drafted_from)

@@ -97,15 +97,19 @@ def generation_defaults(model_config) -> dict:
     return found
 
 
-def engine_timings(metrics, received: float) -> EngineTimings | None:
-    """Durations from vLLM's monotonic engine-core timestamps (same host clock)."""
+def engine_timings(metrics, received: float, first_delivered: float) -> EngineTimings | None:
+    """Durations from vLLM's monotonic engine-core timestamps (same host clock).
+    Prefill runs until the first token reached this process (`first_delivered`):
+    vLLM's own output path (engine core → AsyncLLM → detokenizer) is the
+    engine's work, not transfer, so the gateway's embed_transfer keeps only
+    the hops between services."""
     if metrics is None or not getattr(metrics, "scheduled_ts", 0):
         return None
     first = metrics.first_token_ts or metrics.scheduled_ts
     last = max(metrics.last_token_ts, first)
     return EngineTimings(
         engine_queue_s=max(0.0, metrics.scheduled_ts - received),
-        prefill_s=max(0.0, first - metrics.scheduled_ts),
+        prefill_s=max(0.0, first_delivered - metrics.scheduled_ts),
         decode_s=last - first,
     )
 
@@ -355,9 +359,11 @@ class EngineService:
         """Tokens generated (all choices), or None if the gateway went away (then vLLM aborts it)."""
         completion_tokens = 0
         first = True
+        first_delivered = 0.0
         choices: dict[int, ChoiceStream] = {}
         async with contextlib.aclosing(self.engine.generate(prompt, params, rid)) as outputs:
             async for output in outputs:
+                first_delivered = first_delivered or time.monotonic()
                 self.waiting.discard(rid)
                 deltas = []
                 for choice in output.outputs:
@@ -372,7 +378,7 @@ class EngineService:
                     completion_tokens=completion_tokens,
                     prompt_tokens=len(output.prompt_token_ids or ()),
                     finished=finished,
-                    timings=engine_timings(output.metrics, received) if first or finished else None,
+                    timings=engine_timings(output.metrics, received, first_delivered) if first or finished else None,
                     cached_tokens=output.num_cached_tokens or 0,
                 )
                 if not await self._send(peer, delta):

@@ -97,10 +97,15 @@ def by_bucket(results: list[RequestResult], duration_s: float, slo: SLO = SLO(),
 
 def stage_medians(results: list[RequestResult]) -> dict[str, dict[str, float]]:
     """Median ms of each Prism stage, per bucket (empty when the target is not Prism)."""
-    out: dict[str, dict[str, float]] = {}
+    return {bucket: {name: row["p50"] for name, row in stages.items()} for bucket, stages in stage_percentiles(results, (50,)).items()}
+
+
+def stage_percentiles(results: list[RequestResult], percentiles=(50, 90)) -> dict[str, dict[str, dict[str, float]]]:
+    """bucket → Prism stage → {"p50": ms, ...} (empty when the target is not Prism)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for bucket in sorted({r.bucket for r in results}):
         staged = [r.stages_ms for r in results if r.ok and r.bucket == bucket and r.stages_ms]
         if staged:
             names = [k for k in staged[0] if k not in ("ttft", "e2e")]
-            out[bucket] = {name: percentile([s.get(name, 0.0) for s in staged], 50) for name in names}
+            out[bucket] = {name: {f"p{p:g}": percentile([s.get(name, 0.0) for s in staged], p) for p in percentiles} for name in names}
     return out

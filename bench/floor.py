@@ -1,0 +1,278 @@
+"""Every hop of a request against its floor, and against vLLM's server, in one run.
+
+With the shipped demo model (models/prism-shapes: a 140×140 pixel budget, so an
+image is 25 visual tokens and the model's own work takes milliseconds):
+
+1. Floors, measured in this process on the same images:
+   - decode: a full JPEG decode plus downscale (the exact path), and the draft
+     decode (`gateway.jpeg_draft`);
+   - tower: the encoder tower's own time for one image at its target size
+     (processor + ViT + merger);
+   - transfer: a ZMQ round trip over ipc carrying one image's visual tokens;
+   - prefill: vLLM's own, in-process, with Prism's engine settings and the same
+     prompt and embeddings (engine-core scheduled → first token in the caller's
+     hands, as Prism's engine reports it).
+2. Concurrency 1 through vLLM's server and through Prism, one request at a time:
+   4K and 1080p JPEGs (new images) and a repeated image. TTFT, and Prism's
+   stage medians beside their floors.
+3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
+   Prism's `parse` p90 per resolution bucket.
+
+Run: .venv/bin/python -m bench.floor [--trials 8] [--requests 64] [--prism-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from bench.servers import vllm_server
+from gateway.intake import ImageLimits, IntakePolicy, decode, inspect
+from loadtest.bench import Plan, load_test
+from loadtest.client import Target
+from loadtest.runner import Arrival
+from loadtest.workload import WorkloadSpec, parse_buckets, parse_distribution
+from prism.demo_model import SHAPES_MODEL
+from prism.stack import LocalStack
+from prism.synthetic import encode, make_image
+
+MODEL = SHAPES_MODEL
+SERVED_NAME = "prism-demo"
+QUESTION = "Describe the image."
+IMAGES = {"4k": (3840, 2160), "1080p": (1920, 1080)}
+MAX_PIXELS = 140 * 140  # the demo model's own budget (preprocessor_config.json)
+MIXED = WorkloadSpec(  # the README's `prism bench` example
+    buckets=parse_buckets("256x256=1,720p=1,1080p=1,4k=1,wide-strip=0.5"),
+    images_per_request=parse_distribution("1=0.8,2=0.2"), png_fraction=0.2, repeat_ratio=0.5, seed=21,
+)
+
+
+def jpegs(trials: int) -> dict[str, list[bytes]]:
+    """Per image kind, `trials` distinct JPEGs (q90); "repeated" is one image sent `trials` times."""
+    out = {name: [encode(make_image(f"floor-{name}-{i}", size)) for i in range(trials)] for name, size in IMAGES.items()}
+    out["repeated"] = [encode(make_image("floor-repeated", IMAGES["1080p"]))] * trials
+    return out
+
+
+def median_ms(values) -> float:
+    return statistics.median(values) * 1000
+
+
+# ---- floors, in this process ----
+
+def policy(jpeg_draft: bool) -> IntakePolicy:
+    from protocol.to_gateway import ProcessorInfo
+
+    return IntakePolicy(ProcessorInfo(14, 2, 56 * 56, MAX_PIXELS), ImageLimits(20 * 2**20, 50_000_000, 2, 200), jpeg_draft)
+
+
+def decode_floor(images: list[bytes], jpeg_draft: bool) -> float:
+    chosen = policy(jpeg_draft)
+    times = []
+    for raw in images:
+        started = time.perf_counter()
+        decode(inspect(raw, "image", chosen, chosen.default_budget), chosen)
+        times.append(time.perf_counter() - started)
+    return median_ms(times)
+
+
+def tower_floor(images: list[bytes]):
+    """(median ms of the tower on one image, one image's embeddings and grid) with the encoder's own tower."""
+    import torch
+
+    from vision_encoder.tower import TowerImage
+    from vision_encoder.towers import load_tower
+
+    torch.set_num_threads(1)  # as the encoder service runs it (encoder.torch_threads)
+    tower = load_tower(str(MODEL), "bfloat16", "cpu")
+    exact = policy(False)
+    prepared = [decode(inspect(raw, "image", exact, exact.default_budget), exact) for raw in images]
+    times, last = [], None
+    with torch.inference_mode():
+        for image in [prepared[0], *prepared]:  # the first one warms up
+            started = time.perf_counter()
+            last = tower.encode(tower.preprocess([TowerImage(image.pixels, image.original_size[::-1])]))[0]
+            times.append(time.perf_counter() - started)
+    return median_ms(times[1:]), last
+
+
+def zmq_floor(payload_bytes: int, rounds: int = 200) -> float:
+    """DEALER → ROUTER → DEALER over ipc with the payload as a second frame, no Python work between."""
+    ctx = zmq.Context()
+    with tempfile.TemporaryDirectory() as directory:
+        address = f"ipc://{directory}/floor.sock"
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind(address)
+        dealer.connect(address)
+
+        def echo():
+            for _ in range(rounds):
+                router.send_multipart(router.recv_multipart(copy=False), copy=False)
+
+        thread = threading.Thread(target=echo)
+        thread.start()
+        payload, times = np.zeros(payload_bytes, np.uint8), []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            dealer.send_multipart([b"header", payload], copy=False)
+            dealer.recv_multipart(copy=False)
+            times.append(time.perf_counter() - started)
+        thread.join()
+    ctx.destroy(linger=0)
+    return median_ms(times)
+
+
+async def vllm_prefill_floor(embeddings, grid, trials: int) -> float:
+    """vLLM's prefill in-process with Prism's engine settings: the same prompt, the same embeddings."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from llm_engine.config import EngineConfig
+    from llm_engine.service import engine_args
+    from prism.config import load_config
+    from prism.families import family_of
+    from transformers import AutoConfig
+
+    config = load_config(EngineConfig, "engine", env={"PRISM_MODEL": str(MODEL)})
+    engine = AsyncLLM.from_engine_args(engine_args(config, family_of(AutoConfig.from_pretrained(MODEL))))
+    tokenizer = engine.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True,
+    )
+    params = SamplingParams(max_tokens=1, temperature=0, output_kind=RequestOutputKind.DELTA)
+    times = []
+    for i in range(trials + 1):
+        # a distinct embedding each time, so vLLM's prefix cache never serves it
+        image = {"image_embeds": embeddings + i * 1e-3, "image_grid_thw": torch.tensor([grid])}
+        async for output in engine.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, f"floor-{i}"):
+            times.append(time.monotonic() - output.metrics.scheduled_ts)  # as the engine reports prefill
+            break
+    engine.shutdown()
+    return median_ms(times[1:])
+
+
+def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
+    out = {}
+    for name in IMAGES:
+        out[f"decode {name}"] = decode_floor(images[name], False)
+        out[f"decode {name} draft"] = decode_floor(images[name], True)
+    out["tower"], (embeddings, grid) = tower_floor(images["1080p"])
+    out["transfer"] = zmq_floor(embeddings.numel() * embeddings.element_size())
+    out["embedding bytes"] = embeddings.numel() * embeddings.element_size()
+    out["prefill"] = asyncio.run(vllm_prefill_floor(embeddings, grid, trials))
+    return out
+
+
+# ---- through the servers ----
+
+def one_at_a_time(base_url: str, images: dict[str, list[bytes]]) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
+    """TTFT per image kind, and Prism's stages per request (empty for vLLM)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    warm_up = encode(make_image("floor-warm-up", IMAGES["1080p"]))
+    ttft: dict[str, list[float]] = {}
+    stages: dict[str, list[dict]] = {}
+    for name, raws in [("warm-up", [warm_up]), *images.items()]:
+        for raw in raws:
+            url = "data:image/jpeg;base64," + base64.b64encode(raw).decode()
+            started, first = time.perf_counter(), None
+            stream = client.chat.completions.create(
+                model=SERVED_NAME, max_tokens=8, temperature=0, stream=True,
+                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
+            )
+            for chunk in stream:
+                first = first or time.perf_counter()
+                prism = (chunk.model_extra or {}).get("prism")
+                if prism and chunk.choices and chunk.choices[0].finish_reason:
+                    stages.setdefault(name, []).append(prism["stages_ms"])
+            ttft.setdefault(name, []).append(first - started)
+    return ttft, stages
+
+
+def mixed(base_url: str, requests: int) -> dict:
+    target = Target(base_url, SERVED_NAME)
+    return load_test(target, MIXED, Arrival(concurrency=8), Plan(requests=requests, warmup=2, progress=False))
+
+
+def stage_median(stages: list[dict], name: str) -> float:
+    return statistics.median(s[name] for s in stages)
+
+
+def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm_mixed: dict | None, prism_mixed: dict) -> str:
+    lines = ["## Floors (this process)", "", "| hop | floor |", "|---|---|"]
+    for name, value in floor.items():
+        lines.append(f"| {name} | {value:.0f} bytes |" if name == "embedding bytes" else f"| {name} | {value:.2f} ms |")
+    lines += ["", "## Concurrency 1: TTFT medians", "", "| image | vLLM server | Prism | Prism / vLLM |", "|---|---|---|---|"]
+    for name in prism:
+        if name == "warm-up":
+            continue
+        p = median_ms(prism[name])
+        v = median_ms(vllm[name]) if vllm else float("nan")
+        lines.append(f"| {name} | {v:.1f} ms | {p:.1f} ms | {p / v:.2f}× |")
+    lines += ["", "## Concurrency 1: Prism's stage medians against their floors", "",
+              "| image | stage | Prism | floor | Prism / floor |", "|---|---|---|---|---|"]
+    for name in ("4k", "1080p", "repeated"):
+        stages = prism_stages[name]
+        decode_floor_ms = floor.get(f"decode {name}", floor["decode 1080p"])
+        rows = [
+            ("image_preprocess", decode_floor_ms), ("encode", floor["tower"]), ("embed_transfer", 2 * floor["transfer"]),
+            ("prefill", floor["prefill"]), ("parse", None), ("image_fetch", None), ("cache_lookup", None),
+            ("encode_queue", None), ("engine_queue", None), ("unaccounted", None),
+        ]
+        for stage, floor_ms in rows:
+            got = stage_median(stages, stage)
+            if name == "repeated" and stage in ("image_preprocess", "encode"):
+                floor_ms = None  # a hit: nothing to decode or encode
+            ratio = f"{got / floor_ms:.2f}×" if floor_ms else ""
+            lines.append(f"| {name} | {stage} | {got:.2f} ms | {'' if floor_ms is None else f'{floor_ms:.2f} ms'} | {ratio} |")
+    lines += ["", "## Concurrency 8, the README's mixed workload", "",
+              "| | vLLM server | Prism | Prism / vLLM |", "|---|---|---|---|"]
+    for key, label in (("p50_ttft_ms", "TTFT p50"), ("p90_ttft_ms", "TTFT p90"), ("request_throughput", "requests/s")):
+        p = prism_mixed["summary"][key]
+        v = vllm_mixed["summary"][key] if vllm_mixed else float("nan")
+        lines.append(f"| {label} | {v:.1f} | {p:.1f} | {p / v:.2f}× |")
+    lines += ["", "| bucket | parse p50 | parse p90 | image_fetch p50 | embed_transfer p50 | TTFT p50 |", "|---|---|---|---|---|---|"]
+    for bucket, row in prism_mixed["stage_percentiles"].items():
+        ttft = prism_mixed["by_bucket"][bucket]["p50_ttft_ms"]
+        lines.append(f"| {bucket} | {row['parse']['p50']:.1f} | {row['parse']['p90']:.1f} | {row['image_fetch']['p50']:.1f} | "
+                     f"{row['embed_transfer']['p50']:.1f} | {ttft:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=8, help="requests per image kind at concurrency 1")
+    parser.add_argument("--requests", type=int, default=64, help="requests in the mixed workload")
+    parser.add_argument("--prism-only", action="store_true", help="skip vLLM's server (quicker, for before/after runs)")
+    args = parser.parse_args()
+    images = jpegs(args.trials)
+    print("floors, in this process", flush=True)
+    floor = floors(images, args.trials)
+    vllm = vllm_mixed = None
+    with tempfile.TemporaryDirectory() as run_dir:
+        if not args.prism_only:
+            print("vLLM's server", flush=True)
+            with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, Path(run_dir) / "vllm-server.log") as base_url:
+                vllm, _ = one_at_a_time(base_url, images)
+                vllm_mixed = mixed(base_url, args.requests)
+        print("Prism", flush=True)
+        with LocalStack(Path(run_dir) / "prism", model=MODEL) as stack:
+            prism, prism_stages = one_at_a_time(stack.base_url, images)
+            prism_mixed = mixed(stack.base_url, args.requests)
+    print(report(floor, vllm, prism, prism_stages, vllm_mixed, prism_mixed))
+
+
+if __name__ == "__main__":
+    main()

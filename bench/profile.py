@@ -1,0 +1,157 @@
+"""Where a running stack spends its CPU: py-spy on every Prism process during a workload.
+
+Starts the stack (the trained demo model by default), then, while a workload of
+unique JPEGs runs through the official `openai` client, records each process
+with py-spy (sampling, non-blocking): the gateway, the vision encoder, the
+engine service, vLLM's engine core and its worker (where the model runs on a CPU).
+Prints each process's CPU seconds per
+request (from /proc) and its hottest functions by own samples and by Prism
+frames, and keeps py-spy's raw stacks (flamegraph.pl or speedscope read them)
+in --out. docs/architecture.md ("Profiling") says how to read them.
+
+Run: .venv/bin/python -m bench.profile --resolution 3840x2160 --requests 24
+     .venv/bin/python -m bench.profile --concurrency 8 --out /tmp/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from openai import OpenAI
+
+from prism.demo_model import SHAPES_MODEL
+from prism.stack import LocalStack
+from prism.synthetic import data_url, make_image
+
+PRISM_PACKAGES = ("gateway/", "vision_encoder/", "llm_engine/", "protocol/", "cache/")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def service_pids(stack: LocalStack) -> dict[str, int]:
+    """Process name → pid: the gateway is the launcher's own process; the rest are found by their command line."""
+    found = {"gateway": stack.process.pid}
+    wanted = {"-m vision_encoder": "encoder", "-m llm_engine": "engine", "VLLM::EngineCore": "engine_core", "VLLM::Worker": "engine_worker"}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        for needle, name in wanted.items():
+            if needle in command and _descends_from(int(entry.name), stack.process.pid):
+                found.setdefault(name, int(entry.name))
+    return found
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the fields after the command name
+
+
+def _descends_from(pid: int, root: int) -> bool:
+    while pid > 1:
+        if pid == root:
+            return True
+        pid = int(_stat(pid)[1])  # the parent
+    return False
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = _stat(pid)
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def workload(base_url: str, resolution: tuple[int, int], requests: int, concurrency: int, model: str) -> float:
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    images = [data_url(make_image(f"profile-{i}", resolution), "JPEG") for i in range(requests)]
+
+    def one(url: str) -> None:
+        stream = client.chat.completions.create(
+            model=model, max_tokens=8, temperature=0, stream=True,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "Describe the image."}]}],
+        )
+        for _ in stream:
+            pass
+
+    one(data_url(make_image("profile-warm-up", resolution), "JPEG"))
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, images))
+    return time.perf_counter() - started
+
+
+def hottest(raw: Path, top: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
+    """(own samples per frame, inclusive samples per Prism frame, total samples) from py-spy's raw stacks."""
+    own, prism_frames, total = collections.Counter(), collections.Counter(), 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, samples = stack.split(";"), int(count)
+        total += samples
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            if any(package in frame for package in PRISM_PACKAGES):
+                prism_frames[frame] += samples
+    return own.most_common(top), prism_frames.most_common(top), total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=SHAPES_MODEL)
+    parser.add_argument("--resolution", default="3840x2160")
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", type=Path, help="keep the raw stacks here (default: a temporary directory)")
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if py_spy is None:
+        raise SystemExit("py-spy is not installed: make install (it is in the lock file)")
+    width, height = map(int, args.resolution.split("x"))
+    with tempfile.TemporaryDirectory() as run_dir:
+        out = args.out or Path(run_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with LocalStack(Path(run_dir), model=args.model) as stack:
+            pids = service_pids(stack)
+            before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            recorders = {
+                name: subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--nonblocking",
+                                        "--format", "raw", "--output", str(out / f"{name}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for name, pid in pids.items()
+            }
+            time.sleep(1)  # py-spy attaches
+            wall = workload(stack.base_url, (width, height), args.requests, args.concurrency, "prism-demo")
+            cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+            for recorder in recorders.values():
+                recorder.send_signal(signal.SIGINT)
+                recorder.wait(30)
+        print(f"{args.requests} requests of {args.resolution} JPEG at concurrency {args.concurrency}: "
+              f"{wall:.1f} s, {args.requests / wall:.2f} requests/s")
+        for name in pids:
+            print(f"\n## {name}: {cpu[name] / args.requests * 1000:.0f} ms CPU per request (all its threads, /proc)")
+            if not (out / f"{name}.txt").exists():
+                print("(py-spy wrote nothing)")
+                continue
+            own, prism_frames, total = hottest(out / f"{name}.txt", args.top)
+            print(f"own samples (of {total}):")
+            for frame, samples in own:
+                print(f"  {samples / total:6.1%}  {frame}")
+            print("Prism frames, inclusive:")
+            for frame, samples in prism_frames:
+                print(f"  {samples / total:6.1%}  {frame}")
+
+
+if __name__ == "__main__":
+    main()
