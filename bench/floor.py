@@ -9,9 +9,9 @@ image is 25 visual tokens and the model's own work takes milliseconds):
    - tower: the encoder tower's own time for one image at its target size
      (processor + ViT + merger);
    - transfer: a ZMQ round trip over ipc carrying one image's visual tokens;
-   - prefill: vLLM's own, in-process, with Prism's engine settings and the same
-     prompt and embeddings (engine-core scheduled → first token in the caller's
-     hands, as Prism's engine reports it).
+   - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
+     settings and the same prompt and embeddings (generate() → scheduled, and
+     scheduled → first token in the caller's hands, as Prism's engine reports them).
 2. Concurrency 1 through vLLM's server and through Prism, one request at a time:
    4K and 1080p JPEGs (new images) and a repeated image. TTFT, and Prism's
    stage medians beside their floors.
@@ -131,8 +131,9 @@ def zmq_floor(payload_bytes: int, rounds: int = 200) -> float:
     return median_ms(times)
 
 
-async def vllm_prefill_floor(embeddings, grid, trials: int) -> float:
-    """vLLM's prefill in-process with Prism's engine settings: the same prompt, the same embeddings."""
+async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float]:
+    """vLLM in-process with Prism's engine settings, the same prompt and the same
+    embeddings: (median ms from generate() to scheduled, median ms of prefill)."""
     import torch
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -151,15 +152,17 @@ async def vllm_prefill_floor(embeddings, grid, trials: int) -> float:
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True,
     )
     params = SamplingParams(max_tokens=1, temperature=0, output_kind=RequestOutputKind.DELTA)
-    times = []
+    queued, prefill = [], []
     for i in range(trials + 1):
         # a distinct embedding each time, so vLLM's prefix cache never serves it
         image = {"image_embeds": embeddings + i * 1e-3, "image_grid_thw": torch.tensor([grid])}
+        called = time.monotonic()
         async for output in engine.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, f"floor-{i}"):
-            times.append(time.monotonic() - output.metrics.scheduled_ts)  # as the engine reports prefill
+            queued.append(output.metrics.scheduled_ts - called)
+            prefill.append(time.monotonic() - output.metrics.scheduled_ts)  # as the engine reports prefill
             break
     engine.shutdown()
-    return median_ms(times[1:])
+    return median_ms(queued[1:]), median_ms(prefill[1:])
 
 
 def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
@@ -170,7 +173,7 @@ def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
     out["tower"], (embeddings, grid) = tower_floor(images["1080p"])
     out["transfer"] = zmq_floor(embeddings.numel() * embeddings.element_size())
     out["embedding bytes"] = embeddings.numel() * embeddings.element_size()
-    out["prefill"] = asyncio.run(vllm_prefill_floor(embeddings, grid, trials))
+    out["engine_queue"], out["prefill"] = asyncio.run(vllm_engine_floor(embeddings, grid, trials))
     return out
 
 
@@ -228,8 +231,8 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
         decode_floor_ms = floor.get(f"decode {name}", floor["decode 1080p"])
         rows = [
             ("image_preprocess", decode_floor_ms), ("encode", floor["tower"]), ("embed_transfer", 2 * floor["transfer"]),
-            ("prefill", floor["prefill"]), ("parse", None), ("image_fetch", None), ("cache_lookup", None),
-            ("encode_queue", None), ("engine_queue", None), ("unaccounted", None),
+            ("engine_queue", floor["engine_queue"]), ("prefill", floor["prefill"]), ("parse", None), ("image_fetch", None),
+            ("cache_lookup", None), ("encode_queue", None), ("unaccounted", None),
         ]
         for stage, floor_ms in rows:
             got = stage_median(stages, stage)

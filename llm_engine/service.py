@@ -97,19 +97,19 @@ def generation_defaults(model_config) -> dict:
     return found
 
 
-def engine_timings(metrics, received: float, first_delivered: float) -> EngineTimings | None:
+def engine_timings(metrics, received: float, first_ready: float) -> EngineTimings | None:
     """Durations from vLLM's monotonic engine-core timestamps (same host clock).
-    Prefill runs until the first token reached this process (`first_delivered`):
-    vLLM's own output path (engine core → AsyncLLM → detokenizer) is the
-    engine's work, not transfer, so the gateway's embed_transfer keeps only
-    the hops between services."""
+    Prefill runs until the first token is ready to leave this process
+    (`first_ready`): vLLM's own output path (engine core → AsyncLLM →
+    detokenizer) and the delta's making are the engine's work, not transfer,
+    so the gateway's embed_transfer keeps only the hops between services."""
     if metrics is None or not getattr(metrics, "scheduled_ts", 0):
         return None
     first = metrics.first_token_ts or metrics.scheduled_ts
     last = max(metrics.last_token_ts, first)
     return EngineTimings(
         engine_queue_s=max(0.0, metrics.scheduled_ts - received),
-        prefill_s=max(0.0, first_delivered - metrics.scheduled_ts),
+        prefill_s=max(0.0, first_ready - metrics.scheduled_ts),
         decode_s=last - first,
     )
 
@@ -202,7 +202,7 @@ class EngineService:
         while True:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
-                await self._accept(peer, message, frames)
+                await self._accept(peer, message, frames, time.monotonic())
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
@@ -216,7 +216,7 @@ class EngineService:
             self.watch.steps, self.watch.stalls,
         )
 
-    async def _accept(self, peer: bytes, request: GenerateRequest, frames) -> None:
+    async def _accept(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
         rid = request.request_id
         if (refusal := self._refusal()) is not None:
             await self._send(peer, GenerateFailed(rid, *refusal))
@@ -225,7 +225,7 @@ class EngineService:
             await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
             return
         self.watch.note_work_arrived(time.monotonic(), was_idle=not self.requests)
-        task = asyncio.create_task(self._generate(peer, request, frames))
+        task = asyncio.create_task(self._generate(peer, request, frames, received))
         self.requests[rid] = InFlight(peer, task)
         task.add_done_callback(lambda _: self.requests.pop(rid, None))
 
@@ -326,8 +326,8 @@ class EngineService:
             raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
         return chat, prompt, params, new_parser
 
-    async def _generate(self, peer: bytes, request: GenerateRequest, frames) -> None:
-        received = time.monotonic()
+    async def _generate(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
+        """`received`: when the request came off the socket (engine_queue starts there)."""
         rid = request.request_id
         request_id_var.set(rid)
         self.waiting.add(rid)
@@ -359,11 +359,10 @@ class EngineService:
         """Tokens generated (all choices), or None if the gateway went away (then vLLM aborts it)."""
         completion_tokens = 0
         first = True
-        first_delivered = 0.0
+        first_ready = 0.0
         choices: dict[int, ChoiceStream] = {}
         async with contextlib.aclosing(self.engine.generate(prompt, params, rid)) as outputs:
             async for output in outputs:
-                first_delivered = first_delivered or time.monotonic()
                 self.waiting.discard(rid)
                 deltas = []
                 for choice in output.outputs:
@@ -371,6 +370,7 @@ class EngineService:
                         choices[choice.index] = ChoiceStream(choice.index, chat, new_parser(), self.tokenizer, output.prompt_token_ids)
                     deltas.append(choices[choice.index].delta(choice))
                     completion_tokens += len(choice.token_ids)
+                first_ready = first_ready or time.monotonic()  # the first token, ready to leave the engine
                 finished = output.finished
                 delta = TokenDelta(
                     request_id=rid,
@@ -378,7 +378,7 @@ class EngineService:
                     completion_tokens=completion_tokens,
                     prompt_tokens=len(output.prompt_token_ids or ()),
                     finished=finished,
-                    timings=engine_timings(output.metrics, received, first_delivered) if first or finished else None,
+                    timings=engine_timings(output.metrics, received, first_ready) if first or finished else None,
                     cached_tokens=output.num_cached_tokens or 0,
                 )
                 if not await self._send(peer, delta):
