@@ -6,7 +6,9 @@ pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink; LLaVA-NeXT: CLIP
 with its class token dropped, the second-to-last layer's features, five
 pinpoints of 1 × 2 to 3 × 1 tiles; InternVL3: InternViT, up to 12 tiles
 and a thumbnail, pixel shuffle), and a text-only Qwen2 served with no encoder,
-for tests and benchmarks on two cores.
+for tests and benchmarks on two cores. `qwen2.5-vl-7b-widths` is the
+benchmark profile at real widths: Qwen2.5-VL-7B's tensor sizes with one text
+layer and two vision blocks (615 MB).
 
 Widths follow what vLLM's CPU backend accepts (text head size 64, an
 mrope_section summing to head_dim / 2); the tokenizer and chat template are
@@ -28,6 +30,7 @@ from prism.demo_model import (
 )
 
 QWEN2_5_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen2.5-vl"
+QWEN2_5_VL_7B_WIDTHS_MODEL = REPO_ROOT / "models" / "qwen2.5-vl-7b-widths"
 QWEN3_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen3-vl"
 QWEN3_VL_MIN_PIXELS = 32 * 32
 ONEVISION_MODEL = REPO_ROOT / "models" / "tiny-llava-onevision"
@@ -41,21 +44,38 @@ INTERNVL_TILE = 112  # InternVL3's is 448: 16 tokens a tile here instead of 256
 
 
 def qwen2_5_vl_config(tokenizer):
+    text = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                mrope_section=[8, 12, 12])
+    # Qwen2.5-VL-7B: windows of 112 pixels, every 8th block attends over the whole image
+    vision = dict(depth=4, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, fullatt_block_indexes=[1, 3])
+    return _qwen2_5_vl(tokenizer, text, vision)
+
+
+def qwen2_5_vl_7b_widths_config(tokenizer):
+    """Qwen2.5-VL-7B's tensor widths (text hidden 3584 in 28 heads of 128, 4
+    KV heads; ViT 1280 wide in 16 heads, merged to 3584) with one text layer
+    and two vision blocks (one windowed, one full). Visual tokens, transfers
+    and serialisation then cost what they cost with the real checkpoint (a
+    megapixel image: about 1,300 tokens, 9 MB in bf16), while two cores can
+    still run it."""
+    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=1, num_attention_heads=28, num_key_value_heads=4,
+                mrope_section=[16, 24, 24])
+    vision = dict(depth=2, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, fullatt_block_indexes=[1])
+    return _qwen2_5_vl(tokenizer, text, vision)
+
+
+def _qwen2_5_vl(tokenizer, text: dict, vision: dict):
+    """A Qwen2.5-VL config of the given widths, with the demo tokenizer's ids."""
     from transformers import Qwen2_5_VLConfig
 
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    mrope_section = text.pop("mrope_section")
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
-        rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0},
+        text, vocab_size=len(tokenizer), max_position_embeddings=32768,
+        rope_scaling={"type": "mrope", "mrope_section": mrope_section, "rope_theta": 1000000.0},
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=False,
     )
-    vision = dict(
-        depth=4, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128, patch_size=14,
-        spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu",
-        # Qwen2.5-VL-7B: windows of 112 pixels, every 8th block attends over the whole image
-        window_size=112, fullatt_block_indexes=[1, 3],
-    )
+    vision = dict(vision, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, hidden_act="silu", window_size=112)
     return Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
@@ -67,6 +87,13 @@ def write_qwen2_5_vl(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_
 
     configs = processor_configs(max_pixels, DEFAULT_MIN_PIXELS, processor="Qwen2_5_VLProcessor")
     return _write_qwen(out, seed, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config, configs, "qwen2.5-vl")
+
+
+def write_qwen2_5_vl_7b_widths(out: Path, seed: int = SEED, max_pixels: int = DEFAULT_MAX_PIXELS) -> Path:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    configs = processor_configs(max_pixels, DEFAULT_MIN_PIXELS, processor="Qwen2_5_VLProcessor")
+    return _write_qwen(out, seed, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_7b_widths_config, configs, "qwen2.5-vl-7b-widths")
 
 
 def _write_qwen(out: Path, seed: int, model_class, config, processor_configs: tuple[dict, dict], family: str) -> Path:
@@ -297,6 +324,7 @@ def write_text_only(out: Path, seed: int = SEED) -> Path:
 
 BUILDERS = {
     "qwen2.5-vl": (write_qwen2_5_vl, QWEN2_5_VL_MODEL),
+    "qwen2.5-vl-7b-widths": (write_qwen2_5_vl_7b_widths, QWEN2_5_VL_7B_WIDTHS_MODEL),
     "qwen3-vl": (write_qwen3_vl, QWEN3_VL_MODEL),
     "llava-onevision": (write_onevision, ONEVISION_MODEL),
     "llava-next": (write_next, NEXT_MODEL),

@@ -30,3 +30,17 @@ def test_a_language_model_without_a_vision_part_is_served_text_only():
     family = family_of(LlamaConfig(architectures=["LlamaForCausalLM"]))
     assert family is TEXT_ONLY and not family.takes_images
     assert all(f.takes_images for f in (family_of(Qwen2VLConfig()), family_of(AutoConfig.for_model("llava_onevision"))))
+
+
+def test_the_real_width_profile_has_qwen2_5_vl_7b_widths_and_a_two_core_depth():
+    from prism.demo_model import SEED, build_tokenizer
+    from prism.tiny_models import qwen2_5_vl_7b_widths_config
+
+    config = qwen2_5_vl_7b_widths_config(build_tokenizer(SEED))
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_attention_heads, text.num_key_value_heads) == (3584, 18944, 28, 4)
+    assert text.num_hidden_layers == 1 and text.hidden_size // text.num_attention_heads == 128  # a head size vLLM's CPU backend takes
+    assert sum(text.rope_scaling["mrope_section"]) == 128 // 2
+    assert (vision.hidden_size, vision.intermediate_size, vision.num_heads, vision.out_hidden_size) == (1280, 3420, 16, 3584)
+    assert vision.depth == 2 and vision.fullatt_block_indexes == [1]
+    assert family_of(config).embedding_width(config) == 3584
