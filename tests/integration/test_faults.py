@@ -118,12 +118,8 @@ class Load:
 
 def wait_ready(stack: LocalStack, want: int, timeout_s: float) -> float:
     """Seconds until /health/ready answers `want` (200 ready, 503 degraded)."""
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if httpx.get(f"{stack.base_url}/health/ready", timeout=5).status_code == want:
-            return time.monotonic() - started
-        time.sleep(0.1)
-    raise TimeoutError(f"/health/ready did not become {want} within {timeout_s} s")
+    ready = f"{stack.base_url}/health/ready"
+    return wait_until(lambda: httpx.get(ready, timeout=5).status_code == want, timeout_s, f"/health/ready answering {want}")
 
 
 def test_kill_encoder_then_engine_under_load(faulty):
@@ -204,15 +200,6 @@ def engine_in_flight(stack: LocalStack) -> float:
     return scrape(stack)[("prism_service_in_flight_requests", (("service", "engine"),))]
 
 
-def wait_for(predicate, timeout_s: float = 10) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def hang_up(stack: LocalStack, body: dict, rid: str) -> None:
     """A client that leaves mid-generation: a stream after its first event, a
     plain request after 0.3 s without an answer."""
@@ -232,11 +219,11 @@ def test_client_disconnect_aborts_generation(faulty, stream):
     body = {"model": MODEL_NAME, "max_tokens": 30000, "ignore_eos": True, "temperature": 1.0, "seed": 3, "stream": stream,
             "messages": [{"role": "user", "content": "Write a very long story."}]}
     hang_up(faulty, body, rid)
-    assert wait_for(lambda: gateway_statuses(faulty, rid), timeout_s=90)
-    assert wait_for(lambda: engine_in_flight(faulty) == 0, timeout_s=30)  # nothing left running in vLLM
+    wait_until(lambda: gateway_statuses(faulty, rid), 90, "the gateway logging the request's end")
+    wait_until(lambda: engine_in_flight(faulty) == 0, 30, "nothing left running in vLLM")
     assert gateway_statuses(faulty, rid) == ["status 499 (client_disconnected)"]  # once, and not after a 200
     assert not any(r["message"].startswith("generated") for r in engine_log_lines(faulty, rid)), "vLLM generated to the end"
-    assert wait_for(lambda: any(r["message"] == "aborted" for r in engine_log_lines(faulty, rid))), "no abort reached vLLM"
+    wait_until(lambda: any(r["message"] == "aborted" for r in engine_log_lines(faulty, rid)), 10, "the abort reaching vLLM")
 
 
 def metric_total(stack: LocalStack, name: str) -> float:
@@ -250,7 +237,7 @@ def post_then_hang_up(stack: LocalStack, body: dict, when) -> None:
     with socket.create_connection(("127.0.0.1", stack.port)) as conn:
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: prism\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
-        assert wait_for(when, timeout_s=30), "the request never reached the encoder"
+        wait_until(when, 30, "the request reaching the encoder")
         conn.setblocking(False)
         with contextlib.suppress(BlockingIOError):
             pytest.fail(f"answered before the client hung up: {conn.recv(200, socket.MSG_PEEK)!r}")
@@ -270,13 +257,13 @@ def test_abandoned_unique_image_is_not_encoded(faulty):
     bodies = [{"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_url(f"busy-{r}-{i}", (1280, 720))}} for i in range(8)]}]} for r in range(2)]
     futures = [busy.submit(httpx.post, f"{faulty.base_url}/v1/chat/completions", timeout=60, json=body) for body in bodies]
-    assert wait_for(lambda: encoder_requests() >= 2 * 2)
+    wait_until(lambda: encoder_requests() >= 2 * 2, 10, "both requests' images sent to the encoder")
     abandoned = {"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url("abandoned", (1280, 960))}}]}]}
     # queued behind them, then abandoned
     post_then_hang_up(faulty, abandoned, lambda: encoder_requests() >= 2 * 3)
     assert [f.result().status_code for f in futures] == [200, 200], [f.result().text[:300] for f in futures]
     busy.shutdown()
-    assert wait_for(lambda: metric_total(faulty, "prism_encoder_jobs_dropped_total") > dropped_before)
+    wait_until(lambda: metric_total(faulty, "prism_encoder_jobs_dropped_total") > dropped_before, 10, "the abandoned encode dropped")
 
 
 def gateway_in_flight(stack: LocalStack) -> float:
