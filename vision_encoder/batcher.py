@@ -1,8 +1,13 @@
 """Dynamic batching across requests, with in-queue dedup.
 
-Jobs (one image each) wait in FIFO order. A batch closes when it holds
-`max_images` images, when adding the next would pass `max_patches`, or
-`max_wait_s` after the oldest waiting job arrived. A job whose key is already
+A batch is due when the queue holds `max_images` images or `max_patches`
+patches, or `max_wait_s` after the oldest waiting job arrived. It takes at
+most `max_images` images and `max_patches` patches (a lone larger image still
+goes). Which images: with `size_ratio` 0, first come first served; otherwise
+the smallest waiting image leads (the oldest instead, once it has waited
+`age_limit_s`, so a large image is never starved) and only images within
+`size_ratio` of the leader's patch count join it, so a 256² image never rides
+in a 4K image's batch and waits out its ViT time. A job whose key is already
 waiting joins that job instead of queueing a second encode.
 """
 
@@ -31,10 +36,13 @@ class Job:
 
 
 class Batcher:
-    def __init__(self, max_images: int, max_patches: int, max_wait_s: float) -> None:
+    def __init__(self, max_images: int, max_patches: int, max_wait_s: float, size_ratio: float = 0,
+                 age_limit_s: float = float("inf")) -> None:
         self.max_images = max_images
         self.max_patches = max_patches
         self.max_wait_s = max_wait_s
+        self.size_ratio = size_ratio
+        self.age_limit_s = age_limit_s
         self._queue: OrderedDict[bytes, Job] = OrderedDict()
         self.joins = 0
         self.dropped = 0
@@ -82,12 +90,23 @@ class Batcher:
         return sum(job.patches for job in self._queue.values())
 
     def take(self) -> list[Job]:
-        """The next batch: FIFO, within the image and patch budgets (always ≥ 1 job)."""
+        """The next batch (always ≥ 1 job): see the module docstring for which images."""
+        jobs = list(self._queue.values())  # oldest first
+        if not self.size_ratio:
+            return self._fill(jobs)
+        oldest = jobs[0]
+        aged = time.monotonic() - oldest.arrived >= self.age_limit_s
+        lead = oldest if aged else min(jobs, key=lambda job: job.patches)  # ties: the oldest
+        low, high = lead.patches / self.size_ratio, lead.patches * self.size_ratio
+        alike = [job for job in sorted(jobs, key=lambda job: job.patches) if job is not lead and low <= job.patches <= high]
+        return self._fill([lead, *alike])
+
+    def _fill(self, candidates: list[Job]) -> list[Job]:
+        """The candidates, in order, while the image and patch budgets hold (the first always)."""
         batch: list[Job] = []
         patches = 0
-        while self._queue and len(batch) < self.max_images:
-            job = next(iter(self._queue.values()))
-            if batch and patches + job.patches > self.max_patches:
+        for job in candidates:
+            if len(batch) >= self.max_images or (batch and patches + job.patches > self.max_patches):
                 break
             del self._queue[job.slot]
             batch.append(job)

@@ -19,6 +19,12 @@ class EncoderConfig(FrozenConfig):
     max_batch_images: int = Field(16, ge=1)
     max_batch_patches: int = Field(65536, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
+    # Which images share a batch: those within this factor of the smallest
+    # waiting one's patch count (it leads), so small images never wait out a
+    # 4K image's ViT time; 0: first come first served, any sizes together.
+    batch_size_ratio: float = Field(4, ge=0)
+    # A job waiting this long leads the next batch whatever its size (no starvation).
+    batch_age_limit_ms: float = Field(500, gt=0)
     max_queue_images: int = Field(256, ge=1)  # past it, new work is refused (429) instead of queued
     # Batches in flight at once: 2 lets the image processor prepare batch N+1
     # while the ViT runs batch N; 1 runs them strictly one after the other.
@@ -48,6 +54,8 @@ class EncoderConfig(FrozenConfig):
     def _pixel_bounds(self) -> "EncoderConfig":
         if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
             raise ValueError("min_pixels must not exceed max_pixels")
+        if 0 < self.batch_size_ratio < 1:
+            raise ValueError("batch_size_ratio is 0 (first come first served) or at least 1")
         if self.shared_cache_url and not self.shared_cache_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("shared_cache_url must be a redis://, rediss:// or unix:// URL")
         return self

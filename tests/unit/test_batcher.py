@@ -57,3 +57,30 @@ def test_jobs_with_colliding_keys_but_different_images_stay_apart():
     b.add(b"k", "pixels-B", 1, ("r2", 0), identity=b"B")
     jobs = b.take()
     assert [(j.key, j.image) for j in jobs] == [(b"k", "pixels-A"), (b"k", "pixels-B")] and b.joins == 0
+
+
+def test_a_small_image_never_rides_in_a_large_images_batch():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0, size_ratio=4, age_limit_s=60)
+    b.add(b"4k-1", None, 5000, ("r1", 0))
+    b.add(b"256-1", None, 324, ("r2", 0))
+    b.add(b"1080p", None, 4600, ("r3", 0))
+    b.add(b"256-2", None, 400, ("r4", 0))
+    assert [j.key for j in b.take()] == [b"256-1", b"256-2"]  # the small ones first, together
+    assert [j.key for j in b.take()] == [b"1080p", b"4k-1"]  # then the large ones, smallest first
+
+
+def test_an_image_waiting_past_the_age_limit_leads_whatever_its_size():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0, size_ratio=4, age_limit_s=0.05)
+    b.add(b"4k", None, 5000, ("r1", 0))
+    b.add(b"small", None, 324, ("r2", 0))
+    time.sleep(0.06)
+    assert [j.key for j in b.take()] == [b"4k"]  # aged: it goes, and the small one is not dragged along
+    assert [j.key for j in b.take()] == [b"small"]
+
+
+def test_size_classes_keep_the_budgets():
+    b = Batcher(max_images=2, max_patches=700, max_wait_s=0, size_ratio=4, age_limit_s=60)
+    for i, patches in enumerate([300, 310, 320, 330]):
+        b.add(bytes([i]), None, patches, ("r", i))
+    assert [j.patches for j in b.take()] == [300, 310]
+    assert [j.patches for j in b.take()] == [320, 330]
