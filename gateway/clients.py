@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from gateway import metrics
 from gateway.errors import APIError
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer
@@ -50,11 +51,14 @@ SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is no
 
 
 class ServiceClient:
+    peer = ""  # the metrics' label for this kind of service
+
     def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str, heartbeat_timeout_s: float) -> None:
         self.name = name
         self.address = address
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.socket = AsyncDealer(ctx, address, GatewayInbound)
+        counters = {direction: metrics.PEER_BYTES.labels(self.peer, direction) for direction in ("sent", "received")}
+        self.socket = AsyncDealer(ctx, address, GatewayInbound, lambda direction, nbytes: counters[direction].inc(nbytes))
         # Never queue messages for a peer that is not connected: a restarted
         # service must not receive requests its predecessor was sent.
         self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)
@@ -246,6 +250,8 @@ def _raise_if_error(message: Any) -> None:
 
 
 class EncoderClient(ServiceClient):
+    peer = "encoder"
+
     async def encode(
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False
     ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
@@ -269,6 +275,8 @@ class EncoderClient(ServiceClient):
 
 
 class EngineClient(ServiceClient):
+    peer = "engine"
+
     async def generate(
         self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float
     ) -> AsyncIterator[TokenDelta]:

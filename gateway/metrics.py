@@ -27,6 +27,8 @@ E2E_SECONDS = Histogram("prism_e2e_seconds", "Request arrival to last byte", buc
 VISUAL_TOKENS = Histogram("prism_visual_tokens_per_request", "Visual tokens a request's images became", buckets=TOKEN_BUCKETS)
 IMAGES = Counter("prism_images_total", "Images accepted, by original size", ["size"])
 IN_FLIGHT = Gauge("prism_in_flight_requests", "Requests being served", ["service"])
+PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets to encoders and engines (headers and frames)",
+                     ["peer", "direction"])
 
 
 def image_size_bucket(width: int, height: int) -> str:

@@ -7,7 +7,7 @@ sent and received without copies. ROUTER sockets prefix the peer identity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -24,6 +24,11 @@ _encoder = msgspec.msgpack.Encoder()
 
 def pack(message: Message, frames: Sequence[Any] = ()) -> list[Any]:
     return [_encoder.encode(message), *frames]
+
+
+def size_of(parts: Sequence[Any]) -> int:
+    """Bytes in a multipart message: header and frames (bytes, arrays, buffers or zmq.Frames)."""
+    return sum(len(part) if isinstance(part, zmq.Frame) else memoryview(part).nbytes for part in parts)
 
 
 def bind(socket: zmq.Socket, address: str) -> None:
@@ -47,18 +52,28 @@ class _Typed(Generic[In]):
 
 
 class AsyncDealer(_Typed[In]):
-    """One side of a request/reply stream to a ROUTER (gateway → service)."""
+    """One side of a request/reply stream to a ROUTER (gateway → service).
+    `count(direction, nbytes)`, if given, hears of every message's size
+    ("sent" or "received")."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any,
+                 count: Callable[[str, int], None] | None = None) -> None:
         socket = ctx.socket(zmq.DEALER)
         socket.connect(address)
         super().__init__(socket, inbound)
+        self._count = count
 
     async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
-        await self.socket.send_multipart(pack(message, frames), copy=False)
+        parts = pack(message, frames)
+        await self.socket.send_multipart(parts, copy=False)
+        if self._count:
+            self._count("sent", size_of(parts))
 
     async def recv(self) -> tuple[In, list[memoryview]]:
-        return self.unpack(await self.socket.recv_multipart(copy=False))
+        parts = await self.socket.recv_multipart(copy=False)
+        if self._count:
+            self._count("received", size_of(parts))
+        return self.unpack(parts)
 
 
 class AsyncRouter(_Typed[In]):

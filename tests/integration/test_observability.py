@@ -13,7 +13,7 @@ from gateway.timing import TTFT_STAGES
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import log_records, wait_until
+from tests.integration.helpers import log_records, scrape, wait_until
 
 TOLERANCE_MS = 1.0  # rounding of each stage to µs, and nothing else
 
@@ -98,3 +98,19 @@ def test_one_scrape_shows_every_service(stack):
 
     # the services' figures come from the stats the gateway polls (every second)
     wait_until(lambda: not missing(), 10, "one scrape showing every stage and every service's metrics")
+
+
+def test_the_gateway_counts_the_bytes_it_moves_to_and_from_each_service(stack):
+    def moved() -> dict[tuple[str, str], float]:
+        return {(dict(labels)["peer"], dict(labels)["direction"]): value
+                for (name, labels), value in scrape(stack).items() if name == "prism_gateway_peer_bytes_total"}
+
+    before = moved()
+    url = b64(save(make_image("bytes", (320, 240)), "PNG"))
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, False), timeout=60).json()
+    after = moved()
+    embedding_bytes = response["usage"]["prompt_tokens_details"]["image_tokens"] * 128 * 4  # hidden 128, float32 here
+    # the visual tokens come in from the encoder and go on to the engine: the relay issue #19 removes
+    assert after["encoder", "received"] - before["encoder", "received"] >= embedding_bytes
+    assert after["engine", "sent"] - before["engine", "sent"] >= embedding_bytes
+    assert after["encoder", "sent"] - before["encoder", "sent"] >= 3 * 240 * 320 // 4  # the pixels, at most 4× downscaled

@@ -238,7 +238,8 @@ def test_a_message_of_another_direction_is_refused():
 async def _request_and_reply_through_sockets(pixels: np.ndarray, embeddings: torch.Tensor):
     ctx = zmq.asyncio.Context()
     router = AsyncRouter(ctx, "inproc://encoder", EncoderInbound)
-    dealer = AsyncDealer(ctx, "inproc://encoder", GatewayInbound)
+    counted: list[tuple[str, int]] = []
+    dealer = AsyncDealer(ctx, "inproc://encoder", GatewayInbound, lambda direction, nbytes: counted.append((direction, nbytes)))
     try:
         meta, frame = to_frame(pixels)
         request = EncodeRequest("chatcmpl-41", [ImageInput(b"\x07" * 16, meta, (960, 1280))])
@@ -253,6 +254,9 @@ async def _request_and_reply_through_sockets(pixels: np.ndarray, embeddings: tor
         answer, frames = await asyncio.wait_for(dealer.recv(), 5)
         assert answer == reply and len(frames) == 1
         assert torch.equal(to_torch(answer.images[0].embeddings, frames[0]), embeddings)
+        # the dealer counts every byte it moves: header and frames, each way
+        assert counted == [("sent", len(pack(request)[0]) + pixels.nbytes),
+                           ("received", len(pack(reply)[0]) + embeddings.numel() * embeddings.element_size())]
     finally:
         dealer.close()
         router.close()
