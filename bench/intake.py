@@ -1,12 +1,16 @@
 """Gateway intake throughput and its share of TTFT.
 
-1. images/s through the gateway's intake (base64 decode, header inspection,
-   decode, EXIF, RGB, downscale to the 1,048,576-pixel budget, digest) for
-   1080p JPEGs (q90), with 1 worker thread and with one per core, side by side.
-2. The intake stages' share of TTFT for 1080p requests through the running
-   stack (cache miss and hit), from the per-request breakdown.
+1. Images/s through the gateway's intake: base64 decode, header inspection,
+   decode, EXIF, RGB, downscale, digest. It runs on JPEGs (q90) of one
+   resolution (4K by default) in four settings: a 1 MP pixel budget and the
+   demo model's 140×140, each with the full decode and the draft decode
+   (`gateway.jpeg_draft`). Each setting runs with 1 worker thread and with
+   one per core, side by side. This is the ceiling one gateway process's
+   intake puts on images per second.
+2. The intake stages' share of TTFT for requests through the running stack
+   (the demo config; cache miss and hit), from the per-request breakdown.
 
-Run: .venv/bin/python -m bench.intake [--images 48]
+Run: .venv/bin/python -m bench.intake [--images 48] [--resolution 1920x1080]
 """
 
 from __future__ import annotations
@@ -24,19 +28,20 @@ from prism.stack import LocalStack
 from prism.synthetic import data_url, make_image
 from protocol.to_gateway import ProcessorInfo
 
-POLICY = IntakePolicy(ProcessorInfo(14, 2, 3136, 1024 * 1024), ImageLimits(20 * 2**20, 50_000_000, 2, 200))
+LIMITS = ImageLimits(20 * 2**20, 50_000_000, 2, 200)
+BUDGETS = {"1 MP": 1024 * 1024, "140×140 (demo)": 140 * 140}
 
 
-def intake_one(url: str) -> None:
-    raw = decode_data_url(url, "bench", POLICY.limits.max_bytes)
-    decode(inspect(raw, "bench", POLICY, POLICY.default_budget), POLICY)
+def intake_one(url: str, policy: IntakePolicy) -> None:
+    raw = decode_data_url(url, "bench", policy.limits.max_bytes)
+    decode(inspect(raw, "bench", policy, policy.default_budget), policy)
 
 
-def throughput(urls: list[str], workers: int) -> float:
+def throughput(urls: list[str], workers: int, policy: IntakePolicy) -> float:
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(intake_one, urls[:workers]))  # warm-up
+        list(pool.map(intake_one, urls[:workers], [policy] * workers))  # warm-up
         started = time.perf_counter()
-        list(pool.map(intake_one, urls))
+        list(pool.map(intake_one, urls, [policy] * len(urls)))
         return len(urls) / (time.perf_counter() - started)
 
 
@@ -60,14 +65,20 @@ def intake_share(urls: list[str]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=48)
+    parser.add_argument("--resolution", default="3840x2160")
     args = parser.parse_args()
-    urls = [data_url(make_image(f"intake-{i}", (1920, 1080))) for i in range(args.images)]
+    width, height = map(int, args.resolution.split("x"))
+    urls = [data_url(make_image(f"intake-{i}", (width, height))) for i in range(args.images)]
     cores = os.cpu_count() or 1
-    one = throughput(urls, 1)
-    every = throughput(urls, cores)
-    print(f"| workers | 1080p JPEG images/s |\n|---|---|\n| 1 | {one:.1f} |\n| {cores} | {every:.1f} ({every / one:.2f}×) |")
+    print(f"| budget | decode | 1 worker, images/s | {cores} workers, images/s |\n|---|---|---|---|")
+    for name, max_pixels in BUDGETS.items():
+        for draft in (False, True):
+            policy = IntakePolicy(ProcessorInfo(14, 2, 3136, max_pixels), LIMITS, draft)
+            one, every = throughput(urls, 1, policy), throughput(urls, cores, policy)
+            print(f"| {name} | {'draft' if draft else 'full'} | {one:.1f} | {every:.1f} ({every / one:.2f}×) |", flush=True)
     share = intake_share(urls[:8])
-    print(f"\nintake (image_fetch + image_preprocess) share of TTFT, 1080p, median of 8: miss {share['miss']:.0%}, hit {share['hit']:.0%}")
+    print(f"\nintake (image_fetch + image_preprocess) share of TTFT, {args.resolution}, median of 8: "
+          f"miss {share['miss']:.0%}, hit {share['hit']:.0%}")
 
 
 if __name__ == "__main__":
