@@ -192,7 +192,7 @@ class EncoderService:
         if len(frames) != with_pixels:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
-        keys = [self._full_key(image.digest) for image in request.images]
+        keys = [content_key(self.tower.fingerprint, image.digest) for image in request.images]
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys)
         misses, lacking = [], []
         for index, key, image, frame in self._look_up(state, request, frames):
@@ -232,7 +232,7 @@ class EncoderService:
         frame_of = iter(frames)
         for index, image in enumerate(request.images):
             frame = next(frame_of) if image.pixels is not None else None
-            key, identity = self._key(image.digest), self._identity(image.digest)
+            key, identity = self._cache_key(state.keys[index]), self._identity(image.digest)
             hit = self.cache.get(key, identity, record=record)
             if hit is not None:
                 state.results[index] = (hit, True)
@@ -249,13 +249,9 @@ class EncoderService:
                 state.results[index] = (value, True)
         return [item for item, value in zip(unresolved, found) if value is None]
 
-    def _full_key(self, digest: bytes) -> bytes:
-        return content_key(self.tower.fingerprint, digest)
-
-    def _key(self, digest: bytes) -> bytes:
-        """The cache's key: the full key, or its first `test_key_bytes` (collision tests)."""
-        key = self._full_key(digest)
-        return key[: self.config.test_key_bytes] if self.config.test_key_bytes else key
+    def _cache_key(self, full_key: bytes) -> bytes:
+        """The cache's key: the full content key, or its first `test_key_bytes` (collision tests)."""
+        return full_key[: self.config.test_key_bytes] if self.config.test_key_bytes else full_key
 
     def _identity(self, digest: bytes) -> bytes:
         return self.tower.fingerprint.encode() + digest
