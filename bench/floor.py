@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import statistics
 import tempfile
 import threading
@@ -35,8 +34,10 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from bench.intake import qwen_policy
 from bench.servers import vllm_server
-from gateway.intake import ImageLimits, IntakePolicy, decode, inspect
+from bench.ttft import QUESTION, SERVED_NAME, median_ms, over_http
+from gateway.intake import decode, inspect
 from loadtest.bench import Plan, load_test
 from loadtest.client import Target
 from loadtest.runner import Arrival
@@ -46,8 +47,6 @@ from prism.stack import LocalStack
 from prism.synthetic import encode, make_image
 
 MODEL = SHAPES_MODEL
-SERVED_NAME = "prism-demo"
-QUESTION = "Describe the image."
 IMAGES = {"4k": (3840, 2160), "1080p": (1920, 1080)}
 MAX_PIXELS = 140 * 140  # the demo model's own budget (preprocessor_config.json)
 MIXED = WorkloadSpec(  # the README's `prism bench` example
@@ -63,20 +62,10 @@ def jpegs(trials: int) -> dict[str, list[bytes]]:
     return out
 
 
-def median_ms(values) -> float:
-    return statistics.median(values) * 1000
-
-
 # ---- floors, in this process ----
 
-def policy(jpeg_draft: bool) -> IntakePolicy:
-    from protocol.to_gateway import ProcessorInfo
-
-    return IntakePolicy(ProcessorInfo(14, 2, 56 * 56, MAX_PIXELS), ImageLimits(20 * 2**20, 50_000_000, 2, 200), jpeg_draft)
-
-
 def decode_floor(images: list[bytes], jpeg_draft: bool) -> float:
-    chosen = policy(jpeg_draft)
+    chosen = qwen_policy(MAX_PIXELS, jpeg_draft)
     times = []
     for raw in images:
         started = time.perf_counter()
@@ -94,7 +83,7 @@ def tower_floor(images: list[bytes]):
 
     torch.set_num_threads(1)  # as the encoder service runs it (encoder.torch_threads)
     tower = load_tower(str(MODEL), "bfloat16", "cpu")
-    exact = policy(False)
+    exact = qwen_policy(MAX_PIXELS)
     prepared = [decode(inspect(raw, "image", exact, exact.default_budget), exact) for raw in images]
     times, last = [], None
     with torch.inference_mode():
@@ -180,28 +169,10 @@ def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
 # ---- through the servers ----
 
 def one_at_a_time(base_url: str, images: dict[str, list[bytes]]) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
-    """TTFT per image kind, and Prism's stages per request (empty for vLLM)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    warm_up = encode(make_image("floor-warm-up", IMAGES["1080p"]))
-    ttft: dict[str, list[float]] = {}
-    stages: dict[str, list[dict]] = {}
-    for name, raws in [("warm-up", [warm_up]), *images.items()]:
-        for raw in raws:
-            url = "data:image/jpeg;base64," + base64.b64encode(raw).decode()
-            started, first = time.perf_counter(), None
-            stream = client.chat.completions.create(
-                model=SERVED_NAME, max_tokens=8, temperature=0, stream=True,
-                messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
-            )
-            for chunk in stream:
-                first = first or time.perf_counter()
-                prism = (chunk.model_extra or {}).get("prism")
-                if prism and chunk.choices and chunk.choices[0].finish_reason:
-                    stages.setdefault(name, []).append(prism["stages_ms"])
-            ttft.setdefault(name, []).append(first - started)
-    return ttft, stages
+    """TTFT per image kind, and Prism's stages per request (empty for vLLM), through bench.ttft's client."""
+    over_http([("warm-up", "sent", encode(make_image("floor-warm-up", IMAGES["1080p"])))], base_url)
+    times, stages = over_http([(name, "sent", raw) for name, raws in images.items() for raw in raws], base_url)
+    return {name: times[name, "sent"] for name in images}, {name: stages.get((name, "sent"), []) for name in images}
 
 
 def mixed(base_url: str, requests: int) -> dict:
@@ -219,8 +190,6 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
         lines.append(f"| {name} | {value:.0f} bytes |" if name == "embedding bytes" else f"| {name} | {value:.2f} ms |")
     lines += ["", "## Concurrency 1: TTFT medians", "", "| image | vLLM server | Prism | Prism / vLLM |", "|---|---|---|---|"]
     for name in prism:
-        if name == "warm-up":
-            continue
         p = median_ms(prism[name])
         v = median_ms(vllm[name]) if vllm else float("nan")
         lines.append(f"| {name} | {v:.1f} ms | {p:.1f} ms | {p / v:.2f}× |")

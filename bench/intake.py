@@ -28,8 +28,12 @@ from prism.stack import LocalStack
 from prism.synthetic import data_url, make_image
 from protocol.to_gateway import ProcessorInfo
 
-LIMITS = ImageLimits(20 * 2**20, 50_000_000, 2, 200)
 BUDGETS = {"1 MP": 1024 * 1024, "140×140 (demo)": 140 * 140}
+
+
+def qwen_policy(max_pixels: int, jpeg_draft: bool = False) -> IntakePolicy:
+    """The gateway's intake for a Qwen pixel budget, with the default image limits."""
+    return IntakePolicy(ProcessorInfo(14, 2, 56 * 56, max_pixels), ImageLimits(20 * 2**20, 50_000_000, 2, 200), jpeg_draft)
 
 
 def intake_one(url: str, policy: IntakePolicy) -> None:
@@ -73,7 +77,7 @@ def main() -> None:
     print(f"| budget | decode | 1 worker, images/s | {cores} workers, images/s |\n|---|---|---|---|")
     for name, max_pixels in BUDGETS.items():
         for draft in (False, True):
-            policy = IntakePolicy(ProcessorInfo(14, 2, 3136, max_pixels), LIMITS, draft)
+            policy = qwen_policy(max_pixels, draft)
             one, every = throughput(urls, 1, policy), throughput(urls, cores, policy)
             print(f"| {name} | {'draft' if draft else 'full'} | {one:.1f} | {every:.1f} ({every / one:.2f}×) |", flush=True)
     share = intake_share(urls[:8])
