@@ -226,6 +226,14 @@ def exact_match(model, batch: dict) -> float:
     return right.float().mean().item()
 
 
+def update(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], loss: torch.Tensor) -> None:
+    """One optimiser step on `loss`, gradients clipped to norm 1."""
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+
+
 def lr_at(step: int, steps: int, recipe: Recipe, peak: float | None = None) -> float:
     peak = recipe.lr if peak is None else peak
     if step < recipe.warmup:
@@ -257,10 +265,7 @@ def pretrain_vision(model, heads: SceneHeads, processor, recipe: Recipe, log_eve
         tokens = visual(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]).pooler_output
         grids = pixels["image_grid_thw"]
         loss = heads.loss(tokens, samples, grids, processor.patch_size, processor.merge_size)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        update(optimizer, params, loss)
         if step % log_every == 0 or step == recipe.vision_steps - 1:
             right = (heads(tokens.detach(), grids, processor.merge_size).argmax(-1) == scene_targets(samples)).all(-1)
             print(f"vision {step:5d}  loss {loss.item():.3f}  scenes read right {right.float().mean():.2f}", flush=True)
@@ -293,10 +298,7 @@ def train_end_to_end(model, heads: SceneHeads, batcher: Batcher, recipe: Recipe,
         answer_loss = model(**batch).loss
         scene_loss = heads.loss(merged[0], samples, batch["image_grid_thw"], batcher.processor.patch_size, merge)
         loss = answer_loss + recipe.aux_weight * scene_loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        update(optimizer, params, loss)
         if step % log_every == 0 or step == recipe.steps - 1:
             log_held_out("answers", step, answer_loss.item(), model, held_out, f"  probe {scene_loss.item():.3f}")
     hook.remove()
@@ -321,10 +323,7 @@ def teach_json(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None:
         samples = draw_samples(rng, recipe.json_share, recipe, "json")
         samples += draw_samples(rng, recipe.batch_size - recipe.json_share, recipe)
         loss = model(**batcher(samples)).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        update(optimizer, params, loss)
         if step % log_every == 0 or step == recipe.json_steps - 1:
             log_held_out("json", step, loss.item(), model, held_out)
 
