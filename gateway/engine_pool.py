@@ -22,7 +22,7 @@ from gateway.clients import EngineClient
 from gateway.errors import APIError
 from gateway.replicas import RETRIABLE, ReplicaPool
 from protocol.to_engine import GenerateRequest
-from protocol.to_gateway import TokenDelta
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, TokenDelta
 
 
 class EnginePool(ReplicaPool[EngineClient]):
@@ -53,7 +53,7 @@ class EnginePool(ReplicaPool[EngineClient]):
                 if started:  # the client has tokens already: a retry would start over
                     raise APIError(error.status, f"{error.message} (after the first token: not retried)",
                                    error.param, error.code, error.headers) from None
-                if error.status not in RETRIABLE:
-                    raise
+                if error.status not in RETRIABLE or error.code == EMBEDDINGS_UNAVAILABLE:
+                    raise  # lost tokens are lost for every replica: the pipeline encodes them again
                 refused = error
         raise refused or self.unavailable()

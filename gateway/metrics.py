@@ -74,6 +74,7 @@ class ServiceStatsCollector:
             in_flight.add_metric(["engine"], sum(e.in_flight for e in engines))
             queue.add_metric(["engine"], sum(e.waiting for e in engines))
             yield CounterMetricFamily("prism_engine_steps", "vLLM engine-core steps seen (the stall watchdog's progress signal)", value=sum(e.steps for e in engines))
+            yield from _handoff_metrics(encoders, engines)
         stalls = CounterMetricFamily("prism_stalls", "Stalls each service's watchdog declared (engine: no step; encoder: a batch far past its prediction)", labels=["service"])
         for service, stats in (("encoder", encoders), ("engine", engines)):
             stalls.add_metric([service], sum(s.stalls for s in stats))
@@ -104,6 +105,16 @@ def _encoder_metrics(encoders: list):
                              ("reattach", "reattaches")):
             shared_events.add_metric([event], sum(getattr(t, field) for t in shared))
         yield shared_events
+
+
+def _handoff_metrics(encoders: list, engines: list):
+    """Visual tokens going from encoders to engines by reference (llm_engine/fetch.py)."""
+    images = CounterMetricFamily("prism_engine_embeddings", "Images' visual tokens an engine needed, by where it found them", labels=["source"])
+    images.add_metric(["engine_cache"], sum(e.embedding_cache_hits for e in engines))
+    images.add_metric(["fetched"], sum(e.embeddings_fetched for e in engines))
+    yield images
+    yield CounterMetricFamily("prism_engine_fetched_bytes", "Bytes on the engines' sockets to encoders (headers and tensors)", value=sum(e.fetched_bytes for e in engines))
+    yield CounterMetricFamily("prism_encoder_fetch_misses", "Fetches of tokens an encoder no longer held (the gateway re-encodes them)", value=sum(e.fetch_misses for e in encoders))
 
 
 def _replica_metrics(pools):

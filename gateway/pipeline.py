@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -29,7 +29,9 @@ from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
-from protocol.to_gateway import EncodeResult, TokenDelta
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, TokenDelta
+
+log = logging.getLogger("prism.gateway")
 
 _ROLES = {"developer": "system"}
 
@@ -37,8 +39,8 @@ _ROLES = {"developer": "system"}
 @dataclass
 class Prepared:
     request: GenerateRequest
-    frames: list[Any]
     digests: list[bytes]  # the images', for engine affinity
+    images: list[Inspected]  # kept until the first token: re-encoded if the engine cannot fetch their tokens
     model: str = ""  # the served name, echoed in responses
 
 
@@ -164,10 +166,10 @@ class ChatPipeline:
                         original = (height, width)
                     inputs.append(ImageInput(digest, meta, original))
                 sent = time.perf_counter()
-                reply, reply_frames = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry)
+                reply, _ = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry)
                 round_trip = time.perf_counter() - sent
                 if isinstance(reply, EncodeResult):
-                    return self._encoded(reply, reply_frames, round_trip, timer)
+                    return self._encoded(reply, self.encoder.replicas[route.replica].address, round_trip, timer)
                 timer.add("cache_lookup", reply.cache_lookup_s)
                 timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
                 wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
@@ -175,13 +177,14 @@ class ChatPipeline:
                     pixels[index] = prepared
         raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
 
-    def _encoded(self, result: EncodeResult, reply_frames, round_trip: float, timer: RequestTimer):
+    def _encoded(self, result: EncodeResult, source: str, round_trip: float, timer: RequestTimer) -> list[ImageEmbedding]:
+        """References to the tokens, for the engine to fetch from `source` (the
+        encoder that answered): no tensor passes through the gateway."""
         timer.add_encoder(result.timings, round_trip)
         timer.cache_hits += sum(i.cache_hit for i in result.images)
         timer.cache_misses += sum(not i.cache_hit for i in result.images)
         timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
-        embeddings = [ImageEmbedding(i.embeddings, i.grid_thw, i.key) for i in result.images]
-        return embeddings, reply_frames
+        return [ImageEmbedding(i.embeddings, i.grid_thw, i.key, source, i.identity) for i in result.images]
 
     async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer, request_id: str) -> Prepared:
         refs = image_refs(request)
@@ -195,22 +198,36 @@ class ChatPipeline:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
-        embeddings, frames, digests = [], [], []
+        embeddings, digests, images = [], [], []
         if refs:
             images = await self._intake(request, refs, timer)
             digests = [digest_of(item, self.policy) for item in images]
-            # The encoder's frames are forwarded to the engine as they came: no copy, no decode.
-            embeddings, frames = await self._encode(request_id, images, digests, timer)
+            embeddings = await self._encode(request_id, images, digests, timer)
         generate = GenerateRequest(request_id=request_id, chat=engine_chat(request), images=embeddings)
-        return Prepared(generate, frames, digests)
+        return Prepared(generate, digests, images)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
-        sent = time.perf_counter()
-        first = True
-        deltas = self.engine.generate(prepared.request, prepared.frames, self.config.generate_timeout_s, prepared.digests)
-        async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
-            async for delta in deltas:
-                if first:
-                    timer.add_engine_first(delta.timings, time.perf_counter() - sent)
-                    first = False
-                yield delta
+        """The engine's deltas. If it could not fetch the visual tokens (their
+        encoder died or dropped them since), the images are encoded once more
+        (on a replica that is up) and the engine asked again; a second such
+        failure is the client's 503."""
+        for last_try in (False, True):
+            sent = time.perf_counter()
+            first = True
+            deltas = self.engine.generate(prepared.request, (), self.config.generate_timeout_s, prepared.digests)
+            try:
+                async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
+                    async for delta in deltas:
+                        if first:
+                            timer.add_engine_first(delta.timings, time.perf_counter() - sent)
+                            prepared.images = []  # the engine has the tokens: the raw images are not needed again
+                            first = False
+                        yield delta
+                return
+            except APIError as error:
+                if error.code != EMBEDDINGS_UNAVAILABLE or last_try or not prepared.images:
+                    raise
+                log.warning("%s; encoding the images again", error.message)
+                timer.add("embed_transfer", time.perf_counter() - sent)
+                images = await self._encode(prepared.request.request_id, prepared.images, prepared.digests, timer)
+                prepared.request = msgspec.structs.replace(prepared.request, images=images)

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from prism.config import FrozenConfig
+from prism.config import FrozenConfig, check_redis_url
 
 
 class EngineConfig(FrozenConfig):
@@ -40,6 +40,16 @@ class EngineConfig(FrozenConfig):
     # required / named are constrained by a JSON schema (any backend) and
     # `auto` is not constrained (vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING).
     strict_tool_calling: bool = True
+    # Visual tokens come by reference and are fetched from the encoder that
+    # holds them (llm_engine/fetch.py); the most recent stay in an LRU of this
+    # size, so a repeated image is not fetched again. 0: no LRU.
+    embedding_cache_mb: float = Field(1024, ge=0)
+    embed_fetch_timeout_s: float = Field(5, gt=0)  # past it, the shared tier; then 503 (the gateway re-encodes)
+    # The encoders' shared Redis tier (encoder.shared_cache_url), asked when an
+    # encoder no longer holds an image's tokens. None: encoders only.
+    shared_cache_url: str | None = None
+    shared_cache_timeout_ms: float = Field(100, gt=0)
+    shared_cache_retry_s: float = Field(5, gt=0)
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     drain_timeout_s: float = Field(30, ge=0)  # on SIGTERM, requests in flight get this long to finish
     # Stall watchdog (llm_engine/watchdog.py): requests in vLLM and no engine
@@ -61,6 +71,8 @@ class EngineConfig(FrozenConfig):
     # instead (small CPU machines: the gateway and encoder need that core).
     # 0 keeps vLLM's spin (hosts with cores to spare). See llm_engine/shm_wait.py.
     shm_wait_sleep_us: int = Field(0, ge=0, le=10_000)
+
+    _redis_url = field_validator("shared_cache_url")(check_redis_url)
 
     @field_validator("structured_outputs")
     @classmethod

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from protocol.tensors import to_torch
 from protocol.to_engine import GenerateRequest
 
 _FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
@@ -69,15 +68,18 @@ def image_parts(messages: list[dict]) -> int:
     return sum(_is_image(part) for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
-def image_data(request: GenerateRequest, frames: list, shape: ModelShape | None) -> dict | None:
-    """vLLM's `multi_modal_data["image"]` for the request's validated embeddings, or None without images."""
-    if len(frames) != len(request.images):
-        raise InvalidPrompt(f"{len(frames)} embedding frames for {len(request.images)} images")
+def check_images(request: GenerateRequest, shape: ModelShape | None) -> None:
+    """Every image's embeddings, as described, fit the model (checked before any is fetched)."""
+    if request.images and shape is None:
+        raise InvalidPrompt("this model is text-only: it takes no images")
+    for index, image in enumerate(request.images):
+        _check(index, image, shape)
+
+
+def image_data(request: GenerateRequest, tensors: list, shape: ModelShape | None) -> dict | None:
+    """vLLM's `multi_modal_data["image"]` for the request's checked embeddings, or None without images."""
     if not request.images:
         return None
-    if shape is None:
-        raise InvalidPrompt("this model is text-only: it takes no images")
-    tensors = [_checked(index, image, frame, shape) for index, (image, frame) in enumerate(zip(request.images, frames))]
     dtype = tensors[0].dtype
     if shape.merge_size is None:
         return {"image": [x.to(dtype) for x in tensors]}
@@ -85,7 +87,7 @@ def image_data(request: GenerateRequest, frames: list, shape: ModelShape | None)
     return {"image": {"image_embeds": torch.cat([x.to(dtype) for x in tensors]), "image_grid_thw": grids}}
 
 
-def _checked(index: int, image, frame, shape: ModelShape) -> torch.Tensor:
+def _check(index: int, image, shape: ModelShape) -> None:
     meta = image.embeddings
     if meta.dtype not in _FLOAT_DTYPES:
         raise InvalidPrompt(f"image {index}: embeddings dtype {meta.dtype} is not a float type")
@@ -105,7 +107,6 @@ def _checked(index: int, image, frame, shape: ModelShape) -> torch.Tensor:
     if meta.shape != (rows, shape.embedding_width):
         given = f"grid {image.grid_thw}" if image.grid_thw else "the model"
         raise InvalidPrompt(f"image {index}: embeddings shape {meta.shape} does not match {given} (expected ({rows}, {shape.embedding_width}))")
-    return to_torch(meta, frame)
 
 
 @dataclass(frozen=True)
@@ -115,18 +116,23 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def build_prompt(chat, request: GenerateRequest, frames: list, tokenizer, shape: ModelShape | None, max_model_len: int,
-                 template_kwargs: dict) -> Prompt:
-    """`chat`: vLLM's ChatCompletionRequest read from `request.chat`."""
+def check_image_parts(chat, request: GenerateRequest) -> None:
     if (parts := image_parts(chat.messages)) != len(request.images):
         raise InvalidPrompt(f"{parts} image parts in the messages but {len(request.images)} images sent")
+
+
+def build_prompt(chat, request: GenerateRequest, tensors: list, tokenizer, shape: ModelShape | None, max_model_len: int,
+                 template_kwargs: dict) -> Prompt:
+    """`chat`: vLLM's ChatCompletionRequest read from `request.chat`; `tensors`:
+    each image's embeddings, checked (check_images) and fetched (llm_engine/fetch.py)."""
+    check_image_parts(chat, request)
     tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
     text = tokenizer.apply_chat_template(
         template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
     )
     inputs: dict = {"prompt": text}
     visual_tokens = 0
-    if (images := image_data(request, frames, shape)) is not None:
+    if (images := image_data(request, tensors, shape)) is not None:
         inputs["multi_modal_data"] = images
         if all(image.key for image in request.images):  # Prism's content keys: vLLM hashes nothing
             inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}

@@ -28,8 +28,9 @@ import zmq.asyncio
 from vllm.exceptions import VLLMClientError
 
 from llm_engine.config import EngineConfig
+from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
 from llm_engine.outputs import ChoiceStream
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_image_parts, check_images
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
@@ -39,7 +40,7 @@ from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
-from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
@@ -97,21 +98,32 @@ def generation_defaults(model_config) -> dict:
     return found
 
 
-def engine_timings(metrics, received: float, first_ready: float) -> EngineTimings | None:
+def engine_timings(metrics, received: float, fetch_s: float, first_ready: float) -> EngineTimings | None:
     """Durations from vLLM's monotonic engine-core timestamps (same host clock).
     Prefill runs until the first token is ready to leave this process
     (`first_ready`): vLLM's own output path (engine core → AsyncLLM →
     detokenizer) and the delta's making are the engine's work, not transfer,
-    so the gateway's embed_transfer keeps only the hops between services."""
+    so the gateway's embed_transfer keeps only the hops between services,
+    the fetch of the visual tokens (`fetch_s`) among them."""
     if metrics is None or not getattr(metrics, "scheduled_ts", 0):
         return None
     first = metrics.first_token_ts or metrics.scheduled_ts
     last = max(metrics.last_token_ts, first)
     return EngineTimings(
-        engine_queue_s=max(0.0, metrics.scheduled_ts - received),
+        engine_queue_s=max(0.0, metrics.scheduled_ts - received - fetch_s),
         prefill_s=max(0.0, first_ready - metrics.scheduled_ts),
         decode_s=last - first,
+        embed_fetch_s=fetch_s,
     )
+
+
+def embedding_fetcher(config: EngineConfig, ctx: zmq.asyncio.Context) -> EmbeddingFetcher:
+    shared = None
+    if config.shared_cache_url:
+        from cache.shared import SharedTier
+
+        shared = SharedTier(config.shared_cache_url, config.shared_cache_timeout_ms / 1000, config.shared_cache_retry_s)
+    return EmbeddingFetcher(ctx, int(config.embedding_cache_mb * 2**20), config.embed_fetch_timeout_s, shared)
 
 
 @dataclass(eq=False)
@@ -122,10 +134,11 @@ class InFlight:
 
 class EngineService:
     def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape | None,
-                 generation_defaults: dict) -> None:
+                 generation_defaults: dict, fetcher: EmbeddingFetcher) -> None:
         self.config = config
         self.engine = engine
         self.router = router
+        self.fetcher = fetcher
         self.watch = watch
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
@@ -157,7 +170,7 @@ class EngineService:
         engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
-        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config))
+        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), embedding_fetcher(config, ctx))
         service.tokenizer = await service._tokenizer()
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model)
         return service
@@ -213,7 +226,8 @@ class EngineService:
     def stats(self) -> EngineStats:
         return EngineStats(
             self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
-            self.watch.steps, self.watch.stalls,
+            self.watch.steps, self.watch.stalls, self.fetcher.cache.stats.hits, self.fetcher.fetched,
+            self.fetcher.fetched_bytes,
         )
 
     async def _accept(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
@@ -308,23 +322,30 @@ class EngineService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _plan(self, request: GenerateRequest, frames):
-        """(vLLM's request, prompt, SamplingParams, parser factory) or InvalidPrompt."""
+    def _read(self, request: GenerateRequest):
+        """(vLLM's request, template kwargs, parser factory), every check that
+        needs no tensor done: a bad request is refused before anything is fetched."""
         chat = read_chat(request.chat)
         kwargs = template_kwargs(chat, self.tokenizer)
         check_tool_choice(chat, self.parsing, getattr(self.tokenizer, "chat_template", None))
+        check_image_parts(chat, request)
+        check_images(request, self.shape)
 
         def new_parser():
             return self.parsing.for_request(chat, self.tokenizer, self.engine.model_config, kwargs)
 
         if (parser := new_parser()) is not None:
             chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
-        prompt = build_prompt(chat, request, frames, self.tokenizer, self.shape, self.config.max_model_len, kwargs)
+        return chat, kwargs, new_parser
+
+    def _plan(self, chat, kwargs: dict, request: GenerateRequest, tensors: list):
+        """(prompt, SamplingParams), or InvalidPrompt."""
+        prompt = build_prompt(chat, request, tensors, self.tokenizer, self.shape, self.config.max_model_len, kwargs)
         try:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
             raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
-        return chat, prompt, params, new_parser
+        return prompt, params
 
     async def _generate(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
         """`received`: when the request came off the socket (engine_queue starts there)."""
@@ -332,8 +353,12 @@ class EngineService:
         request_id_var.set(rid)
         self.waiting.add(rid)
         try:
-            chat, prompt, params, new_parser = self._plan(request, frames)
-            tokens = await self._stream(peer, rid, prompt.inputs, params, received, chat, new_parser)
+            chat, kwargs, new_parser = self._read(request)
+            fetch_started = time.monotonic()
+            tensors = await self.fetcher.tensors(request.images, frames)
+            fetch_s = time.monotonic() - fetch_started if request.images else 0.0
+            prompt, params = self._plan(chat, kwargs, request, tensors)
+            tokens = await self._stream(peer, rid, prompt.inputs, params, (received, fetch_s), chat, new_parser)
             if tokens is None:
                 log.info("aborted: the gateway that sent it is gone")
                 return
@@ -341,6 +366,10 @@ class EngineService:
             log.info("generated %d tokens for a %d-token prompt", tokens, prompt.num_tokens)
         except asyncio.CancelledError:
             log.info("aborted")
+        except EmbeddingsUnavailable as exc:
+            self.failed += 1
+            log.warning("%s", exc)
+            await self._send(peer, GenerateFailed(rid, str(exc), 503, EMBEDDINGS_UNAVAILABLE))
         except (InvalidPrompt, ValueError, TypeError, VLLMClientError) as exc:  # vLLM's errors caused by the request
             self.failed += 1
             log.info("refused: %s", exc)
@@ -355,8 +384,9 @@ class EngineService:
         finally:
             self.waiting.discard(rid)
 
-    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, received: float, chat, new_parser) -> int | None:
-        """Tokens generated (all choices), or None if the gateway went away (then vLLM aborts it)."""
+    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, arrival: tuple[float, float], chat, new_parser) -> int | None:
+        """Tokens generated (all choices), or None if the gateway went away (then
+        vLLM aborts it). `arrival`: (received, seconds spent fetching its tokens)."""
         completion_tokens = 0
         first = True
         first_ready = 0.0
@@ -378,7 +408,7 @@ class EngineService:
                     completion_tokens=completion_tokens,
                     prompt_tokens=len(output.prompt_token_ids or ()),
                     finished=finished,
-                    timings=engine_timings(output.metrics, received, first_ready) if first or finished else None,
+                    timings=engine_timings(output.metrics, *arrival, first_ready) if first or finished else None,
                     cached_tokens=output.num_cached_tokens or 0,
                 )
                 if not await self._send(peer, delta):

@@ -35,6 +35,13 @@ class FrozenConfig(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
 
 
+def check_redis_url(url: str | None) -> str | None:
+    """A shared-tier URL (encoder.shared_cache_url, engine.shared_cache_url), or None."""
+    if url and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError("shared_cache_url must be a redis://, rediss:// or unix:// URL")
+    return url
+
+
 def _env_overrides(section: str, env: Mapping[str, str]) -> dict[str, object]:
     values: dict[str, object] = {}
     for key in SHARED_KEYS:

@@ -89,6 +89,8 @@ class EncoderStats(Message):
     shared_cache: SharedTierStats | None = None  # None: no shared tier configured
     state: ServiceState = ServiceState.SERVING
     stalls: int = 0  # batches that ran far past their predicted time
+    fetches: int = 0  # images engines fetched from here
+    fetch_misses: int = 0  # asked for and no longer held (the gateway re-encodes them)
 
 
 class EngineStats(Message):
@@ -100,3 +102,6 @@ class EngineStats(Message):
     state: ServiceState = ServiceState.SERVING
     steps: int = 0  # vLLM engine-core steps seen (the stall watchdog's progress signal)
     stalls: int = 0  # times the watchdog saw no step within engine.stall_timeout_s
+    embedding_cache_hits: int = 0  # images served from the engine's own LRU: nothing fetched
+    embeddings_fetched: int = 0  # images fetched from an encoder or the shared tier
+    fetched_bytes: int = 0  # on the engine's sockets to encoders (headers and tensors)

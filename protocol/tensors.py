@@ -35,6 +35,11 @@ def _torch_dtype(name: str):
     return dtype
 
 
+def meta_of(array: Any) -> ArrayMeta:
+    """The header `to_frame` would send, without touching the data."""
+    return ArrayMeta(str(array.dtype).removeprefix("torch."), tuple(array.shape))
+
+
 def to_frame(array: Any) -> tuple[ArrayMeta, memoryview]:
     """Header and a zero-copy buffer for a numpy array or torch tensor."""
     if isinstance(array, np.ndarray):

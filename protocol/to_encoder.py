@@ -31,4 +31,13 @@ class CancelEncode(Message):
     request_id: str
 
 
-EncoderInbound = EncodeRequest | CancelEncode | Hello | StatsRequest
+class FetchEmbeddings(Message):
+    """From an engine: the tensors of images this encoder encoded or looked up
+    for a request (EncodedImage.key and .identity), answered with FetchedEmbeddings."""
+
+    fetch_id: str
+    keys: list[bytes]
+    identities: list[bytes]
+
+
+EncoderInbound = EncodeRequest | CancelEncode | FetchEmbeddings | Hello | StatsRequest

@@ -1,4 +1,5 @@
-"""Messages into the LLM engine (sent by the gateway)."""
+"""Messages into the LLM engine: requests from the gateway, and the encoders'
+answers to the engine's fetches of visual tokens."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ from protocol.tensors import ArrayMeta
 
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    embeddings: ArrayMeta  # (tokens, hidden), one frame per image, in order
+    """One image's visual tokens: by reference (`source`), or as a frame of the message."""
+
+    embeddings: ArrayMeta  # (tokens, hidden): what the tensor is, checked before it is fetched
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
     # The encoder's content key: handed to vLLM as the image's `multi_modal_uuids`
     # entry, so vLLM neither hashes the tensor nor keys its prefix cache on
-    # anything else. Empty: vLLM hashes the embeddings itself.
+    # anything else; and the key the engine fetches it by. Empty: vLLM hashes
+    # the embeddings itself.
     key: bytes = b""
+    # The encoder address that holds the tensor (the engine fetches it from
+    # there, or from its own LRU or the shared tier). "": the tensor is a frame
+    # of this message, one per such image, in order.
+    source: str = ""
+    identity: bytes = b""  # what `key` was hashed from: checked on every fetch (cache/lru.py)
 
 
 # What an image part's URL says once its pixels have become embeddings.
@@ -39,3 +48,14 @@ class AbortGenerate(Message):
 
 
 EngineInbound = GenerateRequest | AbortGenerate | Hello | StatsRequest
+
+
+class FetchedEmbeddings(Message):
+    """An encoder's answer to FetchEmbeddings: one entry per key, in order;
+    None where it no longer holds that key. One frame per tensor found."""
+
+    fetch_id: str
+    found: list[ArrayMeta | None]
+
+
+FetchInbound = FetchedEmbeddings

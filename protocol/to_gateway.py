@@ -50,10 +50,14 @@ class EncoderReady(Message):
 
 
 class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    embeddings: ArrayMeta
+    """An image's visual tokens, by reference: the engine fetches the tensor
+    from this encoder by `key` (no frame comes back to the gateway)."""
+
+    embeddings: ArrayMeta  # what the tensor is
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
     cache_hit: bool
     key: bytes  # the content key (encoder fingerprint + the gateway's digest), never truncated
+    identity: bytes  # what the key was hashed from (fingerprint + digest): checked on every fetch
 
 
 class EncoderTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -92,9 +96,10 @@ class EngineReady(Message):
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    engine_queue_s: float  # request received by the engine → first scheduled by vLLM
+    engine_queue_s: float  # request received by the engine → first scheduled by vLLM, less embed_fetch_s
     prefill_s: float  # first scheduled → first token
     decode_s: float  # first token → last token (0 until finished)
+    embed_fetch_s: float = 0.0  # visual tokens fetched from encoders (part of the gateway's embed_transfer)
 
 
 class TopLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -146,6 +151,11 @@ class GenerateFailed(Message):
     message: str
     status: int = 500  # 400 when the request itself was at fault
     code: str | None = None  # OpenAI error code, e.g. engine_dead, engine_stalled (None: by status)
+
+
+# GenerateFailed's code when the engine could not fetch an image's visual
+# tokens (llm_engine/fetch.py): the gateway encodes the images again, once.
+EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
 
 
 GatewayInbound = EncoderReady | EncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats

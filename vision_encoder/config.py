@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from prism.config import FrozenConfig
+from prism.config import FrozenConfig, check_redis_url
 
 
 class EncoderConfig(FrozenConfig):
@@ -30,6 +30,9 @@ class EncoderConfig(FrozenConfig):
     # while the ViT runs batch N; 1 runs them strictly one after the other.
     pipeline_depth: int = Field(2, ge=1, le=2)
     cache_capacity_mb: float = Field(512, ge=0)
+    # Tokens handed out by reference stay pinned until an engine fetches them,
+    # or this long (vision_encoder/handoff.py).
+    handoff_ttl_s: float = Field(30, gt=0)
     # Second cache tier shared by every replica (redis://host:port/db); None: local only.
     shared_cache_url: str | None = None
     shared_cache_timeout_ms: float = Field(100, gt=0)  # per Redis call; past it the tier is down
@@ -56,6 +59,6 @@ class EncoderConfig(FrozenConfig):
             raise ValueError("min_pixels must not exceed max_pixels")
         if 0 < self.batch_size_ratio < 1:
             raise ValueError("batch_size_ratio is 0 (first come first served) or at least 1")
-        if self.shared_cache_url and not self.shared_cache_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("shared_cache_url must be a redis://, rediss:// or unix:// URL")
         return self
+
+    _redis_url = field_validator("shared_cache_url")(check_redis_url)

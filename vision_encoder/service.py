@@ -32,11 +32,13 @@ from cache.shared import SharedTier
 from protocol.base import Hello
 from protocol.sockets import SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
-from protocol.tensors import to_frame, to_numpy
-from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound
+from protocol.tensors import meta_of, to_frame, to_numpy
+from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
+from protocol.to_engine import FetchedEmbeddings
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
+from vision_encoder.handoff import Handoff
 from vision_encoder.tower import TowerImage, VisionTower
 from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
@@ -56,6 +58,7 @@ class EncoderService:
     wake: zmq.Socket  # the loop's end of the worker's "batch done" signal
     wake_sender: zmq.Socket  # used by the ViT thread only
     watch: BatchWatch
+    handoff: Handoff
     shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
     running: list[RunningBatch] = field(default_factory=list)  # oldest first; at most pipeline_depth
@@ -64,6 +67,8 @@ class EncoderService:
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     encodes: int = 0
     batches: int = 0
+    fetches: int = 0
+    fetch_misses: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
 
@@ -92,6 +97,7 @@ class EncoderService:
             wake=wake,
             wake_sender=wake_sender,
             watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
+            handoff=Handoff(config.handoff_ttl_s),
             shared=shared,
         )
 
@@ -113,6 +119,7 @@ class EncoderService:
         if self._can_start() and self.batcher.seconds_until_due(time.monotonic()) == 0:
             self._start_batch(self.batcher.take())
         self._watch_batches()
+        self.handoff.expire(time.monotonic())
 
     def _can_start(self) -> bool:
         return len(self.running) < self.config.pipeline_depth and not self.watch.stalled
@@ -154,6 +161,8 @@ class EncoderService:
             self._send(peer, EncodeFailed(message.request_id, "vision encoder is stalled; retry shortly", 503, "encoder_stalled"))
         elif isinstance(message, EncodeRequest):
             self._accept(peer, message, frames)
+        elif isinstance(message, FetchEmbeddings):
+            self._fetch(peer, message)
         elif isinstance(message, CancelEncode):
             self._cancel(peer, message.request_id)
         elif isinstance(message, StatsRequest):
@@ -184,7 +193,25 @@ class EncoderService:
             shared_cache=self.shared.stats if self.shared else None,
             state=ServiceState.STALLED if self.watch.stalled else ServiceState.SERVING,
             stalls=self.watch.stalls,
+            fetches=self.fetches,
+            fetch_misses=self.fetch_misses,
         )
+
+    def _fetch(self, peer: bytes, fetch: FetchEmbeddings) -> None:
+        """An engine's fetch of tokens handed out by reference: pinned ones first,
+        then the LRU (a reference older than the pin's TTL). What is gone is None."""
+        found, frames = [], []
+        for key, identity in zip(fetch.keys, fetch.identities):
+            value = self.handoff.take(key, identity) or self.cache.get(self._cache_key(key), identity, record=False)
+            if value is None:
+                found.append(None)
+                continue
+            meta, frame = to_frame(value.embeddings)
+            found.append(meta)
+            frames.append(frame)
+        self.fetches += len(frames)
+        self.fetch_misses += len(found) - len(frames)
+        self._send(peer, FetchedEmbeddings(fetch.fetch_id, found), frames)
 
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
         arrived = time.monotonic()
@@ -339,18 +366,18 @@ class EncoderService:
         if state.cancelled or not state.done:
             return
         self.pending.pop((state.peer, state.request_id), None)
-        images, frames = [], []
+        images = []
+        now = time.monotonic()
         for (value, hit), key in zip(state.results, state.keys):
-            meta, frame = to_frame(value.embeddings)
-            images.append(EncodedImage(meta, value.grid_thw, hit, key))
-            frames.append(frame)
+            self.handoff.hold(key, value, now)  # until an engine fetches it (vision_encoder/handoff.py)
+            images.append(EncodedImage(meta_of(value.embeddings), value.grid_thw, hit, key, value.identity))
         timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
             encode_queue_s=state.encode_queue_s,
             encode_s=state.encode_s,
             total_s=time.monotonic() - state.arrived,
         )
-        self._send(state.peer, EncodeResult(state.request_id, images, timings), frames)
+        self._send(state.peer, EncodeResult(state.request_id, images, timings))
         hits = sum(hit for _, hit in state.results)
         log.info(
             "encoded %d images (%d cache hits) in %.1f ms", len(images), hits, timings.total_s * 1000,

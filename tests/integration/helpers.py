@@ -63,8 +63,8 @@ def engine_core(stack, address: str | None = None) -> psutil.Process:
 
 
 def scrape(stack) -> dict[tuple[str, tuple], float]:
-    """Every sample of the gateway's /metrics, by (name, sorted labels)."""
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    """Every sample of the gateway's /metrics, by (name, sorted labels); `stack`: a stack or a gateway's URL."""
+    text = httpx.get(f"{getattr(stack, 'base_url', stack)}/metrics", timeout=10).text
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)

@@ -19,10 +19,10 @@ import zmq.asyncio
 
 from prism.config import REPO_ROOT
 from protocol.sockets import AsyncDealer
-from protocol.tensors import to_frame, to_torch
+from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeNeedsPixels, EncodeResult, GatewayInbound
-from tests.integration.encoder_socket import handshake, reply_to
+from tests.integration.encoder_socket import fetch_tokens, handshake, reply_to
 
 IMAGES = 48
 
@@ -51,16 +51,16 @@ async def exchange(address: str) -> tuple[dict, dict, int]:
         for i in range(IMAGES):  # encode each image once
             meta, frame = to_frame(pixels[i])
             await socket.send(EncodeRequest(f"first-{i}", [ImageInput(digests[i], meta)]), [frame])
-            reply, frames = await reply_to(socket, f"first-{i}")
+            reply, _ = await reply_to(socket, f"first-{i}")
             assert isinstance(reply, EncodeResult)
-            first[i] = to_torch(reply.images[0].embeddings, frames[0]).clone()
+            (first[i],) = await fetch_tokens(ctx, address, reply.images)
         for i in range(IMAGES):  # then look each up by digest alone
             await socket.send(EncodeRequest(f"again-{i}", [ImageInput(digests[i])]))
-            reply, frames = await reply_to(socket, f"again-{i}")
+            reply, _ = await reply_to(socket, f"again-{i}")
             if isinstance(reply, EncodeNeedsPixels):
                 asked += 1
             else:
-                again[i] = to_torch(reply.images[0].embeddings, frames[0])
+                (again[i],) = await fetch_tokens(ctx, address, reply.images)
         return first, again, asked
     finally:
         socket.close()

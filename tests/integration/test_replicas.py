@@ -21,12 +21,12 @@ import zmq.asyncio
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image
 from protocol.sockets import AsyncDealer
-from protocol.tensors import to_frame, to_torch
+from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeResult, GatewayInbound
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.encoder_socket import handshake, reply_to
+from tests.integration.encoder_socket import fetch_tokens, handshake, reply_to
 from tests.integration.helpers import child_pid, log_records, scrape, wait_until
 from tests.integration.system import redis_server as start_redis
 
@@ -116,9 +116,10 @@ async def encode_on(address: str, request_id: str, digest: bytes, pixels: np.nda
             meta, frame = to_frame(pixels)
             frames = [frame]
         await socket.send(EncodeRequest(request_id, [ImageInput(digest, meta)]), frames)
-        reply, reply_frames = await reply_to(socket, request_id)
+        reply, _ = await reply_to(socket, request_id)
         assert isinstance(reply, EncodeResult), reply
-        return reply.images[0].cache_hit, to_torch(reply.images[0].embeddings, reply_frames[0]).clone()
+        (tokens,) = await fetch_tokens(ctx, address, reply.images)
+        return reply.images[0].cache_hit, tokens
     finally:
         socket.close()
         ctx.term()

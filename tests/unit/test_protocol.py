@@ -34,8 +34,16 @@ from protocol.stats import (
     StatsRequest,
 )
 from protocol.tensors import ArrayMeta, to_frame, to_numpy, to_torch
-from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, ImageInput
-from protocol.to_engine import IMAGE_PLACEHOLDER, AbortGenerate, EngineInbound, GenerateRequest, ImageEmbedding
+from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings, ImageInput
+from protocol.to_engine import (
+    IMAGE_PLACEHOLDER,
+    AbortGenerate,
+    EngineInbound,
+    FetchedEmbeddings,
+    FetchInbound,
+    GenerateRequest,
+    ImageEmbedding,
+)
 from protocol.to_gateway import (
     AnyresInfo,
     ChoiceDelta,
@@ -87,11 +95,16 @@ CASES = [
         retry=True,
     )),
     (EncoderInbound, CancelEncode("chatcmpl-41")),
+    (EncoderInbound, FetchEmbeddings("fetch-7", [b"\x07" * 16, b"\x08" * 16], [b"9c1e2f0a77d4" + bytes(16), b"9c1e2f0a77d4" + bytes(range(16))])),
     (EngineInbound, GenerateRequest(
         "chatcmpl-41",
         CHAT,
-        [ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16), ImageEmbedding(ArrayMeta("float16", (729, 896)), None)],
+        [
+            ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16)),
+            ImageEmbedding(ArrayMeta("float16", (729, 896)), None),  # inline: a frame of the message
+        ],
     )),
+    (FetchInbound, FetchedEmbeddings("fetch-7", [QWEN_EMBEDDINGS, None])),
     (EngineInbound, AbortGenerate("chatcmpl-41")),
     (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056))),
     (GatewayInbound, EncoderReady(
@@ -105,7 +118,8 @@ CASES = [
     (GatewayInbound, EncoderReady("OpenGVLab/InternVL3-1B-hf", "7a2f9b4c0e11", TilesInfo(448, 1, 12, True, 256))),
     (GatewayInbound, EncodeResult(
         "chatcmpl-41",
-        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16), EncodedImage(ArrayMeta("float16", (729, 896)), None, False, b"\x08" * 16)],
+        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16)),
+         EncodedImage(ArrayMeta("float16", (729, 896)), None, False, b"\x08" * 16, b"9c1e2f0a77d4" + bytes(range(16)))],
         EncoderTimings(0.0004, 0.0125, 0.0851, 0.1013),
     )),
     (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
@@ -136,12 +150,12 @@ CASES = [
         37,
         412,
         finished=True,
-        timings=EngineTimings(0.0031, 0.0472, 0.6125),
+        timings=EngineTimings(0.0031, 0.0472, 0.6125, 0.0009),
         cached_tokens=256,
     )),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400)),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "engine core died", 503, "engine_dead")),
-    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1)),
+    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000)),
     (GatewayInbound, EncoderStats(
         "a8f20b",
         queue_depth=5,
@@ -162,11 +176,13 @@ CASES = [
         shared_cache=SharedTierStats(False, 120, 33, 1, 2, 5, 150, 7, 2),
         state=ServiceState.DRAINING,
         stalls=2,
+        fetches=740,
+        fetch_misses=3,
     )),
 ]
 
 
-SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway"}
+SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway", FetchInbound: "fetch"}
 
 
 @pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])
@@ -236,10 +252,12 @@ def test_a_message_of_another_direction_is_refused():
 
 
 async def _request_and_reply_through_sockets(pixels: np.ndarray, embeddings: torch.Tensor):
+    """Pixels from a gateway to an encoder, and the tokens from the encoder to an engine's fetch."""
     ctx = zmq.asyncio.Context()
     router = AsyncRouter(ctx, "inproc://encoder", EncoderInbound)
     counted: list[tuple[str, int]] = []
     dealer = AsyncDealer(ctx, "inproc://encoder", GatewayInbound, lambda direction, nbytes: counted.append((direction, nbytes)))
+    engine = AsyncDealer(ctx, "inproc://encoder", FetchInbound)
     try:
         meta, frame = to_frame(pixels)
         request = EncodeRequest("chatcmpl-41", [ImageInput(b"\x07" * 16, meta, (960, 1280))])
@@ -249,17 +267,23 @@ async def _request_and_reply_through_sockets(pixels: np.ndarray, embeddings: tor
         assert np.array_equal(to_numpy(received.images[0].pixels, frames[0]), pixels)
         meta, frame = to_frame(embeddings)
         timings = EncoderTimings(0.001, 0.002, 0.03, 0.04)
-        reply = EncodeResult("chatcmpl-41", [EncodedImage(meta, (1, 2, 4), False, b"\x01" * 16)], timings)
-        await router.send(peer, reply, [frame])
+        reply = EncodeResult("chatcmpl-41", [EncodedImage(meta, (1, 2, 4), False, b"\x01" * 16, b"fp" + b"\x07" * 16)], timings)
+        await router.send(peer, reply)
         answer, frames = await asyncio.wait_for(dealer.recv(), 5)
-        assert answer == reply and len(frames) == 1
-        assert torch.equal(to_torch(answer.images[0].embeddings, frames[0]), embeddings)
-        # the dealer counts every byte it moves: header and frames, each way
-        assert counted == [("sent", len(pack(request)[0]) + pixels.nbytes),
-                           ("received", len(pack(reply)[0]) + embeddings.numel() * embeddings.element_size())]
+        assert answer == reply and frames == []  # a reference: the tensor stays with the encoder
+        # the gateway's dealer counts every byte it moves: header and frames, each way
+        assert counted == [("sent", len(pack(request)[0]) + pixels.nbytes), ("received", len(pack(reply)[0]))]
+        fetch = FetchEmbeddings("fetch-1", [reply.images[0].key], [reply.images[0].identity])
+        await engine.send(fetch)
+        peer, received, _ = await asyncio.wait_for(router.recv(), 5)
+        assert received == fetch
+        await router.send(peer, FetchedEmbeddings("fetch-1", [meta]), [frame])
+        fetched, frames = await asyncio.wait_for(engine.recv(), 5)
+        assert fetched.found == [meta] and len(frames) == 1
+        assert torch.equal(to_torch(fetched.found[0], frames[0]), embeddings)
     finally:
-        dealer.close()
-        router.close()
+        for socket in (dealer, engine, router):
+            socket.close()
         ctx.term()
 
 

@@ -1,0 +1,144 @@
+"""Visual tokens by reference: the engine fetches each image's tensor itself.
+
+The gateway sends the engine references (content key, identity, the encoder
+address that holds the tensor), never the tensors, so a megapixel image's
+megabytes of tokens cross one connection, encoder → engine, instead of two
+through the gateway. Lookup order per image: this engine's own LRU (a
+repeated image moves no bytes at all), then the encoder named by the
+reference (one DEALER per encoder, zero-copy frames), then the shared Redis
+tier when one is configured. An image found nowhere within
+`embed_fetch_timeout_s` (its encoder died, or dropped it) fails the request
+with 503 `embeddings_unavailable`; the gateway then re-encodes once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from cache import CachedEmbedding, EmbeddingCache
+from cache.shared import SharedTier
+from protocol.sockets import AsyncDealer
+from protocol.tensors import meta_of, to_torch
+from protocol.to_encoder import FetchEmbeddings
+from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding
+
+
+
+class EmbeddingsUnavailable(Exception):
+    """Some image's tokens could not be fetched from anywhere."""
+
+
+class _Encoder:
+    """One encoder's socket, its single reader, and the fetches awaiting replies."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, count) -> None:
+        self.address = address
+        self.socket = AsyncDealer(ctx, address, FetchInbound, count)
+        self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for an encoder that is not there
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            message, frames = await self.socket.recv()
+            future = self.waiting.pop(message.fetch_id, None)
+            if future is not None and not future.done():  # else: an answer that came too late
+                future.set_result((message, frames))
+
+    async def fetch(self, fetch_id: str, refs: Sequence[ImageEmbedding]) -> tuple[FetchedEmbeddings, list]:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[fetch_id] = future
+        try:
+            await self.socket.send(FetchEmbeddings(fetch_id, [r.key for r in refs], [r.identity for r in refs]))
+            return await future
+        finally:
+            self.waiting.pop(fetch_id, None)
+
+
+class EmbeddingFetcher:
+    def __init__(self, ctx: zmq.asyncio.Context, capacity_bytes: int, timeout_s: float, shared: SharedTier | None = None) -> None:
+        self.ctx = ctx
+        self.cache = EmbeddingCache(capacity_bytes)
+        self.timeout_s = timeout_s
+        self.shared = shared
+        self.fetched = 0  # images fetched from an encoder or the shared tier
+        self.fetched_bytes = 0  # on the sockets to encoders
+        self._encoders: dict[str, _Encoder] = {}
+        self._ids = itertools.count()
+
+    def _count(self, direction: str, nbytes: int) -> None:
+        self.fetched_bytes += nbytes
+
+    def _encoder(self, address: str) -> _Encoder:
+        if address not in self._encoders:
+            self._encoders[address] = _Encoder(self.ctx, address, self._count)
+        return self._encoders[address]
+
+    async def tensors(self, images: Sequence[ImageEmbedding], frames: Sequence) -> list:
+        """Each image's tensor, in order: frames of the message for images sent
+        inline (no `source`), else fetched by reference."""
+        if len(frames) != sum(not image.source for image in images):
+            raise ValueError(f"{len(frames)} embedding frames for {sum(not i.source for i in images)} images sent inline")
+        inline = iter(frames)
+        found: list = [to_torch(image.embeddings, next(inline)) if not image.source else None for image in images]
+        wanted = {}
+        for index, image in enumerate(images):
+            if image.source:
+                cached = self.cache.get(image.key, image.identity)
+                if cached is not None:
+                    found[index] = cached.embeddings
+                else:
+                    wanted.setdefault(image.source, []).append(index)
+        if wanted:
+            await self._fetch(images, wanted, found)
+        return found
+
+    async def _fetch(self, images: Sequence[ImageEmbedding], wanted: dict[str, list[int]], found: list) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await asyncio.gather(*(self._from_encoder(address, indices, images, found) for address, indices in wanted.items()))
+        except TimeoutError:
+            pass  # whatever did not come is looked for in the shared tier
+        missing = [i for indices in wanted.values() for i in indices if found[i] is None]
+        if missing and self.shared is not None:
+            await self._from_shared(missing, images, found)
+            missing = [i for i in missing if found[i] is None]
+        if missing:
+            sources = sorted({images[i].source for i in missing})
+            raise EmbeddingsUnavailable(
+                f"the visual tokens of {len(missing)} image(s) are no longer held by {', '.join(sources)}"
+                f"{' or the shared tier' if self.shared else ''} (not found within {self.timeout_s:g} s, "
+                "engine.embed_fetch_timeout_s); retry shortly")
+
+    async def _from_encoder(self, address: str, indices: list[int], images: Sequence[ImageEmbedding], found: list) -> None:
+        refs = [images[i] for i in indices]
+        reply, frames = await self._encoder(address).fetch(f"fetch-{next(self._ids)}", refs)
+        tensors = iter(frames)
+        for index, ref, meta in zip(indices, refs, reply.found):
+            if meta is None:
+                continue
+            if meta != ref.embeddings:
+                raise ValueError(f"image {index}: the encoder holds {meta} under its key, the request says {ref.embeddings}")
+            self._keep(index, ref, to_torch(meta, next(tensors)), found)
+
+    async def _from_shared(self, indices: list[int], images: Sequence[ImageEmbedding], found: list) -> None:
+        refs = [images[i] for i in indices]
+        values = await asyncio.to_thread(self.shared.get_many, [r.key for r in refs], [r.identity for r in refs])
+        for index, ref, value in zip(indices, refs, values):
+            if value is not None and meta_of(value.embeddings) == ref.embeddings:
+                self._keep(index, ref, value.embeddings, found)
+
+    def _keep(self, index: int, ref: ImageEmbedding, tensor, found: list) -> None:
+        found[index] = tensor
+        self.fetched += 1
+        self.cache.put(ref.key, CachedEmbedding(tensor, ref.grid_thw, ref.identity))
+
+    def close(self) -> None:
+        for encoder in self._encoders.values():
+            encoder.reader.cancel()
+            encoder.socket.close()

@@ -1,0 +1,173 @@
+"""Visual tokens go from encoder to engine by reference (llm_engine/fetch.py):
+the gateway carries keys, the engine fetches the tensors from the encoder that
+holds them, keeps recent ones in its own LRU, and a lost tensor costs one
+re-encode or a 503, never a hang.
+
+Beside the session stack, this module starts encoders of its own (one to kill,
+one that keeps nothing) and a gateway on the second; both encoders hand their
+references to the session stack's engine, which fetches from any encoder a
+reference names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+import zmq.asyncio
+
+from prism.config import REPO_ROOT
+from prism.demo_model import RANDOM_MODEL
+from prism.stack import free_port, wait_for_health
+from prism.synthetic import make_image
+from protocol.sockets import AsyncDealer
+from protocol.tensors import to_frame
+from protocol.to_encoder import EncodeRequest, ImageInput
+from protocol.to_engine import GenerateRequest, ImageEmbedding
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, GatewayInbound, GenerateFailed, TokenDelta
+from tests.integration.conftest import MODEL_NAME
+from tests.integration.corpus import b64, save
+from tests.integration.encoder_socket import handshake, reply_to
+from tests.integration.helpers import IMAGE_PART, chat_json, scrape, send_raw, wait_until
+
+SERVICE = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__DTYPE="float32")
+FETCH_TIMEOUT_S = 5  # engine.embed_fetch_timeout_s, the session stack's default
+
+
+def spawn(module: str, log, **env) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module], cwd=REPO_ROOT, env=dict(SERVICE, **env),
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("handoff")
+
+
+@pytest.fixture(scope="module")
+def forgetful(stack, run_dir):
+    """A gateway whose encoder keeps nothing it hands out: no cache, and each
+    reference's pin expires as the reply leaves, so every fetch misses."""
+    address = f"ipc://{run_dir}/forgetful.sock"
+    encoder = spawn("vision_encoder", open(run_dir / "forgetful-encoder.log", "wb"), PRISM_ENCODER__ADDRESS=address,
+                    PRISM_ENCODER__CACHE_CAPACITY_MB="0", PRISM_ENCODER__HANDOFF_TTL_S="0.000001")
+    port = free_port()
+    gateway = spawn("gateway", open(run_dir / "forgetful-gateway.log", "wb"), PRISM_GATEWAY__PORT=str(port),
+                    PRISM_GATEWAY__ENCODER_ADDRESSES=f"[{address}]",
+                    PRISM_GATEWAY__ENGINE_ADDRESSES=f"[{stack.engine_addresses[0]}]")
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", gateway, 120)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(gateway)
+        stop(encoder)
+
+
+def image_body(name: str, size=(320, 240)) -> dict:
+    url = b64(save(make_image(name, size), "PNG"))
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+    return {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stack):
+    before = scrape(stack)
+    images = 4
+    for i in range(images):
+        response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body(f"by-reference-{i}"), timeout=60)
+        assert response.status_code == 200, response.text
+    wait_until(lambda: metric(scrape(stack), "prism_engine_embeddings_total", source="fetched")
+               >= metric(before, "prism_engine_embeddings_total", source="fetched") + images, 10, "the engine's fetches in its stats")
+    after = scrape(stack)
+    fetched = metric(after, "prism_engine_fetched_bytes_total") - metric(before, "prism_engine_fetched_bytes_total")
+    from_encoder = (metric(after, "prism_gateway_peer_bytes_total", peer="encoder", direction="received")
+                    - metric(before, "prism_gateway_peer_bytes_total", peer="encoder", direction="received"))
+    to_engine = (metric(after, "prism_gateway_peer_bytes_total", peer="engine", direction="sent")
+                 - metric(before, "prism_gateway_peer_bytes_total", peer="engine", direction="sent"))
+    # The tokens crossed encoder → engine once; the gateway's replies from the
+    # encoder (heartbeats included) hold a fraction of them.
+    assert fetched > 0 and from_encoder < fetched / 4, (fetched, from_encoder)
+    assert to_engine < fetched, (to_engine, fetched)
+
+    again = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body("by-reference-0"), timeout=60)
+    assert again.status_code == 200
+    wait_until(lambda: metric(scrape(stack), "prism_engine_embeddings_total", source="engine_cache")
+               > metric(after, "prism_engine_embeddings_total", source="engine_cache"), 10, "a hit in the engine's LRU")
+    assert metric(scrape(stack), "prism_engine_fetched_bytes_total") == metric(after, "prism_engine_fetched_bytes_total")
+
+
+async def encode_directly(address: str, names: list[str]) -> EncodeResult:
+    """Encode images on one encoder as the gateway would (pixels sent at once)."""
+    ctx = zmq.asyncio.Context()
+    socket = AsyncDealer(ctx, address, GatewayInbound)
+    try:
+        await handshake(socket)
+        inputs, frames = [], []
+        for name in names:
+            meta, frame = to_frame(np.asarray(make_image(name, (112, 112)).convert("RGB")))
+            inputs.append(ImageInput(os.urandom(16), meta))
+            frames.append(frame)
+        await socket.send(EncodeRequest("direct", inputs), frames)
+        reply, _ = await reply_to(socket, "direct")
+        assert isinstance(reply, EncodeResult), reply
+        return reply
+    finally:
+        socket.close()
+        ctx.term()
+
+
+def generate_from(address: str, image, request_id: str) -> GenerateRequest:
+    chat = chat_json([{"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "hi"}]}], max_tokens=2, temperature=0)
+    return GenerateRequest(request_id, chat, [ImageEmbedding(image.embeddings, image.grid_thw, image.key, address, image.identity)])
+
+
+def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_not_a_hang(stack, run_dir):
+    address = f"ipc://{run_dir}/doomed.sock"
+    encoder = spawn("vision_encoder", open(run_dir / "doomed-encoder.log", "wb"), PRISM_ENCODER__ADDRESS=address)
+    engine = stack.engine_addresses[0]
+    try:
+        reply = asyncio.run(encode_directly(address, ["doomed-a", "doomed-b"]))
+        fetched = asyncio.run(send_raw(engine, generate_from(address, reply.images[0], "handoff-alive"), []))
+        assert isinstance(fetched, TokenDelta) and fetched.finished, fetched  # the engine fetched it from this encoder
+        encoder.send_signal(signal.SIGKILL)
+        encoder.wait(10)
+        started = time.monotonic()
+        failed = asyncio.run(send_raw(engine, generate_from(address, reply.images[1], "handoff-dead"), []))
+        assert isinstance(failed, GenerateFailed), failed
+        assert (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE) and "engine.embed_fetch_timeout_s" in failed.message
+        assert time.monotonic() - started < FETCH_TIMEOUT_S + 10
+    finally:
+        stop(encoder)
+    healthy = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body("after-the-kill"), timeout=60)
+    assert healthy.status_code == 200
+
+
+def encodes(gateway: str) -> float:
+    return sum(v for (name, _), v in scrape(gateway).items() if name == "prism_encoder_replica_images_encoded_total")
+
+
+def test_tokens_lost_before_the_fetch_are_encoded_once_more_then_503(forgetful):
+    before = encodes(forgetful)
+    response = httpx.post(f"{forgetful}/v1/chat/completions", json=image_body("forgotten"), timeout=60)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == EMBEDDINGS_UNAVAILABLE and response.headers["Retry-After"]
+    wait_until(lambda: encodes(forgetful) - before == 2, 10, "the image encoded twice: once more after the lost fetch, no more")
+    assert encodes(forgetful) - before == 2
+    text = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{forgetful}/v1/chat/completions", json=text, timeout=60).status_code == 200

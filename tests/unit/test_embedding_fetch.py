@@ -1,0 +1,91 @@
+"""Visual tokens by reference: the encoder's pins (vision_encoder/handoff.py) and
+the engine's fetcher (llm_engine/fetch.py) against a ROUTER answering as an
+encoder does. The real encoder and engine are tested end to end in
+tests/integration/test_embedding_handoff.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import zmq.asyncio
+
+from cache import CachedEmbedding
+from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
+from protocol.sockets import AsyncRouter
+from protocol.tensors import meta_of, to_frame
+from protocol.to_encoder import EncoderInbound, FetchEmbeddings
+from protocol.to_engine import FetchedEmbeddings, ImageEmbedding
+from vision_encoder.handoff import Handoff
+
+TOKENS = torch.randn(6, 128, dtype=torch.bfloat16)
+
+
+def test_a_pin_lasts_until_each_reference_is_fetched_or_it_expires():
+    handoff = Handoff(ttl_s=10)
+    value = CachedEmbedding(TOKENS, (1, 4, 6), b"id")
+    handoff.hold(b"k", value, now=0)
+    handoff.hold(b"k", value, now=1)  # two requests handed the same image
+    assert handoff.take(b"k", b"other") is None  # another identity: a collision, never served
+    assert handoff.take(b"k", b"id") is value and handoff.take(b"k", b"id") is value
+    assert handoff.take(b"k", b"id") is None and len(handoff) == 0
+    handoff.hold(b"a", value, now=0)
+    handoff.hold(b"b", value, now=5)
+    handoff.expire(now=10)
+    assert handoff.take(b"a", b"id") is None and handoff.take(b"b", b"id") is value
+
+
+def reference(key: bytes, source: str, tensor=TOKENS) -> ImageEmbedding:
+    return ImageEmbedding(meta_of(tensor), (1, 4, 6), key, source, b"id-" + key)
+
+
+class Encoder:
+    """Answers fetches as the encoder does, from `held` (key → tensor); counts them."""
+
+    def __init__(self, ctx, address: str, held: dict[bytes, torch.Tensor]) -> None:
+        self.router = AsyncRouter(ctx, address, EncoderInbound)
+        self.held, self.asked = held, []
+        self.task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            peer, message, _ = await self.router.recv()
+            assert isinstance(message, FetchEmbeddings)
+            self.asked.append(list(message.keys))
+            found = [self.held.get(key) for key in message.keys]
+            frames = [to_frame(t)[1] for t in found if t is not None]
+            await self.router.send(peer, FetchedEmbeddings(message.fetch_id, [None if t is None else meta_of(t) for t in found]), frames)
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.router.close()
+
+
+async def _fetches() -> None:
+    ctx = zmq.asyncio.Context()
+    encoder = Encoder(ctx, "inproc://encoder-a", {b"a": TOKENS, b"b": TOKENS * 2})
+    fetcher = EmbeddingFetcher(ctx, capacity_bytes=2**20, timeout_s=0.5)
+    try:
+        got = await fetcher.tensors([reference(b"a", "inproc://encoder-a"), reference(b"b", "inproc://encoder-a")], [])
+        assert torch.equal(got[0], TOKENS) and torch.equal(got[1], TOKENS * 2)
+        moved = fetcher.fetched_bytes
+        assert moved > 2 * TOKENS.numel() * 2 and encoder.asked == [[b"a", b"b"]]
+        again = await fetcher.tensors([reference(b"b", "inproc://encoder-a")], [])  # the engine's LRU: nothing moves
+        assert torch.equal(again[0], TOKENS * 2) and fetcher.fetched_bytes == moved and len(encoder.asked) == 1
+        with pytest.raises(EmbeddingsUnavailable, match="no longer held by inproc://encoder-a"):
+            await fetcher.tensors([reference(b"gone", "inproc://encoder-a")], [])
+        with pytest.raises(EmbeddingsUnavailable, match="engine.embed_fetch_timeout_s"):  # nobody there: bounded
+            await asyncio.wait_for(fetcher.tensors([reference(b"z", "inproc://nobody")], []), 5)
+        with pytest.raises(ValueError, match="0 embedding frames for 1 images sent inline"):
+            await fetcher.tensors([ImageEmbedding(meta_of(TOKENS), (1, 4, 6))], [])
+        inline = await fetcher.tensors([ImageEmbedding(*to_frame(TOKENS)[:1], (1, 4, 6))], [to_frame(TOKENS)[1]])
+        assert torch.equal(inline[0], TOKENS)
+    finally:
+        encoder.close()
+        fetcher.close()
+        ctx.destroy(linger=0)
+
+
+def test_the_engine_fetches_by_reference_keeps_an_lru_and_never_waits_unbounded():
+    asyncio.run(_fetches())
