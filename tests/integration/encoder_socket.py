@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
+import numpy as np
 import torch
 import zmq.asyncio
 
 from protocol.base import Hello
 from protocol.sockets import AsyncDealer
-from protocol.tensors import to_torch
-from protocol.to_encoder import FetchEmbeddings
+from prism.synthetic import make_image
+from protocol.tensors import to_frame, to_torch
+from protocol.to_encoder import EncodeRequest, FetchEmbeddings, ImageInput
 from protocol.to_engine import FetchInbound
-from protocol.to_gateway import EncodedImage, EncoderReady
+from protocol.to_gateway import EncodedImage, EncodeResult, EncoderReady, GatewayInbound
 
 
 async def handshake(socket: AsyncDealer, timeout_s: float = 120) -> EncoderReady:
@@ -48,3 +51,23 @@ async def fetch_tokens(ctx: zmq.asyncio.Context, address: str, images: list[Enco
         return [None if meta is None else to_torch(meta, next(tensors)).clone() for meta in reply.found]
     finally:
         socket.close()
+
+
+async def encode_directly(address: str, names: list[str]) -> EncodeResult:
+    """Encode synthetic images on one encoder as the gateway would (pixels sent at once)."""
+    ctx = zmq.asyncio.Context()
+    socket = AsyncDealer(ctx, address, GatewayInbound)
+    try:
+        await handshake(socket)
+        inputs, frames = [], []
+        for name in names:
+            meta, frame = to_frame(np.asarray(make_image(name, (112, 112)).convert("RGB")))
+            inputs.append(ImageInput(os.urandom(16), meta))
+            frames.append(frame)
+        await socket.send(EncodeRequest("direct", inputs), frames)
+        reply, _ = await reply_to(socket, "direct")
+        assert isinstance(reply, EncodeResult), reply
+        return reply
+    finally:
+        socket.close()
+        ctx.term()

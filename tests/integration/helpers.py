@@ -111,6 +111,12 @@ def embeddings_request(rid: str, tensor: torch.Tensor, grid) -> tuple[GenerateRe
     return GenerateRequest(rid, chat, [ImageEmbedding(meta, grid)]), [frame]
 
 
+def by_reference(source: str, image, request_id: str) -> GenerateRequest:
+    """A one-image request whose tokens (an EncodedImage) the engine fetches from `source`."""
+    chat = chat_json([{"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "hi"}]}], max_tokens=2, temperature=0)
+    return GenerateRequest(request_id, chat, [ImageEmbedding(image.embeddings, image.grid_thw, image.key, source, image.identity)])
+
+
 IMAGE_PART = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
 
 

@@ -19,23 +19,17 @@ import sys
 import time
 
 import httpx
-import numpy as np
 import pytest
-import zmq.asyncio
 
 from prism.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
 from prism.stack import free_port, wait_for_health
 from prism.synthetic import make_image
-from protocol.sockets import AsyncDealer
-from protocol.tensors import to_frame
-from protocol.to_encoder import EncodeRequest, ImageInput
-from protocol.to_engine import GenerateRequest, ImageEmbedding
-from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, GatewayInbound, GenerateFailed, TokenDelta
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed, TokenDelta
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.encoder_socket import handshake, reply_to
-from tests.integration.helpers import IMAGE_PART, chat_json, scrape, send_raw, wait_until
+from tests.integration.encoder_socket import encode_directly
+from tests.integration.helpers import by_reference, scrape, send_raw, wait_until
 
 SERVICE = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__DTYPE="float32")
 FETCH_TIMEOUT_S = 5  # engine.embed_fetch_timeout_s, the session stack's default
@@ -112,43 +106,18 @@ def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stac
     assert metric(scrape(stack), "prism_engine_fetched_bytes_total") == metric(after, "prism_engine_fetched_bytes_total")
 
 
-async def encode_directly(address: str, names: list[str]) -> EncodeResult:
-    """Encode images on one encoder as the gateway would (pixels sent at once)."""
-    ctx = zmq.asyncio.Context()
-    socket = AsyncDealer(ctx, address, GatewayInbound)
-    try:
-        await handshake(socket)
-        inputs, frames = [], []
-        for name in names:
-            meta, frame = to_frame(np.asarray(make_image(name, (112, 112)).convert("RGB")))
-            inputs.append(ImageInput(os.urandom(16), meta))
-            frames.append(frame)
-        await socket.send(EncodeRequest("direct", inputs), frames)
-        reply, _ = await reply_to(socket, "direct")
-        assert isinstance(reply, EncodeResult), reply
-        return reply
-    finally:
-        socket.close()
-        ctx.term()
-
-
-def generate_from(address: str, image, request_id: str) -> GenerateRequest:
-    chat = chat_json([{"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "hi"}]}], max_tokens=2, temperature=0)
-    return GenerateRequest(request_id, chat, [ImageEmbedding(image.embeddings, image.grid_thw, image.key, address, image.identity)])
-
-
 def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_not_a_hang(stack, run_dir):
     address = f"ipc://{run_dir}/doomed.sock"
     encoder = spawn("vision_encoder", open(run_dir / "doomed-encoder.log", "wb"), PRISM_ENCODER__ADDRESS=address)
     engine = stack.engine_addresses[0]
     try:
         reply = asyncio.run(encode_directly(address, ["doomed-a", "doomed-b"]))
-        fetched = asyncio.run(send_raw(engine, generate_from(address, reply.images[0], "handoff-alive"), []))
+        fetched = asyncio.run(send_raw(engine, by_reference(address, reply.images[0], "handoff-alive"), []))
         assert isinstance(fetched, TokenDelta) and fetched.finished, fetched  # the engine fetched it from this encoder
         encoder.send_signal(signal.SIGKILL)
         encoder.wait(10)
         started = time.monotonic()
-        failed = asyncio.run(send_raw(engine, generate_from(address, reply.images[1], "handoff-dead"), []))
+        failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead"), []))
         assert isinstance(failed, GenerateFailed), failed
         assert (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE) and "engine.embed_fetch_timeout_s" in failed.message
         assert time.monotonic() - started < FETCH_TIMEOUT_S + 10

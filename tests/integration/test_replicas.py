@@ -2,7 +2,7 @@
 behind one gateway (a stack of their own): load spreads over both; one image
 costs one encode however many requests want it; a replica's tokens are hits
 on the other; Redis going away fails nothing; a replica killed under load
-loses no request."""
+loses no request, and an engine finds a dead replica's tokens in Redis."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from prism.synthetic import make_image
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
-from protocol.to_gateway import EncodeResult, GatewayInbound
+from protocol.to_gateway import EncodeResult, GatewayInbound, TokenDelta
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import fetch_tokens, handshake, reply_to
-from tests.integration.helpers import child_pid, log_records, scrape, wait_until
+from tests.integration.helpers import by_reference, child_pid, log_records, scrape, send_raw, wait_until
 from tests.integration.system import redis_server as start_redis
 
 SIZES = [(256, 256), (640, 360), (960, 540), (1280, 720)]
@@ -48,6 +48,7 @@ def replicated(tmp_path_factory, redis_server):
         "PRISM_GATEWAY__HEARTBEAT_TIMEOUT_S": "2",
         "PRISM_ENCODER__SHARED_CACHE_URL": redis_server.url,
         "PRISM_ENCODER__SHARED_CACHE_RETRY_S": "1",
+        "PRISM_ENGINE__SHARED_CACHE_URL": redis_server.url,
         "PRISM_ENCODER__MAX_PIXELS": str(1280 * 720),
         "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
     }
@@ -119,7 +120,7 @@ async def encode_on(address: str, request_id: str, digest: bytes, pixels: np.nda
         reply, _ = await reply_to(socket, request_id)
         assert isinstance(reply, EncodeResult), reply
         (tokens,) = await fetch_tokens(ctx, address, reply.images)
-        return reply.images[0].cache_hit, tokens
+        return reply.images[0], tokens
     finally:
         socket.close()
         ctx.term()
@@ -129,18 +130,18 @@ def test_tokens_encoded_on_one_replica_are_a_hit_on_the_other(replicated, redis_
     first, second = replicated.encoder_addresses
     pixels = np.random.default_rng(7).integers(0, 255, (112, 168, 3), dtype=np.uint8)
     digest = os.urandom(16)
-    hit, encoded = asyncio.run(encode_on(first, "on-first", digest, pixels))
-    assert not hit
+    image, encoded = asyncio.run(encode_on(first, "on-first", digest, pixels))
+    assert not image.cache_hit
     deadline = time.monotonic() + 5
     while True:  # the write is asynchronous; ask by digest alone, as the gateway's first round does
         try:
-            hit, shared = asyncio.run(encode_on(second, "on-second", digest, None))
+            image, shared = asyncio.run(encode_on(second, "on-second", digest, None))
             break
         except AssertionError:  # EncodeNeedsPixels: not written yet
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-    assert hit and torch.equal(shared, encoded)
+    assert image.cache_hit and torch.equal(shared, encoded)
 
 
 def test_a_redis_outage_fails_no_request_and_recovers(replicated, redis_server):
@@ -194,3 +195,24 @@ def test_killing_a_replica_under_load_loses_no_request(replicated):
     recovered = wait_until(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
     print(f"killed replica back in service after {recovered:.1f} s")
     assert serve_all(replicated, unique_images("after-failover", 4), concurrency=4) == [200] * 4
+
+
+def test_an_engine_fetches_a_dead_encoders_tokens_from_the_shared_tier(replicated, redis_server):
+    first, second = replicated.encoder_addresses
+    pixels = np.random.default_rng(8).integers(0, 255, (112, 168, 3), dtype=np.uint8)
+    digest = os.urandom(16)
+    image, _ = asyncio.run(encode_on(first, "left-behind", digest, pixels))
+    wait_until(lambda: in_shared_tier(second, digest), 10, "the tokens written to the shared tier")
+    os.kill(child_pid(replicated, "vision_encoder", first), signal.SIGKILL)
+    answer = asyncio.run(send_raw(replicated.engine_addresses[0], by_reference(first, image, "from-redis"), []))
+    assert isinstance(answer, TokenDelta) and answer.finished, answer
+    wait_until(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
+
+
+def in_shared_tier(address: str, digest: bytes) -> bool:
+    """The other replica finds the image by digest alone (its own cache never had it)."""
+    try:
+        asyncio.run(encode_on(address, f"lookup-{time.monotonic()}", digest, None))
+        return True
+    except AssertionError:  # EncodeNeedsPixels: not written yet
+        return False
