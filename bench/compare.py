@@ -34,7 +34,7 @@ from loadtest.client import Target
 from loadtest.runner import Arrival
 from loadtest.stats import SLO
 from loadtest.workload import WorkloadSpec, parse_buckets
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 
 MODEL = RANDOM_MODEL

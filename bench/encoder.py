@@ -39,7 +39,7 @@ from PIL import Image
 from gateway.encoder_pool import EncoderPool
 from gateway.resize import smart_resize
 from loadtest.workload import RESOLUTIONS
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.synthetic import make_image
 from protocol.tensors import to_frame

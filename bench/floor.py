@@ -130,8 +130,8 @@ async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float
 
     from llm_engine.config import EngineConfig
     from llm_engine.service import engine_args
-    from prism.config import load_config
-    from prism.families import family_of
+    from common.config import load_config
+    from common.families import family_of
     from transformers import AutoConfig
 
     config = load_config(EngineConfig, "engine", env={"PRISM_MODEL": str(MODEL)})

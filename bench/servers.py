@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.stack import LocalStack, free_port, wait_for_health
 
 # Engine settings both sides share (configs/cpu-demo.yaml's engine section).

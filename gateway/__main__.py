@@ -7,8 +7,8 @@ from pathlib import Path
 
 from gateway.app import serve
 from gateway.config import GatewayConfig
-from prism.config import load_config
-from prism.logs import setup_logging
+from common.config import load_config
+from common.logs import setup_logging
 
 
 def main() -> None:

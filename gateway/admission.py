@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import APIError
@@ -59,19 +60,49 @@ class ConcurrencyLimiter:
             )
         self.visual_tokens += tokens
 
-    def release_visual_tokens(self, tokens: int) -> None:
-        self.visual_tokens -= tokens
-
-    def acquire(self, key: str) -> None:
+    def admit(self, key: str) -> "Ticket":
+        """A slot for one request of `key`, or 429."""
         if self.limit is not None and self.in_flight >= self.limit:
             raise APIError(429, f"server is at its limit of {self.limit} concurrent requests; retry shortly", code="overloaded", headers={"Retry-After": "1"})
         if self.per_key_limit is not None and self.per_key[key] >= self.per_key_limit:
             raise APIError(429, f"this API key is at its limit of {self.per_key_limit} concurrent requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.in_flight += 1
         self.per_key[key] += 1
+        return Ticket(self, key)
 
-    def release(self, key: str) -> None:
+    def _release(self, key: str, visual_tokens: int) -> None:
         self.in_flight -= 1
+        self.visual_tokens -= visual_tokens
         self.per_key[key] -= 1
         if not self.per_key[key]:
             del self.per_key[key]
+
+
+class Ticket:
+    """One admitted request's hold on the limits: its slot (overall and for its
+    key), the visual tokens it reserved, and whatever else is given back when
+    the request ends (`on_release`). Released exactly once, by whichever path
+    ends the request first (a refusal, a response, the end of a stream)."""
+
+    def __init__(self, limiter: ConcurrencyLimiter, key: str) -> None:
+        self._limiter = limiter
+        self._key = key
+        self._releases: list[Callable[[], object]] = []
+        self.visual_tokens = 0
+        self.released = False
+
+    def reserve_visual_tokens(self, tokens: int) -> None:
+        """Held until the request ends; 429 past the server's budget."""
+        self._limiter.reserve_visual_tokens(tokens)
+        self.visual_tokens += tokens
+
+    def on_release(self, release: Callable[[], object]) -> None:
+        self._releases.append(release)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self._limiter._release(self._key, self.visual_tokens)
+        for release in self._releases:
+            release()

@@ -28,7 +28,7 @@ from gateway.intake import ImageLimits
 from gateway.models import ServedModel
 from gateway.parsing import validation_error
 from gateway.schemas import ChatCompletionRequest
-from prism.config import ConfigError, load_config
+from common.config import ConfigError, load_config
 
 log = logging.getLogger("prism.gateway")
 STATIC = Path(__file__).with_name("static")
@@ -44,7 +44,6 @@ def fetch_limits(config: GatewayConfig) -> FetchLimits:
         read_timeout_s=config.fetch_read_timeout_s,
         total_timeout_s=config.fetch_total_timeout_s,
         max_redirects=config.fetch_max_redirects,
-        max_bytes=config.max_image_bytes,
         allowed_domains=config.fetch_allowed_domains,
         allowed_networks=config.fetch_allowed_networks,
     )
@@ -65,13 +64,14 @@ class Gateway:
         self.limiter = ConcurrencyLimiter(
             config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight
         )
-        self.fetcher = ImageFetcher(fetch_limits(config))
+        self.image_limits = image_limits(config)
+        self.fetcher = ImageFetcher(fetch_limits(config), self.image_limits)
         self.window = DashboardWindow()
         self.stats_collector = metrics.ServiceStatsCollector(self)
 
     async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
         served = ServedModel.create(name, route, self.ctx, self.config)
-        await served.start(self.config, image_limits(self.config), self.fetcher, self.limiter)
+        await served.start(self.config, self.image_limits, self.fetcher)
         for pool, addresses in ((served.encoder, route.encoder_addresses), (served.engine, route.engine_addresses)):
             pool.follow_dns(addresses, self.config.discovery_interval_s, join_timeout_s=self.config.startup_timeout_s)
         return served

@@ -3,7 +3,8 @@
 Everything that can fail on the user's input happens before the first byte
 (so errors keep their HTTP status); a stream that fails later ends with an
 error event. Every request ends in `finish`, exactly once: metrics, the
-dashboard window and one log line.
+dashboard window and one log line. Its state travels in one RequestRecord
+(gateway/record.py) and its hold on the limits in one admission Ticket.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,10 +24,10 @@ from gateway import metrics, responses
 from gateway.errors import APIError
 from gateway.parsing import parse_request
 from gateway.pipeline import Prepared
+from gateway.record import RequestRecord
 from gateway.schemas import StreamOptions
 from gateway.streaming import ClientNotReading, DeadlineStreamingResponse
-from gateway.timing import RequestTimer
-from prism.logs import request_id_var
+from common.logs import request_id_var
 from protocol.to_gateway import TokenDelta
 
 log = logging.getLogger("prism.gateway")
@@ -48,41 +49,34 @@ class ChatHandler:
         self.gateway = gateway
 
     async def __call__(self, http_request: Request) -> Response:
-        rid, echoed = request_ids(http_request)
-        request_id_var.set(rid)
-        timer = RequestTimer()
-        limiter = self.gateway.limiter
+        record = RequestRecord(*request_ids(http_request))
+        request_id_var.set(record.id)
         try:
             key = self.gateway.auth.identify(http_request.headers.get("authorization"))
-            limiter.acquire(key)
+            record.ticket = ticket = self.gateway.limiter.admit(key)
         except APIError as exc:
-            return self.refuse(exc, timer, echoed)
-        metrics.IN_FLIGHT.labels("gateway").inc()
-
-        def release() -> None:
-            limiter.release(key)
-            limiter.release_visual_tokens(timer.reserved_visual_tokens)
-            metrics.IN_FLIGHT.labels("gateway").dec()
-
-        done = _Once(release)
+            return self.refuse(exc, record)
+        in_flight = metrics.IN_FLIGHT.labels("gateway")
+        in_flight.inc()
+        ticket.on_release(in_flight.dec)
         try:
-            response = await self._serve_until_disconnect(http_request, rid, timer, done)
+            response = await self._serve_until_disconnect(http_request, record)
         except APIError as exc:
-            done()
-            return self.refuse(exc, timer, echoed)
+            ticket.release()
+            return self.refuse(exc, record)
         except BaseException:
-            done()
+            ticket.release()
             raise
         if not isinstance(response, StreamingResponse):
-            done()  # a stream gives its slot back when it ends
-        response.headers["X-Request-Id"] = echoed
+            ticket.release()  # a stream gives its slot back when it ends
+        response.headers["X-Request-Id"] = record.echoed_id
         return response
 
-    async def _serve_until_disconnect(self, http_request: Request, rid: str, timer: RequestTimer, done) -> Response:
+    async def _serve_until_disconnect(self, http_request: Request, record: RequestRecord) -> Response:
         """Serve, but stop (aborting encode and generation) if the client hangs up
         before the response starts. Streams watch for that themselves (Starlette)."""
         body_read = asyncio.Event()
-        serve = asyncio.create_task(self._serve(http_request, rid, timer, done, body_read))
+        serve = asyncio.create_task(self._serve(http_request, record, body_read))
         watch = asyncio.create_task(_wait_for_disconnect(http_request, body_read))
         finished, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
         if serve in finished:
@@ -93,13 +87,15 @@ class ChatHandler:
             await serve
         raise APIError(499, "client closed the request", code="client_disconnected")
 
-    def refuse(self, exc: APIError, timer: RequestTimer, echoed: str) -> JSONResponse:
-        self.finish(timer, exc.status, exc.code or "error")
+    def refuse(self, exc: APIError, record: RequestRecord) -> JSONResponse:
+        self.finish(record, exc.status, exc.code or "error")
         response = exc.response()
-        response.headers["X-Request-Id"] = echoed
+        response.headers["X-Request-Id"] = record.echoed_id
         return response
 
-    def finish(self, timer: RequestTimer, status: int, reason: str) -> None:
+    def finish(self, record: RequestRecord, status: int, reason: str) -> None:
+        record.outcome = (status, reason)
+        timer = record.timer
         ok = status == 200 and reason == "ok"
         metrics.REQUESTS.labels(str(status), reason).inc()
         if ok:
@@ -111,28 +107,29 @@ class ChatHandler:
             "-" if ttft is None else f"{ttft * 1000:.1f}", timer.completion_tokens, timer.cache_hits, timer.cache_misses,
         )
 
-    async def _serve(self, http_request: Request, rid: str, timer: RequestTimer, done: "_Once", body_read: asyncio.Event) -> Response:
+    async def _serve(self, http_request: Request, record: RequestRecord, body_read: asyncio.Event) -> Response:
         gateway = self.gateway
         parse_started = time.perf_counter()
         request = await parse_request(http_request, gateway.config.max_body_bytes, gateway.config.body_timeout_s)
         body_read.set()
-        timer.add("parse", time.perf_counter() - parse_started)
+        record.timer.add("parse", time.perf_counter() - parse_started)
         served = gateway.models.get(request.model)
         if served is None:
             names = ", ".join(repr(name) for name in gateway.models)
             raise APIError(404, f"model '{request.model}' does not exist; this server serves {names}", param="model", code="model_not_found")
         served.enter()
-        done.add(served.leave)  # a stream leaves when it ends
-        prepared = await served.pipeline.prepare(request, timer, rid)
-        prepared.model = served.name
-        deltas = served.pipeline.generate(prepared, timer)
+        record.ticket.on_release(served.leave)  # a stream leaves when it ends
+        record.model = served.name
+        prepared = await served.pipeline.prepare(request, record)
+        deltas = served.pipeline.generate(prepared, record.timer)
         if request.stream:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
-            body = self._stream(prepared, first, deltas, timer, request.stream_options or StreamOptions(), done)
+            body = self._stream(first, deltas, record, request.stream_options or StreamOptions())
             return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
-        return await self._complete(prepared, deltas, timer)
+        return await self._complete(prepared, deltas, record)
 
-    async def _complete(self, prepared: Prepared, deltas: AsyncIterator[TokenDelta], timer: RequestTimer) -> Response:
+    async def _complete(self, prepared: Prepared, deltas: AsyncIterator[TokenDelta], record: RequestRecord) -> Response:
+        timer = record.timer
         answer = responses.Answer()
         last = None
         async with contextlib.aclosing(deltas):
@@ -143,31 +140,29 @@ class ChatHandler:
                 last = delta
         timer.mark_finished()
         body = responses.completion(
-            prepared.request.request_id, prepared.model, answer.choices(),
-            responses.usage(last, timer.visual_tokens), timer.breakdown(),
+            record.id, record.model, answer.choices(), responses.usage(last, timer.visual_tokens), timer.breakdown(),
         )
-        self.finish(timer, 200, "ok")
+        self.finish(record, 200, "ok")
         return JSONResponse(body, headers={"Server-Timing": timer.server_timing()})
 
-    async def _stream(self, prepared, first, deltas, timer, options: StreamOptions, done) -> AsyncIterator[bytes]:
+    async def _stream(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions) -> AsyncIterator[bytes]:
         outcome = None  # (status, reason); still None at the end: the client went away mid-stream
         try:
-            async with contextlib.aclosing(self._events(prepared, first, deltas, timer, options)) as events:
+            async with contextlib.aclosing(self._events(first, deltas, record, options)) as events:
                 async for event in events:
-                    if isinstance(event, APIError):
-                        outcome = (event.status, event.code or "error")
-                        continue
                     yield event
-            outcome = outcome or (200, "ok")
+            outcome = record.outcome or (200, "ok")  # `_events` sets a failure's
         except ClientNotReading:  # thrown in by the response: the client stopped reading
             outcome = (408, "client_not_reading")
         finally:
-            self.finish(timer, *(outcome or (499, "client_disconnected")))
-            done()
+            self.finish(record, *(outcome or (499, "client_disconnected")))
+            record.ticket.release()
 
-    async def _events(self, prepared, first: TokenDelta, deltas, timer: RequestTimer, options: StreamOptions):
-        """SSE events; an APIError item reports a failure after the stream began."""
-        rid, model, created = prepared.request.request_id, prepared.model, int(time.time())
+    async def _events(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions):
+        """SSE events; a failure after the stream began ends it with an error
+        event, and sets the record's outcome."""
+        timer = record.timer
+        rid, model, created = record.id, record.model, int(time.time())
         started: set[int] = set()  # choices that have sent their first chunk (with the role)
 
         def events_of(delta: TokenDelta) -> list[bytes]:
@@ -198,7 +193,7 @@ class ChatHandler:
                         for event in events_of(last):
                             yield event
             except APIError as exc:  # the stream has started: the error travels as a final event
-                yield exc
+                record.outcome = (exc.status, exc.code or "error")
                 yield responses.sse(exc.body())
                 yield responses.sse("[DONE]")
                 return
@@ -206,23 +201,6 @@ class ChatHandler:
             total = responses.usage(last, timer.visual_tokens)
             yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": total})
         yield responses.sse("[DONE]")
-
-
-class _Once:
-    """Call the release functions once, however many paths reach them."""
-
-    def __init__(self, release: Callable[[], object]) -> None:
-        self._releases = [release]
-        self._done = False
-
-    def add(self, release: Callable[[], object]) -> None:
-        self._releases.append(release)
-
-    def __call__(self) -> None:
-        if not self._done:
-            self._done = True
-            for release in self._releases:
-                release()
 
 
 async def _wait_for_disconnect(http_request: Request, body_read: asyncio.Event) -> None:

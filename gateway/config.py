@@ -6,7 +6,8 @@ import ipaddress
 
 from pydantic import Field, field_validator, model_validator
 
-from prism.config import FrozenConfig
+from common.config import FrozenConfig
+from protocol.addresses import ENCODER_ADDRESS, ENGINE_ADDRESS
 
 
 class ModelRoute(FrozenConfig):
@@ -24,8 +25,8 @@ class GatewayConfig(FrozenConfig):
     port: int = Field(8000, ge=0, le=65535)
     # One address per encoder replica; `prism serve` starts one encoder for each.
     # None ([]): the model is served text-only, with no encoder (images get a 400).
-    encoder_addresses: tuple[str, ...] = ("ipc:///tmp/prism/encoder.sock",)
-    engine_addresses: tuple[str, ...] = Field(("ipc:///tmp/prism/engine.sock",), min_length=1)  # one per engine replica
+    encoder_addresses: tuple[str, ...] = (ENCODER_ADDRESS,)
+    engine_addresses: tuple[str, ...] = Field((ENGINE_ADDRESS,), min_length=1)  # one per engine replica
     served_model_name: str | None = None  # None: the name the engine reports
     # Several models behind one gateway: name → its encoders and engines. When
     # set, it replaces the three keys above. Reloaded on SIGHUP.

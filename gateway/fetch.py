@@ -21,6 +21,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import httpx
 
 from gateway.errors import APIError
+from gateway.intake import ImageLimits
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -34,7 +35,6 @@ class FetchLimits:
     read_timeout_s: float
     total_timeout_s: float
     max_redirects: int
-    max_bytes: int
     allowed_domains: tuple[str, ...] = ()  # empty: any host (that resolves to a public address)
     allowed_networks: tuple[str, ...] = ()  # explicit opt-in for private/loopback networks
 
@@ -104,8 +104,9 @@ class AddressGuard:
 
 
 class ImageFetcher:
-    def __init__(self, limits: FetchLimits) -> None:
+    def __init__(self, limits: FetchLimits, image_limits: ImageLimits) -> None:
         self.limits = limits
+        self.image_limits = image_limits  # its byte limit caps every download
         self.guard = AddressGuard(limits.allowed_domains, limits.allowed_networks)
         timeout = httpx.Timeout(connect=limits.connect_timeout_s, read=limits.read_timeout_s, write=limits.read_timeout_s, pool=limits.connect_timeout_s)
         # trust_env=False: no proxy from the environment may route around the guard.
@@ -142,24 +143,17 @@ class ImageFetcher:
         raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code="image_fetch_failed")
 
     async def _read_capped(self, response: httpx.Response, where: str) -> bytes:
-        cap = self.limits.max_bytes
         declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
-            raise _too_large(where, int(declared), cap)
+        if declared.isdigit():
+            self.image_limits.check_bytes(int(declared), where)
         body = bytearray()
         async for chunk in response.aiter_bytes():
             body += chunk
-            if len(body) > cap:  # stop reading: never buffer past the cap
-                raise _too_large(where, len(body), cap, at_least=True)
+            self.image_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
         return bytes(body)
 
     async def close(self) -> None:
         await self.client.aclose()
-
-
-def _too_large(where: str, size: int, cap: int, at_least: bool = False) -> APIError:
-    more = "more than " if at_least else ""
-    return APIError(413, f"{where}: image is {more}{size} bytes; the limit is {cap} bytes", param=where, code="image_too_large")
 
 
 def _expired(exc: Exception, limits: FetchLimits) -> str:

@@ -31,8 +31,8 @@ from cache import content_key
 from gateway.errors import APIError
 from gateway.resize import smart_resize
 from gateway.sniff import ALLOWED_NAMES, describe_refused, sniff
-from prism.anyres import AnyresLayout
-from prism.tiles import TileLayout
+from common.anyres import AnyresLayout
+from common.tiles import TileLayout
 from protocol.to_gateway import AnyresInfo, ProcessorInfo, TilesInfo
 
 INTAKE_VERSION = "intake-v2"
@@ -48,10 +48,17 @@ _DECODE_ERRORS = Exception
 
 @dataclass(frozen=True)
 class ImageLimits:
-    max_bytes: int
+    max_bytes: int  # encoded size, checked where the bytes arrive (data: URL, fetch)
     max_pixels: int  # declared width × height, checked before decoding
     min_side: int
     max_aspect_ratio: float
+
+    def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
+        """413 past `max_bytes`; `qualifier` says how `size` is known ("about", "more than")."""
+        if size > self.max_bytes:
+            size_text = f"{qualifier} {size}" if qualifier else str(size)
+            raise APIError(413, f"{where}: image is {size_text} bytes; the limit is {self.max_bytes} bytes", param=where,
+                           code="image_too_large")
 
 
 @dataclass(frozen=True)
@@ -136,20 +143,18 @@ class PreparedImage:
     original_size: tuple[int, int]  # (width, height) after EXIF transpose
 
 
-def decode_data_url(url: str, where: str, max_bytes: int) -> bytes:
+def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise APIError(400, f"{where}: malformed data: URL (no comma)", param=where, code="invalid_image_url")
     if not header.endswith(";base64"):
         raise APIError(400, f"{where}: data: URL must be base64-encoded (';base64,')", param=where, code="invalid_image_url")
-    if len(payload) * 3 // 4 > max_bytes + 3:
-        raise APIError(413, f"{where}: image is about {len(payload) * 3 // 4} bytes; the limit is {max_bytes} bytes", param=where, code="image_too_large")
+    limits.check_bytes(len(payload) * 3 // 4 - 3, where, "about")  # before decoding (padding: up to 3 fewer)
     try:
         raw = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise APIError(400, f"{where}: data: URL is not valid base64", param=where, code="invalid_image_url") from None
-    if len(raw) > max_bytes:
-        raise APIError(413, f"{where}: image is {len(raw)} bytes; the limit is {max_bytes} bytes", param=where, code="image_too_large")
+    limits.check_bytes(len(raw), where)
     return raw
 
 
@@ -164,12 +169,11 @@ def _invalid(where: str, message: str, status: int = 400, code: str = "invalid_i
 
 
 def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -> Inspected:
-    """Header-only checks; nothing is decoded."""
+    """Header-only checks; nothing is decoded. (The byte limit was checked where
+    the bytes arrived: decode_data_url, ImageFetcher.)"""
     limits = policy.limits
     if not raw:
         raise _invalid(where, "image is empty (0 bytes)")
-    if len(raw) > limits.max_bytes:
-        raise _invalid(where, f"image is {len(raw)} bytes; the limit is {limits.max_bytes} bytes", 413, "image_too_large")
     fmt = sniff(raw)
     if fmt is None:
         raise _invalid(where, f"unsupported image format ({describe_refused(raw)}); allowed: {', '.join(ALLOWED_NAMES)}", 415, "unsupported_image_format")

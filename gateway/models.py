@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import zmq.asyncio
 
-from gateway.admission import ConcurrencyLimiter
 from gateway.config import GatewayConfig, ModelRoute
 from gateway.encoder_pool import EncoderPool
 from gateway.engine_pool import EnginePool
@@ -44,7 +43,7 @@ class ServedModel:
         engine = EnginePool(ctx, expand_addresses(route.engine_addresses), config.heartbeat_timeout_s)
         return cls(name, route, encoder, engine)
 
-    async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher, limiter: ConcurrencyLimiter) -> None:
+    async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher) -> None:
         timeout = config.startup_timeout_s
         encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
         self.name = self.name or engine_info.model
@@ -52,7 +51,7 @@ class ServedModel:
             raise RuntimeError(f"model {self.name!r} is text-only, yet encoders are configured for it: "
                                "list no encoder addresses for a text-only model")
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
-        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, limiter, self.name)
+        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
         self.encoder.start_heartbeat(config.stats_interval_s)
         self.engine.start_heartbeat(config.stats_interval_s)
         self._idle.set()

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.admission import ConcurrencyLimiter
 from gateway.encoder_pool import EncoderPool
 from gateway.engine_pool import EnginePool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.fetch import ImageFetcher
 from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
+from gateway.record import RequestRecord
 from gateway.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
@@ -36,12 +36,13 @@ log = logging.getLogger("prism.gateway")
 _ROLES = {"developer": "system"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prepared:
+    """A request ready for the engine."""
+
     request: GenerateRequest
     digests: list[bytes]  # the images', for engine affinity
-    images: list[Inspected]  # kept until the first token: re-encoded if the engine cannot fetch their tokens
-    model: str = ""  # the served name, echoed in responses
+    images: list[Inspected]  # emptied at the first token; until then re-encoded if the engine cannot fetch their tokens
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,9 @@ def engine_chat(request: ChatCompletionRequest) -> bytes:
 class ChatPipeline:
     def __init__(
         self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, policy: IntakePolicy | None,
-        fetcher: ImageFetcher, limiter: ConcurrencyLimiter, model_name: str | None = None,
+        fetcher: ImageFetcher, model_name: str | None = None,
     ) -> None:
         self.config = config
-        self.limiter = limiter
         self.encoder = encoder
         self.engine = engine
         self.policy = policy  # None: the model is served text-only
@@ -120,11 +120,12 @@ class ChatPipeline:
 
     async def _fetch(self, ref: ImageRef) -> bytes:
         if ref.url.startswith("data:"):
-            return await self._in_pool(decode_data_url, ref.url, ref.where, self.config.max_image_bytes)
+            return await self._in_pool(decode_data_url, ref.url, ref.where, self.policy.limits)
         return await self.fetcher.fetch(ref.url, ref.where)
 
-    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], timer: RequestTimer) -> list[Inspected]:
+    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], record: RequestRecord) -> list[Inspected]:
         """Fetch and judge every image by its header; nothing is decoded yet."""
+        timer = record.timer
         request_budget = self.request_budget(request)
         started = time.perf_counter()
         raws = await asyncio.gather(*(self._fetch(ref) for ref in refs))
@@ -136,8 +137,7 @@ class ChatPipeline:
         tokens = sum(item.visual_tokens for item in inspected)
         if tokens > self.config.max_visual_tokens_per_request:
             raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
-        self.limiter.reserve_visual_tokens(tokens)
-        timer.reserved_visual_tokens = tokens  # given back when the request ends
+        record.ticket.reserve_visual_tokens(tokens)  # given back when the request ends
         timer.add("image_preprocess", time.perf_counter() - fetched)
         timer.image_sizes.extend(item.size for item in inspected)
         return inspected
@@ -186,7 +186,7 @@ class ChatPipeline:
         timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
         return [ImageEmbedding(i.embeddings, i.grid_thw, i.key, source, i.identity) for i in result.images]
 
-    async def prepare(self, request: ChatCompletionRequest, timer: RequestTimer, request_id: str) -> Prepared:
+    async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         refs = image_refs(request)
         if refs and self.policy is None:
             raise APIError(400, f"{refs[0].where}: model '{self.model_name}' is served text-only and takes no images",
@@ -200,10 +200,10 @@ class ChatPipeline:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
         embeddings, digests, images = [], [], []
         if refs:
-            images = await self._intake(request, refs, timer)
+            images = await self._intake(request, refs, record)
             digests = [digest_of(item, self.policy) for item in images]
-            embeddings = await self._encode(request_id, images, digests, timer)
-        generate = GenerateRequest(request_id=request_id, chat=engine_chat(request), images=embeddings)
+            embeddings = await self._encode(record.id, images, digests, record.timer)
+        generate = GenerateRequest(request_id=record.id, chat=engine_chat(request), images=embeddings)
         return Prepared(generate, digests, images)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
@@ -211,16 +211,17 @@ class ChatPipeline:
         encoder died or dropped them since), the images are encoded once more
         (on a replica that is up) and the engine asked again; a second such
         failure is the client's 503."""
+        request = prepared.request
         for last_try in (False, True):
             sent = time.perf_counter()
             first = True
-            deltas = self.engine.generate(prepared.request, (), self.config.generate_timeout_s, prepared.digests)
+            deltas = self.engine.generate(request, (), self.config.generate_timeout_s, prepared.digests)
             try:
                 async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
                     async for delta in deltas:
                         if first:
                             timer.add_engine_first(delta.timings, time.perf_counter() - sent)
-                            prepared.images = []  # the engine has the tokens: the raw images are not needed again
+                            prepared.images.clear()  # the engine has the tokens: the raw images are not needed again
                             first = False
                         yield delta
                 return
@@ -229,5 +230,5 @@ class ChatPipeline:
                     raise
                 log.warning("%s; encoding the images again", error.message)
                 timer.add("embed_transfer", time.perf_counter() - sent)
-                images = await self._encode(prepared.request.request_id, prepared.images, prepared.digests, timer)
-                prepared.request = msgspec.structs.replace(prepared.request, images=images)
+                images = await self._encode(request.request_id, prepared.images, prepared.digests, timer)
+                request = msgspec.structs.replace(request, images=images)

@@ -36,7 +36,6 @@ class RequestTimer:
     delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
     completion_tokens: int = 0
     visual_tokens: int = 0
-    reserved_visual_tokens: int = 0  # admission budget held until the request ends
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
 
     def add(self, stage: str, seconds: float) -> None:

@@ -12,8 +12,8 @@ import zmq.asyncio
 
 from llm_engine.config import EngineConfig
 from llm_engine.service import EngineService
-from prism.config import load_config
-from prism.logs import setup_logging
+from common.config import load_config
+from common.logs import setup_logging
 
 DEAD_SHUTDOWN_TIMEOUT_S = 5
 

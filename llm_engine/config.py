@@ -6,13 +6,14 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from prism.config import FrozenConfig, check_redis_url
+from common.config import FrozenConfig, check_redis_url
+from protocol.addresses import ENGINE_ADDRESS
 
 
 class EngineConfig(FrozenConfig):
     model: str  # checkpoint directory (or hub id where there is internet)
     served_model_name: str | None = None
-    address: str = "ipc:///tmp/prism/engine.sock"  # ROUTER bind address
+    address: str = ENGINE_ADDRESS  # ROUTER bind address
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
     max_model_len: int = Field(4096, ge=16)
     max_num_seqs: int = Field(32, ge=1)
@@ -22,10 +23,10 @@ class EngineConfig(FrozenConfig):
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # skips graph capture / compile: fast start on CPUs
     # Images in one prompt, for a family vLLM takes only with its tower loaded
-    # (prism/families.py); the others take any number of embeddings.
+    # (common/families.py); the others take any number of embeddings.
     max_images_per_prompt: int = Field(16, ge=1)
     # vLLM's tool-call parser for `tools` (any name vLLM's ToolParserManager
-    # knows, e.g. hermes); "auto": the model family's (prism/families.py);
+    # knows, e.g. hermes); "auto": the model family's (common/families.py);
     # null: no tool calling (requests with tools get a 400).
     tool_call_parser: str | None = "auto"
     # vLLM's reasoning parser (e.g. qwen3 for thinking checkpoints): the

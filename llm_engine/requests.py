@@ -28,7 +28,7 @@ class Parsing:
     def create(cls, tool_parser: str | None, reasoning_parser: str | None, tokenizer, model: str) -> "Parsing":
         from vllm.parser.parser_manager import ParserManager
 
-        from prism.config import ConfigError
+        from common.config import ConfigError
 
         try:
             parser_cls = ParserManager.get_parser(

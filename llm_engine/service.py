@@ -34,8 +34,8 @@ from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_im
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
-from prism.families import Family, family_of
-from prism.logs import request_id_var
+from common.families import Family, family_of
+from common.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter

@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 
 # Two checkpoints ship with Prism. The trained one (prism/train_demo.py, committed)
 # is the default and answers questions about shape scenes. The random-weights one

@@ -16,7 +16,7 @@ import sys
 import httpx
 import zmq
 
-from prism.config import load_config
+from common.config import load_config
 from protocol.base import Hello
 from protocol.sockets import pack
 from protocol.to_gateway import EncoderReady, EngineReady, GatewayInbound

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prism.config import DEFAULT_CONFIG, REPO_ROOT, load_config, resolve_model
+from common.config import DEFAULT_CONFIG, REPO_ROOT, configured_model, load_config, resolve_model
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.logs import setup_logging
+from common.logs import setup_logging
 
 log = logging.getLogger("prism.launcher")
 
@@ -106,7 +106,7 @@ class Supervisor:
 def takes_images(checkpoint: str) -> bool:
     from transformers import AutoConfig
 
-    from prism.families import UnsupportedModel, family_of
+    from common.families import UnsupportedModel, family_of
 
     try:
         return family_of(AutoConfig.from_pretrained(checkpoint)).takes_images
@@ -140,12 +140,10 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
 def serve(config_path: Path) -> None:
     from gateway.app import serve as serve_gateway
     from gateway.config import GatewayConfig
-    from vision_encoder.config import EncoderConfig
 
     setup_logging("gateway")  # the gateway runs in this process
     gateway_config = load_config(GatewayConfig, "gateway", config_path)
-    shared_model = load_config(EncoderConfig, "encoder", config_path).model
-    children = service_children(gateway_config, config_path, shared_model)
+    children = service_children(gateway_config, config_path, configured_model(config_path))
     supervisor = Supervisor(children)
     supervisor.start()
     atexit.register(supervisor.stop)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
 
 

@@ -23,7 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import (
     CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs,
     refresh_chat_template,

@@ -24,7 +24,7 @@ class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
 
 
 class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="anyres"):
-    """LLaVA-OneVision's and LLaVA-NeXT's tiling (prism/anyres.py): the gateway scales an image no
+    """LLaVA-OneVision's and LLaVA-NeXT's tiling (common/anyres.py): the gateway scales an image no
     further down than the tiles would hold it, and counts its tokens."""
 
     tile_size: int
@@ -34,7 +34,7 @@ class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="an
 
 
 class TilesInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="tiles"):
-    """InternVL's tiles (prism/tiles.py), for the same two purposes."""
+    """InternVL's tiles (common/tiles.py), for the same two purposes."""
 
     tile_size: int
     min_tiles: int

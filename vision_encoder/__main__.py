@@ -10,8 +10,8 @@ from pathlib import Path
 
 import zmq
 
-from prism.config import load_config
-from prism.logs import setup_logging
+from common.config import load_config
+from common.logs import setup_logging
 from vision_encoder.config import EncoderConfig
 from vision_encoder.service import EncoderService
 

@@ -2,7 +2,7 @@
 tiles (its best grid pinpoint, cut into tiles, after a base tile of the whole
 image), the projector, then the tiles' features stitched, unpadded, shrunk
 to `max_tiles` (OneVision) and given a newline token per row
-(prism/anyres.py). One token list per image, of a length that depends on its
+(common/anyres.py). One token list per image, of a length that depends on its
 size: vLLM takes the lists as they are.
 
 The forward is transformers' own `get_image_features` of the family's model
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from prism.anyres import AnyresLayout
-from prism.families import Family
+from common.anyres import AnyresLayout
+from common.families import Family
 from protocol.to_gateway import AnyresInfo
 from vision_encoder.tower import TowerImage, VisionTower
 

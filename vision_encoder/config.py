@@ -6,12 +6,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from prism.config import FrozenConfig, check_redis_url
+from common.config import FrozenConfig, check_redis_url
+from protocol.addresses import ENCODER_ADDRESS
 
 
 class EncoderConfig(FrozenConfig):
     model: str  # checkpoint directory (or hub id where there is internet)
-    address: str = "ipc:///tmp/prism/encoder.sock"  # ROUTER bind address
+    address: str = ENCODER_ADDRESS  # ROUTER bind address
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # A batch closes at whichever comes first: this many images, this many ViT

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from prism.families import Family
+from common.families import Family
 from protocol.to_gateway import ProcessorInfo
 from vision_encoder.tower import TowerImage, VisionTower
 

@@ -1,5 +1,5 @@
 """InternVL3 (Hugging Face format): InternViT over each image's tiles (the
-grid closest to its aspect ratio, plus a thumbnail; prism/tiles.py), pixel
+grid closest to its aspect ratio, plus a thumbnail; common/tiles.py), pixel
 shuffle, then the projector. One token list per image, tiles × tokens per
 tile long: vLLM takes the lists as they are.
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from prism.families import Family
-from prism.tiles import TileLayout
+from common.families import Family
+from common.tiles import TileLayout
 from protocol.to_gateway import TilesInfo
 from vision_encoder.tower import TowerImage, VisionTower
 

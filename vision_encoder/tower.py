@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from cache import content_key
-from prism.families import Family
+from common.families import Family
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class VisionTower:
         self.embedding_width = family.embedding_width(config)
 
     def _vision_code(self, config: Any) -> tuple[Any, type]:
-        """The transformers module and class that hold the family's vision code (prism/families.py)."""
+        """The transformers module and class that hold the family's vision code (common/families.py)."""
         module, _, name = self.family.towers[config.model_type].partition(":")
         source = importlib.import_module(module)
         return source, getattr(source, name)

@@ -1,8 +1,8 @@
-"""The tower for a checkpoint, by its family's layout (prism/families.py)."""
+"""The tower for a checkpoint, by its family's layout (common/families.py)."""
 
 from __future__ import annotations
 
-from prism.families import UnsupportedModel, family_of
+from common.families import UnsupportedModel, family_of
 from vision_encoder.anyres_tower import AnyresTower
 from vision_encoder.qwen_tower import QwenTower
 from vision_encoder.tiles_tower import TilesTower

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images

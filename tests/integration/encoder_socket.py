@@ -53,7 +53,7 @@ async def fetch_tokens(ctx: zmq.asyncio.Context, address: str, images: list[Enco
         socket.close()
 
 
-async def encode_directly(address: str, names: list[str]) -> EncodeResult:
+async def encode_directly(address: str, names: list[str], size: tuple[int, int] = (112, 112)) -> EncodeResult:
     """Encode synthetic images on one encoder as the gateway would (pixels sent at once)."""
     ctx = zmq.asyncio.Context()
     socket = AsyncDealer(ctx, address, GatewayInbound)
@@ -61,7 +61,7 @@ async def encode_directly(address: str, names: list[str]) -> EncodeResult:
         await handshake(socket)
         inputs, frames = [], []
         for name in names:
-            meta, frame = to_frame(np.asarray(make_image(name, (112, 112)).convert("RGB")))
+            meta, frame = to_frame(np.asarray(make_image(name, size).convert("RGB")))
             inputs.append(ImageInput(os.urandom(16), meta))
             frames.append(frame)
         await socket.send(EncodeRequest("direct", inputs), frames)

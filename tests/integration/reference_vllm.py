@@ -29,7 +29,7 @@ def pixel_budget(model: str) -> dict | None:
     """The test budget for Qwen's families; LLaVA-OneVision tiles at its grid pinpoints and has none."""
     from transformers import AutoConfig
 
-    from prism.families import family_of
+    from common.families import family_of
 
     if family_of(AutoConfig.from_pretrained(model)).layout != "qwen":
         return None

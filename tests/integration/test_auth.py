@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.stack import free_port, wait_for_health
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.helpers import wait_until

@@ -11,7 +11,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from prism.config import REPO_ROOT, load_config
+from common.config import REPO_ROOT, load_config
 from tests.integration.system import binary
 
 BASE = ["docker-compose.yml"]

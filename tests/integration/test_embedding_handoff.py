@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
 from prism.stack import free_port, wait_for_health
 from prism.synthetic import make_image

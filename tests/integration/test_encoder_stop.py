@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from tests.integration.helpers import wait_until
 

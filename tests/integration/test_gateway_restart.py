@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from prism.config import DEFAULT_CONFIG, REPO_ROOT
+from common.config import DEFAULT_CONFIG, REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import free_port, wait_for_health
 from tests.integration.conftest import MODEL_NAME

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from prism.config import DEFAULT_CONFIG
+from common.config import DEFAULT_CONFIG
 from prism.demo_model import RANDOM_MODEL, write_demo_model
 from prism.stack import LocalStack, free_port
 from prism.synthetic import make_image

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.timing import TTFT_STAGES
-from prism.config import REPO_ROOT
+from common.config import REPO_ROOT
 from prism.stack import free_port
 from prism.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME

@@ -7,7 +7,7 @@ import pytest
 
 from llm_engine.prompts import InvalidPrompt
 from llm_engine.requests import Parsing, check_tool_choice, read_chat
-from prism.config import ConfigError
+from common.config import ConfigError
 from prism.demo_model import CHAT_TEMPLATE
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -7,7 +7,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from llm_engine.config import EngineConfig
-from prism.config import DEFAULT_CONFIG, REPO_ROOT, ConfigError, load_config
+from common.config import DEFAULT_CONFIG, REPO_ROOT, ConfigError, configured_model, load_config
 from vision_encoder.config import EncoderConfig
 
 
@@ -41,6 +41,23 @@ def test_environment_overrides_the_file_with_typed_values(tmp_path):
     env = {"PRISM_ENGINE__MAX_MODEL_LEN": "1024", "PRISM_ENGINE__ENFORCE_EAGER": "false", "PRISM_MODEL": "/abs/ckpt"}
     config = load_config(EngineConfig, "engine", path, env=env)
     assert (config.max_model_len, config.enforce_eager, config.model) == (1024, False, "/abs/ckpt")
+
+
+def test_the_launcher_reads_the_shared_model_from_the_file_or_prism_model(tmp_path):
+    path = write(tmp_path, "model: /ckpt/a\nencoder:\n  model: /ckpt/other\n")
+    assert configured_model(path, env={}) == "/ckpt/a"
+    assert configured_model(path, env={"PRISM_MODEL": "/ckpt/b"}) == "/ckpt/b"
+    assert configured_model(DEFAULT_CONFIG, env={}) == str(REPO_ROOT / "models" / "prism-shapes")
+    with pytest.raises(ConfigError, match="model: a checkpoint"):
+        configured_model(write(tmp_path, "engine:\n  max_model_len: 64\n"), env={})
+
+
+def test_the_services_default_addresses_meet(tmp_path):
+    """With no addresses configured, the gateway connects where the encoder and engine bind."""
+    path = write(tmp_path, "model: m\n")
+    gateway = load_config(GatewayConfig, "gateway", path, env={})
+    encoder, engine = load_config(EncoderConfig, "encoder", path, env={}), load_config(EngineConfig, "engine", path, env={})
+    assert (gateway.encoder_addresses, gateway.engine_addresses) == ((encoder.address,), (engine.address,))
 
 
 def test_cross_field_checks(tmp_path):

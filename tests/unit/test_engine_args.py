@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from llm_engine.config import EngineConfig
 from llm_engine.service import engine_args
-from prism.families import FAMILIES
+from common.families import FAMILIES
 
 QWEN2_VL, QWEN3_VL = FAMILIES[0], FAMILIES[2]
 

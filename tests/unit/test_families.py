@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig, Gemma3Config, LlamaConfig, PaliGemmaConfig, Qwen2VLConfig, Qwen3VLConfig
 
-from prism.families import TEXT_ONLY, UnsupportedModel, family_of
+from common.families import TEXT_ONLY, UnsupportedModel, family_of
 
 
 def test_the_qwen_families_are_recognised_and_qwen3_embeddings_carry_the_deepstack_layers():

@@ -27,7 +27,7 @@ import yaml
 
 from gateway.config import GatewayConfig
 from llm_engine.config import EngineConfig
-from prism.config import REPO_ROOT, load_config
+from common.config import REPO_ROOT, load_config
 from vision_encoder.config import EncoderConfig
 
 DEPLOY = REPO_ROOT / "deploy" / "kubernetes"

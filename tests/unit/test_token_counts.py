@@ -22,7 +22,7 @@ from transformers import AutoImageProcessor
 
 from gateway.intake import IntakePolicy, ImageLimits, PixelBudget
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.tiles import TileLayout
+from common.tiles import TileLayout
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import ProcessorInfo
 from vision_encoder.tower import TowerImage

@@ -73,6 +73,17 @@ def resolve_model(model: str) -> str:
     return model
 
 
+def configured_model(path: Path | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The checkpoint every service of the file serves unless its section says
+    otherwise: the top-level `model`, or PRISM_MODEL (what the launcher starts)."""
+    path = path or Path(os.environ.get(f"{ENV_PREFIX}CONFIG", DEFAULT_CONFIG))
+    env = os.environ if env is None else env
+    model = yaml.safe_load(env[f"{ENV_PREFIX}MODEL"]) if f"{ENV_PREFIX}MODEL" in env else _read_yaml(path).get("model")
+    if not isinstance(model, str) or not model:
+        raise ConfigError(f"invalid config {path}: model: a checkpoint directory or hub id is needed (or PRISM_MODEL)")
+    return resolve_model(model)
+
+
 def load_config(
     model: type[C], section: str, path: Path | None = None, env: Mapping[str, str] | None = None
 ) -> C:

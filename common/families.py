@@ -7,9 +7,9 @@ its images become tokens:
   tokens form a (t, h, w) grid that vLLM takes beside the embeddings;
 - "anyres" (LLaVA-OneVision, LLaVA-NeXT): tiles of the image at its best grid pinpoint
   plus a base tile, one token list per image with newline tokens in it
-  (prism/anyres.py); vLLM takes the list alone;
+  (common/anyres.py); vLLM takes the list alone;
 - "tiles" (InternVL3): square tiles of the image stretched onto the grid
-  closest to its aspect ratio, plus a thumbnail (prism/tiles.py); a list, too;
+  closest to its aspect ratio, plus a thumbnail (common/tiles.py); a list, too;
 - "text": a language model with no vision part (any checkpoint without a
   `vision_config`, of an architecture vLLM serves). It is served with no
   encoder, and a request with an image gets a 400 naming the model.
