@@ -1,0 +1,120 @@
+"""Where a megapixel image's visual tokens travel, at Qwen2.5-VL-7B's widths.
+
+The stack runs the real-width profile (`python -m prism.tiny_models
+qwen2.5-vl-7b-widths`: hidden 3584, one text layer, two vision blocks, bf16)
+over tcp:// loopback sockets, as services on separate hosts would talk. One
+request at a time:
+
+1. `--images` new 1280×800 JPEGs (about 1,330 visual tokens, 9.5 MB of bf16
+   tokens each): the bytes per request on the gateway's encoder and engine
+   connections (`prism_gateway_peer_bytes_total`), the bytes the engine
+   fetched from the encoder (`prism_engine_fetched_bytes_total`), and the
+   `embed_transfer` stage's median;
+2. the same images again: each is a hit in the encoder's cache and in the
+   engine's LRU, so nothing should move between encoder and engine.
+
+Byte counts are totals over each phase divided by its requests; they include
+the gateway's heartbeats (about 0.3 KB a second each way).
+
+Run: .venv/bin/python -m bench.handoff [--images 6]
+(a commit from before references: its engine figures show as 0.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.ttft import SERVED_NAME
+from prism.stack import LocalStack
+from prism.synthetic import encode, make_image
+from prism.tiny_models import ensure_tiny_model
+
+SIZE = (1280, 800)
+OVERRIDES = {
+    "PRISM_ENCODER__DTYPE": "bfloat16",
+    "PRISM_ENGINE__DTYPE": "bfloat16",
+    "PRISM_ENGINE__MAX_MODEL_LEN": "4096",
+    "PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST": "4096",
+    "PRISM_GATEWAY__JPEG_DRAFT": "false",
+}
+CONNECTIONS = [("encoder", "sent"), ("encoder", "received"), ("engine", "sent"), ("engine", "received")]
+
+
+def counters(base_url: str) -> dict[str, float]:
+    """The byte and image counters this benchmark reads, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {f"{peer} {direction}": ("prism_gateway_peer_bytes_total", {"peer": peer, "direction": direction})
+              for peer, direction in CONNECTIONS}
+    wanted["engine fetched"] = ("prism_engine_fetched_bytes_total", {})
+    wanted["engine cache hits"] = ("prism_engine_embeddings_total", {"source": "engine_cache"})
+    found = dict.fromkeys(wanted, 0.0)
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for name, (metric, labels) in wanted.items():
+                if sample.name == metric and sample.labels == labels:
+                    found[name] = sample.value
+    return found
+
+
+def ask(base_url: str, jpeg: bytes) -> dict:
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in the picture?"}]
+    body = {"model": SERVED_NAME, "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": content}]}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=300)
+    response.raise_for_status()
+    return response.json()
+
+
+def phase(base_url: str, jpegs: list[bytes]) -> tuple[dict[str, float], list[dict]]:
+    """Bytes per request on each connection over the phase, and each request's stages."""
+    time.sleep(2.5)  # the engine's counters reach the gateway with its heartbeat (1 s)
+    before = counters(base_url)
+    stages = [ask(base_url, jpeg)["prism"]["stages_ms"] for jpeg in jpegs]
+    time.sleep(2.5)
+    after = counters(base_url)
+    return {name: (after[name] - before[name]) / len(jpegs) for name in before}, stages
+
+
+def report(phases: dict[str, tuple[dict, list]]) -> str:
+    rows = ["| phase | to encoder | from encoder | to engine | from engine | engine fetched | engine LRU hits | embed_transfer p50 | TTFT p50 |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, (per_request, stages) in phases.items():
+        sizes = [_size(per_request[f"{peer} {direction}"]) for peer, direction in CONNECTIONS]
+        transfer = statistics.median(s["embed_transfer"] for s in stages)
+        ttft = statistics.median(s["ttft"] for s in stages)
+        rows.append(f"| {name} | {' | '.join(sizes)} | {_size(per_request['engine fetched'])} | "
+                    f"{per_request['engine cache hits']:.2f} | {transfer:.1f} ms | {ttft:.0f} ms |")
+    return "\n".join(rows)
+
+
+def _size(nbytes: float) -> str:
+    if nbytes >= 1e6:
+        return f"{nbytes / 1e6:.2f} MB"
+    return f"{nbytes / 1e3:.1f} KB" if nbytes >= 1e3 else f"{nbytes:.0f} B"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=6)
+    args = parser.parse_args()
+    model = ensure_tiny_model("qwen2.5-vl-7b-widths")
+    jpegs = [encode(make_image(f"handoff-{i}", SIZE)) for i in range(args.images)]
+    with tempfile.TemporaryDirectory() as run_dir:
+        with LocalStack(Path(run_dir), OVERRIDES, model=model, transport="tcp") as stack:
+            ask(stack.base_url, encode(make_image("warm-up", SIZE)))
+            phases = {"new images": phase(stack.base_url, jpegs), "the same again": phase(stack.base_url, jpegs)}
+    print(f"{args.images} requests per phase, one 1280×800 JPEG each, bf16, tcp:// (bytes per request)\n")
+    print(report(phases))
+
+
+if __name__ == "__main__":
+    main()
