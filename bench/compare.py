@@ -10,7 +10,13 @@ both systems get identical requests):
   (b) 50 % repeated images, concurrency 8
   (c) one image, a different question and system prompt per request, concurrency 8
   (d) an open-loop rate sweep (Poisson), goodput under the SLO
+  (e) saturation: unique images, closed loop at rising concurrency; the
+      highest throughput reached is the system's saturation throughput
+  (f) open loop (Poisson) at 50 % and 80 % of vLLM's saturation throughput,
+      with a 256² image's TTFT there against its TTFT alone (a, concurrency 1)
 
+Every scenario also records the server's CPU seconds per request: the whole
+machine's busy time (/proc/stat) during it, less this client process's own.
 Resolutions are mixed evenly over 256², 720p, 1080p and 4K (JPEG), 16
 output tokens, streaming. Writes docs/comparison.md (or --out).
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -41,6 +48,10 @@ MODEL = RANDOM_MODEL
 SERVED_NAME = "prism-demo"
 MAX_PIXELS = 1024 * 1024
 MIX = parse_buckets("256x256=1,720p=1,1080p=1,4k=1")
+LADDER = (4, 8, 16)  # (e): closed-loop concurrencies
+OPEN_FRACTIONS = (0.5, 0.8)  # (f): of vLLM's saturation throughput
+WARMUP = 2
+TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -63,13 +74,43 @@ def scenarios(scale: float) -> list[Scenario]:
     ]
 
 
-def run_all(base_url: str, cases: list[Scenario], rates: list[float], sweep_requests: int, slo: SLO) -> dict:
+def machine_busy_s() -> float:
+    """CPU seconds all cores have spent busy since boot (/proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, Path("/proc/stat").read_text().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / TICKS
+
+
+def measured(target: Target, spec: WorkloadSpec, arrival: Arrival, requests: int, slo: SLO) -> dict:
+    """One load test, plus the server's CPU seconds per request: the machine's
+    busy time during it, less this process's (the client renders and sends)."""
+    busy, own = machine_busy_s(), time.process_time()
+    result = load_test(target, spec, arrival, Plan(requests, warmup=WARMUP), slo)
+    server_s = (machine_busy_s() - busy) - (time.process_time() - own)
+    result["cpu_s_per_request"] = server_s / (requests + WARMUP)
+    return result
+
+
+def run_all(base_url: str, cases: list[Scenario], rates: list[float], sweep_requests: int, slo: SLO,
+            open_rates: list[float] | None = None) -> dict:
+    """Every scenario against one server. (f) runs at `open_rates`, or at
+    OPEN_FRACTIONS of this server's own saturation throughput (vLLM's run)."""
     target = Target(base_url, SERVED_NAME)
     out = {}
     for case in cases:
-        out[case.key] = load_test(target, case.spec, Arrival(concurrency=case.concurrency), Plan(case.requests, warmup=2), slo)
-        print(f"  {case.title}: TTFT p50 {out[case.key]['summary']['median_ttft_ms']:.0f} ms", flush=True)
-    out["d"] = sweep(target, WorkloadSpec(MIX, seed=105), rates, "rate", Plan(sweep_requests, warmup=2), slo)
+        out[case.key] = measured(target, case.spec, Arrival(concurrency=case.concurrency), case.requests, slo)
+        print(f"  {case.title}: TTFT p50 {out[case.key]['summary']['median_ttft_ms']:.0f} ms, "
+              f"{out[case.key]['cpu_s_per_request']:.2f} CPU s/request", flush=True)
+    out["d"] = sweep(target, WorkloadSpec(MIX, seed=105), rates, "rate", Plan(sweep_requests, warmup=WARMUP), slo)
+    requests = cases[1].requests  # as many as (a) at concurrency 8
+    ladder = [measured(target, WorkloadSpec(MIX, seed=106 + i), Arrival(concurrency=c), requests, slo) for i, c in enumerate(LADDER)]
+    saturation = max(point["summary"]["request_throughput"] for point in ladder)
+    out["e"] = {"points": ladder, "saturation_rps": saturation}
+    print(f"  (e) saturation: {saturation:.2f} req/s", flush=True)
+    open_rates = open_rates or [saturation * fraction for fraction in OPEN_FRACTIONS]
+    out["f"] = [measured(target, WorkloadSpec(MIX, seed=110 + i), Arrival(rate=rate, seed=110 + i), requests, slo)
+                for i, rate in enumerate(open_rates)]
+    for point, rate in zip(out["f"], open_rates):
+        point["rate"] = rate
     return out
 
 
@@ -116,8 +157,67 @@ def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> st
         lines += ["", "Where Prism's TTFT went, scenario (a) at concurrency 8 (median ms per stage):", "",
                   "| resolution | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         lines += [f"| {b} | " + " | ".join(f"{s[n]:.1f}" for n in names) + " |" for b, s in stages.items()]
+    lines += cpu_table(vllm, prism, cases) + saturation_table(vllm, prism) + open_loop_table(vllm, prism) + goals(vllm, prism)
     lines += ["", "How to read these numbers on a 2-core CPU: docs/architecture.md, \"Prism and vLLM on two CPU cores\"."]
     return "\n".join(lines) + "\n"
+
+
+def cpu_table(vllm: dict, prism: dict, cases: list[Scenario]) -> list[str]:
+    lines = ["", "Server CPU seconds per request (the machine's busy time during the scenario, less the client's):", "",
+             "| scenario | vLLM server | Prism | Prism / vLLM |", "|---|---|---|---|"]
+    for case in cases:
+        v, p = vllm[case.key]["cpu_s_per_request"], prism[case.key]["cpu_s_per_request"]
+        lines.append(f"| {case.title} | {v:.3f} | {p:.3f} | {_ratio(p, v)} |")
+    return lines
+
+
+def saturation_table(vllm: dict, prism: dict) -> list[str]:
+    lines = ["", "(e) saturation, unique mixed images, closed loop (req/s; CPU s/request):", "",
+             "| concurrency | vLLM req/s | vLLM CPU s | Prism req/s | Prism CPU s | req/s ratio |", "|---|---|---|---|---|---|"]
+    for c, v, p in zip(LADDER, vllm["e"]["points"], prism["e"]["points"]):
+        vr, pr = v["summary"]["request_throughput"], p["summary"]["request_throughput"]
+        lines.append(f"| {c} | {vr:.2f} | {v['cpu_s_per_request']:.3f} | {pr:.2f} | {p['cpu_s_per_request']:.3f} | {_ratio(pr, vr)} |")
+    v, p = vllm["e"]["saturation_rps"], prism["e"]["saturation_rps"]
+    return lines + ["", f"Saturation throughput: vLLM {v:.2f} req/s, Prism {p:.2f} req/s ({_ratio(p, v)})."]
+
+
+def _small_alone(results: dict) -> float:
+    return results["a1"]["by_bucket"].get("256x256", {}).get("median_ttft_ms", 0.0)
+
+
+def open_loop_table(vllm: dict, prism: dict) -> list[str]:
+    lines = ["", "(f) open loop at 50 % and 80 % of vLLM's saturation throughput, unique mixed images:", "",
+             "| offered req/s | vLLM TTFT p50 / p90 ms | Prism TTFT p50 / p90 ms | p50 / p90 ratio | "
+             "256² TTFT p50 in load / alone: vLLM | Prism |", "|---|---|---|---|---|---|"]
+    for v, p in zip(vllm["f"], prism["f"]):
+        vs, ps = v["summary"], p["summary"]
+        small = [r["by_bucket"].get("256x256", {}).get("median_ttft_ms", 0.0) / (_small_alone(whole) or 1)
+                 for r, whole in ((v, vllm), (p, prism))]
+        lines.append(f"| {v['rate']:.2f} | {vs['median_ttft_ms']:.0f} / {vs['p90_ttft_ms']:.0f} | "
+                     f"{ps['median_ttft_ms']:.0f} / {ps['p90_ttft_ms']:.0f} | "
+                     f"{_ratio(ps['median_ttft_ms'], vs['median_ttft_ms'])} / {_ratio(ps['p90_ttft_ms'], vs['p90_ttft_ms'])} | "
+                     f"{small[0]:.2f}× | {small[1]:.2f}× |")
+    return lines
+
+
+def goals(vllm: dict, prism: dict) -> list[str]:
+    """Issue #18's goals, each as measured in this run."""
+    worst_open = max(max(ratio_of(p, v, "median_ttft_ms"), ratio_of(p, v, "p90_ttft_ms")) for v, p in zip(vllm["f"], prism["f"]))
+    small = max(p["by_bucket"].get("256x256", {}).get("median_ttft_ms", 0.0) for p in prism["f"]) / (_small_alone(prism) or 1)
+    rows = [
+        ("CPU s per request, unique mixed images (a, concurrency 8)", "≤ 0.70×", prism["a8"]["cpu_s_per_request"] / vllm["a8"]["cpu_s_per_request"]),
+        ("saturation throughput, unique mixed images (e)", "≥ 1.30×", prism["e"]["saturation_rps"] / vllm["e"]["saturation_rps"]),
+        ("TTFT p50 and p90 at 50 % and 80 % of vLLM's saturation (f), the worst", "≤ 1.00×", worst_open),
+        ("a 256² image's TTFT p50 in the open-loop load / alone (Prism)", "≤ 1.50×", small),
+        ("TPOT p50, unique images, concurrency 8", "≤ 0.20×", ratio_of(prism["a8"], vllm["a8"], "median_tpot_ms")),
+        ("throughput with 50 % repeated images (b)", "≥ 1.50×", ratio_of(prism["b"], vllm["b"], "request_throughput")),
+    ]
+    return ["", "Issue #18's goals in this run:", "", "| goal | target | measured |", "|---|---|---|",
+            *[f"| {name} | {target} | {value:.2f}× |" for name, target, value in rows]]
+
+
+def ratio_of(prism_point: dict, vllm_point: dict, metric: str) -> float:
+    return prism_point["summary"][metric] / vllm_point["summary"][metric]
 
 
 def _cpu_count() -> int:
@@ -144,8 +244,9 @@ def main() -> None:
         with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, Path(tmp) / "vllm.log") as base_url:
             results["vllm"] = run_all(base_url, cases, rates, args.sweep_requests, slo)
         print("Prism:", flush=True)
+        open_rates = [point["rate"] for point in results["vllm"]["f"]]
         with prism_stack(MAX_PIXELS, Path(tmp) / "prism") as base_url:
-            results["prism"] = run_all(base_url, cases, rates, args.sweep_requests, slo)
+            results["prism"] = run_all(base_url, cases, rates, args.sweep_requests, slo, open_rates)
     command = "python -m bench.compare " + " ".join(sys.argv[1:])
     text = markdown(results, cases, slo, command.strip())
     args.out.parent.mkdir(parents=True, exist_ok=True)
