@@ -11,6 +11,8 @@ in --out. docs/architecture.md ("Profiling") says how to read them.
 
 Run: .venv/bin/python -m bench.profile --resolution 3840x2160 --requests 24
      .venv/bin/python -m bench.profile --concurrency 8 --out /tmp/profile
+     .venv/bin/python -m bench.profile --model models/prism-demo-qwen2vl --max-pixels 1048576 --concurrency 8
+       (bench.compare's checkpoint and budget)
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ def hottest(raw: Path, top: int) -> tuple[list[tuple[str, int]], list[tuple[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=SHAPES_MODEL)
+    parser.add_argument("--max-pixels", type=int, help="the encoder's pixel budget (default: the checkpoint's)")
     parser.add_argument("--resolution", default="3840x2160")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=1)
@@ -122,7 +125,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         out = args.out or Path(run_dir)
         out.mkdir(parents=True, exist_ok=True)
-        with LocalStack(Path(run_dir), model=args.model) as stack:
+        overrides = {"PRISM_ENCODER__MAX_PIXELS": str(args.max_pixels)} if args.max_pixels else {}
+        with LocalStack(Path(run_dir), overrides, model=args.model) as stack:
             pids = service_pids(stack)
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
             recorders = {
