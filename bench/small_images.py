@@ -1,4 +1,4 @@
-"""Small images inside a mixed load: first come first served against size classes.
+"""Small images inside a mixed load: first come first served, size classes, and the express lane.
 
 For each encoder batching setting, in turn, in one run: a stack on the
 random-weights checkpoint with a 1 MP budget, then
@@ -25,13 +25,18 @@ from loadtest.workload import WorkloadSpec, parse_buckets
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 
-SETTINGS = {"first come first served": "0", "size classes (4x)": "4"}
+SETTINGS = {  # encoder.batch_size_ratio, encoder.express_max_patches
+    "first come first served": ("0", "0"),
+    "size classes (4x)": ("4", "0"),
+    "size classes + express lane": ("4", "1024"),
+}
 MAX_PIXELS = 1024 * 1024
 
 
-def run(setting: str, ratio: str, requests: int, run_dir: Path) -> dict:
-    overrides = {"PRISM_ENCODER__BATCH_SIZE_RATIO": ratio, "PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS)}
-    with LocalStack(run_dir / setting.split()[0], overrides, model=RANDOM_MODEL) as stack:
+def run(setting: str, ratio: str, express: str, requests: int, run_dir: Path) -> dict:
+    overrides = {"PRISM_ENCODER__BATCH_SIZE_RATIO": ratio, "PRISM_ENCODER__EXPRESS_MAX_PATCHES": express,
+                 "PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS)}
+    with LocalStack(run_dir / setting.replace(" ", "-"), overrides, model=RANDOM_MODEL) as stack:
         target = Target(stack.base_url, "prism-demo")
         alone = load_test(target, WorkloadSpec(parse_buckets("256x256=1"), seed=1), Arrival(concurrency=1),
                           Plan(requests=8, warmup=1, progress=False))
@@ -59,7 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     ensure_demo_model(RANDOM_MODEL)
     with tempfile.TemporaryDirectory() as run_dir:
-        results = {setting: run(setting, ratio, args.requests, Path(run_dir)) for setting, ratio in SETTINGS.items()}
+        results = {setting: run(setting, *values, args.requests, Path(run_dir)) for setting, values in SETTINGS.items()}
     print("| | " + " | ".join(results) + " |")
     print("|---" * (len(results) + 1) + "|")
     for row in next(iter(results.values())):

@@ -89,9 +89,13 @@ class Batcher:
     def _queued_patches(self) -> int:
         return sum(job.patches for job in self._queue.values())
 
-    def take(self) -> list[Job]:
-        """The next batch (always ≥ 1 job): see the module docstring for which images."""
+    def take(self, max_job_patches: int | None = None) -> list[Job]:
+        """The next batch (always ≥ 1 job): see the module docstring for which
+        images. With `max_job_patches`: only images that small, oldest first
+        (the encoder's express lane), possibly none."""
         jobs = list(self._queue.values())  # oldest first
+        if max_job_patches is not None:
+            return self._fill([job for job in jobs if job.patches <= max_job_patches])
         if not self.size_ratio:
             return self._fill(jobs)
         oldest = jobs[0]

@@ -26,6 +26,10 @@ class EncoderConfig(FrozenConfig):
     batch_size_ratio: float = Field(4, ge=0)
     # A job waiting this long leads the next batch whatever its size (no starvation).
     batch_age_limit_ms: float = Field(500, gt=0)
+    # While batches run, images of at most this many ViT patches (1024: about
+    # 448×448) go through an express lane, a second thread, at once: a small
+    # image never waits out a large one's ViT time. 0: no express lane.
+    express_max_patches: int = Field(1024, ge=0)
     max_queue_images: int = Field(256, ge=1)  # past it, new work is refused (429) instead of queued
     # Batches in flight at once: 2 lets the image processor prepare batch N+1
     # while the ViT runs batch N; 1 runs them strictly one after the other.

@@ -13,9 +13,12 @@ object the LRU holds too, so a pin costs memory only once it was evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cache import CachedEmbedding
+from protocol.tensors import ArrayMeta, to_frame
+from protocol.to_encoder import FetchEmbeddings
 
 
 @dataclass
@@ -44,6 +47,22 @@ class Handoff:
         if held.holds <= 0:
             del self._held[key]
         return held.value
+
+    def answer(self, fetch: FetchEmbeddings, cached: Callable[[bytes, bytes], CachedEmbedding | None]) -> tuple[list, list]:
+        """(header per key, None where gone; one frame per tensor found) for an
+        engine's fetch: pinned values first, then `cached(key, identity)` (the
+        LRU: a reference older than its pin)."""
+        found: list[ArrayMeta | None] = []
+        frames = []
+        for key, identity in zip(fetch.keys, fetch.identities):
+            value = self.take(key, identity) or cached(key, identity)
+            if value is None:
+                found.append(None)
+                continue
+            meta, frame = to_frame(value.embeddings)
+            found.append(meta)
+            frames.append(frame)
+        return found, frames
 
     def expire(self, now: float) -> None:
         while self._held and next(iter(self._held.values())).expires <= now:

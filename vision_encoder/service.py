@@ -1,12 +1,14 @@
 """The vision encoder's run loop: receive, look up, batch, encode, reply.
 
 The loop thread owns the socket, the caches and the queue. A batch runs in two
-stages on two threads: the HF image processor, then the ViT. With
+stages on two threads: the HF image processor, then the ViT; with
 `pipeline_depth` 2 the processor prepares batch N+1 while the ViT runs batch
-N. The loop keeps answering meanwhile (cache hits, cancellations, stats: the
-gateway's heartbeat); the ViT thread wakes it through an inproc socket when a
-batch is done. Lookups go local LRU → an encode already in flight (join it) →
-shared tier (Redis, when configured) → queue; hits are answered on arrival.
+N. While the main lane runs a batch, small images (`express_max_patches`) go
+at once through an express lane (a third thread, both stages), so none waits
+out a large image's ViT time. The loop keeps answering meanwhile (cache hits,
+cancellations, fetches, stats: the gateway's heartbeat); the worker threads
+wake it through inproc sockets when a batch is done. Lookups go local LRU →
+an encode in flight (join it) → shared tier (Redis) → queue.
 
 While batches run the loop also wakes every `WATCH_INTERVAL_MS` to judge the
 oldest one (vision_encoder/watchdog.py): stalled → every request held here
@@ -21,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +34,7 @@ from cache.shared import SharedTier
 from protocol.base import Hello
 from protocol.sockets import SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
-from protocol.tensors import meta_of, to_frame, to_numpy
+from protocol.tensors import meta_of, to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
@@ -42,7 +44,7 @@ from vision_encoder.handoff import Handoff
 from vision_encoder.tower import TowerImage, VisionTower
 from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
-from vision_encoder.work import PendingRequest, RunningBatch, StageTimes, requests_of
+from vision_encoder.work import PendingRequest, RunningBatch, batch_stages, requests_of, wake_pair
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
@@ -57,13 +59,17 @@ class EncoderService:
     router: SyncRouter
     wake: zmq.Socket  # the loop's end of the worker's "batch done" signal
     wake_sender: zmq.Socket  # used by the ViT thread only
+    express_wake: zmq.Socket  # the same for the express lane
+    express_wake_sender: zmq.Socket  # used by the express thread only
     watch: BatchWatch
     handoff: Handoff
     shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
     running: list[RunningBatch] = field(default_factory=list)  # oldest first; at most pipeline_depth
+    express: RunningBatch | None = None  # the express lane's batch of small images
     preprocessor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="preprocess"))
     vit: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="vit"))
+    express_lane: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="express"))
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     encodes: int = 0
     batches: int = 0
@@ -77,11 +83,8 @@ class EncoderService:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels)
-        wake_address = f"inproc://encoder-wake-{uuid.uuid4().hex}"
-        wake = ctx.socket(zmq.PAIR)
-        wake.bind(wake_address)
-        wake_sender = ctx.socket(zmq.PAIR)
-        wake_sender.connect(wake_address)
+        wake, wake_sender = wake_pair(ctx)
+        express_wake, express_wake_sender = wake_pair(ctx)
         shared = None
         if config.shared_cache_url:
             shared = SharedTier(
@@ -96,6 +99,8 @@ class EncoderService:
             router=SyncRouter(ctx, config.address, EncoderInbound),
             wake=wake,
             wake_sender=wake_sender,
+            express_wake=express_wake,
+            express_wake_sender=express_wake_sender,
             watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
             handoff=Handoff(config.handoff_ttl_s),
             shared=shared,
@@ -106,6 +111,7 @@ class EncoderService:
         poller = zmq.Poller()
         poller.register(self.router.socket, zmq.POLLIN)
         poller.register(self.wake, zmq.POLLIN)
+        poller.register(self.express_wake, zmq.POLLIN)
         while True:
             self.step(poller)
 
@@ -116,6 +122,11 @@ class EncoderService:
         if self.wake in events:
             self.wake.recv()
             self._finish_batch(self.running.pop(0))  # the ViT thread finishes batches in order
+        if self.express_wake in events:
+            self.express_wake.recv()
+            batch, self.express = self.express, None
+            self._finish_batch(batch)
+        self._start_express()
         if self._can_start() and self.batcher.seconds_until_due(time.monotonic()) == 0:
             self._start_batch(self.batcher.take())
         self._watch_batches()
@@ -127,13 +138,13 @@ class EncoderService:
     def _poll_timeout_ms(self) -> int:
         due = None if not self._can_start() else self.batcher.seconds_until_due(time.monotonic())
         wait = -1 if due is None else int(due * 1000)  # -1: until a message or the ViT thread's wake-up
-        if self.running:  # the watchdog looks at the oldest batch meanwhile
+        if self.running or self.express:  # the watchdog looks at the oldest batch meanwhile
             wait = WATCH_INTERVAL_MS if wait < 0 else min(wait, WATCH_INTERVAL_MS)
         return wait
 
     def _watch_batches(self) -> None:
         now = time.monotonic()
-        oldest = self.running[0] if self.running else None
+        oldest = min(self._in_flight(), key=lambda batch: batch.submitted, default=None)
         if oldest is not None and self.watch.newly_stalled(now, oldest.submitted, oldest.patches):
             self._on_stall(oldest, now)
         elif self.watch.should_restart(now):
@@ -198,17 +209,8 @@ class EncoderService:
         )
 
     def _fetch(self, peer: bytes, fetch: FetchEmbeddings) -> None:
-        """An engine's fetch of tokens handed out by reference: pinned ones first,
-        then the LRU (a reference older than the pin's TTL). What is gone is None."""
-        found, frames = [], []
-        for key, identity in zip(fetch.keys, fetch.identities):
-            value = self.handoff.take(key, identity) or self.cache.get(self._cache_key(key), identity, record=False)
-            if value is None:
-                found.append(None)
-                continue
-            meta, frame = to_frame(value.embeddings)
-            found.append(meta)
-            frames.append(frame)
+        """An engine's fetch of tokens handed out by reference (what is gone is None)."""
+        found, frames = self.handoff.answer(fetch, lambda key, identity: self.cache.get(self._cache_key(key), identity, record=False))
         self.fetches += len(frames)
         self.fetch_misses += len(found) - len(frames)
         self._send(peer, FetchedEmbeddings(fetch.fetch_id, found), frames)
@@ -287,7 +289,7 @@ class EncoderService:
         """Wait on an encode of the same image that is queued or running."""
         if self.batcher.join(slot, waiter):
             return True
-        for batch in self.running:
+        for batch in self._in_flight():
             if (running := batch.job_for(slot)) is not None:
                 running.waiters.append(waiter)
                 self.batcher.joins += 1
@@ -304,27 +306,29 @@ class EncoderService:
         state.cancelled = True
         self.batcher.drop_waiters(state)
 
+    def _in_flight(self) -> list[RunningBatch]:
+        return [*self.running, *([self.express] if self.express else [])]
+
     def _start_batch(self, jobs: list[Job]) -> None:
-        times = StageTimes()
-
-        def preprocess():
-            times.preprocess_start = time.monotonic()
-            try:
-                return self.tower.preprocess([job.image for job in jobs])
-            finally:
-                times.preprocess_end = time.monotonic()
-
-        def vit(prepared: Future):
-            inputs = prepared.result()  # ready by now, unless the ViT was idle
-            times.vit_start = time.monotonic()
-            encoded = self.tower.encode(inputs)
-            times.vit_end = time.monotonic()
-            return encoded, times
-
+        preprocess, vit = batch_stages(self.tower, jobs)
         prepared = self.preprocessor.submit(preprocess)
         future = self.vit.submit(vit, prepared)
         future.add_done_callback(lambda _: self.wake_sender.send(b""))  # runs on the ViT thread
         self.running.append(RunningBatch(jobs, future))
+
+    def _start_express(self) -> None:
+        """Small images go at once through the express lane while the main lane
+        runs a batch (a second batch there would wait for the ViT thread)."""
+        limit = self.config.express_max_patches
+        if not limit or not self.running or self.express is not None or self.watch.stalled:
+            return
+        jobs = self.batcher.take(limit)
+        if not jobs:
+            return
+        preprocess, vit = batch_stages(self.tower, jobs)
+        future = self.express_lane.submit(lambda: vit(preprocess()))
+        future.add_done_callback(lambda _: self.express_wake_sender.send(b""))  # runs on the express thread
+        self.express = RunningBatch(jobs, future)
 
     def _finish_batch(self, batch: RunningBatch) -> None:
         if self.watch.stalled:
@@ -389,3 +393,4 @@ class EncoderService:
             self.router.send(peer, message, frames)
         except zmq.ZMQError as exc:  # the gateway went away; its replies have no reader
             log.warning("dropping reply to a gone peer: %s", exc)
+

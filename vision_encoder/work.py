@@ -4,8 +4,11 @@ waiting for its images, and each batch on the worker threads."""
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+import zmq
 
 from cache import CachedEmbedding
 from vision_encoder.batcher import Job
@@ -63,3 +66,36 @@ class RunningBatch:
 def requests_of(batch: list[Job]) -> list[PendingRequest]:
     """Each request waiting on the batch, once."""
     return list({id(state): state for job in batch for state, _ in job.waiters}.values())
+
+
+def batch_stages(tower, jobs: list[Job]):
+    """A batch's two stages, (preprocess, vit), recording when each ran. The
+    main lane runs them on two threads (vit gets preprocess's Future); the
+    express lane on one (vit gets its result)."""
+    times = StageTimes()
+
+    def preprocess():
+        times.preprocess_start = time.monotonic()
+        try:
+            return tower.preprocess([job.image for job in jobs])
+        finally:
+            times.preprocess_end = time.monotonic()
+
+    def vit(prepared):
+        inputs = prepared.result() if isinstance(prepared, Future) else prepared  # ready by now, unless the ViT was idle
+        times.vit_start = time.monotonic()
+        encoded = tower.encode(inputs)
+        times.vit_end = time.monotonic()
+        return encoded, times
+
+    return preprocess, vit
+
+
+def wake_pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+    """(the loop's end, one worker thread's end) of an inproc "batch done" signal."""
+    address = f"inproc://encoder-wake-{uuid.uuid4().hex}"
+    wake = ctx.socket(zmq.PAIR)
+    wake.bind(address)
+    sender = ctx.socket(zmq.PAIR)
+    sender.connect(address)
+    return wake, sender

@@ -84,3 +84,15 @@ def test_size_classes_keep_the_budgets():
         b.add(bytes([i]), None, patches, ("r", i))
     assert [j.patches for j in b.take()] == [300, 310]
     assert [j.patches for j in b.take()] == [320, 330]
+
+
+def test_the_express_lane_takes_only_small_images_oldest_first():
+    b = Batcher(max_images=2, max_patches=10**6, max_wait_s=0, size_ratio=4, age_limit_s=60)
+    b.add(b"4k", None, 5000, ("r1", 0))
+    assert b.take(1024) == []  # nothing small waiting: the large image stays for the main lane
+    b.add(b"256-1", None, 324, ("r2", 0))
+    b.add(b"448", None, 1024, ("r3", 0))
+    b.add(b"256-2", None, 324, ("r4", 0))
+    assert [j.key for j in b.take(1024)] == [b"256-1", b"448"]  # at most max_images, by arrival
+    assert [j.key for j in b.take(1024)] == [b"256-2"]
+    assert [j.key for j in b.take()] == [b"4k"]
