@@ -68,8 +68,11 @@ def image_parts(messages: list[dict]) -> int:
     return sum(_is_image(part) for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
-def check_images(request: GenerateRequest, shape: ModelShape | None) -> None:
-    """Every image's embeddings, as described, fit the model (checked before any is fetched)."""
+def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> None:
+    """One image part per image sent, and every image's embeddings, as
+    described, fit the model: checked before any tensor is fetched."""
+    if (parts := image_parts(chat.messages)) != len(request.images):
+        raise InvalidPrompt(f"{parts} image parts in the messages but {len(request.images)} images sent")
     if request.images and shape is None:
         raise InvalidPrompt("this model is text-only: it takes no images")
     for index, image in enumerate(request.images):
@@ -116,16 +119,10 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def check_image_parts(chat, request: GenerateRequest) -> None:
-    if (parts := image_parts(chat.messages)) != len(request.images):
-        raise InvalidPrompt(f"{parts} image parts in the messages but {len(request.images)} images sent")
-
-
 def build_prompt(chat, request: GenerateRequest, tensors: list, tokenizer, shape: ModelShape | None, max_model_len: int,
                  template_kwargs: dict) -> Prompt:
     """`chat`: vLLM's ChatCompletionRequest read from `request.chat`; `tensors`:
     each image's embeddings, checked (check_images) and fetched (llm_engine/fetch.py)."""
-    check_image_parts(chat, request)
     tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
     text = tokenizer.apply_chat_template(
         template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,

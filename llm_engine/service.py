@@ -30,7 +30,7 @@ from vllm.exceptions import VLLMClientError
 from llm_engine.config import EngineConfig
 from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
 from llm_engine.outputs import ChoiceStream
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_image_parts, check_images
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_images
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
@@ -328,8 +328,7 @@ class EngineService:
         chat = read_chat(request.chat)
         kwargs = template_kwargs(chat, self.tokenizer)
         check_tool_choice(chat, self.parsing, getattr(self.tokenizer, "chat_template", None))
-        check_image_parts(chat, request)
-        check_images(request, self.shape)
+        check_images(chat, request, self.shape)
 
         def new_parser():
             return self.parsing.for_request(chat, self.tokenizer, self.engine.model_config, kwargs)

@@ -45,11 +45,10 @@ def to_frame(array: Any) -> tuple[ArrayMeta, memoryview]:
     if isinstance(array, np.ndarray):
         array = np.ascontiguousarray(array)
         # reshape(-1).view(uint8): a flat byte view that memoryview can take even for empty arrays
-        return ArrayMeta(array.dtype.name, tuple(array.shape)), memoryview(array.reshape(-1).view(np.uint8))
+        return meta_of(array), memoryview(array.reshape(-1).view(np.uint8))
     tensor = array.detach().cpu().contiguous()
-    dtype = str(tensor.dtype).removeprefix("torch.")
     raw = tensor.view(-1).view(_torch_dtype("uint8")).numpy()
-    return ArrayMeta(dtype, tuple(tensor.shape)), memoryview(raw)
+    return meta_of(tensor), memoryview(raw)
 
 
 def _bytes_view(frame: Any) -> memoryview:

@@ -312,7 +312,7 @@ class EncoderService:
     def _start_batch(self, jobs: list[Job]) -> None:
         preprocess, vit = batch_stages(self.tower, jobs)
         prepared = self.preprocessor.submit(preprocess)
-        future = self.vit.submit(vit, prepared)
+        future = self.vit.submit(lambda: vit(prepared.result()))  # ready by now, unless the ViT was idle
         future.add_done_callback(lambda _: self.wake_sender.send(b""))  # runs on the ViT thread
         self.running.append(RunningBatch(jobs, future))
 
@@ -393,4 +393,3 @@ class EncoderService:
             self.router.send(peer, message, frames)
         except zmq.ZMQError as exc:  # the gateway went away; its replies have no reader
             log.warning("dropping reply to a gone peer: %s", exc)
-

@@ -69,9 +69,8 @@ def requests_of(batch: list[Job]) -> list[PendingRequest]:
 
 
 def batch_stages(tower, jobs: list[Job]):
-    """A batch's two stages, (preprocess, vit), recording when each ran. The
-    main lane runs them on two threads (vit gets preprocess's Future); the
-    express lane on one (vit gets its result)."""
+    """A batch's two stages, (preprocess, vit(preprocess's result)), recording
+    when each ran. The main lane runs them on two threads, the express lane on one."""
     times = StageTimes()
 
     def preprocess():
@@ -81,8 +80,7 @@ def batch_stages(tower, jobs: list[Job]):
         finally:
             times.preprocess_end = time.monotonic()
 
-    def vit(prepared):
-        inputs = prepared.result() if isinstance(prepared, Future) else prepared  # ready by now, unless the ViT was idle
+    def vit(inputs):
         times.vit_start = time.monotonic()
         encoded = tower.encode(inputs)
         times.vit_end = time.monotonic()

@@ -48,8 +48,9 @@ def tensors_of(req, frames) -> list:
 
 def build_prompt(req, frames, tokenizer, shape, max_model_len):
     """As the engine does: every image checked, then its tensor had, then the prompt."""
-    check_images(req, shape)
-    return build(read_chat(req.chat), req, tensors_of(req, frames), tokenizer, shape, max_model_len, {})
+    chat = read_chat(req.chat)
+    check_images(chat, req, shape)
+    return build(chat, req, tensors_of(req, frames), tokenizer, shape, max_model_len, {})
 
 
 def test_valid_images_are_concatenated_flat_with_their_grids():
