@@ -35,7 +35,7 @@ def setup_logging(service: str) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(service)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
     else:
         handler.setFormatter(JsonFormatter(
-            "%(asctime)s %(service)s %(levelname)s %(name)s %(request_id)s %(message)s",
-            rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+            "%(asctime)s %(service)s %(process)d %(levelname)s %(name)s %(request_id)s %(message)s",
+            rename_fields={"asctime": "time", "levelname": "level", "name": "logger", "process": "pid"},
         ))
     logging.basicConfig(level=os.environ.get("PRISM_LOG_LEVEL", "INFO").upper(), handlers=[handler], force=True)

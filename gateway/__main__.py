@@ -1,4 +1,7 @@
-"""Entry point: python -m gateway [--config configs/cpu-demo.yaml]"""
+"""Entry point: python -m gateway [--config configs/cpu-demo.yaml]
+
+With `gateway.workers` > 1 this process supervises that many gateway workers
+(gateway/workers.py); each of them comes back here with its slot set."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from pathlib import Path
 
 from gateway.app import serve
 from gateway.config import GatewayConfig
+from gateway.workers import serve_workers, this_worker
 from common.config import load_config
 from common.logs import setup_logging
 
@@ -17,7 +21,11 @@ def main() -> None:
     args = parser.parse_args()
     setup_logging("gateway")
     config = load_config(GatewayConfig, "gateway", args.config)
-    serve(config)
+    slot, run_dir = this_worker(config)
+    if config.workers > 1 and run_dir is None:
+        serve_workers(config, args.config)
+    else:
+        serve(config, args.config, slot, run_dir)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,13 @@ API keys are bearer tokens compared in constant time (every configured key is
 compared, so timing tells nothing about which one nearly matched). Concurrency
 limits refuse at once with 429 + Retry-After rather than queueing without
 bound.
+
+With several gateway workers (`gateway.workers`), each admits its share of
+every limit, and the shares add up to the configured figure: the gateway as a
+whole never admits more than its limits, with no state shared between
+processes. The price is that one worker may refuse while another has room;
+the kernel spreads connections evenly over the workers, so this happens only
+near the limit.
 """
 
 from __future__ import annotations
@@ -40,6 +47,25 @@ class Authenticator:
         return token.strip()
 
 
+@dataclass(frozen=True)
+class WorkerSlot:
+    """This process's place among the gateway's worker processes."""
+
+    index: int = 0
+    count: int = 1
+
+    def share(self, limit: int | None) -> int | None:
+        """This worker's part of a gateway-wide limit; the parts add up to it."""
+        if limit is None:
+            return None
+        return limit // self.count + (self.index < limit % self.count)
+
+    @property
+    def label(self) -> str:
+        """Said in refusals, where a limit is a share."""
+        return "" if self.count == 1 else f" (this worker's share: the gateway runs {self.count} workers)"
+
+
 @dataclass
 class ConcurrencyLimiter:
     """Counts requests in flight, overall and per key (the event loop is single-threaded)."""
@@ -47,15 +73,21 @@ class ConcurrencyLimiter:
     limit: int | None
     per_key_limit: int | None
     visual_token_limit: int | None = None
+    slot: WorkerSlot = WorkerSlot()
     in_flight: int = 0
     visual_tokens: int = 0
     per_key: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def for_worker(cls, limit: int | None, per_key_limit: int | None, visual_token_limit: int | None,
+                   slot: WorkerSlot) -> "ConcurrencyLimiter":
+        return cls(slot.share(limit), slot.share(per_key_limit), slot.share(visual_token_limit), slot)
 
     def reserve_visual_tokens(self, tokens: int) -> None:
         if self.visual_token_limit is not None and self.visual_tokens + tokens > self.visual_token_limit:
             raise APIError(
                 429, f"the server is at its budget of {self.visual_token_limit} visual tokens in flight "
-                f"({self.visual_tokens} in use, this request needs {tokens}); retry shortly",
+                f"({self.visual_tokens} in use, this request needs {tokens}){self.slot.label}; retry shortly",
                 code="overloaded", headers={"Retry-After": "1"},
             )
         self.visual_tokens += tokens
@@ -63,9 +95,9 @@ class ConcurrencyLimiter:
     def admit(self, key: str) -> "Ticket":
         """A slot for one request of `key`, or 429."""
         if self.limit is not None and self.in_flight >= self.limit:
-            raise APIError(429, f"server is at its limit of {self.limit} concurrent requests; retry shortly", code="overloaded", headers={"Retry-After": "1"})
+            raise APIError(429, f"server is at its limit of {self.limit} concurrent requests{self.slot.label}; retry shortly", code="overloaded", headers={"Retry-After": "1"})
         if self.per_key_limit is not None and self.per_key[key] >= self.per_key_limit:
-            raise APIError(429, f"this API key is at its limit of {self.per_key_limit} concurrent requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise APIError(429, f"this API key is at its limit of {self.per_key_limit} concurrent requests{self.slot.label}", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         self.in_flight += 1
         self.per_key[key] += 1
         return Ticket(self, key)

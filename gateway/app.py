@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -15,19 +16,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 
 from gateway import metrics
-from gateway.admission import Authenticator, ConcurrencyLimiter
+from gateway.admission import Authenticator, ConcurrencyLimiter, WorkerSlot
 from gateway.chat import ChatHandler
 from gateway.config import GatewayConfig, ModelRoute
-from gateway.dashboard import DashboardWindow, ServiceSample
+from gateway.dashboard import DashboardWindow, ServiceSample, finished_request
 from gateway.errors import APIError
 from gateway.fetch import FetchLimits, ImageFetcher
 from gateway.intake import ImageLimits
 from gateway.models import ServedModel
 from gateway.parsing import validation_error
 from gateway.schemas import ChatCompletionRequest
+from gateway.siblings import Siblings
+from gateway.timing import RequestTimer
 from common.config import ConfigError, load_config
 
 log = logging.getLogger("prism.gateway")
@@ -50,19 +53,24 @@ def fetch_limits(config: GatewayConfig) -> FetchLimits:
 
 
 class Gateway:
-    """Process-wide state: the served models, admission, the dashboard window."""
+    """Process-wide state: the served models, admission, the dashboard window.
+    One of `slot.count` worker processes; `run_dir` holds the workers' sockets."""
 
-    def __init__(self, config: GatewayConfig, config_path: Path | None = None) -> None:
+    def __init__(self, config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
+                 run_dir: Path | None = None) -> None:
         self.config = config
         self.config_path = config_path  # re-read on reload
+        self.slot = slot
+        self.run_dir = run_dir
+        self.siblings: Siblings | None = None
         self.ctx = zmq.asyncio.Context()
         self.models: dict[str, ServedModel] = {}
         self.retired: list[ServedModel] = []  # draining after a reload; still exported until gone
         self._sampler: asyncio.Task | None = None
         self._reloading = asyncio.Lock()
         self.auth = Authenticator(config.api_keys)
-        self.limiter = ConcurrencyLimiter(
-            config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight
+        self.limiter = ConcurrencyLimiter.for_worker(
+            config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight, slot
         )
         self.image_limits = image_limits(config)
         self.fetcher = ImageFetcher(fetch_limits(config), self.image_limits)
@@ -79,9 +87,12 @@ class Gateway:
     async def start(self) -> None:
         started = await asyncio.gather(*(self._start_model(n, r) for n, r in self.config.routes().items()))
         self.models = {served.name: served for served in started}
+        if self.slot.count > 1:
+            self.siblings = Siblings(self.ctx, self.run_dir, self.slot, self.window)
         self._sampler = asyncio.create_task(self._sample_every(self.config.stats_interval_s))
         REGISTRY.register(self.stats_collector)
-        log.info("Prism ready: http://%s:%d/v1 (models %s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)))
+        log.info("Prism ready: http://%s:%d/v1 (models %s%s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)),
+                 f"; worker {self.slot.index + 1} of {self.slot.count}" if self.slot.count > 1 else "")
 
     async def reload(self) -> None:
         """Re-read the routing map (`models`) from the config file: drain → update → retire.
@@ -122,14 +133,25 @@ class Gateway:
         engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
         return encoders, engines
 
+    def finished(self, timer: RequestTimer, ok: bool) -> None:
+        """A request ended: into the dashboard window, this worker's and the others'."""
+        record = finished_request(timer, ok)
+        self.window.add(record)
+        if self.siblings is not None:
+            self.siblings.finished(record)
+
     async def _sample_every(self, interval_s: float) -> None:
         """The dashboard's service samples: the latest polled stats, summed over models and replicas."""
         while True:
             await asyncio.sleep(interval_s)
             encoders, engines = self.service_stats()
+            in_flight = self.limiter.in_flight
+            if self.siblings is not None:
+                self.siblings.load(in_flight)
+                in_flight += self.siblings.in_flight_elsewhere
             self.window.add_sample(ServiceSample(
                 at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
-                engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=self.limiter.in_flight,
+                engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=in_flight,
                 batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
             ))
 
@@ -138,14 +160,17 @@ class Gateway:
             self._sampler.cancel()
         with contextlib.suppress(KeyError):
             REGISTRY.unregister(self.stats_collector)
+        if self.siblings is not None:
+            await self.siblings.close()
         await self.fetcher.close()
         for served in [*self.models.values(), *self.retired]:
             await served.close()
         self.ctx.term()
 
 
-def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAPI:
-    gateway = Gateway(config, config_path)
+def create_app(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
+               run_dir: Path | None = None) -> FastAPI:
+    gateway = Gateway(config, config_path, slot, run_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -187,7 +212,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None) -> FastAP
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(gateway.stats_collector), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> FileResponse:
@@ -227,9 +252,22 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def serve(config: GatewayConfig, config_path: Path | None = None) -> None:
-    """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`."""
-    uvicorn.run(
-        create_app(config, config_path), host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s,
-    )
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on a port other processes listen on too: the kernel
+    spreads new connections over them (SO_REUSEPORT)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, backlog=2048, reuse_port=True)
+
+
+def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
+          run_dir: Path | None = None) -> None:
+    """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
+    One of several workers shares the port with the others (gateway/workers.py)."""
+    app = create_app(config, config_path, slot, run_dir)
+    settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                              timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)
+    server = uvicorn.Server(settings)
+    if slot.count == 1:
+        server.run()
+    else:
+        server.run(sockets=[reuse_port_socket(config.host, config.port)])

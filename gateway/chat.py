@@ -100,7 +100,7 @@ class ChatHandler:
         metrics.REQUESTS.labels(str(status), reason).inc()
         if ok:
             metrics.observe(timer)
-        self.gateway.window.add(timer, ok)
+        self.gateway.finished(timer, ok)
         ttft = timer.ttft_s
         log.info(
             "status %d (%s): ttft %s ms, %d completion tokens, cache %d hit / %d miss", status, reason,

@@ -47,6 +47,12 @@ class GatewayConfig(FrozenConfig):
     # server may close a connection just as a client reuses it, and that
     # request fails with "Server disconnected" (uvicorn's default is also 5 s).
     keep_alive_s: float = Field(75, gt=0)
+    # Gateway processes sharing the port (SO_REUSEPORT: the kernel spreads new
+    # connections over them), supervised by `python -m gateway` / `prism serve`.
+    # More than one lets intake use more cores than one event loop and one GIL
+    # allow. Each worker admits its share of the limits below (they add up to
+    # the configured figure); all route each image to the same replicas.
+    workers: int = Field(1, ge=1)
 
     # Auth and admission. API keys may also come from the environment:
     # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.
@@ -85,6 +91,22 @@ class GatewayConfig(FrozenConfig):
     fetch_allowed_domains: tuple[str, ...] = ()  # empty: any host with a public address
     # Explicit opt-in for networks the SSRF guard refuses (loopback, private, ...).
     fetch_allowed_networks: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _limits_split_over_workers(self) -> "GatewayConfig":
+        """Each worker admits limit // workers (give or take one); none may get nothing."""
+        for key in ("max_concurrent_requests", "max_concurrent_requests_per_key", "max_visual_tokens_in_flight"):
+            limit = getattr(self, key)
+            if limit is not None and limit < self.workers:
+                raise ValueError(f"{key} ({limit}) is below workers ({self.workers}): each worker admits its share of it, "
+                                 "and a share of 0 would refuse everything")
+        if self.max_visual_tokens_in_flight is not None:
+            share = self.max_visual_tokens_in_flight // self.workers
+            if share < self.max_visual_tokens_per_request:
+                raise ValueError(f"max_visual_tokens_in_flight ({self.max_visual_tokens_in_flight}) over {self.workers} "
+                                 f"worker(s) gives each {share}, below max_visual_tokens_per_request "
+                                 f"({self.max_visual_tokens_per_request}): a request that large would always get 429")
+        return self
 
     @model_validator(mode="after")
     def _one_checkpoint_per_address(self) -> "GatewayConfig":

@@ -1,5 +1,7 @@
 """The data behind /dashboard: a rolling window of finished requests and of
-service samples, summarised as percentiles per stage and series over time."""
+service samples, summarised as percentiles per stage and series over time.
+With several gateway workers, each window also holds the other workers'
+requests (gateway/siblings.py), so any worker answers for the whole gateway."""
 
 from __future__ import annotations
 
@@ -9,19 +11,19 @@ from collections import deque
 from dataclasses import dataclass
 
 from gateway.timing import TTFT_STAGES, RequestTimer
+from protocol.siblings import FinishedRequest
 
 STAGES = (*TTFT_STAGES, "unaccounted")
 
 
-@dataclass(frozen=True)
-class Record:
-    at: float  # wall clock
-    ok: bool
-    stages_ms: dict[str, float]
-    ttft_ms: float | None
-    tpot_ms: float | None
-    cache_hits: int
-    cache_misses: int
+def finished_request(timer: RequestTimer, ok: bool) -> FinishedRequest:
+    ttft = timer.ttft_s
+    tpot = timer.tpot_s
+    return FinishedRequest(
+        at=time.time(), ok=ok, stages_ms=timer.stages_ms() if ok else {},
+        ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,
+        cache_hits=timer.cache_hits, cache_misses=timer.cache_misses,
+    )
 
 
 @dataclass(frozen=True)
@@ -50,22 +52,16 @@ class DashboardWindow:
     def __init__(self, span_s: float = 300, bucket_s: float = 5, max_records: int = 50_000) -> None:
         self.span_s = span_s
         self.bucket_s = bucket_s
-        self.records: deque[Record] = deque(maxlen=max_records)
+        self.records: deque[FinishedRequest] = deque(maxlen=max_records)
         self.samples: deque[ServiceSample] = deque(maxlen=int(span_s) * 4)
 
-    def add(self, timer: RequestTimer, ok: bool) -> None:
-        ttft = timer.ttft_s
-        tpot = timer.tpot_s
-        self.records.append(Record(
-            at=time.time(), ok=ok, stages_ms=timer.stages_ms() if ok else {},
-            ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,
-            cache_hits=timer.cache_hits, cache_misses=timer.cache_misses,
-        ))
+    def add(self, record: FinishedRequest) -> None:
+        self.records.append(record)
 
     def add_sample(self, sample: ServiceSample) -> None:
         self.samples.append(sample)
 
-    def _recent(self, now: float) -> list[Record]:
+    def _recent(self, now: float) -> list[FinishedRequest]:
         return [r for r in self.records if r.at >= now - self.span_s]
 
     def snapshot(self) -> dict:
@@ -86,8 +82,8 @@ class DashboardWindow:
             "services": self._service_series(now),
         }
 
-    def _series(self, now: float, recent: list[Record]) -> list[dict]:
-        buckets: dict[int, list[Record]] = {}
+    def _series(self, now: float, recent: list[FinishedRequest]) -> list[dict]:
+        buckets: dict[int, list[FinishedRequest]] = {}
         for record in recent:
             buckets.setdefault(int((now - record.at) // self.bucket_s), []).append(record)
         series = []

@@ -5,7 +5,8 @@ for the misses). It goes to the replica already serving one of its images, so
 concurrent requests for a new image cost one encode across replicas, not one
 per replica; else to the replica that last served one of its images (its
 local cache has them: no Redis round trip, no race with the shared write);
-else to the up replica with the fewest requests outstanding (ties rotate).
+else to its first image's own replica, the one every gateway process picks for
+it (rendezvous hashing with bounded load, gateway/replicas.py).
 Replicas share visual tokens through the Redis tier when one is configured, so
 where an image was encoded before costs a round trip, not an encode.
 
@@ -44,6 +45,7 @@ class Route:
 
 class EncoderPool(ReplicaPool[EncoderClient]):
     kind = "vision encoder"
+    service = "encoder"
     client = EncoderClient
     same = "fingerprint"  # checkpoint and every preprocessing parameter
     optional = True  # a text-only model has none
@@ -73,7 +75,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
         for i in self.candidates(route.tried):  # one already encoding an image of ours: join it there
             if any(self._encoding[i][digest] for digest in route.digests):
                 return i
-        return self.pick(route.digests, route.tried)  # last served (a local cache hit there), else least loaded
+        return self.pick(route.digests, route.tried)  # last served (a local cache hit there), else the image's own
 
     def _enter(self, route: Route) -> bool:
         route.replica = self._pick(route)
@@ -101,9 +103,9 @@ class EncoderPool(ReplicaPool[EncoderClient]):
             if refused is not None:
                 self.note_failover(refused, route.replica)
             replica = self.replicas[route.replica]
-            self.requests_sent[route.replica] += 1
             try:
-                return await replica.encode(request_id, images, frames, timeout_s, retry)
+                with self.sending(route.replica):
+                    return await replica.encode(request_id, images, frames, timeout_s, retry)
             except APIError as error:
                 if error.status not in RETRIABLE:
                     raise

@@ -2,7 +2,9 @@
 
 A request goes to the replica that last served one of its images: its
 prefix cache holds the KV of that image's tokens (and of the system prompt
-before them), so the prefill there is shorter. Otherwise it goes to the up
+before them), so the prefill there is shorter. A request with images this
+process has not routed goes to its first image's own replica (the one every
+gateway process picks: gateway/replicas.py); one without images to the up
 replica with the fewest requests outstanding.
 
 A replica that refuses (503: down, restarted or draining; 429: its queue is
@@ -27,6 +29,7 @@ from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, TokenDelta
 
 class EnginePool(ReplicaPool[EngineClient]):
     kind = "LLM engine"
+    service = "engine"
     client = EngineClient
     same = "model"
 
@@ -39,15 +42,15 @@ class EnginePool(ReplicaPool[EngineClient]):
             if refused is not None:
                 self.note_failover(refused, index)
             tried.add(index)
-            self.requests_sent[index] += 1
             self.remember(digests, index)
             started = False
             stream = self.replicas[index].generate(request, frames, timeout_s)
             try:
-                async with contextlib.aclosing(stream):  # a hang-up aborts in vLLM at once
-                    async for delta in stream:
-                        started = True
-                        yield delta
+                with self.sending(index):
+                    async with contextlib.aclosing(stream):  # a hang-up aborts in vLLM at once
+                        async for delta in stream:
+                            started = True
+                            yield delta
                 return
             except APIError as error:
                 if started:  # the client has tokens already: a retry would start over

@@ -3,11 +3,19 @@
 Units are seconds; labels are few. The encoder and the engine report their
 stages in their replies and their counters in the stats the gateway polls, so
 one scrape of the gateway shows the whole system even across hosts.
+
+With several gateway workers, PROMETHEUS_MULTIPROC_DIR is set (by
+gateway/workers.py) and each worker's metrics live in files there: a scrape,
+whichever worker answers, sums every worker's counters and histograms and the
+live workers' gauges (prometheus-client's multiprocess mode). What the gateway
+polls from the services is the same in every worker and is exported once.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import os
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from protocol.stats import HistogramSnapshot, ServiceState
@@ -26,9 +34,34 @@ ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive token delt
 E2E_SECONDS = Histogram("prism_e2e_seconds", "Request arrival to last byte", buckets=LATENCY_BUCKETS)
 VISUAL_TOKENS = Histogram("prism_visual_tokens_per_request", "Visual tokens a request's images became", buckets=TOKEN_BUCKETS)
 IMAGES = Counter("prism_images_total", "Images accepted, by original size", ["size"])
-IN_FLIGHT = Gauge("prism_in_flight_requests", "Requests being served", ["service"])
+IN_FLIGHT = Gauge("prism_in_flight_requests", "Requests being served", ["service"], multiprocess_mode="livesum")
+# Per replica, as this gateway's workers see them: what they sent, and what is still open.
+REPLICA_REQUESTS = {
+    "encoder": Counter("prism_encoder_replica_requests", "Encode requests sent to each encoder replica", ["model", "replica"]),
+    "engine": Counter("prism_engine_replica_requests", "Generate requests sent to each engine replica", ["model", "replica"]),
+}
+REPLICA_OUTSTANDING = {
+    "encoder": Gauge("prism_encoder_replica_outstanding", "Requests sent to the encoder replica and not yet answered",
+                     ["model", "replica"], multiprocess_mode="livesum"),
+    "engine": Gauge("prism_engine_replica_outstanding", "Requests generating on each engine replica",
+                    ["model", "replica"], multiprocess_mode="livesum"),
+}
+FAILOVERS = Counter("prism_replica_failovers", "Requests moved to another replica after a 503 or 429", ["service"])
+for _service in REPLICA_REQUESTS:
+    FAILOVERS.labels(_service)  # exported at 0 before the first
 PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets to encoders and engines (headers and frames)",
                      ["peer", "direction"])
+
+
+def exposition(service_stats) -> bytes:
+    """One scrape: this process's metrics, or every worker's (multiprocess
+    mode), plus `service_stats` (the polled services) once."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return generate_latest(REGISTRY)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(service_stats)
+    return generate_latest(registry)
 
 
 def image_size_bucket(width: int, height: int) -> str:
@@ -121,22 +154,15 @@ def _replica_metrics(pools):
     labels = ["model", "replica"]
     families = {
         "up": GaugeMetricFamily("prism_encoder_replica_up", "1 while the encoder replica answers its heartbeat", labels=labels),
-        "outstanding": GaugeMetricFamily("prism_encoder_replica_outstanding", "Requests sent to the encoder replica and not yet answered", labels=labels),
-        "sent": CounterMetricFamily("prism_encoder_replica_requests", "Encode requests sent to each encoder replica", labels=labels),
         "encoded": CounterMetricFamily("prism_encoder_replica_images_encoded", "Images each encoder replica encoded (since its start)", labels=labels),
         "shared_up": GaugeMetricFamily("prism_shared_cache_up", "1 while the encoder replica reaches the shared cache tier", labels=labels),
         "engine_up": GaugeMetricFamily("prism_engine_replica_up", "1 while the engine replica answers its heartbeat", labels=labels),
-        "engine_outstanding": GaugeMetricFamily("prism_engine_replica_outstanding", "Requests generating on each engine replica", labels=labels),
-        "engine_sent": CounterMetricFamily("prism_engine_replica_requests", "Generate requests sent to each engine replica", labels=labels),
         "state": GaugeMetricFamily("prism_replica_state", "1 for the state each replica last reported (serving, draining, stalled, dead)", labels=["service", *labels, "state"]),
     }
-    failovers = {"encoder": 0, "engine": 0}
     for model, encoders, engines in pools:
         for index, replica in encoders.serving():
             label = [model, str(index)]
             families["up"].add_metric(label, int(replica.up))
-            families["outstanding"].add_metric(label, replica.outstanding)
-            families["sent"].add_metric(label, encoders.requests_sent[index])
             if replica.stats is not None:
                 families["encoded"].add_metric(label, replica.stats.images_encoded)
                 if replica.stats.shared_cache is not None:
@@ -145,16 +171,8 @@ def _replica_metrics(pools):
         for index, replica in engines.serving():
             label = [model, str(index)]
             families["engine_up"].add_metric(label, int(replica.up))
-            families["engine_outstanding"].add_metric(label, replica.outstanding)
-            families["engine_sent"].add_metric(label, engines.requests_sent[index])
             _add_state(families["state"], "engine", label, replica.stats)
-        failovers["encoder"] += encoders.failovers
-        failovers["engine"] += engines.failovers
     yield from families.values()
-    failover = CounterMetricFamily("prism_replica_failovers", "Requests moved to another replica after a 503 or 429", labels=["service"])
-    for service, count in failovers.items():
-        failover.add_metric([service], count)
-    yield failover
 
 
 def _add_state(family: GaugeMetricFamily, service: str, label: list[str], stats) -> None:

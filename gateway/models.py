@@ -47,6 +47,7 @@ class ServedModel:
         timeout = config.startup_timeout_s
         encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
         self.name = self.name or engine_info.model
+        self.encoder.model = self.engine.model = self.name  # their metrics' label
         if encoder_info is not None and not engine_info.takes_images:
             raise RuntimeError(f"model {self.name!r} is text-only, yet encoders are configured for it: "
                                "list no encoder addresses for a text-only model")

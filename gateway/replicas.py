@@ -2,6 +2,14 @@
 their health, the choice of the least loaded, and a memory of which replica
 last served each image (its caches hold that image's work).
 
+An image this process has not routed yet goes where every gateway process
+(another worker, another pod) would send it too, with no state shared between
+them: rendezvous hashing ranks the replicas by a hash of (image, replica
+address), and the first whose load is within `LOAD_SLACK` of the mean takes
+it (bounded loads: a hot image spills over instead of piling up). So a
+repeated image finds its cache hit, and its engine's prefix cache, whichever
+gateway process it reaches.
+
 The set can change while the gateway runs (gateway/discovery.py): a replica
 keeps its index for as long as anything may refer to it (a request's route,
 its streams). One that leaves is retired: no new requests, closed once idle;
@@ -11,21 +19,26 @@ only then may a newcomer take its index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+import math
 import socket
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
+import xxhash
 import zmq.asyncio
 
+from gateway import metrics
 from gateway.clients import ServiceClient
 from gateway.discovery import Discovery, follows_dns, replica_addresses
 from gateway.errors import APIError
 
 RETRIABLE = (503, 429)  # the replica is gone, draining or full; another may not be
 LAST_SERVED_ENTRIES = 65536  # digests remembered for affinity (~3 MB)
+LOAD_SLACK = 1.25  # an image's own replica takes it up to this many times the mean load
 
 C = TypeVar("C", bound=ServiceClient)
 log = logging.getLogger("prism.gateway")
@@ -49,6 +62,7 @@ def expand_addresses(addresses: Sequence[str]) -> list[str]:
 
 class ReplicaPool(Generic[C]):
     kind = "service"  # named in errors and logs: "vision encoder", "LLM engine"
+    service: str  # in metric names and labels: "encoder", "engine"
     client: type[C]  # the client class of one replica
     same: str  # the handshake field every replica must agree on
     optional = False  # may have no replicas at all (encoders, for a text-only model)
@@ -60,8 +74,7 @@ class ReplicaPool(Generic[C]):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         names = [f"{self.kind} {i}" if len(addresses) > 1 else self.kind for i in range(len(addresses))]
         self.replicas: list[C] = [self.client(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)]
-        self.requests_sent = [0] * len(self.replicas)
-        self.failovers = 0  # requests moved to another replica after a refusal
+        self.model = ""  # the served model's name, a metric label: set once the engine has said it
         self.info = None  # the handshake answer replicas joining later must match
         self.retired: set[int] = set()  # left the set: no new requests, closed once idle
         self._free: set[int] = set()  # retired and closed: a newcomer may take the index
@@ -119,17 +132,39 @@ class ReplicaPool(Generic[C]):
     def candidates(self, exclude: set[int]) -> list[int]:
         return [i for i, replica in enumerate(self.replicas) if replica.up and i not in exclude and i not in self.retired]
 
-    def pick(self, digests: Iterable[bytes], exclude: set[int]) -> int | None:
+    def pick(self, digests: Sequence[bytes], exclude: set[int]) -> int | None:
         """The up replica, not in `exclude`, that last served one of these images,
-        else the least loaded; None when there is none."""
+        else the first image's own replica (rendezvous, bounded load), else (no
+        images) the least loaded; None when there is none."""
         candidates = self.candidates(exclude)
         if not candidates:
             return None
         served = self.last_served(digests, candidates)
-        return served if served is not None else self.least_outstanding(candidates)
+        if served is not None:
+            return served
+        return self.by_content(digests[0], candidates) if digests else self.least_outstanding(candidates)
+
+    def by_content(self, digest: bytes, candidates: list[int]) -> int:
+        """The highest-ranked replica for this image (the same in every gateway
+        process) whose load is below LOAD_SLACK × the mean with this request."""
+        bound = math.ceil(LOAD_SLACK * (sum(self.replicas[i].outstanding for i in candidates) + 1) / len(candidates))
+        ranked = sorted(candidates, key=lambda i: xxhash.xxh3_64_intdigest(digest + self.replicas[i].address.encode()), reverse=True)
+        return next((i for i in ranked if self.replicas[i].outstanding < bound), ranked[0])
+
+    @contextlib.contextmanager
+    def sending(self, index: int) -> Iterator[None]:
+        """One request on replica `index`: counted as sent, and outstanding until it ends."""
+        labels = (self.model, str(index))
+        metrics.REPLICA_REQUESTS[self.service].labels(*labels).inc()
+        outstanding = metrics.REPLICA_OUTSTANDING[self.service].labels(*labels)
+        outstanding.inc()
+        try:
+            yield
+        finally:
+            outstanding.dec()
 
     def note_failover(self, refused: APIError, index: int) -> None:
-        self.failovers += 1
+        metrics.FAILOVERS.labels(self.service).inc()
         log.warning("%s; trying %s", refused.message, self.replicas[index].name)
 
     def last_served(self, digests: Iterable[bytes], candidates: list[int]) -> int | None:
@@ -174,10 +209,8 @@ class ReplicaPool(Generic[C]):
         if index < len(self.replicas):
             self._free.discard(index)
             self.replicas[index] = replica
-            self.requests_sent[index] = 0
         else:
             self.replicas.append(replica)
-            self.requests_sent.append(0)
         self._added(index)
         log.info("%s at %s found; handshaking", replica.name, address)
         self._joining[index] = asyncio.create_task(self._handshake(index, timeout_s))

@@ -1,11 +1,12 @@
 """Start the whole stack on one machine: encoder and engine as supervised child
-processes, the gateway in this one. The gateway's start-up handshake is the
-readiness signal: it serves only once both services have answered.
+processes (common/supervisor.py), the gateway in this one, or its worker
+processes supervised from here when `gateway.workers` > 1. The gateway's
+start-up handshake is the readiness signal: it serves only once both services
+have answered.
 
-A child that dies is restarted with exponential back-off (its whole process
-group is killed first: vLLM's engine-core process must not outlive it). The
-gateway notices the outage through its heartbeats and the return through the
-next answer; nothing here talks to it.
+A child that dies is restarted with exponential back-off. The gateway notices
+the outage through its heartbeats and the return through the next answer;
+nothing here talks to it.
 """
 
 from __future__ import annotations
@@ -15,92 +16,15 @@ import atexit
 import logging
 import os
 import signal
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import DEFAULT_CONFIG, REPO_ROOT, configured_model, load_config, resolve_model
+from common.config import DEFAULT_CONFIG, configured_model, load_config, resolve_model
+from common.supervisor import Child, Supervisor
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from common.logs import setup_logging
 
 log = logging.getLogger("prism.launcher")
-
-
-def _kill_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-@dataclass
-class Child:
-    module: str
-    config: Path
-    env: dict[str, str] = field(default_factory=dict)  # overrides for this child (e.g. its address)
-    name: str = ""
-    process: subprocess.Popen | None = None
-    started_at: float = 0.0
-    restarts: int = 0
-    backoff_s: float = 1.0
-
-    def spawn(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", self.module, "--config", str(self.config)],
-            cwd=REPO_ROOT,
-            env={**os.environ, **self.env},
-            start_new_session=True,  # its own process group, so it can be stopped whole
-        )
-        self.started_at = time.monotonic()
-        log.info("started %s (pid %d)", self.label, self.process.pid)
-
-    @property
-    def label(self) -> str:
-        return self.name or self.module
-
-
-@dataclass
-class Supervisor:
-    children: list[Child]
-    max_backoff_s: float = 30.0
-    stable_after_s: float = 60.0  # a child up this long has its back-off reset
-    _stopping: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> None:
-        for child in self.children:
-            child.spawn()
-        threading.Thread(target=self._watch, name="supervisor", daemon=True).start()
-
-    def _watch(self) -> None:
-        while not self._stopping.wait(0.5):
-            for child in self.children:
-                if child.process.poll() is not None and not self._stopping.is_set():
-                    self._restart(child)
-
-    def _restart(self, child: Child) -> None:
-        code = child.process.returncode
-        _kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
-        if time.monotonic() - child.started_at > self.stable_after_s:
-            child.backoff_s = 1.0
-        log.error("%s exited with %s; restarting in %.0f s", child.label, code, child.backoff_s)
-        if self._stopping.wait(child.backoff_s):
-            return
-        child.backoff_s = min(child.backoff_s * 2, self.max_backoff_s)
-        child.restarts += 1
-        child.spawn()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        for child in self.children:
-            _kill_group(child.process, signal.SIGTERM)
-        for child in self.children:
-            try:
-                child.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                _kill_group(child.process, signal.SIGKILL)
 
 
 def takes_images(checkpoint: str) -> bool:
@@ -147,6 +71,11 @@ def serve(config_path: Path) -> None:
     supervisor = Supervisor(children)
     supervisor.start()
     atexit.register(supervisor.stop)
+    if gateway_config.workers > 1:
+        from gateway.workers import serve_workers
+
+        serve_workers(gateway_config, config_path)  # returns on SIGTERM, once the workers have drained
+        return
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
     # down) and raises it again when done; this handler then runs atexit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -93,6 +93,36 @@ class AsyncRouter(_Typed[In]):
         return peer.bytes, *self.unpack(parts)
 
 
+class Publisher:
+    """Headers only, to every subscriber connected. A PUB socket never blocks
+    (a slow subscriber loses messages past its high-water mark), so `send` is
+    a plain call, safe on an event loop."""
+
+    def __init__(self, ctx: zmq.Context | zmq.asyncio.Context, address: str) -> None:
+        self.socket = zmq.Context.shadow(ctx.underlying).socket(zmq.PUB)
+        bind(self.socket, address)
+
+    def send(self, message: Message) -> None:
+        self.socket.send(_encoder.encode(message))
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class AsyncSubscriber(_Typed[In]):
+    """Everything the publishers at `addresses` send (they may come and go)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], inbound: Any) -> None:
+        socket = ctx.socket(zmq.SUB)
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        for address in addresses:
+            socket.connect(address)
+        super().__init__(socket, inbound)
+
+    async def recv(self) -> In:
+        return self._decoder.decode(await self.socket.recv())
+
+
 class SyncRouter(_Typed[In]):
     """A ROUTER for a blocking run loop (the encoder's)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import ConcurrencyLimiter
+from gateway.admission import ConcurrencyLimiter, WorkerSlot
 from gateway.errors import APIError
 
 
@@ -28,3 +28,19 @@ def test_a_ticket_holds_its_slot_and_visual_tokens_until_released_once():
     other.reserve_visual_tokens(100)
     other.release()
     assert (limiter.in_flight, limiter.visual_tokens, dict(limiter.per_key)) == (0, 0, {})
+
+
+@pytest.mark.parametrize("limit,workers", [(2, 2), (7, 3), (16, 5), (3, 3)])
+def test_worker_shares_add_up_to_the_configured_limit(limit, workers):
+    shares = [WorkerSlot(i, workers).share(limit) for i in range(workers)]
+    assert sum(shares) == limit and min(shares) >= 1 and max(shares) - min(shares) <= 1
+    assert WorkerSlot(0, workers).share(None) is None
+
+
+def test_a_worker_refuses_past_its_share_and_says_so():
+    limiter = ConcurrencyLimiter.for_worker(5, None, 1000, WorkerSlot(1, 2))  # shares 3 and 2
+    assert (limiter.limit, limiter.visual_token_limit) == (2, 500)
+    limiter.admit("k")
+    limiter.admit("k")
+    with pytest.raises(APIError, match=r"limit of 2 concurrent requests \(this worker's share: the gateway runs 2 workers\)"):
+        limiter.admit("k")

@@ -66,6 +66,17 @@ def test_cross_field_checks(tmp_path):
         load_config(EncoderConfig, "encoder", path, env={})
 
 
+def test_limits_must_leave_every_gateway_worker_a_share(tmp_path):
+    path = write(tmp_path, "model: m\ngateway:\n  workers: 4\n  max_concurrent_requests: 3\n")
+    with pytest.raises(ConfigError, match=r"max_concurrent_requests \(3\) is below workers \(4\)"):
+        load_config(GatewayConfig, "gateway", path, env={})
+    path = write(tmp_path, "model: m\ngateway:\n  workers: 2\n  max_visual_tokens_in_flight: 20000\n")
+    with pytest.raises(ConfigError, match="gives each 10000, below max_visual_tokens_per_request"):
+        load_config(GatewayConfig, "gateway", path, env={})
+    path = write(tmp_path, "model: m\ngateway:\n  workers: 2\n  max_visual_tokens_in_flight: 40000\n  max_concurrent_requests: 2\n")
+    assert load_config(GatewayConfig, "gateway", path, env={}).workers == 2
+
+
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(EngineConfig, "engine", tmp_path / "nope.yaml", env={})

@@ -1,5 +1,6 @@
 """The encoder pool's routing rule: in-flight affinity, then last-served
-affinity, then least outstanding; down or refusing replicas are skipped."""
+affinity, then the image's own replica (rendezvous, bounded load); down or
+refusing replicas are skipped."""
 
 from __future__ import annotations
 
@@ -25,26 +26,51 @@ def pool(tmp_path):
 
 
 def busy(pool: EncoderPool, index: int, requests: int) -> None:
-    for n in range(requests):
-        pool.replicas[index].open(f"busy-{index}-{n}")
+    replica = pool.replicas[index]
+    for n in range(replica.outstanding, replica.outstanding + requests):
+        replica.open(f"busy-{index}-{n}")
 
 
-def test_least_outstanding_wins(pool):
-    busy(pool, 0, 2)
-    busy(pool, 1, 1)
-    busy(pool, 2, 3)
+def test_a_new_image_goes_to_the_same_replica_from_every_gateway_process(pool, tmp_path):
+    """Rendezvous hashing: another process, which lists the replicas in another
+    order and has routed nothing yet, picks the same address for each image."""
+    ctx = zmq.asyncio.Context()
+    other = EncoderPool(ctx, [r.address for r in reversed(pool.replicas)], heartbeat_timeout_s=5)
+    for replica in other.replicas:
+        replica.up = True
+    try:
+        chosen = {}
+        for n in range(60):
+            digest = f"image-{n}".encode()
+            with pool.route([digest]) as mine, other.route([digest]) as theirs:
+                pool._enter(mine)
+                other._enter(theirs)
+                assert pool.replicas[mine.replica].address == other.replicas[theirs.replica].address
+                chosen[digest] = mine.replica
+        assert set(chosen.values()) == {0, 1, 2}  # images spread over the replicas
+    finally:
+        asyncio.run(other.close())
+        ctx.term()
+
+
+def test_a_replica_past_its_bounded_load_is_passed_over(pool):
     with pool.route([b"a"]) as route:
-        assert pool._enter(route) and route.replica == 1
-
-
-def test_ties_rotate(pool):
-    picked = set()
-    for _ in range(3):
-        with pool.route([b"x"]) as route:
-            pool._enter(route)
-            picked.add(route.replica)
-        pool._last_served.clear()
-    assert picked == {0, 1, 2}
+        pool._enter(route)
+        own = route.replica
+    pool._last_served.clear()
+    busy(pool, own, 3)  # the mean with this request is 4/3; 1.25 x that bounds a replica below 2
+    with pool.route([b"a"]) as route:
+        assert pool._enter(route) and route.replica != own
+    pool._last_served.clear()
+    busy(pool, (own + 1) % 3, 1)
+    busy(pool, (own + 2) % 3, 1)  # mean 6/3: the bound is 3, still at it
+    with pool.route([b"a"]) as route:
+        assert pool._enter(route) and route.replica != own
+    busy(pool, (own + 1) % 3, 1)
+    busy(pool, (own + 2) % 3, 1)  # mean 8/3: the bound is 4, its own takes it again
+    pool._last_served.clear()
+    with pool.route([b"a"]) as route:
+        assert pool._enter(route) and route.replica == own
 
 
 def test_a_request_joins_the_replica_already_serving_its_image(pool):

@@ -33,6 +33,7 @@ from protocol.stats import (
     SharedTierStats,
     StatsRequest,
 )
+from protocol.siblings import FinishedRequest, SiblingInbound, WorkerLoad
 from protocol.tensors import ArrayMeta, to_frame, to_numpy, to_torch
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings, ImageInput
 from protocol.to_engine import (
@@ -179,10 +180,13 @@ CASES = [
         fetches=740,
         fetch_misses=3,
     )),
+    (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
+    (SiblingInbound, WorkerLoad(3, 17)),
 ]
 
 
-SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway", FetchInbound: "fetch"}
+SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway", FetchInbound: "fetch",
+          SiblingInbound: "siblings"}
 
 
 @pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])

@@ -1,0 +1,104 @@
+"""Child processes kept running: each in its own process group, restarted with
+exponential back-off when it dies (its whole group is killed first: vLLM's
+engine-core process must not outlive its engine). Used by the launcher for the
+services and by a multi-worker gateway for its workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.config import REPO_ROOT
+
+log = logging.getLogger("prism.supervisor")
+
+
+def kill_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class Child:
+    module: str
+    config: Path | None
+    env: dict[str, str] = field(default_factory=dict)  # overrides for this child (e.g. its address)
+    name: str = ""
+    process: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 1.0
+
+    def spawn(self) -> None:
+        config = ["--config", str(self.config)] if self.config is not None else []
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", self.module, *config],
+            cwd=REPO_ROOT,
+            env={**os.environ, **self.env},
+            start_new_session=True,  # its own process group, so it can be stopped whole
+        )
+        self.started_at = time.monotonic()
+        log.info("started %s (pid %d)", self.label, self.process.pid)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.module
+
+
+@dataclass
+class Supervisor:
+    children: list[Child]
+    max_backoff_s: float = 30.0
+    stable_after_s: float = 60.0  # a child up this long has its back-off reset
+    on_exit: Callable[[Child], None] | None = None  # called with a dead child before its restart
+    _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        for child in self.children:
+            child.spawn()
+        threading.Thread(target=self._watch, name="supervisor", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(0.5):
+            for child in self.children:
+                if child.process.poll() is not None and not self._stopping.is_set():
+                    self._restart(child)
+
+    def _restart(self, child: Child) -> None:
+        code = child.process.returncode
+        kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
+        if self.on_exit is not None:
+            self.on_exit(child)
+        if time.monotonic() - child.started_at > self.stable_after_s:
+            child.backoff_s = 1.0
+        log.error("%s exited with %s; restarting in %.0f s", child.label, code, child.backoff_s)
+        if self._stopping.wait(child.backoff_s):
+            return
+        child.backoff_s = min(child.backoff_s * 2, self.max_backoff_s)
+        child.restarts += 1
+        child.spawn()
+
+    def signal_all(self, sig: int) -> None:
+        for child in self.children:
+            kill_group(child.process, sig)
+
+    def stop(self, grace_s: float = 10) -> None:
+        self._stopping.set()
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_group(child.process, signal.SIGKILL)
