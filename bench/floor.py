@@ -18,7 +18,7 @@ image is 25 visual tokens and the model's own work takes milliseconds):
 3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
    Prism's `parse` p90 per resolution bucket.
 
-Run: .venv/bin/python -m bench.floor [--trials 8] [--requests 64] [--prism-only]
+Run: .venv/bin/python -m bench.floor [--trials 8] [--requests 64] [--prism-only] [--gateway-workers 2]
 """
 
 from __future__ import annotations
@@ -228,6 +228,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=8, help="requests per image kind at concurrency 1")
     parser.add_argument("--requests", type=int, default=64, help="requests in the mixed workload")
     parser.add_argument("--prism-only", action="store_true", help="skip vLLM's server (quicker, for before/after runs)")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="gateway.workers of Prism's stack")
     args = parser.parse_args()
     images = jpegs(args.trials)
     print("floors, in this process", flush=True)
@@ -240,7 +241,8 @@ def main() -> None:
                 vllm, _ = one_at_a_time(base_url, images)
                 vllm_mixed = mixed(base_url, args.requests)
         print("Prism", flush=True)
-        with LocalStack(Path(run_dir) / "prism", model=MODEL) as stack:
+        overrides = {"PRISM_GATEWAY__WORKERS": str(args.gateway_workers)}
+        with LocalStack(Path(run_dir) / "prism", overrides, model=MODEL) as stack:
             prism, prism_stages = one_at_a_time(stack.base_url, images)
             prism_mixed = mixed(stack.base_url, args.requests)
     print(report(floor, vllm, prism, prism_stages, vllm_mixed, prism_mixed))
