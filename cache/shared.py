@@ -80,8 +80,8 @@ class SharedTier:
         self.stats = SharedTierStats()
         self._down_until = 0.0
         self._writes: queue.Queue = queue.Queue(self.max_pending_writes)
-        self._writer = threading.Thread(target=self._write_loop, name="shared-cache-writer", daemon=True)
-        self._writer.start()
+        self._writer: threading.Thread | None = None  # started by the first write: a reader (an engine) has none
+        self._writer_lock = threading.Lock()
 
     def get_many(self, keys: list[bytes], identities: list[bytes], record: bool = True) -> list[CachedEmbedding | None]:
         """One round trip for all keys; a miss (None) for anything not found or not trusted."""
@@ -119,10 +119,17 @@ class SharedTier:
         if not self._available():
             self.stats.writes_skipped += 1
             return
+        self._start_writer()
         try:
             self._writes.put_nowait((key, pack(value)))
         except queue.Full:
             self.stats.writes_skipped += 1
+
+    def _start_writer(self) -> None:
+        with self._writer_lock:  # the encoder's lanes may write at once
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_loop, name="shared-cache-writer", daemon=True)
+                self._writer.start()
 
     def _write_loop(self) -> None:
         while True:
@@ -153,8 +160,9 @@ class SharedTier:
             time.sleep(0.01)
 
     def close(self) -> None:
-        self._writes.put((None, None))
-        self._writer.join(timeout=2)
+        if self._writer is not None:
+            self._writes.put((None, None))
+            self._writer.join(timeout=2)
         self.client.close()
 
     def _available(self) -> bool:

@@ -28,7 +28,6 @@ from protocol.to_encoder import FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding
 
 
-
 class EmbeddingsUnavailable(Exception):
     """Some image's tokens could not be fetched from anywhere."""
 
@@ -142,3 +141,5 @@ class EmbeddingFetcher:
         for encoder in self._encoders.values():
             encoder.reader.cancel()
             encoder.socket.close()
+        if self.shared is not None:
+            self.shared.close()

@@ -201,6 +201,7 @@ class EngineService:
                 log.warning("drain deadline passed with %d requests in flight", len(self.requests))
         receiving.cancel()
         watching.cancel()
+        self.fetcher.close()  # its sockets to the encoders, and the shared tier's connection
 
     def drain(self) -> None:
         """Stop taking requests (503: the gateway sends them to another replica);

@@ -77,3 +77,24 @@ def test_a_hash_collision_is_caught_by_the_stored_identity():
     assert cache.get(b"k", b"image-A") is mine
     assert cache.get(b"k", b"image-B") is None  # same key, another image: never served
     assert cache.stats.collisions == 1 and cache.stats.misses == 1
+
+
+def test_the_shared_tier_starts_its_writer_only_when_something_is_written():
+    import threading
+
+    import torch
+
+    from cache import CachedEmbedding
+    from cache.shared import SharedTier
+
+    def writers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "shared-cache-writer"]
+
+    before = len(writers())
+    tier = SharedTier("redis://127.0.0.1:1", timeout_s=0.05)  # nothing listens: reads miss, writes fail quietly
+    assert tier.get_many([b"k"], [b"id"]) == [None] and len(writers()) == before  # an engine only reads
+    tier.stats.up, tier._down_until = True, 0.0
+    tier.put(b"k", CachedEmbedding(torch.zeros(2, 4), None, b"id"))
+    assert len(writers()) == before + 1
+    tier.close()
+    assert len(writers()) == before
