@@ -145,6 +145,7 @@ def _handoff_metrics(encoders: list, engines: list):
     images = CounterMetricFamily("prism_engine_embeddings", "Images' visual tokens an engine needed, by where it found them", labels=["source"])
     images.add_metric(["engine_cache"], sum(e.embedding_cache_hits for e in engines))
     images.add_metric(["fetched"], sum(e.embeddings_fetched for e in engines))
+    images.add_metric(["joined"], sum(e.embedding_fetch_joins for e in engines))
     yield images
     yield CounterMetricFamily("prism_engine_fetched_bytes", "Bytes on the engines' sockets to encoders (headers and tensors)", value=sum(e.fetched_bytes for e in engines))
     yield CounterMetricFamily("prism_encoder_fetch_misses", "Fetches of tokens an encoder no longer held (the gateway re-encodes them)", value=sum(e.fetch_misses for e in encoders))

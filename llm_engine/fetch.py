@@ -9,6 +9,11 @@ reference (one DEALER per encoder, zero-copy frames), then the shared Redis
 tier when one is configured. An image found nowhere within
 `embed_fetch_timeout_s` (its encoder died, or dropped it) fails the request
 with 503 `embeddings_unavailable`; the gateway then re-encodes once.
+
+Concurrent requests for one new image (a burst of questions about it) fetch
+it once: the first request's fetch is marked in flight, and the others wait
+for it. If it brings nothing (it failed, or its request was cancelled), each
+waiter fetches for itself, so waiting costs at most one more timeout.
 """
 
 from __future__ import annotations
@@ -67,7 +72,9 @@ class EmbeddingFetcher:
         self.shared = shared
         self.fetched = 0  # images fetched from an encoder or the shared tier
         self.fetched_bytes = 0  # on the sockets to encoders
+        self.joined = 0  # images another request was already fetching: waited for, not fetched again
         self._encoders: dict[str, _Encoder] = {}
+        self._fetching: dict[tuple[bytes, bytes], asyncio.Future] = {}  # (key, identity) → the fetch bringing it
         self._ids = itertools.count()
 
     def _count(self, direction: str, nbytes: int) -> None:
@@ -85,17 +92,53 @@ class EmbeddingFetcher:
             raise ValueError(f"{len(frames)} embedding frames for {sum(not i.source for i in images)} images sent inline")
         inline = iter(frames)
         found: list = [to_torch(image.embeddings, next(inline)) if not image.source else None for image in images]
-        wanted = {}
+        wanted: dict[str, list[int]] = {}
+        joining: dict[int, asyncio.Future] = {}
         for index, image in enumerate(images):
-            if image.source:
-                cached = self.cache.get(image.key, image.identity)
-                if cached is not None:
-                    found[index] = cached.embeddings
-                else:
-                    wanted.setdefault(image.source, []).append(index)
+            if not image.source:
+                continue
+            cached = self.cache.get(image.key, image.identity)
+            if cached is not None:
+                found[index] = cached.embeddings
+            elif (pending := self._fetching.get((image.key, image.identity))) is not None:
+                joining[index] = pending
+            else:
+                wanted.setdefault(image.source, []).append(index)
         if wanted:
-            await self._fetch(images, wanted, found)
+            await self._fetch_marked(images, wanted, found)
+        if joining:
+            await self._join(images, joining, found)
         return found
+
+    async def _fetch_marked(self, images: Sequence[ImageEmbedding], wanted: dict[str, list[int]], found: list) -> None:
+        """`_fetch`, with each image it brings marked in flight until it ends."""
+        loop = asyncio.get_running_loop()
+        mine: dict[tuple[bytes, bytes], int] = {}
+        for index in (i for indices in wanted.values() for i in indices):
+            key = (images[index].key, images[index].identity)
+            if key not in self._fetching:
+                self._fetching[key] = loop.create_future()
+                mine[key] = index
+        try:
+            await self._fetch(images, wanted, found)
+        finally:
+            for key, index in mine.items():
+                future = self._fetching.pop(key)
+                if not future.done():
+                    future.set_result(found[index])  # None: the waiters fetch it themselves
+
+    async def _join(self, images: Sequence[ImageEmbedding], joining: dict[int, asyncio.Future], found: list) -> None:
+        # shield: a waiter's cancellation must not cancel the fetch another request owns
+        results = await asyncio.gather(*(asyncio.shield(future) for future in joining.values()))
+        again: dict[str, list[int]] = {}
+        for index, tensor in zip(joining, results):
+            if tensor is None:
+                again.setdefault(images[index].source, []).append(index)
+            else:
+                found[index] = tensor
+                self.joined += 1
+        if again:
+            await self._fetch_marked(images, again, found)
 
     async def _fetch(self, images: Sequence[ImageEmbedding], wanted: dict[str, list[int]], found: list) -> None:
         try:

@@ -228,7 +228,7 @@ class EngineService:
         return EngineStats(
             self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
             self.watch.steps, self.watch.stalls, self.fetcher.cache.stats.hits, self.fetcher.fetched,
-            self.fetcher.fetched_bytes,
+            self.fetcher.fetched_bytes, self.fetcher.joined,
         )
 
     async def _accept(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:

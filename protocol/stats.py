@@ -105,3 +105,4 @@ class EngineStats(Message):
     embedding_cache_hits: int = 0  # images served from the engine's own LRU: nothing fetched
     embeddings_fetched: int = 0  # images fetched from an encoder or the shared tier
     fetched_bytes: int = 0  # on the engine's sockets to encoders (headers and tensors)
+    embedding_fetch_joins: int = 0  # images another request was fetching already: waited for, not fetched again

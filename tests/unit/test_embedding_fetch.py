@@ -89,3 +89,26 @@ async def _fetches() -> None:
 
 def test_the_engine_fetches_by_reference_keeps_an_lru_and_never_waits_unbounded():
     asyncio.run(_fetches())
+
+
+async def _concurrent_requests_fetch_an_image_once() -> None:
+    ctx = zmq.asyncio.Context()
+    encoder = Encoder(ctx, "inproc://encoder-burst", {b"a": TOKENS})
+    fetcher = EmbeddingFetcher(ctx, capacity_bytes=2**20, timeout_s=0.5)
+    try:
+        burst = await asyncio.gather(*(fetcher.tensors([reference(b"a", "inproc://encoder-burst")], []) for _ in range(3)))
+        assert all(torch.equal(got[0], TOKENS) for got in burst)
+        assert encoder.asked == [[b"a"]] and (fetcher.fetched, fetcher.joined) == (1, 2)
+        # A fetch that brings nothing leaves each waiter to ask for itself: both fail, neither hangs.
+        gone = await asyncio.gather(*(fetcher.tensors([reference(b"gone", "inproc://encoder-burst")], []) for _ in range(2)),
+                                    return_exceptions=True)
+        assert all(isinstance(error, EmbeddingsUnavailable) for error in gone)
+        assert encoder.asked[1:] == [[b"gone"], [b"gone"]] and not fetcher._fetching
+    finally:
+        encoder.close()
+        fetcher.close()
+        ctx.term()
+
+
+def test_concurrent_requests_for_one_new_image_fetch_it_once():
+    asyncio.run(_concurrent_requests_fetch_an_image_once())

@@ -156,7 +156,7 @@ CASES = [
     )),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400)),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "engine core died", 503, "engine_dead")),
-    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000)),
+    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000, 12)),
     (GatewayInbound, EncoderStats(
         "a8f20b",
         queue_depth=5,
