@@ -15,6 +15,10 @@ both systems get identical requests):
   (f) open loop (Poisson) at 50 % and 80 % of vLLM's saturation throughput,
       with a 256² image's TTFT there against its TTFT alone (a, concurrency 1)
 
+A third system runs the same scenarios: vLLM's own disaggregated encoder (an
+`--mm-encoder-only` instance and a prefill+decode instance joined by the
+example encoder-cache connector, behind bench/epd_proxy.py); --no-epd skips it.
+
 Every scenario also records the server's CPU seconds per request: the whole
 machine's busy time (/proc/stat) during it, less this client process's own.
 Resolutions are mixed evenly over 256², 720p, 1080p and 4K (JPEG), 16
@@ -35,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.servers import prism_stack, vllm_server
+from bench.servers import prism_stack, vllm_disaggregated, vllm_server
 from loadtest.bench import Plan, load_test, sweep
 from loadtest.client import Target
 from loadtest.runner import Arrival
@@ -158,6 +162,8 @@ def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> st
                   "| resolution | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         lines += [f"| {b} | " + " | ".join(f"{s[n]:.1f}" for n in names) + " |" for b, s in stages.items()]
     lines += cpu_table(vllm, prism, cases) + saturation_table(vllm, prism) + open_loop_table(vllm, prism) + goals(vllm, prism)
+    if "vllm_epd" in results:
+        lines += disaggregated_table(vllm, results["vllm_epd"], prism)
     lines += ["", "How to read these numbers on a 2-core CPU: docs/architecture.md, \"Prism and vLLM on two CPU cores\"."]
     return "\n".join(lines) + "\n"
 
@@ -216,6 +222,31 @@ def goals(vllm: dict, prism: dict) -> list[str]:
             *[f"| {name} | {target} | {value:.2f}× |" for name, target, value in rows]]
 
 
+def disaggregated_table(vllm: dict, epd: dict, prism: dict) -> list[str]:
+    """The three systems side by side on the figures that decide (issue #18)."""
+    def summary(key: str, metric: str, fmt: str):
+        return lambda r: fmt.format(r[key]["summary"][metric])
+
+    rows = [
+        ("(a) c=1 TTFT p50 ms", summary("a1", "median_ttft_ms", "{:.0f}")),
+        ("(a) c=8 TTFT p50 / p90 ms", lambda r: f"{r['a8']['summary']['median_ttft_ms']:.0f} / {r['a8']['summary']['p90_ttft_ms']:.0f}"),
+        ("(a) c=8 TPOT p50 ms", summary("a8", "median_tpot_ms", "{:.1f}")),
+        ("(a) c=8 req/s", summary("a8", "request_throughput", "{:.2f}")),
+        ("(a) c=8 server CPU s per request", lambda r: f"{r['a8']['cpu_s_per_request']:.3f}"),
+        ("(b) 50 % repeats, c=8 req/s", summary("b", "request_throughput", "{:.2f}")),
+        ("(c) one image, new questions, c=8 req/s", summary("c", "request_throughput", "{:.2f}")),
+        ("(e) saturation req/s", lambda r: f"{r['e']['saturation_rps']:.2f}"),
+        *[(f"(f) {vllm['f'][i]['rate']:.2f} req/s offered: TTFT p50 / p90 ms",
+           lambda r, i=i: f"{r['f'][i]['summary']['median_ttft_ms']:.0f} / {r['f'][i]['summary']['p90_ttft_ms']:.0f}")
+          for i in range(len(vllm["f"]))],
+    ]
+    return ["", "vLLM's own disaggregated encoder beside them (an `--mm-encoder-only` instance and a prefill+decode",
+            "instance, the example encoder-cache connector writing each image's encoder output to a shared directory,",
+            "and bench/epd_proxy.py in front: encode with max_tokens 1, then the request to prefill+decode):", "",
+            "| figure | vLLM server | vLLM disaggregated | Prism |", "|---|---|---|---|",
+            *[f"| {name} | {cell(vllm)} | {cell(epd)} | {cell(prism)} |" for name, cell in rows]]
+
+
 def ratio_of(prism_point: dict, vllm_point: dict, metric: str) -> float:
     return prism_point["summary"][metric] / vllm_point["summary"][metric]
 
@@ -233,6 +264,7 @@ def main() -> None:
     parser.add_argument("--sweep-requests", type=int, default=24)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "comparison.md")
+    parser.add_argument("--no-epd", action="store_true", help="skip vLLM's disaggregated encoder")
     args = parser.parse_args()
     ensure_demo_model(MODEL)
     cases = scenarios(args.scale)
@@ -243,8 +275,12 @@ def main() -> None:
         print("vLLM's own server:", flush=True)
         with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, Path(tmp) / "vllm.log") as base_url:
             results["vllm"] = run_all(base_url, cases, rates, args.sweep_requests, slo)
-        print("Prism:", flush=True)
         open_rates = [point["rate"] for point in results["vllm"]["f"]]
+        if not args.no_epd:
+            print("vLLM's disaggregated encoder:", flush=True)
+            with vllm_disaggregated(MODEL, SERVED_NAME, MAX_PIXELS, Path(tmp) / "epd") as base_url:
+                results["vllm_epd"] = run_all(base_url, cases, rates, args.sweep_requests, slo, open_rates)
+        print("Prism:", flush=True)
         with prism_stack(MAX_PIXELS, Path(tmp) / "prism") as base_url:
             results["prism"] = run_all(base_url, cases, rates, args.sweep_requests, slo, open_rates)
     command = "python -m bench.compare " + " ".join(sys.argv[1:])

@@ -49,6 +49,36 @@ def vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, 
         process.wait(60)
 
 
+def ec_transfer(role: str, storage: Path) -> tuple[str, str]:
+    """vLLM's encoder-cache transfer through its example connector: files in a shared directory."""
+    return "--ec-transfer-config", json.dumps({"ec_connector": "ECExampleConnector", "ec_role": role,
+                                               "ec_connector_extra_config": {"shared_storage_path": str(storage)}})
+
+
+@contextlib.contextmanager
+def vllm_disaggregated(model: Path, served_name: str, max_pixels: int, run_dir: Path) -> Iterator[str]:
+    """vLLM's own disaggregated encoder: an `--mm-encoder-only` instance that
+    writes encoder outputs through the example connector, a prefill+decode
+    instance that reads them, and the small proxy between (bench/epd_proxy.py);
+    yields the proxy's base URL."""
+    storage = run_dir / "ec_cache"
+    storage.mkdir(parents=True)
+    encoder_flags = ("--mm-encoder-only", "--no-enable-prefix-caching", *ec_transfer("ec_producer", storage))
+    with (vllm_server(model, served_name, max_pixels, run_dir / "encoder.log", extra=encoder_flags) as encoder_url,
+          vllm_server(model, served_name, max_pixels, run_dir / "pd.log", extra=ec_transfer("ec_consumer", storage)) as pd_url):
+        port = free_port()
+        with open(run_dir / "proxy.log", "wb") as log:
+            proxy = subprocess.Popen([sys.executable, "-m", "bench.epd_proxy", "--encoder", encoder_url, "--pd", pd_url,
+                                      "--port", str(port)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for_health(base_url, proxy, 60)
+            yield base_url
+        finally:
+            proxy.terminate()
+            proxy.wait(30)
+
+
 @contextlib.contextmanager
 def prism_stack(max_pixels: int, run_dir: Path) -> Iterator[str]:
     with LocalStack(run_dir, {"PRISM_ENCODER__MAX_PIXELS": str(max_pixels)}) as stack:
