@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from common.config import REPO_ROOT
-from prism.stack import LocalStack, free_port, wait_for_health
+from prism.stack import LocalStack, free_port, serving, wait_for_health
 
 # Engine settings both sides share (configs/cpu-demo.yaml's engine section).
 MAX_MODEL_LEN = 4096
@@ -70,13 +70,8 @@ def vllm_disaggregated(model: Path, served_name: str, max_pixels: int, run_dir: 
         with open(run_dir / "proxy.log", "wb") as log:
             proxy = subprocess.Popen([sys.executable, "-m", "bench.epd_proxy", "--encoder", encoder_url, "--pd", pd_url,
                                       "--port", str(port)], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        base_url = f"http://127.0.0.1:{port}"
-        try:
-            wait_for_health(base_url, proxy, 60)
+        with serving(proxy, f"http://127.0.0.1:{port}", 60) as base_url:
             yield base_url
-        finally:
-            proxy.terminate()
-            proxy.wait(30)
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ start-up handshake with the encoder and the engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +48,17 @@ def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) 
             pass
         time.sleep(0.2)  # polling an HTTP endpoint: the handshake behind it is the real signal
     raise TimeoutError(f"{base_url} not ready within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def serving(process: subprocess.Popen, base_url: str, timeout_s: float) -> Iterator[str]:
+    """`base_url` once the server `process` answers /health; the process is stopped on exit."""
+    try:
+        wait_for_health(base_url, process, timeout_s)
+        yield base_url
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 @dataclass

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from common.config import REPO_ROOT
-from prism.stack import free_port, wait_for_health
+from prism.stack import free_port, serving
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.helpers import wait_until
 
@@ -35,13 +35,8 @@ def guarded(stack, tmp_path_factory):
     )
     log = open(tmp_path_factory.mktemp("guarded") / "gateway.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_health(base_url, process, 60)
+    with serving(process, f"http://127.0.0.1:{port}", 60) as base_url:
         yield base_url
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 def chat(base_url: str, key: str | None, **kwargs) -> httpx.Response:
