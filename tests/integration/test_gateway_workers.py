@@ -1,8 +1,9 @@
 """A gateway of two worker processes (`gateway.workers: 2`) in front of the
 session stack's encoder and engine: both workers take connections on the one
 port, one scrape counts every worker's requests, the dashboard shows them all
-from either worker, the concurrency limit holds for the gateway as a whole,
-and a killed worker is replaced while the other keeps serving."""
+from either worker, the concurrency limit holds for the gateway as a whole, a
+killed worker is replaced while the other keeps serving, SIGHUP reaches every
+worker, and SIGTERM lets a request in flight finish before all exit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -45,10 +47,10 @@ class Workers:
     def pids(self) -> set[int]:
         return {child.pid for child in psutil.Process(self.supervisor.pid).children()}
 
-    def served_by(self) -> set[int]:
-        """The pids of the processes that logged a finished request."""
+    def logged(self, prefix: str) -> set[int]:
+        """The pids of the gateway processes that logged a message starting with `prefix`."""
         records = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-        return {r["pid"] for r in records if r.get("service") == "gateway" and r["message"].startswith("status 200")}
+        return {r["pid"] for r in records if r.get("service") == "gateway" and r["message"].startswith(prefix)}
 
     def all_ready(self) -> bool:
         """Every worker answers (each connection may reach either)."""
@@ -67,10 +69,11 @@ def workers(stack, tmp_path_factory):
         wait_until(gateway.all_ready, 60, "both workers ready")
         yield gateway
     finally:
-        running = gateway.pids()
-        gateway.supervisor.terminate()
-        gateway.supervisor.wait(60)
-    assert not any(psutil.pid_exists(pid) for pid in running), "the supervisor left workers behind"
+        if gateway.supervisor.poll() is None:  # the last test stops it itself
+            running = gateway.pids()
+            gateway.supervisor.terminate()
+            gateway.supervisor.wait(60)
+            assert not any(psutil.pid_exists(pid) for pid in running), "the supervisor left workers behind"
 
 
 def chat(url: str, content, **fields) -> httpx.Response:
@@ -87,7 +90,7 @@ def test_both_workers_serve_and_one_scrape_counts_every_request(workers):
     before = scrape(workers.url).get(OK, 0.0)
     for i in range(16):
         assert chat(workers.url, with_image(f"worker-{i % 4}")).status_code == 200
-    assert workers.served_by() == workers.pids()  # the kernel spread the connections over both
+    assert workers.logged("status 200") == workers.pids()  # the kernel spread the connections over both
     for _ in range(4):  # whichever worker answers the scrape, it counts both workers' requests
         assert scrape(workers.url)[OK] - before == 16
     wait_until(lambda: all(httpx.get(f"{workers.url}/dashboard/data", timeout=5).json()["requests"] >= 16 for _ in range(4)),
@@ -116,3 +119,20 @@ def test_a_killed_worker_is_replaced_and_its_requests_still_count(workers):
     wait_until(lambda: victim not in workers.pids() and workers.all_ready(), 60, "a new worker in its place")
     assert scrape(workers.url)[OK] - before == 4  # the dead worker's counts are kept, not lost or doubled
     assert chat(workers.url, with_image("after-restart")).status_code == 200
+
+
+def test_sighup_reaches_every_worker(workers):
+    os.kill(workers.supervisor.pid, signal.SIGHUP)
+    wait_until(lambda: workers.pids() <= workers.logged("routing map reloaded"), 30, "both workers reloaded their routing map")
+
+
+def test_sigterm_lets_a_request_in_flight_finish_then_every_worker_exits(workers):
+    running = workers.pids()
+    with ThreadPoolExecutor(1) as pool:
+        story = pool.submit(chat, workers.url, "Tell me a story.", ignore_eos=True, max_tokens=300)
+        time.sleep(0.5)  # under way on one worker
+        workers.supervisor.terminate()
+        response = story.result()
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 300, response.text
+    assert workers.supervisor.wait(60) == 0
+    assert not any(psutil.pid_exists(pid) for pid in running), "the supervisor left workers behind"
