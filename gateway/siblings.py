@@ -16,6 +16,7 @@ import contextlib
 import logging
 from pathlib import Path
 
+import msgspec
 import zmq.asyncio
 
 from gateway.admission import WorkerSlot
@@ -42,7 +43,11 @@ class Siblings:
 
     async def _read(self) -> None:
         while True:
-            message = await self._in.recv()
+            try:
+                message = await self._in.recv()
+            except msgspec.DecodeError as exc:  # a sibling of another version: skip it, keep reading
+                log.warning("a message from another gateway worker could not be read: %s", exc)
+                continue
             if isinstance(message, FinishedRequest):
                 self.window.add(message)
             else:
