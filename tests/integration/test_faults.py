@@ -291,8 +291,12 @@ def test_a_body_sent_at_one_byte_a_second_gets_408_and_holds_no_slot(faulty):
                 break
         waited = time.monotonic() - started
         conn.settimeout(5)
-        while chunk := conn.recv(4096):  # the rest of the answer, until the gateway closes the connection
-            answer += chunk
+        # The rest of the answer, until the gateway closes the connection. A byte
+        # sent after the gateway stopped reading is unread at its close, so the
+        # close may come as a reset: the answer is whatever arrived before it.
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := conn.recv(4096):
+                answer += chunk
     print(f"\na body at 1 byte/s was answered after {waited:.1f} s: {answer.splitlines()[0]!r}")
     assert answer.startswith(b"HTTP/1.1 408") and b"gateway.body_timeout_s" in answer
     assert waited <= BODY_TIMEOUT_S + 2
