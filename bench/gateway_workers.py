@@ -21,6 +21,7 @@ Run: .venv/bin/python -m bench.gateway_workers [--requests 96] [--concurrency 8]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.profile import _descends_from, cpu_seconds
+from bench.profile import cpu_seconds, descendants
 from prism.demo_model import SHAPES_MODEL
 from prism.stack import LocalStack
 from prism.synthetic import data_url, make_image
@@ -41,18 +42,11 @@ ROLES = (("-m gateway", "gateway"), ("-m vision_encoder", "encoder"), ("-m llm_e
 def stack_cpu(root: int) -> dict[str, float]:
     """CPU seconds so far of the stack's processes, by role; the launcher itself counts as the gateway."""
     totals = {"gateway": cpu_seconds(root), "encoder": 0.0, "engine": 0.0}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == root:
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if not _descends_from(int(entry.name), root):
-                continue
-            role = next((name for needle, name in ROLES if needle in command), None)
-            if role is not None:
-                totals[role] += cpu_seconds(int(entry.name))
-        except (OSError, ValueError):
-            continue  # gone meanwhile
+    for pid, command in descendants(root):
+        role = next((name for needle, name in ROLES if needle in command), None)
+        if role is not None:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                totals[role] += cpu_seconds(pid)
     return totals
 
 

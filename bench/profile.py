@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,20 +40,27 @@ PRISM_PACKAGES = ("gateway/", "vision_encoder/", "llm_engine/", "protocol/", "ca
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def descendants(root: int) -> Iterator[tuple[int, str]]:
+    """(pid, command line) of every process below `root` (gone ones skipped)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == root:
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if _descends_from(int(entry.name), root):
+                yield int(entry.name), command
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+
+
 def service_pids(stack: LocalStack) -> dict[str, int]:
     """Process name → pid: the gateway is the launcher's own process; the rest are found by their command line."""
     found = {"gateway": stack.process.pid}
     wanted = {"-m vision_encoder": "encoder", "-m llm_engine": "engine", "VLLM::EngineCore": "engine_core", "VLLM::Worker": "engine_worker"}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
+    for pid, command in descendants(stack.process.pid):
         for needle, name in wanted.items():
-            if needle in command and _descends_from(int(entry.name), stack.process.pid):
-                found.setdefault(name, int(entry.name))
+            if needle in command:
+                found.setdefault(name, pid)
     return found
 
 
