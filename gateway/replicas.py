@@ -149,7 +149,8 @@ class ReplicaPool(Generic[C]):
         process) whose load is below LOAD_SLACK × the mean with this request."""
         bound = math.ceil(LOAD_SLACK * (sum(self.replicas[i].outstanding for i in candidates) + 1) / len(candidates))
         ranked = sorted(candidates, key=lambda i: xxhash.xxh3_64_intdigest(digest + self.replicas[i].address.encode()), reverse=True)
-        return next((i for i in ranked if self.replicas[i].outstanding < bound), ranked[0])
+        # The least loaded candidate is always below the bound (its load ≤ the mean < bound).
+        return next(i for i in ranked if self.replicas[i].outstanding < bound)
 
     @contextlib.contextmanager
     def sending(self, index: int) -> Iterator[None]:
