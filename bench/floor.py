@@ -18,7 +18,7 @@ image is 25 visual tokens and the model's own work takes milliseconds):
 3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
    Prism's `parse` p90 per resolution bucket.
 
-Run: .venv/bin/python -m bench.floor [--trials 8] [--requests 64] [--prism-only] [--gateway-workers 2]
+Run: .venv/bin/python -m bench.floor [--trials 8] [--requests 64] [--prism-only] [--gateway-workers 2] [--no-push]
 """
 
 from __future__ import annotations
@@ -229,6 +229,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests in the mixed workload")
     parser.add_argument("--prism-only", action="store_true", help="skip vLLM's server (quicker, for before/after runs)")
     parser.add_argument("--gateway-workers", type=int, default=1, help="gateway.workers of Prism's stack")
+    parser.add_argument("--no-push", action="store_true", help="gateway.push_embeddings false: engines fetch every new image's tokens")
     args = parser.parse_args()
     images = jpegs(args.trials)
     print("floors, in this process", flush=True)
@@ -241,7 +242,8 @@ def main() -> None:
                 vllm, _ = one_at_a_time(base_url, images)
                 vllm_mixed = mixed(base_url, args.requests)
         print("Prism", flush=True)
-        overrides = {"PRISM_GATEWAY__WORKERS": str(args.gateway_workers)}
+        overrides = {"PRISM_GATEWAY__WORKERS": str(args.gateway_workers),
+                     "PRISM_GATEWAY__PUSH_EMBEDDINGS": "false" if args.no_push else "true"}
         with LocalStack(Path(run_dir) / "prism", overrides, model=MODEL) as stack:
             prism, prism_stages = one_at_a_time(stack.base_url, images)
             prism_mixed = mixed(stack.base_url, args.requests)

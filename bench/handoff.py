@@ -13,10 +13,15 @@ request at a time:
 2. the same images again: each is a hit in the encoder's cache and in the
    engine's LRU, so nothing should move between encoder and engine.
 
+Both phases run once per `--modes` entry, each on a fresh stack, side by
+side: `push` (the encoder pushes new images' tokens to the request's engine
+as it encodes them, the default) and `fetch` (`gateway.push_embeddings:
+false`: the engine fetches them once the request reaches it).
+
 Byte counts are totals over each phase divided by its requests; they include
 the gateway's heartbeats (about 0.3 KB a second each way).
 
-Run: .venv/bin/python -m bench.handoff [--images 6]
+Run: .venv/bin/python -m bench.handoff [--images 6] [--modes push fetch]
 (a commit from before references: its engine figures show as 0.)
 """
 
@@ -44,6 +49,7 @@ OVERRIDES = {
     "PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST": "4096",
     "PRISM_GATEWAY__JPEG_DRAFT": "false",
 }
+MODES = {"push": {"PRISM_GATEWAY__PUSH_EMBEDDINGS": "true"}, "fetch": {"PRISM_GATEWAY__PUSH_EMBEDDINGS": "false"}}
 CONNECTIONS = [("encoder", "sent"), ("encoder", "received"), ("engine", "sent"), ("engine", "received")]
 
 
@@ -54,6 +60,7 @@ def counters(base_url: str) -> dict[str, float]:
     wanted = {f"{peer} {direction}": ("prism_gateway_peer_bytes_total", {"peer": peer, "direction": direction})
               for peer, direction in CONNECTIONS}
     wanted["engine fetched"] = ("prism_engine_fetched_bytes_total", {})
+    wanted["engine pushed"] = ("prism_engine_pushed_bytes_total", {})
     wanted["engine cache hits"] = ("prism_engine_embeddings_total", {"source": "engine_cache"})
     found = dict.fromkeys(wanted, 0.0)
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
@@ -85,13 +92,13 @@ def phase(base_url: str, jpegs: list[bytes]) -> tuple[dict[str, float], list[dic
 
 
 def report(phases: dict[str, tuple[dict, list]]) -> str:
-    rows = ["| phase | to encoder | from encoder | to engine | from engine | engine fetched | engine LRU hits | embed_transfer p50 | TTFT p50 |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| phase | to encoder | from encoder | to engine | from engine | engine fetched | pushed to engine | engine LRU hits | embed_transfer p50 | TTFT p50 |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, (per_request, stages) in phases.items():
         sizes = [_size(per_request[f"{peer} {direction}"]) for peer, direction in CONNECTIONS]
         transfer = statistics.median(s["embed_transfer"] for s in stages)
         ttft = statistics.median(s["ttft"] for s in stages)
-        rows.append(f"| {name} | {' | '.join(sizes)} | {_size(per_request['engine fetched'])} | "
+        rows.append(f"| {name} | {' | '.join(sizes)} | {_size(per_request['engine fetched'])} | {_size(per_request['engine pushed'])} | "
                     f"{per_request['engine cache hits']:.2f} | {transfer:.1f} ms | {ttft:.0f} ms |")
     return "\n".join(rows)
 
@@ -105,13 +112,19 @@ def _size(nbytes: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=6)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     model = ensure_tiny_model("qwen2.5-vl-7b-widths")
     jpegs = [encode(make_image(f"handoff-{i}", SIZE)) for i in range(args.images)]
-    with tempfile.TemporaryDirectory() as run_dir:
-        with LocalStack(Path(run_dir), OVERRIDES, model=model, transport="tcp") as stack:
-            ask(stack.base_url, encode(make_image("warm-up", SIZE)))
-            phases = {"new images": phase(stack.base_url, jpegs), "the same again": phase(stack.base_url, jpegs)}
+    phases = {}
+    for run, mode in enumerate(args.modes, 1):
+        label = mode if args.modes.count(mode) == 1 else f"{mode} (run {run})"  # `--modes push fetch push fetch`
+        with tempfile.TemporaryDirectory() as run_dir:
+            with LocalStack(Path(run_dir), OVERRIDES | MODES[mode], model=model, transport="tcp") as stack:
+                for warm_up in ("warm-up-a", "warm-up-b"):  # the second is pushed: the encoder's connection is up
+                    ask(stack.base_url, encode(make_image(warm_up, SIZE)))
+                phases[f"{label}: new images"] = phase(stack.base_url, jpegs)
+                phases[f"{label}: the same again"] = phase(stack.base_url, jpegs)
     print(f"{args.images} requests per phase, one 1280×800 JPEG each, bf16, tcp:// (bytes per request)\n")
     print(report(phases))
 

@@ -253,12 +253,13 @@ class EncoderClient(ServiceClient):
     peer = "encoder"
 
     async def encode(
-        self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False
+        self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
+        push_to: str = "",
     ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
         queue = self.open(request_id)
         answered = False
         try:
-            await self.send(EncodeRequest(request_id, list(images), retry), frames)
+            await self.send(EncodeRequest(request_id, list(images), retry, push_to), frames)
             message, reply_frames = await next_reply(queue, timeout_s)
             answered = True
         except asyncio.TimeoutError:

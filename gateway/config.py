@@ -33,6 +33,11 @@ class GatewayConfig(FrozenConfig):
     models: dict[str, ModelRoute] = Field(default_factory=dict)
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
     encode_timeout_s: float = Field(120, gt=0)
+    # Each new image's visual tokens go from the encoder straight to the engine
+    # the request will go to, as soon as they are encoded (EncodeRequest.push_to),
+    # instead of waiting for that engine to fetch them. The engine addresses
+    # must then be reachable from the encoders. false: engines always fetch.
+    push_embeddings: bool = True
     generate_timeout_s: float = Field(600, gt=0)
     stats_interval_s: float = Field(1.0, gt=0)  # polling the services' stats (also a heartbeat)
     heartbeat_timeout_s: float = Field(5.0, gt=0)  # silent this long: the service is down (503)

@@ -9,7 +9,8 @@ replica with the fewest requests outstanding.
 
 A replica that refuses (503: down, restarted or draining; 429: its queue is
 full) before the first token is replaced by another, with the same request:
-nothing was sent to the client yet. Once tokens have flowed, a failure ends
+nothing was sent to the client yet (and if its encoder pushed the visual
+tokens to the first replica, the other is told to fetch them). Once tokens have flowed, a failure ends
 the request with its error (a stream gets a final error event), as with one
 engine.
 """
@@ -33,9 +34,22 @@ class EnginePool(ReplicaPool[EngineClient]):
     client = EngineClient
     same = "model"
 
+    def push_target(self, digests: Sequence[bytes]) -> int | None:
+        """The replica a request with these images will go to, chosen now so
+        that its encoder can push the visual tokens there (`generate`'s first
+        pick, remembered); None when none is up or it keeps no pushes."""
+        index = self.pick(digests, set())
+        if index is None or not getattr(self.replicas[index].info, "takes_pushes", False):
+            return None
+        self.remember(digests, index)
+        return index
+
     async def generate(
         self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float, digests: Sequence[bytes] = (),
+        pushed_to: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
+        """`pushed_to`: the replica the images' encoder pushed their tokens to
+        (`push_target`); any other replica is sent the request `unpushed`."""
         tried: set[int] = set()
         refused: APIError | None = None
         while (index := self.pick(digests, tried)) is not None:
@@ -44,7 +58,8 @@ class EnginePool(ReplicaPool[EngineClient]):
             tried.add(index)
             self.remember(digests, index)
             started = False
-            stream = self.replicas[index].generate(request, frames, timeout_s)
+            sent = request if index == pushed_to else request.unpushed()
+            stream = self.replicas[index].generate(sent, frames, timeout_s)
             try:
                 with self.sending(index):
                     async with contextlib.aclosing(stream):  # a hang-up aborts in vLLM at once

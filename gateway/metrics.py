@@ -146,8 +146,14 @@ def _handoff_metrics(encoders: list, engines: list):
     images.add_metric(["engine_cache"], sum(e.embedding_cache_hits for e in engines))
     images.add_metric(["fetched"], sum(e.embeddings_fetched for e in engines))
     images.add_metric(["joined"], sum(e.embedding_fetch_joins for e in engines))
+    images.add_metric(["pushed"], sum(e.embeddings_pushed for e in engines))
     yield images
     yield CounterMetricFamily("prism_engine_fetched_bytes", "Bytes on the engines' sockets to encoders (headers and tensors)", value=sum(e.fetched_bytes for e in engines))
+    yield CounterMetricFamily("prism_engine_pushed_bytes", "Visual-token bytes encoders pushed to engines unasked", value=sum(e.pushed_bytes for e in engines))
+    pushes = CounterMetricFamily("prism_encoder_pushes", "New images' tokens an encoder sent to its request's engine unasked, by outcome", labels=["outcome"])
+    pushes.add_metric(["sent"], sum(e.pushes for e in encoders))
+    pushes.add_metric(["refused"], sum(e.push_refusals for e in encoders))  # not connected yet, or queue full: fetched
+    yield pushes
     yield CounterMetricFamily("prism_encoder_fetch_misses", "Fetches of tokens an encoder no longer held (the gateway re-encodes them)", value=sum(e.fetch_misses for e in encoders))
 
 

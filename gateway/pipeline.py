@@ -43,6 +43,7 @@ class Prepared:
     request: GenerateRequest
     digests: list[bytes]  # the images', for engine affinity
     images: list[Inspected]  # emptied at the first token; until then re-encoded if the engine cannot fetch their tokens
+    engine: int | None = None  # the engine replica its encoder pushes the visual tokens to (EnginePool.push_target)
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,14 @@ class ChatPipeline:
         timer.add("image_preprocess", time.perf_counter() - started)
         return decoded
 
-    async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer):
+    async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
+                      engine: int | None):
         """Ask the encoder by digest first: cached images are never decoded here.
         Only the images it reports missing are decoded and sent with pixels; a
-        third round (an entry evicted in between) sends every image's pixels."""
+        third round (an entry evicted in between) sends every image's pixels.
+        The images it encodes it pushes to replica `engine`, if not None."""
         pixels: dict[int, PreparedImage] = {}
+        push_to = "" if engine is None else self.engine.replicas[engine].address
         with self.encoder.route(digests) as route:
             for retry, last_round in ((False, False), (True, False), (True, True)):
                 inputs, frames = [], []
@@ -166,7 +170,7 @@ class ChatPipeline:
                         original = (height, width)
                     inputs.append(ImageInput(digest, meta, original))
                 sent = time.perf_counter()
-                reply, _ = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry)
+                reply, _ = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry, push_to)
                 round_trip = time.perf_counter() - sent
                 if isinstance(reply, EncodeResult):
                     return self._encoded(reply, self.encoder.replicas[route.replica].address, round_trip, timer)
@@ -184,7 +188,7 @@ class ChatPipeline:
         timer.cache_hits += sum(i.cache_hit for i in result.images)
         timer.cache_misses += sum(not i.cache_hit for i in result.images)
         timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
-        return [ImageEmbedding(i.embeddings, i.grid_thw, i.key, source, i.identity) for i in result.images]
+        return [ImageEmbedding(i.embeddings, i.grid_thw, i.key, source, i.identity, i.pushed) for i in result.images]
 
     async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         refs = image_refs(request)
@@ -198,13 +202,14 @@ class ChatPipeline:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
-        embeddings, digests, images = [], [], []
+        embeddings, digests, images, engine = [], [], [], None
         if refs:
             images = await self._intake(request, refs, record)
             digests = [digest_of(item, self.policy) for item in images]
-            embeddings = await self._encode(record.id, images, digests, record.timer)
+            engine = self.engine.push_target(digests) if self.config.push_embeddings else None
+            embeddings = await self._encode(record.id, images, digests, record.timer, engine)
         generate = GenerateRequest(request_id=record.id, chat=engine_chat(request), images=embeddings)
-        return Prepared(generate, digests, images)
+        return Prepared(generate, digests, images, engine)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The engine's deltas. If it could not fetch the visual tokens (their
@@ -215,7 +220,7 @@ class ChatPipeline:
         for last_try in (False, True):
             sent = time.perf_counter()
             first = True
-            deltas = self.engine.generate(request, (), self.config.generate_timeout_s, prepared.digests)
+            deltas = self.engine.generate(request, (), self.config.generate_timeout_s, prepared.digests, prepared.engine)
             try:
                 async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
                     async for delta in deltas:
@@ -230,5 +235,5 @@ class ChatPipeline:
                     raise
                 log.warning("%s; encoding the images again", error.message)
                 timer.add("embed_transfer", time.perf_counter() - sent)
-                images = await self._encode(request.request_id, prepared.images, prepared.digests, timer)
+                images = await self._encode(request.request_id, prepared.images, prepared.digests, timer, prepared.engine)
                 request = msgspec.structs.replace(request, images=images)

@@ -46,6 +46,10 @@ class EngineConfig(FrozenConfig):
     # size, so a repeated image is not fetched again. 0: no LRU.
     embedding_cache_mb: float = Field(1024, ge=0)
     embed_fetch_timeout_s: float = Field(5, gt=0)  # past it, the shared tier; then 503 (the gateway re-encodes)
+    # An image's tokens its encoder pushed here (as it encoded them for this
+    # request) may still be on the wire when the request comes: it waits this
+    # long for them, then fetches them (the push was refused or lost).
+    embed_push_wait_s: float = Field(0.5, ge=0)
     # The encoders' shared Redis tier (encoder.shared_cache_url), asked when an
     # encoder no longer holds an image's tokens. None: encoders only.
     shared_cache_url: str | None = None

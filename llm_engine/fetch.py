@@ -10,6 +10,13 @@ tier when one is configured. An image found nowhere within
 `embed_fetch_timeout_s` (its encoder died, or dropped it) fails the request
 with 503 `embeddings_unavailable`; the gateway then re-encodes once.
 
+An encoder may also push an image's tokens here unasked, as soon as it has
+encoded them for a request the gateway is about to send to this engine
+(`PushedEmbedding`; the reference then says `pushed`): they travel while the
+gateway makes the request. A pushed tensor goes into the LRU; a request whose
+pushed tokens have not arrived yet waits for them up to
+`embed_push_wait_s`, then fetches as above (a push may be refused or lost).
+
 Concurrent requests for one new image (a burst of questions about it) fetch
 it once: the first request's fetch is marked in flight, and the others wait
 for it. If it brings nothing (it failed, or its request was cancelled), each
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import zmq
@@ -30,7 +38,9 @@ from cache.shared import SharedTier
 from protocol.sockets import AsyncDealer
 from protocol.tensors import meta_of, to_torch
 from protocol.to_encoder import FetchEmbeddings
-from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding
+from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding, PushedEmbedding
+
+PUSHES_REMEMBERED = 4096  # pushed tensors not yet used by a request (their keys only)
 
 
 class EmbeddingsUnavailable(Exception):
@@ -65,17 +75,43 @@ class _Encoder:
 
 
 class EmbeddingFetcher:
-    def __init__(self, ctx: zmq.asyncio.Context, capacity_bytes: int, timeout_s: float, shared: SharedTier | None = None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, capacity_bytes: int, timeout_s: float, shared: SharedTier | None = None,
+                 push_wait_s: float = 0.0) -> None:
         self.ctx = ctx
         self.cache = EmbeddingCache(capacity_bytes)
         self.timeout_s = timeout_s
+        self.push_wait_s = push_wait_s
         self.shared = shared
         self.fetched = 0  # images fetched from an encoder or the shared tier
         self.fetched_bytes = 0  # on the sockets to encoders
         self.joined = 0  # images another request was already fetching: waited for, not fetched again
+        self.pushed = 0  # images a request found pushed here (arrived before it, or while it waited)
+        self.pushed_bytes = 0
         self._encoders: dict[str, _Encoder] = {}
         self._fetching: dict[tuple[bytes, bytes], asyncio.Future] = {}  # (key, identity) → the fetch bringing it
+        self._awaited: dict[tuple[bytes, bytes], asyncio.Future] = {}  # pushes a request waits for
+        self._arrived: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # pushes no request used yet
         self._ids = itertools.count()
+
+    @property
+    def takes_pushes(self) -> bool:
+        return self.cache.capacity_bytes > 0  # a push that arrives first waits in the LRU
+
+    def received(self, push: PushedEmbedding, frames: Sequence) -> None:
+        """An encoder's push: handed to the requests waiting for it, and kept in the LRU."""
+        if len(frames) != 1:
+            raise ValueError(f"a pushed embedding comes as 1 frame, not {len(frames)}")
+        tensor = to_torch(push.embeddings, frames[0])
+        self.pushed_bytes += memoryview(frames[0]).nbytes
+        self.cache.put(push.key, CachedEmbedding(tensor, push.grid_thw, push.identity))
+        slot = (push.key, push.identity)
+        waiting = self._awaited.pop(slot, None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(tensor)
+            return
+        self._arrived[slot] = None
+        while len(self._arrived) > PUSHES_REMEMBERED:
+            self._arrived.popitem(last=False)
 
     def _count(self, direction: str, nbytes: int) -> None:
         self.fetched_bytes += nbytes
@@ -92,14 +128,15 @@ class EmbeddingFetcher:
             raise ValueError(f"{len(frames)} embedding frames for {sum(not i.source for i in images)} images sent inline")
         inline = iter(frames)
         found: list = [to_torch(image.embeddings, next(inline)) if not image.source else None for image in images]
+        if awaited := {i: self._push_of(image) for i, image in enumerate(images) if self._push_on_its_way(image)}:
+            await self._await_pushes(images, awaited, found)
         wanted: dict[str, list[int]] = {}
         joining: dict[int, asyncio.Future] = {}
         for index, image in enumerate(images):
-            if not image.source:
+            if not image.source or found[index] is not None:
                 continue
-            cached = self.cache.get(image.key, image.identity)
-            if cached is not None:
-                found[index] = cached.embeddings
+            if (here := self._here(image)) is not None:
+                found[index] = here
             elif (pending := self._fetching.get((image.key, image.identity))) is not None:
                 joining[index] = pending
             else:
@@ -109,6 +146,38 @@ class EmbeddingFetcher:
         if joining:
             await self._join(images, joining, found)
         return found
+
+    def _here(self, image: ImageEmbedding):
+        """The LRU's tensor for `image`, or None. A push that arrived before its
+        request counts as pushed, not as a hit."""
+        slot = (image.key, image.identity)
+        arrived = self._arrived.pop(slot, 0) is None
+        cached = self.cache.get(image.key, image.identity, record=not arrived)
+        self.pushed += arrived and cached is not None
+        return None if cached is None else cached.embeddings
+
+    def _push_on_its_way(self, image: ImageEmbedding) -> bool:
+        """Pushed, and neither here yet nor arrived and evicted since (then only a fetch brings it)."""
+        return (image.pushed and (image.key, image.identity) not in self._arrived
+                and self.cache.get(image.key, image.identity, record=False) is None)
+
+    def _push_of(self, image: ImageEmbedding) -> asyncio.Future:
+        slot = (image.key, image.identity)
+        if slot not in self._awaited:
+            self._awaited[slot] = asyncio.get_running_loop().create_future()
+        return self._awaited[slot]
+
+    async def _await_pushes(self, images: Sequence[ImageEmbedding], awaited: dict[int, asyncio.Future], found: list) -> None:
+        """Wait up to `push_wait_s` for pushes on their way; what does not come is fetched."""
+        try:
+            await asyncio.wait(awaited.values(), timeout=self.push_wait_s)  # never cancels them: others may wait too
+        finally:
+            for index, future in awaited.items():
+                if future.done():
+                    found[index] = future.result()
+                    self.pushed += 1
+                elif self._awaited.get(slot := (images[index].key, images[index].identity)) is future:
+                    del self._awaited[slot]  # not come: if it comes later, the LRU keeps it
 
     async def _fetch_marked(self, images: Sequence[ImageEmbedding], wanted: dict[str, list[int]], found: list) -> None:
         """`_fetch`, with each image it brings marked in flight until it ends."""

@@ -39,7 +39,7 @@ from common.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, PushedEmbedding
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
@@ -123,7 +123,8 @@ def embedding_fetcher(config: EngineConfig, ctx: zmq.asyncio.Context) -> Embeddi
         from cache.shared import SharedTier
 
         shared = SharedTier(config.shared_cache_url, config.shared_cache_timeout_ms / 1000, config.shared_cache_retry_s)
-    return EmbeddingFetcher(ctx, int(config.embedding_cache_mb * 2**20), config.embed_fetch_timeout_s, shared)
+    return EmbeddingFetcher(ctx, int(config.embedding_cache_mb * 2**20), config.embed_fetch_timeout_s, shared,
+                            config.embed_push_wait_s)
 
 
 @dataclass(eq=False)
@@ -217,18 +218,27 @@ class EngineService:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
                 await self._accept(peer, message, frames, time.monotonic())
+            elif isinstance(message, PushedEmbedding):
+                self._received(message, frames)
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
                 await self._send(peer, self.stats())
             elif isinstance(message, Hello):
-                await self._send(peer, EngineReady(self.model_name, self.config.max_model_len, self.shape is not None))
+                ready = EngineReady(self.model_name, self.config.max_model_len, self.shape is not None, self.fetcher.takes_pushes)
+                await self._send(peer, ready)
+
+    def _received(self, push: PushedEmbedding, frames) -> None:
+        try:
+            self.fetcher.received(push, frames)
+        except ValueError as exc:  # a malformed push costs its request a fetch, never the loop
+            log.warning("a pushed embedding was dropped: %s", exc)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
             self.watch.steps, self.watch.stalls, self.fetcher.cache.stats.hits, self.fetcher.fetched,
-            self.fetcher.fetched_bytes, self.fetcher.joined,
+            self.fetcher.fetched_bytes, self.fetcher.joined, self.fetcher.pushed, self.fetcher.pushed_bytes,
         )
 
     async def _accept(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:

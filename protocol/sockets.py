@@ -123,6 +123,36 @@ class AsyncSubscriber(_Typed[In]):
         return self._decoder.decode(await self.socket.recv())
 
 
+class Pusher:
+    """Unasked messages to services' ROUTERs (an encoder's visual tokens to the
+    engine that will need them), from a blocking loop that must not wait: one
+    DEALER per address, made at first use. A message is queued only on a
+    connection that is up (IMMEDIATE) and below `queue_limit` messages, else
+    it is not sent (`send` says False) and the receiver asks for it instead."""
+
+    def __init__(self, ctx: zmq.Context, queue_limit: int) -> None:
+        self.ctx = ctx
+        self.queue_limit = queue_limit
+        self._sockets: dict[str, zmq.Socket] = {}
+
+    def send(self, address: str, message: Message, frames: Sequence[Any] = ()) -> bool:
+        if address not in self._sockets:
+            socket = self.ctx.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IMMEDIATE, 1)
+            socket.setsockopt(zmq.SNDHWM, self.queue_limit)
+            socket.connect(address)
+            self._sockets[address] = socket
+        try:
+            self._sockets[address].send_multipart(pack(message, frames), zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:  # not connected (yet), or its queue is full
+            return False
+
+    def close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close(linger=0)
+
+
 class SyncRouter(_Typed[In]):
     """A ROUTER for a blocking run loop (the encoder's)."""
 

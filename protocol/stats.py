@@ -91,6 +91,8 @@ class EncoderStats(Message):
     stalls: int = 0  # batches that ran far past their predicted time
     fetches: int = 0  # images engines fetched from here
     fetch_misses: int = 0  # asked for and no longer held (the gateway re-encodes them)
+    pushes: int = 0  # images pushed to the engine of the request they were encoded for
+    push_refusals: int = 0  # pushes not queued (engine not connected yet, or its queue full): fetched instead
 
 
 class EngineStats(Message):
@@ -106,3 +108,5 @@ class EngineStats(Message):
     embeddings_fetched: int = 0  # images fetched from an encoder or the shared tier
     fetched_bytes: int = 0  # on the engine's sockets to encoders (headers and tensors)
     embedding_fetch_joins: int = 0  # images another request was fetching already: waited for, not fetched again
+    embeddings_pushed: int = 0  # images whose tokens their encoder pushed here unasked, used by a request
+    pushed_bytes: int = 0  # tensor bytes encoders pushed here

@@ -25,6 +25,11 @@ class EncodeRequest(Message):
     request_id: str
     images: list[ImageInput]
     retry: bool = False  # answers an EncodeNeedsPixels: its lookups were counted already
+    # The engine this request will go to (its address, as the gateway knows it):
+    # each image encoded for it is pushed there (PushedEmbedding) the moment its
+    # batch ends, so the tokens travel while the gateway makes the request.
+    # "": none; the engine fetches them.
+    push_to: str = ""
 
 
 class CancelEncode(Message):

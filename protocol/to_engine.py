@@ -25,6 +25,9 @@ class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # of this message, one per such image, in order.
     source: str = ""
     identity: bytes = b""  # what `key` was hashed from: checked on every fetch (cache/lru.py)
+    # `source` pushed the tensor to this engine as it encoded it (PushedEmbedding):
+    # it may still be on its way; the engine waits for it before fetching.
+    pushed: bool = False
 
 
 # What an image part's URL says once its pixels have become embeddings.
@@ -42,12 +45,30 @@ class GenerateRequest(Message):
     chat: bytes
     images: list[ImageEmbedding] = []
 
+    def unpushed(self) -> "GenerateRequest":
+        """This request for an engine no encoder pushed its tokens to (a failover):
+        it fetches them at once instead of waiting for pushes that are not coming."""
+        if not any(image.pushed for image in self.images):
+            return self
+        images = [msgspec.structs.replace(image, pushed=False) for image in self.images]
+        return msgspec.structs.replace(self, images=images)
+
 
 class AbortGenerate(Message):
     request_id: str
 
 
-EngineInbound = GenerateRequest | AbortGenerate | Hello | StatsRequest
+class PushedEmbedding(Message):
+    """From an encoder, unasked: an image's tokens, encoded for a request the
+    gateway is about to send here (EncodeRequest.push_to). One frame."""
+
+    key: bytes
+    identity: bytes
+    embeddings: ArrayMeta
+    grid_thw: tuple[int, int, int] | None
+
+
+EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | Hello | StatsRequest
 
 
 class FetchedEmbeddings(Message):

@@ -58,6 +58,7 @@ class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cache_hit: bool
     key: bytes  # the content key (encoder fingerprint + the gateway's digest), never truncated
     identity: bytes  # what the key was hashed from (fingerprint + digest): checked on every fetch
+    pushed: bool = False  # sent to the request's engine (EncodeRequest.push_to) already: not held for a fetch
 
 
 class EncoderTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -93,6 +94,7 @@ class EngineReady(Message):
     model: str
     max_model_len: int
     takes_images: bool = True  # False: a text-only model, served with no encoder
+    takes_pushes: bool = False  # its LRU keeps visual tokens an encoder pushes unasked (PushedEmbedding)
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

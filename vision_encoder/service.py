@@ -32,11 +32,11 @@ import zmq
 from cache import CachedEmbedding, EmbeddingCache, content_key
 from cache.shared import SharedTier
 from protocol.base import Hello
-from protocol.sockets import SyncRouter
+from protocol.sockets import Pusher, SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
-from protocol.tensors import meta_of, to_numpy
+from protocol.tensors import meta_of, to_frame, to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
-from protocol.to_engine import FetchedEmbeddings
+from protocol.to_engine import FetchedEmbeddings, PushedEmbedding
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
@@ -48,6 +48,7 @@ from vision_encoder.work import PendingRequest, RunningBatch, batch_stages, requ
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
+PUSH_QUEUE_LIMIT = 16  # pushes queued per engine; past it the engine fetches instead
 
 
 @dataclass
@@ -63,6 +64,7 @@ class EncoderService:
     express_wake_sender: zmq.Socket  # used by the express thread only
     watch: BatchWatch
     handoff: Handoff
+    pusher: Pusher
     shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
     running: list[RunningBatch] = field(default_factory=list)  # oldest first; at most pipeline_depth
@@ -75,6 +77,8 @@ class EncoderService:
     batches: int = 0
     fetches: int = 0
     fetch_misses: int = 0
+    pushes: int = 0
+    push_refusals: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
 
@@ -103,6 +107,7 @@ class EncoderService:
             express_wake_sender=express_wake_sender,
             watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
             handoff=Handoff(config.handoff_ttl_s),
+            pusher=Pusher(ctx, PUSH_QUEUE_LIMIT),
             shared=shared,
         )
 
@@ -206,6 +211,8 @@ class EncoderService:
             stalls=self.watch.stalls,
             fetches=self.fetches,
             fetch_misses=self.fetch_misses,
+            pushes=self.pushes,
+            push_refusals=self.push_refusals,
         )
 
     def _fetch(self, peer: bytes, fetch: FetchEmbeddings) -> None:
@@ -222,7 +229,7 @@ class EncoderService:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
         keys = [content_key(self.tower.fingerprint, image.digest) for image in request.images]
-        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys)
+        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to)
         misses, lacking = [], []
         for index, key, image, frame in self._look_up(state, request, frames):
             if frame is None:
@@ -350,6 +357,7 @@ class EncoderService:
             self.cache.put(job.key, value)
             if self.shared is not None:
                 self.shared.put(job.key, value)
+            self._push(job, value)
             for state, index in job.waiters:
                 state.results[index] = (value, False)
                 # a request that joined a running batch did not queue before it
@@ -358,6 +366,22 @@ class EncoderService:
         for state in requests_of(batch.jobs):
             state.encode_s += times.busy_s  # once per batch, however many of its images it held
             self._reply_if_done(state)
+
+    def _push(self, job: Job, value: CachedEmbedding) -> None:
+        """Send newly encoded tokens to each engine its waiting requests go to,
+        before anyone is answered: they travel while the gateway makes the request."""
+        waiting = [(state, index) for state, index in job.waiters if state.push_to and not state.cancelled]
+        for address in {state.push_to for state, _ in waiting}:
+            state, index = next((s, i) for s, i in waiting if s.push_to == address)
+            meta, frame = to_frame(value.embeddings)
+            push = PushedEmbedding(state.keys[index], value.identity, meta, value.grid_thw)
+            if not self.pusher.send(address, push, [frame]):
+                self.push_refusals += 1
+                continue
+            self.pushes += 1
+            for state, index in waiting:
+                if state.push_to == address:
+                    state.pushed.add(index)
 
     def _fail_batch(self, batch: list[Job], message: str) -> None:
         for state in requests_of(batch):
@@ -372,9 +396,11 @@ class EncoderService:
         self.pending.pop((state.peer, state.request_id), None)
         images = []
         now = time.monotonic()
-        for (value, hit), key in zip(state.results, state.keys):
-            self.handoff.hold(key, value, now)  # until an engine fetches it (vision_encoder/handoff.py)
-            images.append(EncodedImage(meta_of(value.embeddings), value.grid_thw, hit, key, value.identity))
+        for index, ((value, hit), key) in enumerate(zip(state.results, state.keys)):
+            pushed = index in state.pushed
+            if not pushed:  # held until an engine fetches it (vision_encoder/handoff.py)
+                self.handoff.hold(key, value, now)
+            images.append(EncodedImage(meta_of(value.embeddings), value.grid_thw, hit, key, value.identity, pushed))
         timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
             encode_queue_s=state.encode_queue_s,

@@ -1,7 +1,8 @@
-"""Visual tokens go from encoder to engine by reference (llm_engine/fetch.py):
-the gateway carries keys, the engine fetches the tensors from the encoder that
-holds them, keeps recent ones in its own LRU, and a lost tensor costs one
-re-encode or a 503, never a hang.
+"""Visual tokens go from encoder to engine, never through the gateway
+(llm_engine/fetch.py): the gateway carries keys; the encoder pushes a new
+image's tokens to the request's engine as it encodes them, or the engine
+fetches them from the encoder that holds them; the engine keeps recent ones in
+its own LRU, and a lost tensor costs one re-encode or a 503, never a hang.
 
 Beside the session stack, this module starts encoders of its own (one to kill,
 one that keeps nothing) and a gateway on the second; both encoders hand their
@@ -60,6 +61,7 @@ def forgetful(stack, run_dir):
                     PRISM_ENCODER__CACHE_CAPACITY_MB="0", PRISM_ENCODER__HANDOFF_TTL_S="0.000001")
     port = free_port()
     gateway = spawn("gateway", open(run_dir / "forgetful-gateway.log", "wb"), PRISM_GATEWAY__PORT=str(port),
+                    PRISM_GATEWAY__PUSH_EMBEDDINGS="false",  # else the engine has the tokens before it could miss them
                     PRISM_GATEWAY__ENCODER_ADDRESSES=f"[{address}]",
                     PRISM_GATEWAY__ENGINE_ADDRESSES=f"[{stack.engine_addresses[0]}]")
     try:
@@ -80,30 +82,76 @@ def metric(samples: dict, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    return metric(after, name, **labels) - metric(before, name, **labels)
+
+
+def moved(samples: dict) -> float:
+    """Token bytes that reached the engine from encoders: fetched or pushed."""
+    return metric(samples, "prism_engine_fetched_bytes_total") + metric(samples, "prism_engine_pushed_bytes_total")
+
+
+def ask(stack, name: str) -> None:
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body(name), timeout=60)
+    assert response.status_code == 200, response.text
+
+
 def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stack):
     before = scrape(stack)
     images = 4
     for i in range(images):
-        response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body(f"by-reference-{i}"), timeout=60)
-        assert response.status_code == 200, response.text
-    wait_until(lambda: metric(scrape(stack), "prism_engine_embeddings_total", source="fetched")
-               >= metric(before, "prism_engine_embeddings_total", source="fetched") + images, 10, "the engine's fetches in its stats")
+        ask(stack, f"by-reference-{i}")
+    reached = ("fetched", "pushed")
+    wait_until(lambda: sum(delta(before, scrape(stack), "prism_engine_embeddings_total", source=s) for s in reached) >= images,
+               10, "the tokens the engine received, in its stats")
     after = scrape(stack)
-    fetched = metric(after, "prism_engine_fetched_bytes_total") - metric(before, "prism_engine_fetched_bytes_total")
-    from_encoder = (metric(after, "prism_gateway_peer_bytes_total", peer="encoder", direction="received")
-                    - metric(before, "prism_gateway_peer_bytes_total", peer="encoder", direction="received"))
-    to_engine = (metric(after, "prism_gateway_peer_bytes_total", peer="engine", direction="sent")
-                 - metric(before, "prism_gateway_peer_bytes_total", peer="engine", direction="sent"))
+    tokens = moved(after) - moved(before)
+    from_encoder = delta(before, after, "prism_gateway_peer_bytes_total", peer="encoder", direction="received")
+    to_engine = delta(before, after, "prism_gateway_peer_bytes_total", peer="engine", direction="sent")
     # The tokens crossed encoder → engine once; the gateway's replies from the
     # encoder (heartbeats included) hold a fraction of them.
-    assert fetched > 0 and from_encoder < fetched / 4, (fetched, from_encoder)
-    assert to_engine < fetched, (to_engine, fetched)
+    assert tokens > 0 and from_encoder < tokens / 4, (tokens, from_encoder)
+    assert to_engine < tokens, (to_engine, tokens)
 
-    again = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body("by-reference-0"), timeout=60)
-    assert again.status_code == 200
-    wait_until(lambda: metric(scrape(stack), "prism_engine_embeddings_total", source="engine_cache")
-               > metric(after, "prism_engine_embeddings_total", source="engine_cache"), 10, "a hit in the engine's LRU")
-    assert metric(scrape(stack), "prism_engine_fetched_bytes_total") == metric(after, "prism_engine_fetched_bytes_total")
+    ask(stack, "by-reference-0")
+    wait_until(lambda: delta(after, scrape(stack), "prism_engine_embeddings_total", source="engine_cache") > 0, 10,
+               "a hit in the engine's LRU")
+    assert moved(scrape(stack)) == moved(after)
+
+
+def settled(stack) -> dict:
+    """A scrape once the services' heartbeats (1 s) have caught up: two in a
+    row, more than a heartbeat apart, agree on every handoff counter."""
+    previous: list[dict] = [{}]
+
+    def agree() -> bool:
+        samples = scrape(stack)
+        counters = {k: v for k, v in samples.items() if "push" in k[0] or "fetch" in k[0] or k[0] == "prism_engine_embeddings_total"}
+        same, previous[0] = counters == previous[0], counters
+        return same
+
+    wait_until(agree, 15, "the handoff counters settled", every_s=1.5)
+    return scrape(stack)
+
+
+def test_new_images_tokens_are_pushed_to_the_engine_and_never_fetched(stack):
+    ask(stack, "push-warm-up")  # the encoder's connection to the engine is up after its first push
+    before = settled(stack)
+    images = 3
+    for i in range(images):
+        ask(stack, f"pushed-{i}")
+
+    def counted(samples: dict) -> bool:  # the engine's and the encoder's heartbeats both in
+        return (delta(before, samples, "prism_engine_embeddings_total", source="pushed") >= images
+                and delta(before, samples, "prism_encoder_pushes_total", outcome="sent") >= images)
+
+    wait_until(lambda: counted(scrape(stack)), 10, "the engine used each image's pushed tokens")
+    after = scrape(stack)
+    assert delta(before, after, "prism_engine_embeddings_total", source="pushed") == images
+    assert delta(before, after, "prism_encoder_pushes_total", outcome="sent") == images
+    assert delta(before, after, "prism_engine_embeddings_total", source="fetched") == 0
+    assert delta(before, after, "prism_engine_fetched_bytes_total") == 0
+    assert delta(before, after, "prism_engine_pushed_bytes_total") > 0
 
 
 def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_not_a_hang(stack, run_dir):

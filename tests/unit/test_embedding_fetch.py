@@ -6,7 +6,9 @@ tests/integration/test_embedding_handoff.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+import msgspec
 import pytest
 import torch
 import zmq.asyncio
@@ -16,7 +18,7 @@ from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
 from protocol.sockets import AsyncRouter
 from protocol.tensors import meta_of, to_frame
 from protocol.to_encoder import EncoderInbound, FetchEmbeddings
-from protocol.to_engine import FetchedEmbeddings, ImageEmbedding
+from protocol.to_engine import FetchedEmbeddings, GenerateRequest, ImageEmbedding, PushedEmbedding
 from vision_encoder.handoff import Handoff
 
 TOKENS = torch.randn(6, 128, dtype=torch.bfloat16)
@@ -112,3 +114,72 @@ async def _concurrent_requests_fetch_an_image_once() -> None:
 
 def test_concurrent_requests_for_one_new_image_fetch_it_once():
     asyncio.run(_concurrent_requests_fetch_an_image_once())
+
+
+def pushed_reference(key: bytes, source: str) -> ImageEmbedding:
+    return msgspec.structs.replace(reference(key, source), pushed=True)
+
+
+def push(fetcher: EmbeddingFetcher, key: bytes, tensor: torch.Tensor) -> None:
+    meta, frame = to_frame(tensor)
+    fetcher.received(PushedEmbedding(key, b"id-" + key, meta, (1, 4, 6)), [frame])
+
+
+async def _pushes() -> None:
+    ctx = zmq.asyncio.Context()
+    source = "inproc://encoder-push"
+    encoder = Encoder(ctx, source, {b"late": TOKENS * 3, b"x": TOKENS})
+    fetcher = EmbeddingFetcher(ctx, capacity_bytes=2**20, timeout_s=0.5, push_wait_s=0.3)
+    try:
+        push(fetcher, b"a", TOKENS)  # before its request: it is used, nothing is fetched
+        got = await fetcher.tensors([pushed_reference(b"a", source)], [])
+        assert torch.equal(got[0], TOKENS) and fetcher.pushed == 1 and fetcher.cache.stats.hits == 0
+        waiting = asyncio.create_task(fetcher.tensors([pushed_reference(b"b", source)], []))
+        await asyncio.sleep(0.05)  # the request first: it waits for the push
+        push(fetcher, b"b", TOKENS * 2)
+        assert torch.equal((await waiting)[0], TOKENS * 2) and fetcher.pushed == 2
+        assert encoder.asked == [] and fetcher.pushed_bytes == 2 * TOKENS.numel() * 2
+        started = time.monotonic()  # a push that never comes: fetched once push_wait_s has passed
+        got = await fetcher.tensors([pushed_reference(b"late", source)], [])
+        assert torch.equal(got[0], TOKENS * 3) and time.monotonic() - started >= 0.3
+        assert encoder.asked == [[b"late"]] and not fetcher._awaited
+        again = await fetcher.tensors([pushed_reference(b"a", source)], [])  # a repeat is a plain hit
+        assert torch.equal(again[0], TOKENS) and (fetcher.pushed, fetcher.cache.stats.hits) == (2, 1)
+        with pytest.raises(ValueError, match="1 frame, not 0"):
+            fetcher.received(PushedEmbedding(b"c", b"id-c", meta_of(TOKENS), None), [])
+    finally:
+        encoder.close()
+        fetcher.close()
+        ctx.destroy(linger=0)
+
+
+def test_pushed_tokens_are_used_whether_they_come_before_or_after_the_request_and_fetched_if_they_never_come():
+    asyncio.run(_pushes())
+
+
+async def _evicted_push() -> None:
+    ctx = zmq.asyncio.Context()
+    source = "inproc://encoder-evicted"
+    encoder = Encoder(ctx, source, {b"x": TOKENS})
+    fetcher = EmbeddingFetcher(ctx, capacity_bytes=TOKENS.numel() * 2, timeout_s=0.5, push_wait_s=5)  # holds one
+    try:
+        push(fetcher, b"x", TOKENS)
+        push(fetcher, b"y", TOKENS * 2)  # evicts x
+        started = time.monotonic()
+        got = await fetcher.tensors([pushed_reference(b"x", source)], [])
+        assert torch.equal(got[0], TOKENS) and time.monotonic() - started < 2 and encoder.asked == [[b"x"]]
+    finally:
+        encoder.close()
+        fetcher.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_push_that_arrived_and_was_evicted_is_fetched_without_waiting_for_it():
+    asyncio.run(_evicted_push())
+
+
+def test_a_request_for_another_engine_than_the_pushed_one_waits_for_no_push():
+    request = GenerateRequest("r", b"{}", [pushed_reference(b"a", "tcp://e"), reference(b"b", "tcp://e")])
+    assert not any(image.pushed for image in request.unpushed().images)
+    plain = GenerateRequest("r", b"{}", [reference(b"b", "tcp://e")])
+    assert plain.unpushed() is plain

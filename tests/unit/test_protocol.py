@@ -44,6 +44,7 @@ from protocol.to_engine import (
     FetchInbound,
     GenerateRequest,
     ImageEmbedding,
+    PushedEmbedding,
 )
 from protocol.to_gateway import (
     AnyresInfo,
@@ -94,14 +95,16 @@ CASES = [
             ImageInput(bytes(range(16, 32))),  # look-up only
         ],
         retry=True,
+        push_to="tcp://engine-0.internal:5556",
     )),
     (EncoderInbound, CancelEncode("chatcmpl-41")),
+    (EngineInbound, PushedEmbedding(b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16), QWEN_EMBEDDINGS, (1, 34, 46))),
     (EncoderInbound, FetchEmbeddings("fetch-7", [b"\x07" * 16, b"\x08" * 16], [b"9c1e2f0a77d4" + bytes(16), b"9c1e2f0a77d4" + bytes(range(16))])),
     (EngineInbound, GenerateRequest(
         "chatcmpl-41",
         CHAT,
         [
-            ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16)),
+            ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16), True),
             ImageEmbedding(ArrayMeta("float16", (729, 896)), None),  # inline: a frame of the message
         ],
     )),
@@ -119,14 +122,14 @@ CASES = [
     (GatewayInbound, EncoderReady("OpenGVLab/InternVL3-1B-hf", "7a2f9b4c0e11", TilesInfo(448, 1, 12, True, 256))),
     (GatewayInbound, EncodeResult(
         "chatcmpl-41",
-        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16)),
+        [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16), True),
          EncodedImage(ArrayMeta("float16", (729, 896)), None, False, b"\x08" * 16, b"9c1e2f0a77d4" + bytes(range(16)))],
         EncoderTimings(0.0004, 0.0125, 0.0851, 0.1013),
     )),
     (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "encoder queue is full (512 images waiting)", 429)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "vision encoder is stalled; retry shortly", 503, "encoder_stalled")),
-    (GatewayInbound, EngineReady("Qwen/Qwen2.5-VL-7B-Instruct", 32768)),
+    (GatewayInbound, EngineReady("Qwen/Qwen2.5-VL-7B-Instruct", 32768, takes_pushes=True)),
     (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41", [ChoiceDelta(0, "A red")], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0)
@@ -156,7 +159,7 @@ CASES = [
     )),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400)),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "engine core died", 503, "engine_dead")),
-    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000, 12)),
+    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000, 12, 655, 6_138_000_000)),
     (GatewayInbound, EncoderStats(
         "a8f20b",
         queue_depth=5,
@@ -179,6 +182,8 @@ CASES = [
         stalls=2,
         fetches=740,
         fetch_misses=3,
+        pushes=655,
+        push_refusals=2,
     )),
     (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
     (SiblingInbound, WorkerLoad(3, 17)),
