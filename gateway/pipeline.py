@@ -151,11 +151,16 @@ class ChatPipeline:
 
     async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
                       engine: int | None):
-        """Ask the encoder by digest first: cached images are never decoded here.
-        Only the images it reports missing are decoded and sent with pixels; a
-        third round (an entry evicted in between) sends every image's pixels.
-        The images it encodes it pushes to replica `engine`, if not None."""
-        pixels: dict[int, PreparedImage] = {}
+        """Images this process has sent to an encoder before are asked for by
+        digest first: a cached image is never decoded here. The others are
+        most likely new, so they are decoded at once and go with pixels in
+        the first round, saving a round trip (a wrong guess costs a decode:
+        the encoder still answers from its cache). The images the encoder
+        reports missing are then decoded and sent; a third round (an entry
+        evicted in between) sends every image's pixels. The images it encodes
+        it pushes to replica `engine`, if not None."""
+        unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
+        pixels = dict(zip(unseen, await self._decode([items[i] for i in unseen], timer))) if unseen else {}
         push_to = "" if engine is None else self.engine.replicas[engine].address
         with self.encoder.route(digests) as route:
             for retry, last_round in ((False, False), (True, False), (True, True)):

@@ -179,6 +179,10 @@ class ReplicaPool(Generic[C]):
         turn = next(self._rotation)  # ties rotate
         return min(candidates, key=lambda i: (self.replicas[i].outstanding, (i - turn) % len(self.replicas)))
 
+    def routed(self, digest: bytes) -> bool:
+        """This process sent this image to a replica recently (its cache may hold it)."""
+        return digest in self._last_served
+
     def remember(self, digests: Iterable[bytes], index: int) -> None:
         for digest in digests:
             self._last_served[digest] = index

@@ -1,0 +1,96 @@
+"""How many rounds the gateway takes with the encoder for an image: one with
+pixels for an image this process never sent (most likely new), a lookup by
+digest first for one it did (a cache hit is then never decoded), and pixels
+when the encoder reports the lookup missed. The real pipeline and encoder pool
+over real DEALER/ROUTER sockets; the 'encoder' answers by hand from `held`."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import zmq.asyncio
+from PIL import Image
+
+from bench.intake import qwen_policy
+from gateway.config import GatewayConfig
+from gateway.encoder_pool import EncoderPool
+from gateway.intake import digest_of, inspect
+from gateway.pipeline import ChatPipeline
+from gateway.timing import RequestTimer
+from protocol.base import Hello
+from protocol.sockets import AsyncRouter
+from protocol.tensors import ArrayMeta
+from protocol.to_encoder import EncodeRequest, EncoderInbound
+from protocol.to_gateway import EncodedImage, EncodeNeedsPixels, EncoderReady, EncoderTimings, EncodeResult, ProcessorInfo
+
+POLICY = qwen_policy(140 * 140)
+
+
+class Encoder:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        self.router = AsyncRouter(ctx, address, EncoderInbound)
+        self.held: set[bytes] = set()
+        self.rounds: list[list[bool]] = []  # per EncodeRequest: which images came with pixels
+        self.task = asyncio.create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            peer, message, _ = await self.router.recv()
+            if isinstance(message, Hello):
+                await self.router.send(peer, EncoderReady("m", "fingerprint", ProcessorInfo(14, 2, 56 * 56, 140 * 140)))
+            elif isinstance(message, EncodeRequest):
+                await self.router.send(peer, self._answer(message))
+
+    def _answer(self, request: EncodeRequest):
+        self.rounds.append([image.pixels is not None for image in request.images])
+        missing = [i for i, image in enumerate(request.images) if image.pixels is None and image.digest not in self.held]
+        if missing:
+            return EncodeNeedsPixels(request.request_id, missing, 0.0, 0.0)
+        images = [EncodedImage(ArrayMeta("float32", (25, 128)), (1, 10, 10), image.digest in self.held, image.digest, image.digest)
+                  for image in request.images]
+        self.held.update(image.digest for image in request.images)
+        return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0))
+
+    def stop(self) -> None:
+        self.task.cancel()
+        self.router.close()
+
+
+def png(color: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), color).save(out, "PNG")
+    return out.getvalue()
+
+
+async def _rounds(tmp_path) -> None:
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/encoder.sock"
+    encoder = Encoder(ctx, address)
+    pools = [EncoderPool(ctx, [address], heartbeat_timeout_s=30) for _ in range(2)]  # two gateway processes
+    try:
+        for pool in pools:
+            await pool.connect(timeout_s=5)
+        first, second = (ChatPipeline(GatewayConfig(), pool, None, POLICY, None) for pool in pools)
+        items = [inspect(png((200, 10, 10)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
+        digests = [digest_of(item, POLICY) for item in items]
+
+        async def encode(pipeline: ChatPipeline) -> list[list[bool]]:
+            before = len(encoder.rounds)
+            await pipeline._encode("r", items, digests, RequestTimer(), None)
+            return encoder.rounds[before:]
+
+        assert await encode(first) == [[True]]  # never sent by this process: pixels at once, one round
+        assert await encode(first) == [[False]]  # sent before: looked up by digest, never decoded
+        assert await encode(second) == [[True]]  # another process's first time: pixels, answered as a hit
+        encoder.held.clear()  # evicted since
+        assert await encode(first) == [[False], [True]]  # the lookup misses: pixels in a second round
+    finally:
+        for pool in pools:
+            await pool.close()
+        encoder.stop()
+        ctx.destroy(linger=0)
+
+
+def test_unseen_images_go_with_pixels_at_once_and_seen_ones_are_looked_up_first(tmp_path):
+    asyncio.run(_rounds(tmp_path))
