@@ -140,6 +140,7 @@ class Pusher:
             socket = self.ctx.socket(zmq.DEALER)
             socket.setsockopt(zmq.IMMEDIATE, 1)
             socket.setsockopt(zmq.SNDHWM, self.queue_limit)
+            socket.setsockopt(zmq.LINGER, 0)  # best effort: an exiting encoder never waits on a push
             socket.connect(address)
             self._sockets[address] = socket
         try:

@@ -247,7 +247,7 @@ def test_abandoned_unique_image_is_not_encoded(faulty):
     dropped_before = metric_total(faulty, "prism_encoder_jobs_dropped_total")
     sent_before = metric_total(faulty, "prism_encoder_replica_requests_total")
 
-    def encoder_requests() -> float:  # a new image takes two: its digest, then its pixels (pipeline._encode)
+    def encoder_requests() -> float:  # one per request: new images go with their pixels at once (pipeline._encode)
         return metric_total(faulty, "prism_encoder_replica_requests_total") - sent_before
 
     # One image per batch (this stack's setting): two requests of eight images
@@ -257,10 +257,10 @@ def test_abandoned_unique_image_is_not_encoded(faulty):
     bodies = [{"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_url(f"busy-{r}-{i}", (1280, 720))}} for i in range(8)]}]} for r in range(2)]
     futures = [busy.submit(httpx.post, f"{faulty.base_url}/v1/chat/completions", timeout=60, json=body) for body in bodies]
-    wait_until(lambda: encoder_requests() >= 2 * 2, 10, "both requests' images sent to the encoder")
+    wait_until(lambda: encoder_requests() >= 2, 10, "both requests' images sent to the encoder")
     abandoned = {"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url("abandoned", (1280, 960))}}]}]}
     # queued behind them, then abandoned
-    post_then_hang_up(faulty, abandoned, lambda: encoder_requests() >= 2 * 3)
+    post_then_hang_up(faulty, abandoned, lambda: encoder_requests() >= 3)
     assert [f.result().status_code for f in futures] == [200, 200], [f.result().text[:300] for f in futures]
     busy.shutdown()
     wait_until(lambda: metric_total(faulty, "prism_encoder_jobs_dropped_total") > dropped_before, 10, "the abandoned encode dropped")
