@@ -39,7 +39,7 @@ class EnginePool(ReplicaPool[EngineClient]):
         that its encoder can push the visual tokens there (`generate`'s first
         pick, remembered); None when none is up or it keeps no pushes."""
         index = self.pick(digests, set())
-        if index is None or not getattr(self.replicas[index].info, "takes_pushes", False):
+        if index is None or not self.replicas[index].info.takes_pushes:  # picked: up, so it answered the handshake
             return None
         self.remember(digests, index)
         return index

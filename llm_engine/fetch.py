@@ -151,7 +151,9 @@ class EmbeddingFetcher:
         """The LRU's tensor for `image`, or None. A push that arrived before its
         request counts as pushed, not as a hit."""
         slot = (image.key, image.identity)
-        arrived = self._arrived.pop(slot, 0) is None
+        arrived = slot in self._arrived
+        if arrived:
+            del self._arrived[slot]
         cached = self.cache.get(image.key, image.identity, record=not arrived)
         self.pushed += arrived and cached is not None
         return None if cached is None else cached.embeddings

@@ -6,6 +6,7 @@ tests/integration/test_embedding_handoff.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import msgspec
@@ -64,11 +65,22 @@ class Encoder:
         self.router.close()
 
 
-async def _fetches() -> None:
+@contextlib.asynccontextmanager
+async def encoder_and_fetcher(source: str, held: dict[bytes, torch.Tensor], **fetcher_args):
+    """An answering encoder at `source` and an engine's fetcher, closed after."""
     ctx = zmq.asyncio.Context()
-    encoder = Encoder(ctx, "inproc://encoder-a", {b"a": TOKENS, b"b": TOKENS * 2})
-    fetcher = EmbeddingFetcher(ctx, capacity_bytes=2**20, timeout_s=0.5)
+    encoder = Encoder(ctx, source, held)
+    fetcher = EmbeddingFetcher(ctx, **{"capacity_bytes": 2**20, "timeout_s": 0.5, **fetcher_args})
     try:
+        yield encoder, fetcher
+    finally:
+        encoder.close()
+        fetcher.close()
+        ctx.destroy(linger=0)
+
+
+async def _fetches() -> None:
+    async with encoder_and_fetcher("inproc://encoder-a", {b"a": TOKENS, b"b": TOKENS * 2}) as (encoder, fetcher):
         got = await fetcher.tensors([reference(b"a", "inproc://encoder-a"), reference(b"b", "inproc://encoder-a")], [])
         assert torch.equal(got[0], TOKENS) and torch.equal(got[1], TOKENS * 2)
         moved = fetcher.fetched_bytes
@@ -83,10 +95,6 @@ async def _fetches() -> None:
             await fetcher.tensors([ImageEmbedding(meta_of(TOKENS), (1, 4, 6))], [])
         inline = await fetcher.tensors([ImageEmbedding(*to_frame(TOKENS)[:1], (1, 4, 6))], [to_frame(TOKENS)[1]])
         assert torch.equal(inline[0], TOKENS)
-    finally:
-        encoder.close()
-        fetcher.close()
-        ctx.destroy(linger=0)
 
 
 def test_the_engine_fetches_by_reference_keeps_an_lru_and_never_waits_unbounded():
@@ -94,10 +102,7 @@ def test_the_engine_fetches_by_reference_keeps_an_lru_and_never_waits_unbounded(
 
 
 async def _concurrent_requests_fetch_an_image_once() -> None:
-    ctx = zmq.asyncio.Context()
-    encoder = Encoder(ctx, "inproc://encoder-burst", {b"a": TOKENS})
-    fetcher = EmbeddingFetcher(ctx, capacity_bytes=2**20, timeout_s=0.5)
-    try:
+    async with encoder_and_fetcher("inproc://encoder-burst", {b"a": TOKENS}) as (encoder, fetcher):
         burst = await asyncio.gather(*(fetcher.tensors([reference(b"a", "inproc://encoder-burst")], []) for _ in range(3)))
         assert all(torch.equal(got[0], TOKENS) for got in burst)
         assert encoder.asked == [[b"a"]] and (fetcher.fetched, fetcher.joined) == (1, 2)
@@ -106,10 +111,6 @@ async def _concurrent_requests_fetch_an_image_once() -> None:
                                     return_exceptions=True)
         assert all(isinstance(error, EmbeddingsUnavailable) for error in gone)
         assert encoder.asked[1:] == [[b"gone"], [b"gone"]] and not fetcher._fetching
-    finally:
-        encoder.close()
-        fetcher.close()
-        ctx.term()
 
 
 def test_concurrent_requests_for_one_new_image_fetch_it_once():
@@ -126,11 +127,8 @@ def push(fetcher: EmbeddingFetcher, key: bytes, tensor: torch.Tensor) -> None:
 
 
 async def _pushes() -> None:
-    ctx = zmq.asyncio.Context()
     source = "inproc://encoder-push"
-    encoder = Encoder(ctx, source, {b"late": TOKENS * 3, b"x": TOKENS})
-    fetcher = EmbeddingFetcher(ctx, capacity_bytes=2**20, timeout_s=0.5, push_wait_s=0.3)
-    try:
+    async with encoder_and_fetcher(source, {b"late": TOKENS * 3}, push_wait_s=0.3) as (encoder, fetcher):
         push(fetcher, b"a", TOKENS)  # before its request: it is used, nothing is fetched
         got = await fetcher.tensors([pushed_reference(b"a", source)], [])
         assert torch.equal(got[0], TOKENS) and fetcher.pushed == 1 and fetcher.cache.stats.hits == 0
@@ -147,10 +145,6 @@ async def _pushes() -> None:
         assert torch.equal(again[0], TOKENS) and (fetcher.pushed, fetcher.cache.stats.hits) == (2, 1)
         with pytest.raises(ValueError, match="1 frame, not 0"):
             fetcher.received(PushedEmbedding(b"c", b"id-c", meta_of(TOKENS), None), [])
-    finally:
-        encoder.close()
-        fetcher.close()
-        ctx.destroy(linger=0)
 
 
 def test_pushed_tokens_are_used_whether_they_come_before_or_after_the_request_and_fetched_if_they_never_come():
@@ -158,20 +152,13 @@ def test_pushed_tokens_are_used_whether_they_come_before_or_after_the_request_an
 
 
 async def _evicted_push() -> None:
-    ctx = zmq.asyncio.Context()
     source = "inproc://encoder-evicted"
-    encoder = Encoder(ctx, source, {b"x": TOKENS})
-    fetcher = EmbeddingFetcher(ctx, capacity_bytes=TOKENS.numel() * 2, timeout_s=0.5, push_wait_s=5)  # holds one
-    try:
+    async with encoder_and_fetcher(source, {b"x": TOKENS}, capacity_bytes=TOKENS.numel() * 2, push_wait_s=5) as (encoder, fetcher):  # holds one
         push(fetcher, b"x", TOKENS)
         push(fetcher, b"y", TOKENS * 2)  # evicts x
         started = time.monotonic()
         got = await fetcher.tensors([pushed_reference(b"x", source)], [])
         assert torch.equal(got[0], TOKENS) and time.monotonic() - started < 2 and encoder.asked == [[b"x"]]
-    finally:
-        encoder.close()
-        fetcher.close()
-        ctx.destroy(linger=0)
 
 
 def test_a_push_that_arrived_and_was_evicted_is_fetched_without_waiting_for_it():
