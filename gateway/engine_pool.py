@@ -10,9 +10,9 @@ replica with the fewest requests outstanding.
 A replica that refuses (503: down, restarted or draining; 429: its queue is
 full) before the first token is replaced by another, with the same request:
 nothing was sent to the client yet (and if its encoder pushed the visual
-tokens to the first replica, the other is told to fetch them). Once tokens have flowed, a failure ends
-the request with its error (a stream gets a final error event), as with one
-engine.
+tokens to the first replica, the other is told to fetch them). Once tokens
+have flowed, a failure ends the request with its error (a stream gets a final
+error event), as with one engine.
 """
 
 from __future__ import annotations

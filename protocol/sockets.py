@@ -149,10 +149,6 @@ class Pusher:
         except zmq.Again:  # not connected (yet), or its queue is full
             return False
 
-    def close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close(linger=0)
-
 
 class SyncRouter(_Typed[In]):
     """A ROUTER for a blocking run loop (the encoder's)."""

@@ -370,18 +370,22 @@ class EncoderService:
     def _push(self, job: Job, value: CachedEmbedding) -> None:
         """Send newly encoded tokens to each engine its waiting requests go to,
         before anyone is answered: they travel while the gateway makes the request."""
-        waiting = [(state, index) for state, index in job.waiters if state.push_to and not state.cancelled]
-        for address in {state.push_to for state, _ in waiting}:
-            state, index = next((s, i) for s, i in waiting if s.push_to == address)
-            meta, frame = to_frame(value.embeddings)
+        by_engine: dict[str, list[tuple[PendingRequest, int]]] = {}
+        for state, index in job.waiters:
+            if state.push_to and not state.cancelled:
+                by_engine.setdefault(state.push_to, []).append((state, index))
+        if not by_engine:
+            return
+        meta, frame = to_frame(value.embeddings)
+        for address, waiters in by_engine.items():
+            state, index = waiters[0]  # one image: every waiter holds the same full key
             push = PushedEmbedding(state.keys[index], value.identity, meta, value.grid_thw)
             if not self.pusher.send(address, push, [frame]):
                 self.push_refusals += 1
                 continue
             self.pushes += 1
-            for state, index in waiting:
-                if state.push_to == address:
-                    state.pushed.add(index)
+            for state, index in waiters:
+                state.pushed.add(index)
 
     def _fail_batch(self, batch: list[Job], message: str) -> None:
         for state in requests_of(batch):
