@@ -21,6 +21,7 @@ import xxhash
 
 from cache import content_key
 from common.families import Family
+from vision_encoder.patch_matmul import patch_convs_as_matmul
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,9 @@ class VisionTower:
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return model.to(self.device, self.dtype).eval()
+        model = model.to(self.device, self.dtype).eval()
+        patch_convs_as_matmul(model, self.device)  # as vLLM's towers run them (patch_matmul.py)
+        return model
 
     def vision_weight(self, name: str) -> str | None:
         """The tower module's name for a checkpoint weight, or None if it is not a vision weight."""
