@@ -29,7 +29,7 @@ _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")
 
 @dataclass(frozen=True)
 class Preprocessed:
-    pixel_values: torch.Tensor  # (n_images, most tiles, 3, tile, tile), padded
+    pixel_values: torch.Tensor  # (n_images, most tiles, 3, tile, tile), padded, in the tower's dtype
     image_sizes: torch.Tensor  # (n_images, 2): (height, width) before the gateway downscaled
 
 
@@ -111,13 +111,13 @@ class AnyresTower(VisionTower):
         out = self.processor(images=[image.pixels for image in images], return_tensors="pt")
         # The tiles come from the pixels as sent; the unpadding follows the original
         # aspect ratio, as vLLM's does on the raw image (the best pinpoint is the same).
-        return Preprocessed(out["pixel_values"], torch.tensor([image.original_size for image in images]))
+        return Preprocessed(out["pixel_values"].to(self.dtype), torch.tensor([image.original_size for image in images]))
 
     @torch.inference_mode()
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, None]]:
         shrink = {} if self.layout.max_tiles is None else {"vision_aspect_ratio": f"anyres_max_{self.layout.max_tiles}"}
         out = self.model.get_image_features(
-            batch.pixel_values.to(self.device, self.dtype), batch.image_sizes,
+            batch.pixel_values.to(self.device), batch.image_sizes,
             vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy, **shrink,
         )
         return [(features.to("cpu").contiguous(), None) for features in out.pooler_output]

@@ -22,7 +22,7 @@ _VISION_PREFIXES = ("model.visual.", "visual.")
 
 @dataclass(frozen=True)
 class Preprocessed:
-    pixel_values: torch.Tensor  # (Σ patches, C·T·P·P)
+    pixel_values: torch.Tensor  # (Σ patches, C·T·P·P), already in the tower's dtype
     grid_thw: torch.Tensor  # (n_images, 3)
 
 
@@ -71,11 +71,11 @@ class QwenTower(VisionTower):
 
     def preprocess(self, images: list[TowerImage]) -> Preprocessed:
         out = self.processor(images=[image.pixels for image in images], return_tensors="pt")
-        return Preprocessed(out["pixel_values"], out["image_grid_thw"])
+        return Preprocessed(out["pixel_values"].to(self.dtype), out["image_grid_thw"])
 
     @torch.inference_mode()
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, tuple[int, int, int]]]:
-        pixels = batch.pixel_values.to(self.device, self.dtype)
+        pixels = batch.pixel_values.to(self.device)
         out = self.model(pixels, grid_thw=batch.grid_thw.to(self.device))
         # Qwen3-VL: each DeepStack layer's feature beside the merger's tokens, as vLLM takes them
         merged = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1) if self.family.deepstack else out.pooler_output

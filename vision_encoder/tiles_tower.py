@@ -34,7 +34,7 @@ _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
 
 @dataclass(frozen=True)
 class Preprocessed:
-    pixel_values: torch.Tensor  # (Σ tiles, 3, tile, tile)
+    pixel_values: torch.Tensor  # (Σ tiles, 3, tile, tile), in the tower's dtype
     tiles: list[int]  # per image
 
 
@@ -119,14 +119,14 @@ class TilesTower(VisionTower):
             out = self.processor(images=[image.pixels], min_patches=crops, max_patches=crops, return_tensors="pt")
             if out["pixel_values"].shape[0] != count:
                 raise ValueError(f"image of original size {image.original_size}: {out['pixel_values'].shape[0]} tiles, expected {count}")
-            pixels.append(out["pixel_values"])
+            pixels.append(out["pixel_values"].to(self.dtype))
             tiles.append(count)
         return Preprocessed(torch.cat(pixels), tiles)
 
     @torch.inference_mode()
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, None]]:
         out = self.model.get_image_features(
-            batch.pixel_values.to(self.device, self.dtype),
+            batch.pixel_values.to(self.device),
             vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy,
         )
         features = out.pooler_output  # (Σ tiles, tokens per tile, hidden)

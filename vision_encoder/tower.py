@@ -148,6 +148,9 @@ class VisionTower:
         raise NotImplementedError
 
     def preprocess(self, images: list[TowerImage]) -> Any:
+        """The processor's output, pixels already cast to the tower's dtype: the
+        cast runs here on the preprocessing thread, not on the ViT's (the
+        bottleneck thread on a CPU)."""
         raise NotImplementedError
 
     def encode(self, batch: Any) -> list[tuple[torch.Tensor, tuple[int, int, int] | None]]:
