@@ -13,7 +13,7 @@ in each, one streaming request decodes 2000 tokens (`ignore_eos`) while:
   - an independent process sleeps 50 ms at a time and reports how late it woke.
 It prints, per setting, the medians over rounds and the ratios sleep / spin.
 
-Run: .venv/bin/python -m bench.shm_wait [--rounds 4] [--sleep-us 20]
+Run: .venv/bin/python -m bench.shm_wait [--rounds 4] [--sleep-us 100]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def one_round(stack: LocalStack) -> Round:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--sleep-us", type=int, default=20)
+    parser.add_argument("--sleep-us", type=int, default=100)
     args = parser.parse_args()
     settings = [Setting("spin (vLLM's own)", 0), Setting(f"sleep {args.sleep_us} us", args.sleep_us)]
     with tempfile.TemporaryDirectory(prefix="prism-shm-wait-") as tmp:
