@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,33 @@ from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
 
 
+def _ephemeral_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port outside the kernel's ephemeral range.
+
+    A port from bind(0) is free now, but the gateway binds it only after its
+    start-up handshake (tens of seconds), and meanwhile vLLM's own bind(0)s
+    (torch's store, in the stack and in a reference server beside it) draw
+    from that same range. Below it, only another caller of this function
+    competes, and the random start makes two callers unlikely to collide."""
+    ephemeral = _ephemeral_ports()
+    candidates = [port for port in range(20000, 32768) if port not in ephemeral]
+    start = random.randrange(len(candidates))
+    for port in candidates[start:] + candidates[:start]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32767")
 
 
 def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
@@ -48,6 +72,13 @@ def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) 
             pass
         time.sleep(0.2)  # polling an HTTP endpoint: the handshake behind it is the real signal
     raise TimeoutError(f"{base_url} not ready within {timeout_s} s")
+
+
+def log_tail(path: Path, max_chars: int = 6000) -> str:
+    try:
+        return path.read_text(errors="replace")[-max_chars:]
+    except OSError as exc:
+        return f"(unreadable: {exc})"
 
 
 @contextlib.contextmanager
@@ -108,7 +139,7 @@ class LocalStack:
 
     def start(self, timeout_s: float = 420) -> "LocalStack":
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path or self.run_dir / "stack.log", "wb")
+        log = open(self.stack_log, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "prism", "serve"], cwd=REPO_ROOT, env=self.environment(),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -116,12 +147,17 @@ class LocalStack:
         self._wait_ready(timeout_s)
         return self
 
+    @property
+    def stack_log(self) -> Path:
+        return self.log_path or self.run_dir / "stack.log"
+
     def _wait_ready(self, timeout_s: float) -> None:
         try:
             wait_for_health(self.base_url, self.process, timeout_s)
         except (RuntimeError, TimeoutError) as exc:
             self.stop()
-            raise type(exc)(f"{exc}; see {self.run_dir}/stack.log") from None
+            # The log's end says why; CI keeps only what the test prints, not the run directory.
+            raise type(exc)(f"{exc}; the end of {self.stack_log}:\n{log_tail(self.stack_log)}") from None
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

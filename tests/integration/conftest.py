@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.stack import LocalStack
+from prism.stack import LocalStack, log_tail
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images
 
 MODEL_NAME = "prism-demo"
@@ -56,7 +56,7 @@ class Reference:
     def results(self) -> dict:
         if self._results is None:
             if self.process.wait(timeout=600) != 0:
-                raise RuntimeError(f"vLLM reference run failed; see {self.log}")
+                raise RuntimeError(f"vLLM reference run failed; the end of {self.log}:\n{log_tail(self.log)}")
             self._results = json.loads(self.out.read_text())
         return self._results
 
