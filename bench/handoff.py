@@ -21,7 +21,16 @@ false`: the engine fetches them once the request reaches it).
 Byte counts are totals over each phase divided by its requests; they include
 the gateway's heartbeats (about 0.3 KB a second each way).
 
-Run: .venv/bin/python -m bench.handoff [--images 6] [--modes push fetch]
+First, the floors, in this process: a ZMQ round trip over tcp:// loopback
+carrying a new image's pixels (3.14 MB) and one carrying its tokens (9.56
+MB), and writing 9.56 MB into a buffer this process already owns; each back
+to back and after `--pause` seconds idle, about one new image's request at
+these widths. On some machines memory turns slow after a pause (seen on this
+project's virtual machines: writing 9.56 MB took 0.4 ms back to back and 13
+ms after 2 s idle, the CPU itself no slower), and every hop of a new image
+comes after one: `embed_transfer` is judged against the floor after a pause.
+
+Run: .venv/bin/python -m bench.handoff [--images 6] [--modes push fetch] [--pause 2.5]
 (a commit from before references: its engine figures show as 0.)
 """
 
@@ -31,17 +40,24 @@ import argparse
 import base64
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+import zmq
 
 from bench.ttft import SERVED_NAME
-from prism.stack import LocalStack
+from prism.stack import LocalStack, free_port
 from prism.synthetic import encode, make_image
 from prism.tiny_models import ensure_tiny_model
 
 SIZE = (1280, 800)
+# A 1280×800 image at its target size (smart_resize: 812×1288, 29×46 merged patches) in uint8,
+# the bytes to the encoder; and its 1,334 visual tokens, 3584 wide in bf16, the bytes to the engine.
+PIXEL_BYTES = 812 * 1288 * 3
+TOKEN_BYTES = 1334 * 3584 * 2
 OVERRIDES = {
     "PRISM_ENCODER__DTYPE": "bfloat16",
     "PRISM_ENGINE__DTYPE": "bfloat16",
@@ -51,6 +67,64 @@ OVERRIDES = {
 }
 MODES = {"push": {"PRISM_GATEWAY__PUSH_EMBEDDINGS": "true"}, "fetch": {"PRISM_GATEWAY__PUSH_EMBEDDINGS": "false"}}
 CONNECTIONS = [("encoder", "sent"), ("encoder", "received"), ("engine", "sent"), ("engine", "received")]
+
+
+def _timed(action, pause_s: float, rounds: int) -> float:
+    """Median ms of `action()` run `rounds` times, each after `pause_s` idle."""
+    times = []
+    for _ in range(rounds):
+        time.sleep(pause_s)
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def transfer_floor(nbytes: int, pause_s: float, rounds: int) -> float:
+    """DEALER → ROUTER over tcp:// loopback with `nbytes` as a frame, a small
+    reply back: the wire and ZMQ alone, no Python work between (the ROUTER
+    answers from a thread)."""
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind(address)
+    dealer.connect(address)
+
+    def answer():
+        for _ in range(rounds + 1):
+            peer, *_ = router.recv_multipart(copy=False)
+            router.send_multipart([peer, b"ok"])
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    payload = np.ones(nbytes, np.uint8)
+
+    def round_trip():
+        dealer.send_multipart([b"header", payload], copy=False)
+        dealer.recv_multipart()
+
+    round_trip()  # connects
+    median = _timed(round_trip, pause_s, rounds)
+    thread.join()
+    ctx.destroy(linger=0)
+    return median
+
+
+def floors(pause_s: float, rounds: int = 5) -> list[tuple[str, float, float]]:
+    """(what, ms back to back, ms after `pause_s` idle)."""
+    buffer = np.zeros(TOKEN_BYTES, np.uint8)
+    out = [(f"write {_size(TOKEN_BYTES)} into an owned buffer", _timed(lambda: buffer.fill(1), 0, rounds),
+            _timed(lambda: buffer.fill(1), pause_s, rounds))]
+    for what, nbytes in (("pixels", PIXEL_BYTES), ("tokens", TOKEN_BYTES)):
+        out.append((f"ZMQ tcp:// round trip with the {what} ({_size(nbytes)})", transfer_floor(nbytes, 0, rounds),
+                    transfer_floor(nbytes, pause_s, rounds)))
+    return out
+
+
+def floor_report(rows: list[tuple[str, float, float]], pause_s: float) -> str:
+    lines = [f"| floor | back to back | after {pause_s:g} s idle |", "|---|---|---|"]
+    lines += [f"| {what} | {warm:.2f} ms | {cold:.2f} ms |" for what, warm, cold in rows]
+    return "\n".join(lines)
 
 
 def counters(base_url: str) -> dict[str, float]:
@@ -113,7 +187,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=6)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--pause", type=float, default=2.5, help="idle seconds before each floor round (about one new image's request)")
     args = parser.parse_args()
+    floor = floor_report(floors(args.pause), args.pause)
     model = ensure_tiny_model("qwen2.5-vl-7b-widths")
     jpegs = [encode(make_image(f"handoff-{i}", SIZE)) for i in range(args.images)]
     phases = {}
@@ -125,6 +201,7 @@ def main() -> None:
                     ask(stack.base_url, encode(make_image(warm_up, SIZE)))
                 phases[f"{label}: new images"] = phase(stack.base_url, jpegs)
                 phases[f"{label}: the same again"] = phase(stack.base_url, jpegs)
+    print(f"Floors, in this process:\n\n{floor}\n")
     print(f"{args.images} requests per phase, one 1280×800 JPEG each, bf16, tcp:// (bytes per request)\n")
     print(report(phases))
 
