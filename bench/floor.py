@@ -16,7 +16,8 @@ image is 25 visual tokens and the model's own work takes milliseconds):
    4K and 1080p JPEGs (new images) and a repeated image. TTFT, and Prism's
    stage medians beside their floors.
 3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
-   Prism's `parse` p90 per resolution bucket.
+   Prism's `parse` p90 per resolution bucket; and how long new work waited
+   for the gateway's event loop meanwhile (`prism_gateway_loop_lag_seconds`).
 
 Run: .venv/bin/python -m bench.floor [--trials 8] [--requests 64] [--prism-only] [--gateway-workers 2] [--no-push]
 """
@@ -31,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import zmq
 
@@ -180,11 +182,32 @@ def mixed(base_url: str, requests: int) -> dict:
     return load_test(target, MIXED, Arrival(concurrency=8), Plan(requests=requests, warmup=2, progress=False))
 
 
+def loop_lag_buckets(base_url: str) -> dict[float, float]:
+    """The gateway's `prism_gateway_loop_lag_seconds` histogram: cumulative count by upper bound."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "prism_gateway_loop_lag_seconds_bucket"}
+
+
+def _at_most(ms: float) -> str:
+    return f"≤ {ms:g} ms" if ms != float("inf") else "> 1000 ms"
+
+
+def loop_lag_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound (ms) of the bucket holding quantile `q` of the samples taken between two scrapes."""
+    counts = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    total = counts[float("inf")]
+    return next(bound for bound, count in counts.items() if count >= q * total) * 1000
+
+
 def stage_median(stages: list[dict], name: str) -> float:
     return statistics.median(s[name] for s in stages)
 
 
-def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm_mixed: dict | None, prism_mixed: dict) -> str:
+def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm_mixed: dict | None, prism_mixed: dict,
+           lag: tuple[dict, dict]) -> str:
     lines = ["## Floors (this process)", "", "| hop | floor |", "|---|---|"]
     for name, value in floor.items():
         lines.append(f"| {name} | {value:.0f} bytes |" if name == "embedding bytes" else f"| {name} | {value:.2f} ms |")
@@ -220,6 +243,10 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
         ttft = prism_mixed["by_bucket"][bucket]["p50_ttft_ms"]
         lines.append(f"| {bucket} | {row['parse']['p50']:.1f} | {row['parse']['p90']:.1f} | {row['image_fetch']['p50']:.1f} | "
                      f"{row['embed_transfer']['p50']:.1f} | {ttft:.0f} |")
+    lines += ["", "The gateway's event loop meanwhile (`prism_gateway_loop_lag_seconds`: how long new work waited for it;"
+              " the upper bound of the bucket each quantile falls in):", "",
+              "| p50 | p90 | p99 |", "|---|---|---|",
+              "| " + " | ".join(_at_most(loop_lag_quantile(*lag, q)) for q in (0.5, 0.9, 0.99)) + " |"]
     return "\n".join(lines)
 
 
@@ -246,8 +273,10 @@ def main() -> None:
                      "PRISM_GATEWAY__PUSH_EMBEDDINGS": "false" if args.no_push else "true"}
         with LocalStack(Path(run_dir) / "prism", overrides, model=MODEL) as stack:
             prism, prism_stages = one_at_a_time(stack.base_url, images)
+            lag_before = loop_lag_buckets(stack.base_url)
             prism_mixed = mixed(stack.base_url, args.requests)
-    print(report(floor, vllm, prism, prism_stages, vllm_mixed, prism_mixed))
+            lag = (lag_before, loop_lag_buckets(stack.base_url))
+    print(report(floor, vllm, prism, prism_stages, vllm_mixed, prism_mixed, lag))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig, ModelRoute
 from gateway.dashboard import DashboardWindow, ServiceSample, finished_request
 from gateway.errors import APIError
 from gateway.fetch import FetchLimits, ImageFetcher
+from gateway.loop_probe import LoopProbe
 from gateway.intake import ImageLimits
 from gateway.models import ServedModel
 from gateway.parsing import validation_error
@@ -67,6 +68,7 @@ class Gateway:
         self.models: dict[str, ServedModel] = {}
         self.retired: list[ServedModel] = []  # draining after a reload; still exported until gone
         self._sampler: asyncio.Task | None = None
+        self._loop_probe: LoopProbe | None = None
         self._reloading = asyncio.Lock()
         self.auth = Authenticator(config.api_keys)
         self.limiter = ConcurrencyLimiter.for_worker(
@@ -90,6 +92,8 @@ class Gateway:
         if self.slot.count > 1:
             self.siblings = Siblings(self.ctx, self.run_dir, self.slot, self.window)
         self._sampler = asyncio.create_task(self._sample_every(self.config.stats_interval_s))
+        self._loop_probe = LoopProbe(asyncio.get_running_loop(), metrics.LOOP_LAG_SECONDS.observe)
+        self._loop_probe.start()
         REGISTRY.register(self.stats_collector)
         log.info("Prism ready: http://%s:%d/v1 (models %s%s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)),
                  f"; worker {self.slot.index + 1} of {self.slot.count}" if self.slot.count > 1 else "")
@@ -158,6 +162,8 @@ class Gateway:
     async def stop(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
+        if self._loop_probe is not None:
+            self._loop_probe.stop()
         with contextlib.suppress(KeyError):
             REGISTRY.unregister(self.stats_collector)
         if self.siblings is not None:

@@ -98,6 +98,8 @@ def test_one_scrape_shows_every_service(stack):
 
     # the services' figures come from the stats the gateway polls (every second)
     wait_until(lambda: not missing(), 10, "one scrape showing every stage and every service's metrics")
+    # the loop probe samples ten times a second, requests or not
+    assert scrape(stack)[("prism_gateway_loop_lag_seconds_count", ())] > 0
 
 
 def test_the_gateway_counts_the_bytes_it_moves_to_and_from_each_service(stack):

@@ -1,0 +1,28 @@
+"""The loop probe sees a callback that holds the event loop, and a free loop as free."""
+
+import asyncio
+import time
+
+from gateway.loop_probe import LoopProbe
+
+
+async def _probed(hold_s: float) -> list[float]:
+    seen: list[float] = []
+    probe = LoopProbe(asyncio.get_running_loop(), seen.append, interval_s=0.01)
+    probe.start()
+    await asyncio.sleep(0.1)
+    time.sleep(hold_s)  # one callback holding the loop, as a long parse would
+    await asyncio.sleep(0.1)
+    probe.stop()
+    return seen
+
+
+def test_a_held_loop_is_seen():
+    seen = asyncio.run(_probed(0.2))
+    assert max(seen) >= 0.15  # the probe posted during the hold waited it out
+    assert sorted(seen)[len(seen) // 2] < 0.01  # the rest of the time the loop was free
+
+
+def test_one_probe_at_a_time():
+    seen = asyncio.run(_probed(0.3))
+    assert len(seen) < 30  # about 20; a post every 10 ms, held ones included, would be 50
