@@ -4,6 +4,8 @@ always come out as uint8 (h, w, 3) within the pixel budget."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 
 import numpy as np
@@ -67,6 +69,23 @@ def test_mutated_valid_images(seed, edits, cut):
 @given(st.text(max_size=200))
 def test_arbitrary_data_urls(text):
     try:
-        decode_data_url("data:" + text, "messages[0].content[0]", 10_000)
+        decode_data_url("data:" + text, "messages[0].content[0]", POLICY.limits)
     except APIError as exc:
         assert exc.status in (400, 413)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode()),
+                 st.text(alphabet="ABCab019+/=-_ \n*é", max_size=40)))
+def test_data_urls_decode_as_the_standard_library_does(payload):
+    """pybase64 (SIMD) decodes them: the same bytes as `base64`, and the same payloads refused."""
+    try:
+        expected = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        expected = None
+    try:
+        got = decode_data_url("data:image/png;base64," + payload, "messages[0].content[0]", POLICY.limits)
+    except APIError as exc:
+        assert exc.status == 400 and "not valid base64" in exc.message
+        got = None
+    assert got == expected
