@@ -37,7 +37,7 @@ def qwen_policy(max_pixels: int, jpeg_draft: bool = False) -> IntakePolicy:
 
 
 def intake_one(url: str, policy: IntakePolicy) -> None:
-    raw = decode_data_url(url, "bench", policy.limits.max_bytes)
+    raw = decode_data_url(url, "bench", policy.limits)
     decode(inspect(raw, "bench", policy, policy.default_budget), policy)
 
 
