@@ -50,8 +50,10 @@ FAILOVERS = Counter("prism_replica_failovers", "Requests moved to another replic
 for _service in REPLICA_REQUESTS:
     FAILOVERS.labels(_service)  # exported at 0 before the first
 # How long a callback posted from another thread waited for the gateway's event loop (gateway/loop_probe.py).
-LOOP_LAG_SECONDS = Histogram("prism_gateway_loop_lag_seconds", "How long new work waited for the gateway's event loop (sampled 10 times a second)",
-                             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1))
+LOOP_LAG_SECONDS = Histogram(
+    "prism_gateway_loop_lag_seconds", "How long new work waited for the gateway's event loop (sampled 10 times a second)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
 PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets to encoders and engines (headers and frames)",
                      ["peer", "direction"])
 

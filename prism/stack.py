@@ -42,10 +42,11 @@ def free_port() -> int:
     """A free loopback port outside the kernel's ephemeral range.
 
     A port from bind(0) is free now, but the gateway binds it only after its
-    start-up handshake (tens of seconds), and meanwhile vLLM's own bind(0)s
-    (torch's store, in the stack and in a reference server beside it) draw
-    from that same range. Below it, only another caller of this function
-    competes, and the random start makes two callers unlikely to collide."""
+    start-up handshake (tens of seconds), and meanwhile every bind(0) and
+    every outgoing connection on the machine draws from that same range (in
+    the parity tests, two vLLM engines start beside it). Below it, only
+    another caller of this function competes, and the random start makes two
+    callers unlikely to collide."""
     ephemeral = _ephemeral_ports()
     candidates = [port for port in range(20000, 32768) if port not in ephemeral]
     start = random.randrange(len(candidates))
