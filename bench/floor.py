@@ -96,30 +96,50 @@ def tower_floor(images: list[bytes]):
     return median_ms(times[1:]), last
 
 
-def zmq_floor(payload_bytes: int, rounds: int = 200) -> float:
-    """DEALER → ROUTER → DEALER over ipc with the payload as a second frame, no Python work between."""
-    ctx = zmq.Context()
-    with tempfile.TemporaryDirectory() as directory:
-        address = f"ipc://{directory}/floor.sock"
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        router.bind(address)
-        dealer.connect(address)
-
-        def echo():
-            for _ in range(rounds):
-                router.send_multipart(router.recv_multipart(copy=False), copy=False)
-
-        thread = threading.Thread(target=echo)
-        thread.start()
-        payload, times = np.zeros(payload_bytes, np.uint8), []
-        for _ in range(rounds):
-            started = time.perf_counter()
-            dealer.send_multipart([b"header", payload], copy=False)
-            dealer.recv_multipart(copy=False)
-            times.append(time.perf_counter() - started)
-        thread.join()
-    ctx.destroy(linger=0)
+def timed_ms(action, rounds: int, pause_s: float = 0.0) -> float:
+    """Median ms of `action()` run `rounds` times, each after `pause_s` idle."""
+    times = []
+    for _ in range(rounds):
+        time.sleep(pause_s)
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
     return median_ms(times)
+
+
+def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: float = 0.0, echo: bool = True) -> float:
+    """DEALER → ROUTER → DEALER at `address` with the payload as a second frame,
+    no Python work between (the ROUTER answers from a thread): the message
+    itself back (`echo`), or a two-byte reply. A first, untimed round connects."""
+    ctx = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    router.bind(address)
+    dealer.connect(address)
+
+    def answer():
+        for _ in range(rounds + 1):
+            parts = router.recv_multipart(copy=False)
+            router.send_multipart(parts if echo else [parts[0], b"ok"], copy=False)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    payload = np.ones(payload_bytes, np.uint8)  # written pages: a calloc'd zero page would be read for free
+
+    def round_trip():
+        dealer.send_multipart([b"header", payload], copy=False)
+        dealer.recv_multipart(copy=False)
+
+    round_trip()
+    median = timed_ms(round_trip, rounds, pause_s)
+    thread.join()
+    ctx.destroy(linger=0)
+    return median
+
+
+def zmq_floor(payload_bytes: int, rounds: int = 200) -> float:
+    """A round trip over ipc carrying the payload both ways."""
+    with tempfile.TemporaryDirectory() as directory:
+        return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds)
 
 
 async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float]:

@@ -40,14 +40,13 @@ import argparse
 import base64
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
-import zmq
 
+from bench.floor import timed_ms, zmq_round_trip_ms
 from bench.ttft import SERVED_NAME
 from prism.stack import LocalStack, free_port
 from prism.synthetic import encode, make_image
@@ -69,52 +68,16 @@ MODES = {"push": {"PRISM_GATEWAY__PUSH_EMBEDDINGS": "true"}, "fetch": {"PRISM_GA
 CONNECTIONS = [("encoder", "sent"), ("encoder", "received"), ("engine", "sent"), ("engine", "received")]
 
 
-def _timed(action, pause_s: float, rounds: int) -> float:
-    """Median ms of `action()` run `rounds` times, each after `pause_s` idle."""
-    times = []
-    for _ in range(rounds):
-        time.sleep(pause_s)
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
-
-
 def transfer_floor(nbytes: int, pause_s: float, rounds: int) -> float:
-    """DEALER → ROUTER over tcp:// loopback with `nbytes` as a frame, a small
-    reply back: the wire and ZMQ alone, no Python work between (the ROUTER
-    answers from a thread)."""
-    ctx = zmq.Context()
-    address = f"tcp://127.0.0.1:{free_port()}"
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    router.bind(address)
-    dealer.connect(address)
-
-    def answer():
-        for _ in range(rounds + 1):
-            peer, *_ = router.recv_multipart(copy=False)
-            router.send_multipart([peer, b"ok"])
-
-    thread = threading.Thread(target=answer)
-    thread.start()
-    payload = np.ones(nbytes, np.uint8)
-
-    def round_trip():
-        dealer.send_multipart([b"header", payload], copy=False)
-        dealer.recv_multipart()
-
-    round_trip()  # connects
-    median = _timed(round_trip, pause_s, rounds)
-    thread.join()
-    ctx.destroy(linger=0)
-    return median
+    """`nbytes` to a ROUTER over tcp:// loopback, a small reply back: the wire and ZMQ alone."""
+    return zmq_round_trip_ms(f"tcp://127.0.0.1:{free_port()}", nbytes, rounds, pause_s, echo=False)
 
 
 def floors(pause_s: float, rounds: int = 5) -> list[tuple[str, float, float]]:
     """(what, ms back to back, ms after `pause_s` idle)."""
     buffer = np.zeros(TOKEN_BYTES, np.uint8)
-    out = [(f"write {_size(TOKEN_BYTES)} into an owned buffer", _timed(lambda: buffer.fill(1), 0, rounds),
-            _timed(lambda: buffer.fill(1), pause_s, rounds))]
+    out = [(f"write {_size(TOKEN_BYTES)} into an owned buffer", timed_ms(lambda: buffer.fill(1), rounds),
+            timed_ms(lambda: buffer.fill(1), rounds, pause_s))]
     for what, nbytes in (("pixels", PIXEL_BYTES), ("tokens", TOKEN_BYTES)):
         out.append((f"ZMQ tcp:// round trip with the {what} ({_size(nbytes)})", transfer_floor(nbytes, 0, rounds),
                     transfer_floor(nbytes, pause_s, rounds)))
