@@ -305,8 +305,11 @@ def test_a_body_sent_at_one_byte_a_second_gets_408_and_holds_no_slot(faulty):
 
 def test_a_stream_nobody_reads_is_cut_and_its_generation_aborted(faulty):
     rid = "unread-stream"
+    # Twenty alternatives per token make each chunk ~2 KB, so the buffers fill in a few thousand tokens: with
+    # ~200-byte chunks it took ~20,000, longer than the wait below on a slow machine (failed once so, at 150 s).
     body = json.dumps({"model": MODEL_NAME, "max_tokens": 30000, "ignore_eos": True, "temperature": 1.0, "seed": 3,
-                       "stream": True, "messages": [{"role": "user", "content": "Write a very long story."}]}).encode()
+                       "logprobs": True, "top_logprobs": 20, "stream": True,
+                       "messages": [{"role": "user", "content": "Write a very long story."}]}).encode()
     with socket.socket() as conn:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window fills in a few hundred tokens
         conn.connect(("127.0.0.1", faulty.port))
