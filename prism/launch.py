@@ -38,6 +38,13 @@ def takes_images(checkpoint: str) -> bool:
         raise SystemExit(f"{checkpoint}: {exc}") from None
 
 
+# glibc gives a freed block of 32 MB or less back to the heap, not to the kernel (mmap_threshold), and keeps the
+# heap (trim_threshold). Else every new image's visual tokens arrive in fresh pages: at Qwen2.5-VL-7B widths the
+# engine took 2,334 page faults per 9.56 MB received (about 5 ms on this project's VMs), and a reused block none.
+# docs/architecture.md, "Per-hop costs". A GLIBC_TUNABLES of the user's own is kept as it is.
+SERVICE_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+
+
 def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
     """One encoder per encoder address and one engine per engine address of every
     served model (an address shared by several names starts once), each told
@@ -47,7 +54,7 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
         checkpoint = resolve_model(route.checkpoint) if route.checkpoint else shared_model
         if Path(checkpoint) == RANDOM_MODEL:
             ensure_demo_model(RANDOM_MODEL)
-        env = {"PRISM_MODEL": checkpoint}
+        env = {"PRISM_MODEL": checkpoint, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", SERVICE_TUNABLES)}
         label = name or "default"
         if route.encoder_addresses and not takes_images(checkpoint):
             raise SystemExit(f"model {label} ({checkpoint}) is text-only: list no encoder addresses for it "
