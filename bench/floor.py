@@ -32,7 +32,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import zmq
 
@@ -45,7 +44,7 @@ from loadtest.client import Target
 from loadtest.runner import Arrival
 from loadtest.workload import WorkloadSpec, parse_buckets, parse_distribution
 from prism.demo_model import SHAPES_MODEL
-from prism.stack import LocalStack
+from prism.stack import LocalStack, scrape
 from prism.synthetic import encode, make_image
 
 MODEL = SHAPES_MODEL
@@ -204,11 +203,8 @@ def mixed(base_url: str, requests: int) -> dict:
 
 def loop_lag_buckets(base_url: str) -> dict[float, float]:
     """The gateway's `prism_gateway_loop_lag_seconds` histogram: cumulative count by upper bound."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    return {float(sample.labels["le"]): sample.value for family in text_string_to_metric_families(text)
-            for sample in family.samples if sample.name == "prism_gateway_loop_lag_seconds_bucket"}
+    return {float(dict(labels)["le"]): value for (name, labels), value in scrape(base_url).items()
+            if name == "prism_gateway_loop_lag_seconds_bucket"}
 
 
 def _at_most(ms: float) -> str:

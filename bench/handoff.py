@@ -48,7 +48,7 @@ import numpy as np
 
 from bench.floor import timed_ms, zmq_round_trip_ms
 from bench.ttft import SERVED_NAME
-from prism.stack import LocalStack, free_port
+from prism.stack import LocalStack, free_port, scrape
 from prism.synthetic import encode, make_image
 from prism.tiny_models import ensure_tiny_model
 
@@ -92,21 +92,13 @@ def floor_report(rows: list[tuple[str, float, float]], pause_s: float) -> str:
 
 def counters(base_url: str) -> dict[str, float]:
     """The byte and image counters this benchmark reads, from the gateway's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = {f"{peer} {direction}": ("prism_gateway_peer_bytes_total", {"peer": peer, "direction": direction})
+    wanted = {f"{peer} {direction}": ("prism_gateway_peer_bytes_total", (("direction", direction), ("peer", peer)))
               for peer, direction in CONNECTIONS}
-    wanted["engine fetched"] = ("prism_engine_fetched_bytes_total", {})
-    wanted["engine pushed"] = ("prism_engine_pushed_bytes_total", {})
-    wanted["engine cache hits"] = ("prism_engine_embeddings_total", {"source": "engine_cache"})
-    found = dict.fromkeys(wanted, 0.0)
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            for name, (metric, labels) in wanted.items():
-                if sample.name == metric and sample.labels == labels:
-                    found[name] = sample.value
-    return found
+    wanted["engine fetched"] = ("prism_engine_fetched_bytes_total", ())
+    wanted["engine pushed"] = ("prism_engine_pushed_bytes_total", ())
+    wanted["engine cache hits"] = ("prism_engine_embeddings_total", (("source", "engine_cache"),))
+    samples = scrape(base_url)
+    return {name: samples.get(sample, 0.0) for name, sample in wanted.items()}
 
 
 def ask(base_url: str, jpeg: bytes) -> dict:

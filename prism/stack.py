@@ -75,6 +75,15 @@ def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) 
     raise TimeoutError(f"{base_url} not ready within {timeout_s} s")
 
 
+def scrape(base_url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a gateway's /metrics, by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
 def log_tail(path: Path, max_chars: int = 6000) -> str:
     try:
         return path.read_text(errors="replace")[-max_chars:]

@@ -6,15 +6,14 @@ import asyncio
 import json
 import time
 
-import httpx
 import msgspec
 import psutil
 import torch
 import zmq.asyncio
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.faults import engine_core as engine_core_of
+from prism.stack import scrape as scrape_metrics
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
@@ -64,12 +63,7 @@ def engine_core(stack, address: str | None = None) -> psutil.Process:
 
 def scrape(stack) -> dict[tuple[str, tuple], float]:
     """Every sample of the gateway's /metrics, by (name, sorted labels); `stack`: a stack or a gateway's URL."""
-    text = httpx.get(f"{getattr(stack, 'base_url', stack)}/metrics", timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+    return scrape_metrics(getattr(stack, "base_url", stack))
 
 
 def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> float:
