@@ -38,10 +38,11 @@ def takes_images(checkpoint: str) -> bool:
         raise SystemExit(f"{checkpoint}: {exc}") from None
 
 
-# glibc gives a freed block of 32 MB or less back to the heap, not to the kernel (mmap_threshold), and keeps the
-# heap (trim_threshold). Else every new image's visual tokens arrive in fresh pages: at Qwen2.5-VL-7B widths the
-# engine took 2,334 page faults per 9.56 MB received (about 5 ms on this project's VMs), and a reused block none.
-# docs/architecture.md, "Per-hop costs". A GLIBC_TUNABLES of the user's own is kept as it is.
+# glibc then serves blocks of up to 32 MB from its heap rather than from fresh mappings (mmap_threshold), and keeps
+# the heap when they are freed (trim_threshold), so a freed block is reused. Else every new image's visual tokens
+# arrive in fresh pages: at Qwen2.5-VL-7B widths 2,334 page faults per 9.56 MB received (about 5 ms on this
+# project's VMs), and a reused block none. docs/architecture.md, "Page faults where the tokens land". A
+# GLIBC_TUNABLES of the user's own is kept as it is.
 SERVICE_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 
 
