@@ -92,13 +92,16 @@ def floor_report(rows: list[tuple[str, float, float]], pause_s: float) -> str:
 
 def counters(base_url: str) -> dict[str, float]:
     """The byte and image counters this benchmark reads, from the gateway's /metrics."""
-    wanted = {f"{peer} {direction}": ("prism_gateway_peer_bytes_total", (("direction", direction), ("peer", peer)))
+    def sample(name: str, **labels: str) -> tuple[str, tuple]:
+        return name, tuple(sorted(labels.items()))  # as `scrape` keys them
+
+    wanted = {f"{peer} {direction}": sample("prism_gateway_peer_bytes_total", peer=peer, direction=direction)
               for peer, direction in CONNECTIONS}
-    wanted["engine fetched"] = ("prism_engine_fetched_bytes_total", ())
-    wanted["engine pushed"] = ("prism_engine_pushed_bytes_total", ())
-    wanted["engine cache hits"] = ("prism_engine_embeddings_total", (("source", "engine_cache"),))
+    wanted["engine fetched"] = sample("prism_engine_fetched_bytes_total")
+    wanted["engine pushed"] = sample("prism_engine_pushed_bytes_total")
+    wanted["engine cache hits"] = sample("prism_engine_embeddings_total", source="engine_cache")
     samples = scrape(base_url)
-    return {name: samples.get(sample, 0.0) for name, sample in wanted.items()}
+    return {name: samples.get(key, 0.0) for name, key in wanted.items()}
 
 
 def ask(base_url: str, jpeg: bytes) -> dict:
