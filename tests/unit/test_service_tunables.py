@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from gateway.config import GatewayConfig
-from prism.demo_model import RANDOM_MODEL
+from prism.demo_model import SHAPES_MODEL
 from prism.launch import SERVICE_TUNABLES, service_children
 
 # A 9.56 MB block (one megapixel image's tokens at Qwen2.5-VL-7B widths) written, freed, then another written:
@@ -30,12 +30,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def _config() -> GatewayConfig:
     return GatewayConfig(models={"chat": {"encoder_addresses": ["ipc:///tmp/e.sock"], "engine_addresses": ["ipc:///tmp/g.sock"],
-                                          "checkpoint": str(RANDOM_MODEL)}})
+                                          "checkpoint": str(SHAPES_MODEL)}})
 
 
 def test_encoder_and_engine_get_the_tunables(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    children = service_children(_config(), None, str(RANDOM_MODEL))
+    children = service_children(_config(), None, str(SHAPES_MODEL))
     assert sorted(child.module for child in children) == ["llm_engine", "vision_encoder"]
     assert all(child.env["GLIBC_TUNABLES"] == SERVICE_TUNABLES for child in children)
 
@@ -43,7 +43,7 @@ def test_encoder_and_engine_get_the_tunables(monkeypatch):
 def test_a_users_own_tunables_are_kept(monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     assert all(child.env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"
-               for child in service_children(_config(), None, str(RANDOM_MODEL)))
+               for child in service_children(_config(), None, str(SHAPES_MODEL)))
 
 
 def _second_block_faults(tunables: str | None) -> int:
