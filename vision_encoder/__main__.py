@@ -27,7 +27,7 @@ def main() -> None:
     # wait out the grace period, then kill): stop at once. The gateway sends the encodes
     # it had here to another replica, as for an encoder that died.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    EncoderService.start(config, zmq.Context.instance()).run_forever()
+    EncoderService.start(config, zmq.Context.instance()).run_forever(wake_on_signals=True)
 
 
 if __name__ == "__main__":
