@@ -58,6 +58,10 @@ class EncoderPool(ReplicaPool[EncoderClient]):
         if index == len(self._encoding):
             self._encoding.append(Counter())  # a reused index's is empty: it was idle when closed
 
+    def serves_from(self, address: str) -> bool:
+        """A replica at `address` is up: references to its tokens are worth sending."""
+        return any(self.replicas[i].address == address for i in self.candidates(set()))
+
     def in_use(self, index: int) -> bool:
         """A route holds its replica between rounds, with no request outstanding."""
         return super().in_use(index) or bool(self._encoding[index])

@@ -21,7 +21,9 @@ from gateway.encoder_pool import EncoderPool
 from gateway.engine_pool import EnginePool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway import metrics
 from gateway.fetch import ImageFetcher
+from gateway.known_tokens import KnownTokens
 from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.record import RequestRecord
 from gateway.schemas import ChatCompletionRequest, ImagePart
@@ -94,6 +96,7 @@ class ChatPipeline:
         self.fetcher = fetcher
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
+        self.known = KnownTokens()  # references to images' tokens, for repeats (gateway/known_tokens.py)
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -195,6 +198,23 @@ class ChatPipeline:
         timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
         return [ImageEmbedding(i.embeddings, i.grid_thw, i.key, source, i.identity, i.pushed) for i in result.images]
 
+    def _recalled(self, digests: list[bytes], timer: RequestTimer) -> list[ImageEmbedding] | None:
+        """Every image's reference from an earlier encode, if all are known and
+        their encoders up: no encoder round (gateway/known_tokens.py)."""
+        refs = self.known.recall(digests)
+        if refs is None or not all(self.encoder.serves_from(ref.source) for ref in refs):
+            return None
+        timer.cache_hits += len(refs)
+        timer.visual_tokens += sum(ref.embeddings.shape[0] for ref in refs)
+        metrics.IMAGES_BY_KNOWN_REFERENCE.inc(len(refs))
+        return refs
+
+    async def _encoded_images(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
+                              engine: int | None) -> list[ImageEmbedding]:
+        refs = await self._encode(request_id, items, digests, timer, engine)
+        self.known.remember(digests, refs)
+        return refs
+
     async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         refs = image_refs(request)
         if refs and self.policy is None:
@@ -212,7 +232,8 @@ class ChatPipeline:
             images = await self._intake(request, refs, record)
             digests = [digest_of(item, self.policy) for item in images]
             engine = self.engine.push_target(digests) if self.config.push_embeddings else None
-            embeddings = await self._encode(record.id, images, digests, record.timer, engine)
+            embeddings = (self._recalled(digests, record.timer)
+                          or await self._encoded_images(record.id, images, digests, record.timer, engine))
         generate = GenerateRequest(request_id=record.id, chat=engine_chat(request), images=embeddings)
         return Prepared(generate, digests, images, engine)
 
@@ -236,9 +257,11 @@ class ChatPipeline:
                         yield delta
                 return
             except APIError as error:
+                if error.code == EMBEDDINGS_UNAVAILABLE:
+                    self.known.forget(prepared.digests)  # they were nowhere: the references are stale
                 if error.code != EMBEDDINGS_UNAVAILABLE or last_try or not prepared.images:
                     raise
                 log.warning("%s; encoding the images again", error.message)
                 timer.add("embed_transfer", time.perf_counter() - sent)
-                images = await self._encode(request.request_id, prepared.images, prepared.digests, timer, prepared.engine)
+                images = await self._encoded_images(request.request_id, prepared.images, prepared.digests, timer, prepared.engine)
                 request = msgspec.structs.replace(request, images=images)

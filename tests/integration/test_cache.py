@@ -3,11 +3,8 @@ entry; concurrent requests for one new image share one encode."""
 
 from __future__ import annotations
 
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import httpx
 
 from cache import content_key
 from prism.demo_model import RANDOM_MODEL, write_demo_model
@@ -15,7 +12,7 @@ from prism.synthetic import make_image
 from tests.integration.cases import data_url
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import stages
+from tests.integration.helpers import scrape, stages
 from vision_encoder.towers import load_tower
 
 
@@ -56,27 +53,27 @@ def test_retrained_weights_of_the_same_shapes_are_other_entries(tmp_path):
     assert fingerprints[0] != fingerprints[1] and fingerprints[0] == fingerprints[2]
 
 
-def encoder_counts(stack) -> tuple[float, float, float, float]:
-    """Cache hits, misses and joins, and images encoded, from one scrape."""
-    text = httpx.get(f"{stack.base_url}/metrics", timeout=5).text
-    events = [
-        float(re.search(rf'^prism_cache_events_total\{{event="{event}"\}} (\S+)$', text, re.M).group(1))
-        for event in ("hit", "miss", "join")
-    ]
-    return (*events, float(re.search(r"^prism_encoder_batch_images_sum (\S+)$", text, re.M).group(1)))
+def lookup_counts(stack) -> tuple[float, float, float, float, float]:
+    """The encoders' cache hits, misses and joins, images encoded, and images
+    the gateway sent by a reference it kept (no encoder asked), from one scrape."""
+    samples = scrape(stack)
+    events = [samples[("prism_cache_events_total", (("event", event),))] for event in ("hit", "miss", "join")]
+    return (*events, samples[("prism_encoder_batch_images_sum", ())],
+            samples[("prism_gateway_images_by_known_reference_total", ())])
 
 
 def test_sixteen_concurrent_requests_for_one_new_image_encode_it_once(stack, client):
     url = b64(save(make_image("dedup-16", (800, 600)), "JPEG"), "image/jpeg")
     time.sleep(1.2)  # a fresh stats poll
-    before = encoder_counts(stack)
+    before = lookup_counts(stack)
     with ThreadPoolExecutor(16) as pool:
         responses = list(pool.map(lambda _: ask_about(client, url, max_tokens=2), range(16)))
     assert len({r.choices[0].message.content for r in responses}) == 1
     time.sleep(1.2)
-    hits, misses, joins, encoded = (after - earlier for after, earlier in zip(encoder_counts(stack), before))
-    # Every request counted one lookup, and exactly one encode ran: the other
-    # requests joined it (queued or running) or found it cached.
-    assert hits + misses == 16
+    hits, misses, joins, encoded, known = (after - earlier for after, earlier in zip(lookup_counts(stack), before))
+    # Every request counted one lookup (at an encoder, or a reference the
+    # gateway kept from the first answer), and exactly one encode ran: the
+    # other requests joined it (queued or running) or found it cached.
+    assert hits + misses + known == 16, (hits, misses, known)
     assert encoded == 1, (hits, misses, joins, encoded)
-    assert joins + hits >= 1
+    assert joins + hits + known >= 1

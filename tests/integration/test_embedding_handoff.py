@@ -116,7 +116,12 @@ def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stac
     ask(stack, "by-reference-0")
     wait_until(lambda: delta(after, scrape(stack), "prism_engine_embeddings_total", source="engine_cache") > 0, 10,
                "a hit in the engine's LRU")
-    assert moved(scrape(stack)) == moved(after)
+    repeated = scrape(stack)
+    assert moved(repeated) == moved(after)
+    # The gateway sent the reference it kept from the first encode
+    # (gateway/known_tokens.py): no encoder was asked.
+    assert delta(after, repeated, "prism_gateway_images_by_known_reference_total") == 1
+    assert delta(after, repeated, "prism_encoder_replica_requests_total", model=MODEL_NAME, replica="0") == 0
 
 
 def settled(stack) -> dict:
@@ -186,5 +191,10 @@ def test_tokens_lost_before_the_fetch_are_encoded_once_more_then_503(forgetful):
     assert response.json()["error"]["code"] == EMBEDDINGS_UNAVAILABLE and response.headers["Retry-After"]
     wait_until(lambda: encodes(forgetful) - before == 2, 10, "the image encoded twice: once more after the lost fetch, no more")
     assert encodes(forgetful) - before == 2
+    # Its references were forgotten: asked again, the gateway goes to the encoder, not by a stale reference.
+    known = metric(scrape(forgetful), "prism_gateway_images_by_known_reference_total")
+    assert httpx.post(f"{forgetful}/v1/chat/completions", json=image_body("forgotten"), timeout=60).status_code == 503
+    wait_until(lambda: encodes(forgetful) - before == 4, 10, "encoded twice more")
+    assert metric(scrape(forgetful), "prism_gateway_images_by_known_reference_total") == known
     text = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{forgetful}/v1/chat/completions", json=text, timeout=60).status_code == 200
