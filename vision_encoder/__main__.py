@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -14,6 +15,20 @@ from common.config import load_config
 from common.logs import setup_logging
 from vision_encoder.config import EncoderConfig
 from vision_encoder.service import EncoderService
+
+
+def wake_on_signals() -> tuple[socket.socket, socket.socket]:
+    """(reader, writer): Python's C-level handler writes to `writer` on every
+    signal (`signal.set_wakeup_fd`), from whichever thread the kernel gave it
+    to. The kernel may give SIGTERM to a ViT or preprocessing thread; Python
+    runs the handler only once the main thread runs again, and an idle
+    encoder's main thread sleeps in its poll with no timeout, so SIGTERM went
+    unheeded until the next message. Polling `reader` wakes it."""
+    reader, writer = socket.socketpair()
+    for end in (reader, writer):
+        end.setblocking(False)
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    return reader, writer
 
 
 def main() -> None:
@@ -27,7 +42,9 @@ def main() -> None:
     # wait out the grace period, then kill): stop at once. The gateway sends the encodes
     # it had here to another replica, as for an encoder that died.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    EncoderService.start(config, zmq.Context.instance()).run_forever(wake_on_signals=True)
+    service = EncoderService.start(config, zmq.Context.instance())
+    service.signals, _writer = wake_on_signals()  # the writer stays open for the process's life
+    service.run_forever()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import time
 import uuid
@@ -83,8 +82,7 @@ class EncoderService:
     push_refusals: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
-    signals: socket.socket | None = None  # readable on a signal: wakes the loop's poll (`wake_on_signals`)
-    signal_writer: socket.socket | None = None  # its other end, written by the C-level signal handler
+    signals: socket.socket | None = None  # readable once a signal came: wakes the poll (vision_encoder/__main__.py)
 
     @classmethod
     def start(cls, config: EncoderConfig, ctx: zmq.Context) -> "EncoderService":
@@ -115,29 +113,16 @@ class EncoderService:
             shared=shared,
         )
 
-    def run_forever(self, wake_on_signals: bool = False) -> None:
-        """`wake_on_signals` (the main thread only): see `_wake_on_signals`."""
+    def run_forever(self) -> None:
         log.info("encoder ready on %s (model %s)", self.config.address, self.tower.model_id)
         poller = zmq.Poller()
         poller.register(self.router.socket, zmq.POLLIN)
         poller.register(self.wake, zmq.POLLIN)
         poller.register(self.express_wake, zmq.POLLIN)
-        if wake_on_signals:
-            poller.register(self._wake_on_signals(), zmq.POLLIN)
+        if self.signals is not None:
+            poller.register(self.signals, zmq.POLLIN)
         while True:
             self.step(poller)
-
-    def _wake_on_signals(self) -> socket.socket:
-        """A socket that becomes readable on every signal (`signal.set_wakeup_fd`).
-        The kernel may deliver SIGTERM to any thread of the process (a ViT or
-        preprocessing thread, say); Python then runs its handler only once the
-        main thread runs again, and this one may sleep in its poll with no
-        timeout: an idle encoder ignored SIGTERM until its next message."""
-        self.signals, self.signal_writer = socket.socketpair()
-        for end in (self.signals, self.signal_writer):
-            end.setblocking(False)
-        signal.set_wakeup_fd(self.signal_writer.fileno(), warn_on_full_buffer=False)
-        return self.signals
 
     def step(self, poller: zmq.Poller) -> None:
         events = dict(poller.poll(self._poll_timeout_ms()))
