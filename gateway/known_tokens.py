@@ -2,9 +2,9 @@
 are: each image's reference (content key, encoder, shape, grid), by digest.
 
 A repeated image goes to the engine with its reference at once, with no
-round to an encoder: that round was 1.4 ms of a repeat's ~22 ms TTFT with
-the demo model, and the encoder's loop does not have to answer it under
-load (docs/architecture.md, "Per-hop costs"). The engine finds the tokens
+round to an encoder: that round was 1.4 ms of a repeat's ~30 ms TTFT with
+the demo model on a slow day, and the encoder's loop does not have to answer
+it under load (docs/architecture.md, "Per-hop costs"). The engine finds the tokens
 in its own LRU (a repeat moves no bytes), else fetches them from the encoder
 the reference names, else from the shared tier (llm_engine/fetch.py).
 

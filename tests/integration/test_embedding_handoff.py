@@ -112,6 +112,8 @@ def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stac
     # encoder (heartbeats included) hold a fraction of them.
     assert tokens > 0 and from_encoder < tokens / 4, (tokens, from_encoder)
     assert to_engine < tokens, (to_engine, tokens)
+    # New images went to the encoder (so the check on the repeat below reads a live counter).
+    assert delta(before, after, "prism_encoder_replica_requests_total", model=MODEL_NAME, replica="0") >= images
 
     ask(stack, "by-reference-0")
     wait_until(lambda: delta(after, scrape(stack), "prism_engine_embeddings_total", source="engine_cache") > 0, 10,
