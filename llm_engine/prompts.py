@@ -129,7 +129,10 @@ def build_prompt(chat, request: GenerateRequest, tensors: list, tokenizer, shape
     text = tokenizer.apply_chat_template(
         template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
     )
-    inputs: dict = {"prompt": text}
+    # Token ids, not text: the ids are needed for the length check anyway, and
+    # vLLM then skips tokenizing again (0.4-0.6 ms of its input processing).
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    inputs: dict = {"prompt_token_ids": token_ids}
     visual_tokens = 0
     if (images := image_data(request, tensors, shape)) is not None:
         inputs["multi_modal_data"] = images
@@ -137,7 +140,7 @@ def build_prompt(chat, request: GenerateRequest, tensors: list, tokenizer, shape
             inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}
         # each placeholder becomes the image's rows of tokens
         visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
-    num_tokens = len(tokenizer.encode(text, add_special_tokens=False)) + visual_tokens
+    num_tokens = len(token_ids) + visual_tokens
     requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len))
 

@@ -63,6 +63,13 @@ def test_valid_images_are_concatenated_flat_with_their_grids():
     assert "multi_modal_uuids" not in prompt.inputs  # no keys: vLLM hashes the tensors itself
 
 
+def test_vllm_is_given_the_token_ids_it_would_have_made_not_the_text():
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
+    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
+    assert prompt.inputs["prompt_token_ids"] == FakeTemplate().encode("<img>|q")
+    assert "prompt" not in prompt.inputs  # vLLM would tokenize the text a second time
+
+
 def test_content_keys_reach_vllm_as_its_multimodal_uuids():
     keys = [b"\x01" * 16, b"\xab" * 16]
     req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)], keys=keys)
