@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import anyio
+import torch
 import uvicorn
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -273,6 +274,9 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
           run_dir: Path | None = None) -> None:
     """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
     One of several workers shares the port with the others (gateway/workers.py)."""
+    # Images are resized with torch on the intake threads (gateway/resize.py), which
+    # are the gateway's parallelism: torch's own thread pool would only contend with them.
+    torch.set_num_threads(1)
     app = create_app(config, config_path, slot, run_dir)
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)

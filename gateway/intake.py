@@ -30,15 +30,14 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from cache import content_key
 from gateway.errors import APIError
-from gateway.resize import smart_resize
+from gateway.resize import resize_pixels, smart_resize
 from gateway.sniff import ALLOWED_NAMES, describe_refused, sniff
 from common.anyres import AnyresLayout
 from common.tiles import TileLayout
 from protocol.to_gateway import AnyresInfo, ProcessorInfo, TilesInfo
 
-INTAKE_VERSION = "intake-v2"
+INTAKE_VERSION = "intake-v3"  # v3: resized by resize_pixels (torch's bicubic), not Pillow's
 BACKGROUND = (255, 255, 255)  # what transparent pixels become
-RESAMPLE = Image.Resampling.BICUBIC
 # Prism checks the declared size itself (ImageLimits.max_pixels) with a clear
 # error; Pillow's own bomb check would only warn below twice its default.
 Image.MAX_IMAGE_PIXELS = None
@@ -249,17 +248,18 @@ def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy) -> tuple[
     return (height, width) if _sides_swap(opened) else (width, height)
 
 
-def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy, original: tuple[int, int] | None = None) -> Image.Image:
+def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy, original: tuple[int, int] | None = None) -> np.ndarray:
+    """The RGB image's uint8 (h, w, 3) pixels at the size the encoder takes."""
     width, height = image.size
     if original is not None:  # drafted: to the original's target (the drafted size would round to another grid)
         target_h, target_w = policy.target(original[1], original[0], item.budget)
-        return image.resize((target_w, target_h), RESAMPLE)
+        return resize_pixels(image, target_w, target_h)
     if policy.tiling is None and item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
         # Within the encoder's own budget: its processor does the final rounding,
         # exactly as vLLM's would on the raw image.
-        return image
+        return np.asarray(image)
     target_h, target_w = policy.target(height, width, item.budget)
-    return image if (target_w, target_h) == (width, height) else image.resize((target_w, target_h), RESAMPLE)
+    return np.asarray(image) if (target_w, target_h) == (width, height) else resize_pixels(image, target_w, target_h)
 
 
 def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:
@@ -279,8 +279,7 @@ def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
                 image = ImageOps.exif_transpose(opened, in_place=True) or opened  # in place: no copy of a full-size image
                 image.load()
                 original_size = drafted_from or image.size
-                image = _fit(to_rgb(image), item, policy, drafted_from)
+                pixels = _fit(to_rgb(image), item, policy, drafted_from)
     except _DECODE_ERRORS as exc:
         raise _invalid(item.where, f"cannot decode the {item.format} image ({_reason(exc)})") from None
-    pixels = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
-    return PreparedImage(pixels, original_size)
+    return PreparedImage(np.ascontiguousarray(pixels, dtype=np.uint8), original_size)
