@@ -1,11 +1,20 @@
-"""The gateway's pixel budget must be the processor's, exactly."""
+"""The gateway's pixel budget and resize must be the processor's, exactly."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
+from gateway.intake import ImageLimits, IntakePolicy, decode, inspect
 from gateway.resize import smart_resize
+from prism.demo_model import SHAPES_MODEL
+from prism.synthetic import make_image
+from protocol.to_gateway import ProcessorInfo
 
 SIZES = [(1, 1), (24, 32), (224, 224), (480, 640), (700, 300), (1080, 1920), (2160, 3840), (20, 3000), (5000, 30)]
 
@@ -31,16 +40,6 @@ def test_extreme_aspect_ratio_is_refused_like_transformers():
 def test_an_image_the_gateway_scales_down_reaches_the_vit_as_the_processor_makes_it(width, height, fmt):
     """vLLM gives its processor the whole image; Prism's processor gets the
     gateway's scaled-down pixels. Both must come out the same, bit for bit."""
-    import io
-
-    import torch
-    from transformers import AutoImageProcessor
-
-    from gateway.intake import ImageLimits, IntakePolicy, decode, inspect
-    from prism.demo_model import SHAPES_MODEL
-    from prism.synthetic import make_image
-    from protocol.to_gateway import ProcessorInfo
-
     processor = AutoImageProcessor.from_pretrained(SHAPES_MODEL)
     info = ProcessorInfo(processor.patch_size, processor.merge_size, processor.size["shortest_edge"], processor.size["longest_edge"])
     policy = IntakePolicy(info, ImageLimits(20 * 2**20, 50_000_000, 2, 200))
@@ -49,9 +48,6 @@ def test_an_image_the_gateway_scales_down_reaches_the_vit_as_the_processor_makes
     raw = buffer.getvalue()
     prepared = decode(inspect(raw, "image", policy, policy.default_budget), policy)
     assert prepared.pixels.shape[0] * prepared.pixels.shape[1] < width * height  # the gateway did scale it down
-
-    from PIL import Image
-
     whole = Image.open(io.BytesIO(raw)).convert("RGB")
     expected = processor(images=[whole], return_tensors="pt")
     got = processor(images=[prepared.pixels], return_tensors="pt")
