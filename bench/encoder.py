@@ -34,10 +34,9 @@ from pathlib import Path
 
 import numpy as np
 import zmq.asyncio
-from PIL import Image
 
 from gateway.encoder_pool import EncoderPool
-from gateway.resize import smart_resize
+from gateway.resize import resize_pixels, smart_resize
 from loadtest.workload import RESOLUTIONS
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
@@ -71,7 +70,7 @@ def budget_pixels() -> dict[str, np.ndarray]:
     out = {}
     for name, (w, h) in MIX.items():
         rh, rw = smart_resize(h, w, 28, 56 * 56, MAX_PIXELS)
-        out[name] = np.asarray(make_image(name, (w, h)).resize((rw, rh), Image.Resampling.BICUBIC))
+        out[name] = resize_pixels(make_image(name, (w, h)), rw, rh)
     return out
 
 

@@ -21,6 +21,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from gateway.intake import IntakePolicy, ImageLimits, PixelBudget
+from gateway.resize import resize_pixels
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from common.tiles import TileLayout
 from prism.tiny_models import ensure_tiny_model
@@ -105,7 +106,7 @@ def test_tiled_features_have_the_counted_length_as_sent_by_the_gateway(anyres):
     for height, width in sizes:
         pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
         target_h, target_w = policy.target(height, width, policy.default_budget)
-        smaller = np.asarray(Image.fromarray(pixels).resize((target_w, target_h), Image.Resampling.BICUBIC))
+        smaller = resize_pixels(Image.fromarray(pixels), target_w, target_h)
         full.append(TowerImage(pixels, (height, width)))
         sent.append(TowerImage(smaller, (height, width)))
         counted.append(policy.visual_tokens(height, width, (target_h, target_w)))
