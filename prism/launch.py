@@ -38,12 +38,18 @@ def takes_images(checkpoint: str) -> bool:
         raise SystemExit(f"{checkpoint}: {exc}") from None
 
 
-# glibc then serves blocks of up to 32 MB from its heap rather than from fresh mappings (mmap_threshold), and keeps
-# the heap when they are freed (trim_threshold), so a freed block is reused. Else every new image's visual tokens
-# arrive in fresh pages: at Qwen2.5-VL-7B widths 2,334 page faults per 9.56 MB received (about 5 ms on this
-# project's VMs), and a reused block none. docs/architecture.md, "Page faults where the tokens land". A
-# GLIBC_TUNABLES of the user's own is kept as it is.
-SERVICE_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+# glibc's malloc in the encoder and the engine (and their vLLM processes), so that memory a service has freed is
+# reused rather than mapped afresh. Every fresh page costs a fault, 5-13 us on this project's VMs.
+# - mmap_max=0: no block comes from a mapping of its own, whatever its size. With mmap_threshold at 32 MB (the
+#   previous setting) every bigger block did, and was unmapped when freed: a batch of megapixel images' pixel values (25 MB of float32 per image, stacked, then concatenated)
+#   and the ViT's activations for it. The encoder took 3,200-5,700 faults per 1080p image under load, 18-68 ms of
+#   system time per request.
+# - arena_max=1: one heap for every thread. A thread's own heap holds at most 64 MB, so a bigger block would be
+#   mapped anyway.
+# - trim_threshold: a freed block stays in the heap, so a service keeps the memory of its biggest moment. Every new image's visual tokens then land in reused pages (at
+#   Qwen2.5-VL-7B widths, 2,334 faults per 9.56 MB received otherwise).
+# docs/architecture.md, "Page faults where the tokens land". A GLIBC_TUNABLES of the user's own is kept as it is.
+SERVICE_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=1073741824"
 
 
 def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
