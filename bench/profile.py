@@ -5,9 +5,10 @@ unique JPEGs runs through the official `openai` client, records each process
 with py-spy (sampling, non-blocking): the gateway, the vision encoder, the
 engine service, vLLM's engine core and its worker (where the model runs on a CPU).
 Prints each process's CPU seconds per
-request (from /proc) and its hottest functions by own samples and by Prism
-frames, and keeps py-spy's raw stacks (flamegraph.pl or speedscope read them)
-in --out. docs/architecture.md ("Profiling") says how to read them.
+request (from /proc), its busiest threads' CPU, system time and page faults
+per request, and its hottest functions by own samples and by Prism frames;
+keeps py-spy's raw stacks (flamegraph.pl or speedscope read them) in --out.
+docs/profiling.md says how to read them.
 
 Run: .venv/bin/python -m bench.profile --resolution 3840x2160 --requests 24
      .venv/bin/python -m bench.profile --concurrency 8 --out /tmp/profile
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -65,7 +67,11 @@ def service_pids(stack: LocalStack) -> dict[str, int]:
 
 
 def _stat(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the fields after the command name
+    return _stat_of(Path(f"/proc/{pid}/stat"))
+
+
+def _stat_of(path: Path) -> list[str]:
+    return path.read_text().rsplit(")", 1)[1].split()  # the fields after the command name
 
 
 def _descends_from(pid: int, root: int) -> bool:
@@ -79,6 +85,25 @@ def _descends_from(pid: int, root: int) -> bool:
 def cpu_seconds(pid: int) -> float:
     fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+
+
+def thread_counters(pid: int) -> dict[int, tuple[float, float, int]]:
+    """Thread id → (user s, system s, minor page faults) so far. py-spy counts a thread waiting for a core as busy and
+    cannot tell time in the kernel (page faults above all) from its frame's own work: these go beside its samples."""
+    counters = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = _stat_of(task / "stat")
+        except OSError:
+            continue  # gone meanwhile
+        counters[int(task.name)] = (int(fields[11]) / TICKS, int(fields[12]) / TICKS, int(fields[7]))
+    return counters
+
+
+def thread_names(py_spy: str, pid: int) -> dict[int, str]:
+    """Thread id → its Python name (py-spy dump's "Thread 123 (idle): "vit_0""); threads outside Python have none."""
+    dump = subprocess.run([py_spy, "dump", "--nonblocking", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+    return {int(tid): name for tid, name in re.findall(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.MULTILINE)}
 
 
 def workload(base_url: str, resolution: tuple[int, int], requests: int, concurrency: int, model: str) -> float:
@@ -99,6 +124,17 @@ def workload(base_url: str, resolution: tuple[int, int], requests: int, concurre
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, images))
     return time.perf_counter() - started
+
+
+def _thread_lines(after: dict[int, tuple[float, float, int]], before: dict[int, tuple[float, float, int]],
+                  names: dict[int, str], requests: int, top: int = 4) -> list[str]:
+    """A process's busiest threads over the workload: CPU (user, system) and minor page faults per request."""
+    spent = {tid: tuple(now - then for now, then in zip(counters, before.get(tid, (0.0, 0.0, 0))))
+             for tid, counters in after.items()}
+    busiest = sorted(spent.items(), key=lambda item: -(item[1][0] + item[1][1]))[:top]
+    return [f"{names.get(tid, f'thread {tid}'):<24} {(user + system) / requests * 1000:6.1f} ms CPU "
+            f"(system {system / requests * 1000:.1f}), {faults / requests:.0f} page faults"
+            for tid, (user, system, faults) in busiest]
 
 
 def hottest(raw: Path, top: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]], int]:
@@ -137,6 +173,7 @@ def main() -> None:
         with LocalStack(Path(run_dir), overrides, model=args.model) as stack:
             pids = service_pids(stack)
             before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            threads_before = {name: thread_counters(pid) for name, pid in pids.items()}
             recorders = {
                 name: subprocess.Popen([py_spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--nonblocking",
                                         "--format", "raw", "--output", str(out / f"{name}.txt")],
@@ -146,13 +183,19 @@ def main() -> None:
             time.sleep(1)  # py-spy attaches
             wall = workload(stack.base_url, (width, height), args.requests, args.concurrency, "prism-demo")
             cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+            threads_after = {name: thread_counters(pid) for name, pid in pids.items()}
             for recorder in recorders.values():
                 recorder.send_signal(signal.SIGINT)
                 recorder.wait(30)
+            threads = {name: _thread_lines(threads_after[name], threads_before[name], thread_names(py_spy, pid), args.requests)
+                       for name, pid in pids.items()}
         print(f"{args.requests} requests of {args.resolution} JPEG at concurrency {args.concurrency}: "
               f"{wall:.1f} s, {args.requests / wall:.2f} requests/s")
         for name in pids:
             print(f"\n## {name}: {cpu[name] / args.requests * 1000:.0f} ms CPU per request (all its threads, /proc)")
+            print("busiest threads, per request (/proc):")
+            for line in threads[name]:
+                print(f"  {line}")
             if not (out / f"{name}.txt").exists():
                 print("(py-spy wrote nothing)")
                 continue
