@@ -38,18 +38,20 @@ def takes_images(checkpoint: str) -> bool:
         raise SystemExit(f"{checkpoint}: {exc}") from None
 
 
-# glibc's malloc in the encoder and the engine (and their vLLM processes), so that memory a service has freed is
-# reused rather than mapped afresh. Every fresh page costs a fault, 5-13 us on this project's VMs.
-# - mmap_max=0: no block comes from a mapping of its own, whatever its size. With mmap_threshold at 32 MB (the
-#   previous setting) every bigger block did, and was unmapped when freed: a batch of megapixel images' pixel values (25 MB of float32 per image, stacked, then concatenated)
-#   and the ViT's activations for it. The encoder took 3,200-5,700 faults per 1080p image under load, 18-68 ms of
-#   system time per request.
-# - arena_max=1: one heap for every thread. A thread's own heap holds at most 64 MB, so a bigger block would be
-#   mapped anyway.
-# - trim_threshold: a freed block stays in the heap, so a service keeps the memory of its biggest moment. Every new image's visual tokens then land in reused pages (at
-#   Qwen2.5-VL-7B widths, 2,334 faults per 9.56 MB received otherwise).
-# docs/architecture.md, "Page faults where the tokens land". A GLIBC_TUNABLES of the user's own is kept as it is.
-SERVICE_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=1073741824"
+# glibc's malloc settings for the services `prism serve` starts, so that memory a service has freed is reused
+# rather than mapped afresh: every fresh page costs a fault, 5-15 us on this project's VMs. A GLIBC_TUNABLES of the
+# user's own is kept as it is. docs/architecture.md, "Page faults where the tokens land" and "Page faults in the
+# encoder's batches".
+# The engine (and vLLM's processes): blocks of up to 32 MB come from the heap (mmap_threshold), and the heap is kept
+# when they are freed (trim_threshold). Every new image's visual tokens then land in reused pages (at Qwen2.5-VL-7B
+# widths, 2,334 faults per 9.56 MB received otherwise).
+ENGINE_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+# The encoder: blocks of any size. A batch's pixel values are 25 MB of float32 per megapixel image, stacked and then
+# concatenated, and the ViT's activations for a batch are as big: with the engine's setting every block over 32 MB
+# was mapped afresh and faulted in (3,200-5,700 faults per 1080p image under load, up to 70 ms of system time per
+# request). mmap_max=0: no block gets a mapping of its own; arena_max=1: one heap for every thread, since a thread's
+# own heap holds at most 64 MB and a bigger block would be mapped anyway.
+ENCODER_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=1073741824"
 
 
 def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
@@ -61,16 +63,19 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
         checkpoint = resolve_model(route.checkpoint) if route.checkpoint else shared_model
         if Path(checkpoint) == RANDOM_MODEL:
             ensure_demo_model(RANDOM_MODEL)
-        env = {"PRISM_MODEL": checkpoint, "GLIBC_TUNABLES": os.environ.get("GLIBC_TUNABLES", SERVICE_TUNABLES)}
+        env = {"PRISM_MODEL": checkpoint}
         label = name or "default"
         if route.encoder_addresses and not takes_images(checkpoint):
             raise SystemExit(f"model {label} ({checkpoint}) is text-only: list no encoder addresses for it "
                              "(gateway.encoder_addresses: [], or none in its models entry)")
         for i, address in enumerate(route.encoder_addresses):
-            child_env = {**env, "PRISM_ENCODER__ADDRESS": address}
+            tunables = os.environ.get("GLIBC_TUNABLES", ENCODER_TUNABLES)
+            child_env = {**env, "PRISM_ENCODER__ADDRESS": address, "GLIBC_TUNABLES": tunables}
             children.setdefault(address, Child("vision_encoder", config_path, child_env, f"vision_encoder[{label}:{i}]"))
         for i, address in enumerate(route.engine_addresses):
-            child_env = {**env, "PRISM_ENGINE__ADDRESS": address, **({"PRISM_ENGINE__SERVED_MODEL_NAME": name} if name else {})}
+            tunables = os.environ.get("GLIBC_TUNABLES", ENGINE_TUNABLES)
+            child_env = {**env, "PRISM_ENGINE__ADDRESS": address, "GLIBC_TUNABLES": tunables,
+                         **({"PRISM_ENGINE__SERVED_MODEL_NAME": name} if name else {})}
             children.setdefault(address, Child("llm_engine", config_path, child_env, f"llm_engine[{label}:{i}]"))
     return list(children.values())
 

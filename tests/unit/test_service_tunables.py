@@ -10,7 +10,8 @@ import pytest
 
 from gateway.config import GatewayConfig
 from prism.demo_model import SHAPES_MODEL
-from prism.launch import SERVICE_TUNABLES, service_children
+from common.config import REPO_ROOT
+from prism.launch import ENCODER_TUNABLES, ENGINE_TUNABLES, service_children
 
 # A block of SIZE bytes written and freed on a worker thread (where the encoder's preprocessing and ViT allocate),
 # then another written: prints the minor page faults the second one took.
@@ -32,7 +33,6 @@ thread = threading.Thread(target=probe); thread.start(); thread.join()
 """
 TOKENS_7B = 1334 * 3584 * 2  # one megapixel image's visual tokens at Qwen2.5-VL-7B widths, bf16: 9.56 MB
 PIXEL_VALUES_BATCH = 4 * 5376 * 1176 * 4  # four 1 MP images' float32 pixel values as the Qwen processors make them: 101 MB
-PREVIOUS_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
 
 
 def _config() -> GatewayConfig:
@@ -44,7 +44,8 @@ def test_encoder_and_engine_get_the_tunables(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     children = service_children(_config(), None, str(SHAPES_MODEL))
     assert sorted(child.module for child in children) == ["llm_engine", "vision_encoder"]
-    assert all(child.env["GLIBC_TUNABLES"] == SERVICE_TUNABLES for child in children)
+    tunables = {child.module: child.env["GLIBC_TUNABLES"] for child in children}
+    assert tunables == {"vision_encoder": ENCODER_TUNABLES, "llm_engine": ENGINE_TUNABLES}
 
 
 def test_a_users_own_tunables_are_kept(monkeypatch):
@@ -60,22 +61,24 @@ def _second_block_faults(size: int, tunables: str | None) -> int:
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
-@pytest.mark.parametrize("size", [TOKENS_7B, PIXEL_VALUES_BATCH], ids=["tokens-9.56MB", "pixel-values-101MB"])
-def test_with_the_tunables_a_freed_block_is_reused_without_faults(size):
+@pytest.mark.parametrize(("size", "tunables"), [(TOKENS_7B, ENGINE_TUNABLES), (TOKENS_7B, ENCODER_TUNABLES),
+                                               (PIXEL_VALUES_BATCH, ENCODER_TUNABLES)],
+                         ids=["engine-tokens-9.56MB", "encoder-tokens-9.56MB", "encoder-pixel-values-101MB"])
+def test_with_the_tunables_a_freed_block_is_reused_without_faults(size, tunables):
     pages = size // 4096
     assert _second_block_faults(size, None) > pages * 0.9  # the default: a fresh mapping, every page faulted in
-    assert _second_block_faults(size, SERVICE_TUNABLES) < pages * 0.05
+    assert _second_block_faults(size, tunables) < pages * 0.05
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
-def test_a_block_over_a_threads_heap_was_mapped_afresh_with_the_previous_tunables():
-    """What arena_max=1 and mmap_max=0 add: a worker thread's block of over 64 MB (its own heap's limit) was
-    mapped, and faulted in, every time."""
+def test_the_engines_setting_maps_a_batch_of_pixel_values_afresh():
+    """Why the encoder has its own: a worker thread's block of over 64 MB (its own heap's limit) was mapped, and
+    faulted in, every time with the engine's."""
     pages = PIXEL_VALUES_BATCH // 4096
-    assert _second_block_faults(PIXEL_VALUES_BATCH, PREVIOUS_TUNABLES) > pages * 0.9
+    assert _second_block_faults(PIXEL_VALUES_BATCH, ENGINE_TUNABLES) > pages * 0.9
 
 
-def test_the_image_sets_the_same_tunables():
-    from common.config import REPO_ROOT
-
-    assert f"GLIBC_TUNABLES={SERVICE_TUNABLES}\n" in (REPO_ROOT / "docker" / "Dockerfile").read_text()
+def test_the_image_and_the_deployments_set_the_same_tunables():
+    assert f"GLIBC_TUNABLES={ENGINE_TUNABLES}\n" in (REPO_ROOT / "docker" / "Dockerfile").read_text()
+    assert f"GLIBC_TUNABLES: {ENCODER_TUNABLES}\n" in (REPO_ROOT / "docker-compose.yml").read_text()
+    assert f'value: "{ENCODER_TUNABLES}"' in (REPO_ROOT / "deploy" / "kubernetes" / "model" / "encoder.yaml").read_text()
