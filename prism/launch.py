@@ -59,6 +59,8 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
     served model (an address shared by several names starts once), each told
     its address and its model's checkpoint."""
     children: dict[str, Child] = {}
+    encoder_tunables = os.environ.get("GLIBC_TUNABLES", ENCODER_TUNABLES)
+    engine_tunables = os.environ.get("GLIBC_TUNABLES", ENGINE_TUNABLES)
     for name, route in gateway_config.routes().items():
         checkpoint = resolve_model(route.checkpoint) if route.checkpoint else shared_model
         if Path(checkpoint) == RANDOM_MODEL:
@@ -69,12 +71,10 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
             raise SystemExit(f"model {label} ({checkpoint}) is text-only: list no encoder addresses for it "
                              "(gateway.encoder_addresses: [], or none in its models entry)")
         for i, address in enumerate(route.encoder_addresses):
-            tunables = os.environ.get("GLIBC_TUNABLES", ENCODER_TUNABLES)
-            child_env = {**env, "PRISM_ENCODER__ADDRESS": address, "GLIBC_TUNABLES": tunables}
+            child_env = {**env, "PRISM_ENCODER__ADDRESS": address, "GLIBC_TUNABLES": encoder_tunables}
             children.setdefault(address, Child("vision_encoder", config_path, child_env, f"vision_encoder[{label}:{i}]"))
         for i, address in enumerate(route.engine_addresses):
-            tunables = os.environ.get("GLIBC_TUNABLES", ENGINE_TUNABLES)
-            child_env = {**env, "PRISM_ENGINE__ADDRESS": address, "GLIBC_TUNABLES": tunables,
+            child_env = {**env, "PRISM_ENGINE__ADDRESS": address, "GLIBC_TUNABLES": engine_tunables,
                          **({"PRISM_ENGINE__SERVED_MODEL_NAME": name} if name else {})}
             children.setdefault(address, Child("llm_engine", config_path, child_env, f"llm_engine[{label}:{i}]"))
     return list(children.values())
