@@ -34,6 +34,13 @@ class EncoderConfig(FrozenConfig):
     # Batches in flight at once: 2 lets the image processor prepare batch N+1
     # while the ViT runs batch N; 1 runs them strictly one after the other.
     pipeline_depth: int = Field(2, ge=1, le=2)
+    # Batches in the ViT at once, each on its own thread (with `torch_threads`
+    # intra-op threads each): no barrier ties one batch's thread to another's,
+    # so a second thread uses whatever CPU the engine and gateway leave.
+    vit_threads: int = Field(1, ge=1, le=16)
+    # The nice value of every ViT thread after the first: above 0, the engine's
+    # steps and the gateway's intake come first when they want the same core.
+    extra_vit_nice: int = Field(0, ge=0, le=19)
     cache_capacity_mb: float = Field(512, ge=0)
     # Tokens handed out by reference stay pinned until an engine fetches them,
     # or this long (vision_encoder/handoff.py).

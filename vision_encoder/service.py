@@ -45,7 +45,7 @@ from vision_encoder.handoff import Handoff
 from vision_encoder.tower import TowerImage, VisionTower
 from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
-from vision_encoder.work import PendingRequest, RunningBatch, batch_stages, requests_of, wake_pair
+from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, requests_of
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
@@ -59,20 +59,14 @@ class EncoderService:
     cache: EmbeddingCache
     batcher: Batcher
     router: SyncRouter
-    wake: zmq.Socket  # the loop's end of the worker's "batch done" signal
-    wake_sender: zmq.Socket  # used by the ViT thread only
-    express_wake: zmq.Socket  # the same for the express lane
-    express_wake_sender: zmq.Socket  # used by the express thread only
+    vit: Lanes  # the main lane's ViT threads (vit_threads)
+    express_lane: Lanes  # one thread: both stages of the express lane's batches
     watch: BatchWatch
     handoff: Handoff
     pusher: Pusher
     shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
-    running: list[RunningBatch] = field(default_factory=list)  # oldest first; at most pipeline_depth
-    express: RunningBatch | None = None  # the express lane's batch of small images
     preprocessor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="preprocess"))
-    vit: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="vit"))
-    express_lane: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="express"))
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     encodes: int = 0
     batches: int = 0
@@ -89,8 +83,6 @@ class EncoderService:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels)
-        wake, wake_sender = wake_pair(ctx)
-        express_wake, express_wake_sender = wake_pair(ctx)
         shared = None
         if config.shared_cache_url:
             shared = SharedTier(
@@ -103,10 +95,8 @@ class EncoderService:
             batcher=Batcher(config.max_batch_images, config.max_batch_patches, config.max_wait_ms / 1000,
                             config.batch_size_ratio, config.batch_age_limit_ms / 1000),
             router=SyncRouter(ctx, config.address, EncoderInbound),
-            wake=wake,
-            wake_sender=wake_sender,
-            express_wake=express_wake,
-            express_wake_sender=express_wake_sender,
+            vit=Lanes(ctx, "vit", config.vit_threads, config.extra_vit_nice),
+            express_lane=Lanes(ctx, "express"),
             watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
             handoff=Handoff(config.handoff_ttl_s),
             pusher=Pusher(ctx, PUSH_QUEUE_LIMIT),
@@ -117,8 +107,8 @@ class EncoderService:
         log.info("encoder ready on %s (model %s)", self.config.address, self.tower.model_id)
         poller = zmq.Poller()
         poller.register(self.router.socket, zmq.POLLIN)
-        poller.register(self.wake, zmq.POLLIN)
-        poller.register(self.express_wake, zmq.POLLIN)
+        poller.register(self.vit.wake, zmq.POLLIN)
+        poller.register(self.express_lane.wake, zmq.POLLIN)
         if self.signals is not None:
             poller.register(self.signals, zmq.POLLIN)
         while True:
@@ -130,26 +120,30 @@ class EncoderService:
             self.signals.recv(4096)  # the handler itself runs as this thread goes on
         if self.router.socket in events:
             self._drain()
-        if self.wake in events:
-            self.wake.recv()
-            self._finish_batch(self.running.pop(0))  # the ViT thread finishes batches in order
-        if self.express_wake in events:
-            self.express_wake.recv()
-            batch, self.express = self.express, None
-            self._finish_batch(batch)
+        for lanes in (self.vit, self.express_lane):
+            if lanes.wake in events:
+                for batch in lanes.finished():
+                    self._finish_batch(batch)
         self._start_express()
         if self._can_start() and self.batcher.seconds_until_due(time.monotonic()) == 0:
             self._start_batch(self.batcher.take())
         self._watch_batches()
         self.handoff.expire(time.monotonic())
 
+    @property
+    def running(self) -> list[RunningBatch]:
+        """The main lane's batches, oldest first."""
+        return self.vit.batches
+
     def _can_start(self) -> bool:
-        return len(self.running) < self.config.pipeline_depth and not self.watch.stalled
+        # one batch preprocessed ahead per pipeline stage past the first, beside one in each ViT thread
+        in_flight = self.config.vit_threads + self.config.pipeline_depth - 1
+        return len(self.running) < in_flight and not self.watch.stalled
 
     def _poll_timeout_ms(self) -> int:
         due = None if not self._can_start() else self.batcher.seconds_until_due(time.monotonic())
         wait = -1 if due is None else int(due * 1000)  # -1: until a message or the ViT thread's wake-up
-        if self.running or self.express:  # the watchdog looks at the oldest batch meanwhile
+        if self._in_flight():  # the watchdog looks at the oldest batch meanwhile
             wait = WATCH_INTERVAL_MS if wait < 0 else min(wait, WATCH_INTERVAL_MS)
         return wait
 
@@ -320,28 +314,24 @@ class EncoderService:
         self.batcher.drop_waiters(state)
 
     def _in_flight(self) -> list[RunningBatch]:
-        return [*self.running, *([self.express] if self.express else [])]
+        return [*self.vit.batches, *self.express_lane.batches]
 
     def _start_batch(self, jobs: list[Job]) -> None:
         preprocess, vit = batch_stages(self.tower, jobs)
         prepared = self.preprocessor.submit(preprocess)
-        future = self.vit.submit(lambda: vit(prepared.result()))  # ready by now, unless the ViT was idle
-        future.add_done_callback(lambda _: self.wake_sender.send(b""))  # runs on the ViT thread
-        self.running.append(RunningBatch(jobs, future))
+        self.vit.submit(jobs, lambda: vit(prepared.result()))  # ready by now, unless the ViT was idle
 
     def _start_express(self) -> None:
         """Small images go at once through the express lane while the main lane
         runs a batch (a second batch there would wait for the ViT thread)."""
         limit = self.config.express_max_patches
-        if not limit or not self.running or self.express is not None or self.watch.stalled:
+        if not limit or not self.running or self.express_lane.batches or self.watch.stalled:
             return
         jobs = self.batcher.take(limit)
         if not jobs:
             return
         preprocess, vit = batch_stages(self.tower, jobs)
-        future = self.express_lane.submit(lambda: vit(preprocess()))
-        future.add_done_callback(lambda _: self.express_wake_sender.send(b""))  # runs on the express thread
-        self.express = RunningBatch(jobs, future)
+        self.express_lane.submit(jobs, lambda: vit(preprocess()))
 
     def _finish_batch(self, batch: RunningBatch) -> None:
         if self.watch.stalled:

@@ -3,10 +3,15 @@ waiting for its images, and each batch on the worker threads."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
 import time
 import uuid
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -91,11 +96,48 @@ def batch_stages(tower, jobs: list[Job]):
     return preprocess, vit
 
 
-def wake_pair(ctx: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-    """(the loop's end, one worker thread's end) of an inproc "batch done" signal."""
-    address = f"inproc://encoder-wake-{uuid.uuid4().hex}"
-    wake = ctx.socket(zmq.PAIR)
-    wake.bind(address)
-    sender = ctx.socket(zmq.PAIR)
-    sender.connect(address)
-    return wake, sender
+class Lanes:
+    """Worker threads that run batches in the order they are submitted, each
+    batch on one thread; the loop hears that batches ended through an inproc
+    PULL socket (`wake`; each thread sends on a PUSH of its own, as a ZMQ
+    socket belongs to one thread). Threads after the first run at `extra_nice`:
+    they take what CPU the rest of the machine leaves (docs/profiling.md)."""
+
+    def __init__(self, ctx: zmq.Context, name: str, threads: int = 1, extra_nice: int = 0) -> None:
+        self._ctx = ctx
+        self._address = f"inproc://encoder-{name}-{uuid.uuid4().hex}"
+        self.wake = ctx.socket(zmq.PULL)
+        self.wake.bind(self._address)
+        self._local = threading.local()
+        self._started = itertools.count()
+        self._extra_nice = extra_nice
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=self._init_thread)
+        self.batches: list[RunningBatch] = []  # submitted, oldest first
+
+    def _init_thread(self) -> None:
+        if next(self._started) and self._extra_nice:  # Linux: a thread id sets that thread's nice
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._extra_nice)
+
+    def submit(self, jobs: list[Job], fn: Callable[[], Any]) -> RunningBatch:
+        future = self._executor.submit(fn)
+        # runs on the worker thread (or here, if it is already done)
+        future.add_done_callback(lambda _: self._sender().send(b""))
+        batch = RunningBatch(jobs, future)
+        self.batches.append(batch)
+        return batch
+
+    def _sender(self) -> zmq.Socket:
+        sender = getattr(self._local, "sender", None)
+        if sender is None:
+            sender = self._local.sender = self._ctx.socket(zmq.PUSH)
+            sender.connect(self._address)
+        return sender
+
+    def finished(self) -> list[RunningBatch]:
+        """Once `wake` polled readable: the batches that have ended, oldest first."""
+        while self.wake.poll(0):
+            self.wake.recv()
+        ended = {id(batch) for batch in self.batches if batch.future.done()}  # judged once: a batch may end meanwhile
+        done = [batch for batch in self.batches if id(batch) in ended]
+        self.batches = [batch for batch in self.batches if id(batch) not in ended]
+        return done

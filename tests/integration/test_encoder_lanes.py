@@ -1,7 +1,10 @@
 """A small image is never held behind a large one's ViT time: while the main
 lane encodes a megapixel image, a 256² image sent after it goes through the
 encoder's express lane and is answered first (vision_encoder/service.py).
-Talks to a standalone encoder over its socket, as the gateway does."""
+With two ViT threads (`encoder.vit_threads`) a second batch too large for the
+express lane runs beside the first instead of after it, and its tokens are the
+ones one thread makes. Talks to standalone encoders over their sockets, as the
+gateway does."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import zmq.asyncio
 
 from common.config import REPO_ROOT
@@ -22,17 +26,17 @@ from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeResult, GatewayInbound
-from tests.integration.encoder_socket import handshake
+from tests.integration.encoder_socket import encode_directly, fetch_tokens, handshake
 
-LARGE, SMALL = (1288, 812), (252, 252)  # at the 1 MP budget: 5,336 and 324 patches
+# At the 1 MP budget: 5,336, 324 and 2,500 patches (MEDIUM: past the express
+# lane's 1,024, within the batcher's size ratio of LARGE, a fifth of its ViT time)
+LARGE, SMALL, MEDIUM = (1288, 812), (252, 252), (700, 700)
 
 
-@pytest.fixture(scope="module")
-def encoder(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("lanes")
+def start_encoder(run_dir, **settings: str):
     address = f"ipc://{run_dir}/encoder.sock"
     env = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__ADDRESS=address,
-               PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32")
+               PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32", **settings)
     process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
                                stdout=open(run_dir / "encoder.log", "wb"), stderr=subprocess.STDOUT)
     yield address
@@ -40,19 +44,31 @@ def encoder(tmp_path_factory):
     process.wait(10)
 
 
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory):
+    """One ViT thread (the CPU demo config has two): the express lane alone keeps the small image apart."""
+    yield from start_encoder(tmp_path_factory.mktemp("lanes"), PRISM_ENCODER__VIT_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def two_vit_threads(tmp_path_factory):
+    yield from start_encoder(tmp_path_factory.mktemp("two-vit"), PRISM_ENCODER__VIT_THREADS="2",
+                             PRISM_ENCODER__EXTRA_VIT_NICE="10")
+
+
 def image_input(name: str, size: tuple[int, int]) -> tuple[ImageInput, memoryview]:
     meta, frame = to_frame(np.asarray(make_image(name, size).convert("RGB")))
     return ImageInput(os.urandom(16), meta), frame
 
 
-async def answer_order(address: str) -> tuple[list[str], dict[str, float]]:
-    """Send a large image, then a small one; the order their answers come in, and when."""
+async def answer_order(address: str, second: tuple[int, int] = SMALL) -> tuple[list[str], dict[str, float]]:
+    """Send a large image, then a `second` one; the order their answers come in, and when."""
     ctx = zmq.asyncio.Context()
     socket = AsyncDealer(ctx, address, GatewayInbound)
     try:
         await handshake(socket)
         started = time.monotonic()
-        for request_id, size in (("large", LARGE), ("small", SMALL)):
+        for request_id, size in (("large", LARGE), ("small", second)):
             image, frame = image_input(f"lanes-{request_id}", size)
             await socket.send(EncodeRequest(request_id, [image]), [frame])
             await asyncio.sleep(0.05)  # the large batch is running when the small image arrives
@@ -71,3 +87,30 @@ async def answer_order(address: str) -> tuple[list[str], dict[str, float]]:
 def test_a_small_image_sent_after_a_large_one_is_answered_first(encoder):
     order, at = asyncio.run(answer_order(encoder))
     assert order == ["small", "large"], at
+
+
+def test_with_two_vit_threads_a_second_large_batch_runs_beside_the_first(two_vit_threads):
+    order, at = asyncio.run(answer_order(two_vit_threads, MEDIUM))
+    assert order == ["small", "large"], at
+
+
+def test_with_one_vit_thread_the_second_batch_waits_for_the_first(encoder):
+    """The test above can fail: one thread answers the same two images in order."""
+    order, at = asyncio.run(answer_order(encoder, MEDIUM))
+    assert order == ["large", "small"], at
+
+
+async def tokens_of(address: str, name: str):
+    reply = await encode_directly(address, [name], MEDIUM)
+    ctx = zmq.asyncio.Context()
+    try:
+        (tokens,) = await fetch_tokens(ctx, address, reply.images)
+        return tokens
+    finally:
+        ctx.term()
+
+
+def test_two_vit_threads_make_the_tokens_one_thread_makes(encoder, two_vit_threads):
+    one, two = (asyncio.run(tokens_of(address, "lanes-same")) for address in (encoder, two_vit_threads))
+    assert one is not None and two is not None
+    assert torch.equal(one, two)

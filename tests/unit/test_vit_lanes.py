@@ -1,0 +1,74 @@
+"""The encoder's worker threads (vision_encoder/work.py, Lanes): with two ViT
+threads two batches run at once and each is reported as it ends, in whatever
+order; the loop hears of every end through the wake socket; threads after the
+first run at the configured nice value."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import zmq
+
+from vision_encoder.batcher import Job
+from vision_encoder.work import Lanes
+
+WAIT_S = 10
+
+
+def job(name: str) -> list[Job]:
+    return [Job(name.encode(), None, 1, 0.0)]
+
+
+def wait_for_wake(lanes: Lanes) -> None:
+    assert lanes.wake.poll(WAIT_S * 1000), "no wake-up from the lane"
+
+
+def test_two_threads_run_two_batches_at_once_and_report_each_as_it_ends():
+    lanes = Lanes(zmq.Context.instance(), "test-vit", threads=2)
+    both_running = threading.Barrier(2, timeout=WAIT_S)  # breaks (an error) unless both batches run together
+    release_first = threading.Event()
+
+    def first():
+        both_running.wait()
+        assert release_first.wait(WAIT_S)
+        return "first"
+
+    def second():
+        both_running.wait()
+        return "second"
+
+    a = lanes.submit(job("a"), first)
+    b = lanes.submit(job("b"), second)
+    wait_for_wake(lanes)
+    assert lanes.finished() == [b]  # the later batch ended first: it is not held behind the earlier one
+    assert b.future.result() == "second"
+    assert lanes.batches == [a]
+    release_first.set()
+    wait_for_wake(lanes)
+    assert lanes.finished() == [a]
+    assert a.future.result() == "first" and lanes.batches == []
+
+
+def test_one_thread_runs_batches_in_order():
+    lanes = Lanes(zmq.Context.instance(), "test-one", threads=1)
+    ran: list[str] = []
+    batches = [lanes.submit(job(name), lambda name=name: ran.append(name)) for name in "abc"]
+    ended: list = []
+    while len(ended) < 3:
+        wait_for_wake(lanes)
+        ended += lanes.finished()
+    assert ran == ["a", "b", "c"] and ended == batches
+
+
+def test_threads_after_the_first_run_at_the_extra_nice_value():
+    lanes = Lanes(zmq.Context.instance(), "test-nice", threads=2, extra_nice=7)
+    both_running = threading.Barrier(2, timeout=WAIT_S)
+    base = os.getpriority(os.PRIO_PROCESS, 0)  # this thread's
+
+    def own_nice():
+        both_running.wait()  # two batches at once: one on each thread
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base
+
+    batches = [lanes.submit(job(name), own_nice) for name in "ab"]
+    assert sorted(batch.future.result(WAIT_S) for batch in batches) == [0, 7]
