@@ -3,9 +3,10 @@
 The loop thread owns the socket, the caches and the queue. A batch runs in two
 stages on two threads: the HF image processor, then the ViT; with
 `pipeline_depth` 2 the processor prepares batch N+1 while the ViT runs batch
-N. While the main lane runs a batch, small images (`express_max_patches`) go
-at once through an express lane (a third thread, both stages), so none waits
-out a large image's ViT time. The loop keeps answering meanwhile (cache hits,
+N, and with `vit_threads` 2 two batches are in the ViT at once, each on its
+own thread (vision_encoder/work.py, Lanes). While the main lane runs a batch,
+small images (`express_max_patches`) go at once through an express lane (one
+more thread, both stages), so none waits out a large image's ViT time. The loop keeps answering meanwhile (cache hits,
 cancellations, fetches, stats: the gateway's heartbeat); the worker threads
 wake it through inproc sockets when a batch is done. Lookups go local LRU →
 an encode in flight (join it) → shared tier (Redis) → queue.
@@ -142,7 +143,7 @@ class EncoderService:
 
     def _poll_timeout_ms(self) -> int:
         due = None if not self._can_start() else self.batcher.seconds_until_due(time.monotonic())
-        wait = -1 if due is None else int(due * 1000)  # -1: until a message or the ViT thread's wake-up
+        wait = -1 if due is None else int(due * 1000)  # -1: until a message or a worker thread's wake-up
         if self._in_flight():  # the watchdog looks at the oldest batch meanwhile
             wait = WATCH_INTERVAL_MS if wait < 0 else min(wait, WATCH_INTERVAL_MS)
         return wait
