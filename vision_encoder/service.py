@@ -6,8 +6,9 @@ stages on two threads: the HF image processor, then the ViT; with
 N, and with `vit_threads` 2 two batches are in the ViT at once, each on its
 own thread (vision_encoder/work.py, Lanes). While the main lane runs a batch,
 small images (`express_max_patches`) go at once through an express lane (one
-more thread, both stages), so none waits out a large image's ViT time. The loop keeps answering meanwhile (cache hits,
-cancellations, fetches, stats: the gateway's heartbeat); the worker threads
+more thread, both stages), so none waits out a large image's ViT time. The
+loop keeps answering meanwhile (cache hits, cancellations, fetches, stats:
+the gateway's heartbeat); the worker threads
 wake it through inproc sockets when a batch is done. Lookups go local LRU →
 an encode in flight (join it) → shared tier (Redis) → queue.
 
@@ -324,7 +325,7 @@ class EncoderService:
 
     def _start_express(self) -> None:
         """Small images go at once through the express lane while the main lane
-        runs a batch (a second batch there would wait for the ViT thread)."""
+        runs a batch (a second batch there could wait for a ViT thread)."""
         limit = self.config.express_max_patches
         if not limit or not self.running or self.express_lane.batches or self.watch.stalled:
             return
