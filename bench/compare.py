@@ -13,7 +13,8 @@ both systems get identical requests):
   (e) saturation: unique images, closed loop at rising concurrency; the
       highest throughput reached is the system's saturation throughput
   (f) open loop (Poisson) at 50 % and 80 % of vLLM's saturation throughput,
-      with a 256² image's TTFT there against its TTFT alone (a, concurrency 1)
+      with a 256² image's TTFT there against its TTFT alone (12 of them sent
+      one at a time just before); twice (a)'s requests per point
 
 A third system runs the same scenarios: vLLM's own disaggregated encoder (an
 `--mm-encoder-only` instance and a prefill+decode instance joined by the
@@ -52,6 +53,9 @@ MODEL = RANDOM_MODEL
 SERVED_NAME = "prism-demo"
 MAX_PIXELS = 1024 * 1024
 MIX = parse_buckets("256x256=1,720p=1,1080p=1,4k=1")
+SMALL = parse_buckets("256x256=1")
+SMALL_ALONE_REQUESTS = 12  # (f)'s 256² images sent alone, one at a time: the small-image line's denominator
+OPEN_LOOP_SCALE = 2  # (f) sends twice (a)'s requests per point: a 256² image is one in four, and its median moved most
 LADDER = (4, 8, 16)  # (e): closed-loop concurrencies
 OPEN_FRACTIONS = (0.5, 0.8)  # (f): of vLLM's saturation throughput
 WARMUP = 2
@@ -111,7 +115,8 @@ def run_all(base_url: str, cases: list[Scenario], rates: list[float], sweep_requ
     out["e"] = {"points": ladder, "saturation_rps": saturation}
     print(f"  (e) saturation: {saturation:.2f} req/s", flush=True)
     open_rates = open_rates or [saturation * fraction for fraction in OPEN_FRACTIONS]
-    out["f"] = [measured(target, WorkloadSpec(MIX, seed=110 + i), Arrival(rate=rate, seed=110 + i), requests, slo)
+    out["small_alone"] = measured(target, WorkloadSpec(SMALL, seed=109), Arrival(concurrency=1), SMALL_ALONE_REQUESTS, slo)
+    out["f"] = [measured(target, WorkloadSpec(MIX, seed=110 + i), Arrival(rate=rate, seed=110 + i), requests * OPEN_LOOP_SCALE, slo)
                 for i, rate in enumerate(open_rates)]
     for point, rate in zip(out["f"], open_rates):
         point["rate"] = rate
@@ -188,7 +193,7 @@ def saturation_table(vllm: dict, prism: dict) -> list[str]:
 
 
 def _small_alone(results: dict) -> float:
-    return results["a1"]["by_bucket"].get("256x256", {}).get("median_ttft_ms", 0.0)
+    return results["small_alone"]["summary"]["median_ttft_ms"]
 
 
 def open_loop_table(vllm: dict, prism: dict) -> list[str]:
