@@ -98,6 +98,17 @@ def open_loop(variant: str, rate: float, requests: int, run_dir: Path) -> dict:
     return row
 
 
+def open_loop_rounds(variants: list[str], rounds: int, rate: float, requests: int, run_dir: Path) -> dict[str, dict]:
+    """Each variant's stack in turn, `rounds` times (these machines drift)."""
+    results = {}
+    for i in range(rounds):
+        for n, variant in enumerate(variants):
+            name = f"{variant or 'shipped'} #{i + 1}"
+            results[name] = open_loop(variant, rate, requests, run_dir / f"{i}-{n}")
+            print(name, json.dumps(results[name]), file=sys.stderr, flush=True)  # kept if a later stack fails
+    return results
+
+
 def _cell(value) -> str:
     return " / ".join(f"{v:.1f}" for v in value) if isinstance(value, tuple) else f"{value:.2f}"
 
@@ -112,13 +123,7 @@ def main() -> None:
     ensure_demo_model(RANDOM_MODEL)
     with tempfile.TemporaryDirectory() as run_dir:
         if args.rate:
-            variants = args.variant or [""]
-            results = {}
-            for i in range(args.rounds):
-                for n, variant in enumerate(variants):
-                    name = f"{variant or 'shipped'} #{i + 1}"
-                    results[name] = open_loop(variant, args.rate, args.requests, Path(run_dir) / f"{i}-{n}")
-                    print(name, json.dumps(results[name]), file=sys.stderr, flush=True)  # kept if a later stack fails
+            results = open_loop_rounds(args.variant or [""], args.rounds, args.rate, args.requests, Path(run_dir))
         else:
             results = {setting: run(setting, *values, args.requests, Path(run_dir)) for setting, values in SETTINGS.items()}
     print("| | " + " | ".join(results) + " |")
