@@ -2,7 +2,9 @@
 
 vLLM loads the full checkpoint (vision tower included), runs its own HF
 processor on the undecoded-by-Prism image, and decodes greedily in float32,
-one request at a time. Writes {case name: {text, token_ids, prompt_tokens}}.
+one request at a time. Writes {case name: {text, token_ids, prompt_tokens,
+prefixes, margins}}: the text after each token, and how far the chosen token's
+log-probability was above the runner-up's (cases.matches_reference).
 
 Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json
 """
@@ -36,6 +38,12 @@ def pixel_budget(model: str) -> dict | None:
     return {"max_pixels": TEST_MAX_PIXELS, "min_pixels": TEST_MIN_PIXELS}
 
 
+def top_two_gap(position: dict) -> float:
+    """The chosen token's log-probability less the runner-up's (logprobs=2)."""
+    best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
+    return best - second
+
+
 def main() -> None:
     from PIL import Image
     from vllm import LLM, SamplingParams
@@ -59,13 +67,17 @@ def main() -> None:
         if names := case.image_names():
             images = [Image.open(image_dir / f"{n}.png").convert("RGB") for n in names]
             request["multi_modal_data"] = {"image": images}
-        params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0)
+        params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, logprobs=2)
         output = llm.generate([request], params, use_tqdm=False)[0]
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
         results[name] = {
-            "text": output.outputs[0].text,
-            "token_ids": list(output.outputs[0].token_ids),
+            "text": completion.text,
+            "token_ids": token_ids,
             "prompt_tokens": len(output.prompt_token_ids),
-            "finish_reason": output.outputs[0].finish_reason,
+            "finish_reason": completion.finish_reason,
+            "prefixes": [tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True) for k in range(len(token_ids))],
+            "margins": [top_two_gap(position) for position in completion.logprobs],
         }
     out.write_text(json.dumps(results, indent=1))
 

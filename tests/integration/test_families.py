@@ -1,5 +1,6 @@
 """The other model families, each token-for-token equal to vLLM given the raw
-images (in-process, float32), on a tiny random-weights checkpoint of the
+images (in-process, float32; past a token where vLLM's own top two tied, the
+answers may part: cases.matches_reference), on a tiny random-weights checkpoint of the
 family's own structure built at test time (prism/tiny_models.py).
 
 Qwen2.5-VL: windowed attention blocks with full-attention ones between, as
@@ -36,7 +37,7 @@ from prism.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed, TokenDelta
 from vision_encoder.towers import load_tower
-from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS
+from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, matches_reference
 from tests.integration.conftest import STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 
@@ -72,14 +73,15 @@ def test_single_image_matches_vllm(family, images, name):
     client, reference, _, _ = family
     response = ask(client, f"image-{name}", images)
     expected = reference[f"image-{name}"]
-    assert response.choices[0].message.content == expected["text"]
+    assert matches_reference(response.choices[0].message.content, expected), (response.choices[0].message.content, expected["text"])
     assert response.usage.prompt_tokens == expected["prompt_tokens"]  # the same visual token count
 
 
 def test_two_images_and_a_second_turn_match_vllm(family, images):
     client, reference, _, _ = family
     for case in ("two-images", "two-turns"):
-        assert ask(client, case, images).choices[0].message.content == reference[case]["text"], case
+        text = ask(client, case, images).choices[0].message.content
+        assert matches_reference(text, reference[case]), (case, text, reference[case]["text"])
 
 
 def test_eight_concurrent_requests_each_match_vllm(family, images):
@@ -87,8 +89,9 @@ def test_eight_concurrent_requests_each_match_vllm(family, images):
     names = list(CONCURRENT_IMAGES)[:8]
     with ThreadPoolExecutor(len(names)) as pool:
         got = list(pool.map(lambda n: ask(client, f"image-{n}", images).choices[0].message.content, names))
-    want = [reference[f"image-{n}"]["text"] for n in names]
-    assert got == want and len(set(want)) > 1  # the answers differ, so a mix-up would show
+    want = [reference[f"image-{n}"] for n in names]
+    assert all(matches_reference(text, expected) for text, expected in zip(got, want)), (got, [w["text"] for w in want])
+    assert len({w["text"] for w in want}) > 1  # the answers differ, so a mix-up would show
 
 
 def test_the_checkpoint_s_generation_defaults_apply(family, client):
