@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.compare import measured
+from bench.compare import MIX, SMALL, measured
 from loadtest.bench import Plan, load_test
 from loadtest.client import Target
 from loadtest.runner import Arrival
@@ -39,7 +39,6 @@ from loadtest.workload import WorkloadSpec, parse_buckets
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import LocalStack
 
-MIX = parse_buckets("256x256=1,720p=1,1080p=1,4k=1")  # bench.compare's
 SETTINGS = {  # encoder.batch_size_ratio, encoder.express_max_patches
     "first come first served": ("0", "0"),
     "size classes (4x)": ("4", "0"),
@@ -53,7 +52,7 @@ def run(setting: str, ratio: str, express: str, requests: int, run_dir: Path) ->
                  "PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS)}
     with LocalStack(run_dir / setting.replace(" ", "-"), overrides, model=RANDOM_MODEL) as stack:
         target = Target(stack.base_url, "prism-demo")
-        alone = load_test(target, WorkloadSpec(parse_buckets("256x256=1"), seed=1), Arrival(concurrency=1),
+        alone = load_test(target, WorkloadSpec(SMALL, seed=1), Arrival(concurrency=1),
                           Plan(requests=8, warmup=1, progress=False))
         mixed = load_test(target, WorkloadSpec(parse_buckets("256x256=1,4k=1"), seed=2), Arrival(concurrency=8),
                           Plan(requests=requests, warmup=2, progress=False))
@@ -79,7 +78,7 @@ def open_loop(variant: str, rate: float, requests: int, run_dir: Path) -> dict:
                  **dict(pair.split("=", 1) for pair in variant.split(",") if pair)}
     with LocalStack(run_dir, overrides, model=RANDOM_MODEL) as stack:
         target = Target(stack.base_url, "prism-demo")
-        alone = load_test(target, WorkloadSpec(parse_buckets("256x256=1"), seed=1), Arrival(concurrency=1),
+        alone = load_test(target, WorkloadSpec(SMALL, seed=1), Arrival(concurrency=1),
                           Plan(requests=8, warmup=1, progress=False))
         mixed = measured(target, WorkloadSpec(MIX, seed=3), Arrival(rate=rate, seed=3), requests, SLO())
         closed = measured(target, WorkloadSpec(MIX, seed=4), Arrival(concurrency=8), requests // 2, SLO())
