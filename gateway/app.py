@@ -31,7 +31,7 @@ from gateway.fetch import FetchLimits, ImageFetcher
 from gateway.loop_probe import LoopProbe
 from gateway.intake import ImageLimits
 from gateway.models import ServedModel
-from gateway.parsing import validation_error
+from gateway.parsing import buffer_whole_bodies, validation_error
 from gateway.schemas import ChatCompletionRequest
 from gateway.siblings import Siblings
 from gateway.timing import RequestTimer
@@ -283,6 +283,7 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     # Images are resized with torch on the intake threads (gateway/resize.py), which
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)
+    buffer_whole_bodies(config.max_body_bytes)
     app = create_app(config, config_path, slot, run_dir)
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)

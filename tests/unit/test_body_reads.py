@@ -1,0 +1,65 @@
+"""uvicorn reads a whole request body without waiting for the app
+(gateway/parsing.py `buffer_whole_bodies`): a real uvicorn server, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import uvicorn
+from uvicorn.protocols.http import h11_impl, httptools_impl
+
+from gateway.parsing import buffer_whole_bodies
+from prism.stack import free_port
+
+BODY = b"x" * (2 * 2**20)  # about a 4K JPEG's request, twice over
+
+
+async def first_piece(request_scope, receive, send) -> None:
+    """Answers with how much of the body the first `receive` held, once the
+    client has long finished sending."""
+    await asyncio.sleep(0.5)
+    message = await receive()
+    answer = f"{len(message['body'])} {message['more_body']}".encode()
+    while message.get("more_body"):
+        message = await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": answer})
+
+
+async def first_piece_size(http: str) -> tuple[int, bool]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(first_piece, port=port, http=http, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        async with httpx.AsyncClient() as client:
+            response = await client.post(f"http://127.0.0.1:{port}/", content=BODY, timeout=10)
+    finally:
+        server.should_exit = True
+        await serving
+    size, more = response.text.split()
+    return int(size), more == "True"
+
+
+@pytest.fixture
+def restore_limits():
+    saved = httptools_impl.HIGH_WATER_LIMIT, h11_impl.HIGH_WATER_LIMIT
+    yield
+    httptools_impl.HIGH_WATER_LIMIT, h11_impl.HIGH_WATER_LIMIT = saved
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_body_arrives_whole(http, restore_limits) -> None:
+    httptools_impl.HIGH_WATER_LIMIT = h11_impl.HIGH_WATER_LIMIT = 65536  # uvicorn's own
+    size, more = asyncio.run(first_piece_size(http))
+    assert more and size < len(BODY), "uvicorn paused at 64 KB: the check below could not fail"
+    buffer_whole_bodies(4 * 2**20)
+    assert asyncio.run(first_piece_size(http)) == (len(BODY), False)
+
+
+def test_the_buffer_is_capped(restore_limits) -> None:
+    buffer_whole_bodies(2**30)
+    assert httptools_impl.HIGH_WATER_LIMIT == h11_impl.HIGH_WATER_LIMIT == 16 * 2**20
