@@ -9,9 +9,15 @@ import time
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 
 from loadtest.stats import RequestResult
 from loadtest.workload import RequestSpec
+
+# The client's own event loop serialises each body while other requests'
+# uploads and streams wait on it: the standard library's json took 2.5-4.5 ms
+# for a 4K JPEG's 1.3 MB data URL, msgspec 0.32 ms.
+_ENCODE_JSON = msgspec.json.Encoder().encode
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,10 @@ class Target:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
 
 
 def chat_body(target: Target, request: RequestSpec, image_urls: list[str]) -> dict:
@@ -43,9 +52,9 @@ def chat_body(target: Target, request: RequestSpec, image_urls: list[str]) -> di
 
 async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, image_urls: list[str]) -> RequestResult:
     result = RequestResult(request.bucket, time.perf_counter())
-    body = chat_body(target, request, image_urls)
+    body = _ENCODE_JSON(chat_body(target, request, image_urls))
     try:
-        async with client.stream("POST", f"{target.base_url}/v1/chat/completions", json=body, headers=target.headers,
+        async with client.stream("POST", f"{target.base_url}/v1/chat/completions", content=body, headers=target.headers,
                                  timeout=target.timeout_s) as response:
             if response.status_code != 200:
                 await response.aread()
