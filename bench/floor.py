@@ -4,6 +4,9 @@ With the shipped demo model (models/prism-shapes: a 140×140 pixel budget, so an
 image is 25 visual tokens and the model's own work takes milliseconds):
 
 1. Floors, measured in this process on the same images:
+   - client: the official openai client building the request for one JPEG
+     (its call → the request at the transport), which every TTFT measured
+     through it includes, vLLM's server's as much as Prism's;
    - decode: a full JPEG decode plus downscale (the exact path), and the draft
      decode (`gateway.jpeg_draft`);
    - tower: the encoder tower's own time for one image at its target size
@@ -13,8 +16,9 @@ image is 25 visual tokens and the model's own work takes milliseconds):
      settings and the same prompt and embeddings (generate() → scheduled, and
      scheduled → first token in the caller's hands, as Prism's engine reports them).
 2. Concurrency 1 through vLLM's server and through Prism, one request at a time:
-   4K and 1080p JPEGs (new images) and a repeated image. TTFT, and Prism's
-   stage medians beside their floors.
+   4K and 1080p JPEGs (new images) and a repeated image. TTFT as the client
+   sees it, Prism's as its gateway measures it (arrival → first token), and
+   Prism's stage medians beside their floors.
 3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
    Prism's `parse` p90 per resolution bucket; and how long new work waited
    for the gateway's event loop meanwhile (`prism_gateway_loop_lag_seconds`).
@@ -37,7 +41,7 @@ import zmq
 
 from bench.intake import qwen_policy
 from bench.servers import vllm_server
-from bench.ttft import QUESTION, SERVED_NAME, median_ms, over_http
+from bench.ttft import QUESTION, SERVED_NAME, image_question, median_ms, over_http
 from gateway.intake import decode, inspect
 from loadtest.bench import Plan, load_test
 from loadtest.client import Target
@@ -93,6 +97,29 @@ def tower_floor(images: list[bytes]):
             last = tower.encode(tower.preprocess([TowerImage(image.pixels, image.original_size[::-1])]))[0]
             times.append(time.perf_counter() - started)
     return median_ms(times[1:]), last
+
+
+def client_floor(images: list[bytes]) -> float:
+    """Median ms from the openai client's `create` to its request reaching the
+    transport (a stub that answers at once: no server, no socket)."""
+    import httpx
+    from openai import OpenAI
+
+    reached: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        reached.append(time.perf_counter())
+        return httpx.Response(200, text="data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
+
+    client = OpenAI(base_url="http://client-floor/v1", api_key="unused", max_retries=0,
+                    http_client=httpx.Client(transport=httpx.MockTransport(answer)))
+    times = []
+    for jpeg in [images[0], *images]:  # the first one warms up
+        started = time.perf_counter()
+        for _ in client.chat.completions.create(**image_question(jpeg)):
+            pass
+        times.append(reached[-1] - started)
+    return median_ms(times[1:])
 
 
 def timed_ms(action, rounds: int, pause_s: float = 0.0) -> float:
@@ -178,6 +205,8 @@ async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float
 def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
     out = {}
     for name in IMAGES:
+        out[f"client {name}"] = client_floor(images[name])
+    for name in IMAGES:
         out[f"decode {name}"] = decode_floor(images[name], False)
         out[f"decode {name} draft"] = decode_floor(images[name], True)
     out["tower"], (embeddings, grid) = tower_floor(images["1080p"])
@@ -227,11 +256,12 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
     lines = ["## Floors (this process)", "", "| hop | floor |", "|---|---|"]
     for name, value in floor.items():
         lines.append(f"| {name} | {value:.0f} bytes |" if name == "embedding bytes" else f"| {name} | {value:.2f} ms |")
-    lines += ["", "## Concurrency 1: TTFT medians", "", "| image | vLLM server | Prism | Prism / vLLM |", "|---|---|---|---|"]
+    lines += ["", "## Concurrency 1: TTFT medians", "",
+              "| image | vLLM server | Prism | Prism / vLLM | Prism at its gateway |", "|---|---|---|---|---|"]
     for name in prism:
         p = median_ms(prism[name])
         v = median_ms(vllm[name]) if vllm else float("nan")
-        lines.append(f"| {name} | {v:.1f} ms | {p:.1f} ms | {p / v:.2f}× |")
+        lines.append(f"| {name} | {v:.1f} ms | {p:.1f} ms | {p / v:.2f}× | {stage_median(prism_stages[name], 'ttft'):.1f} ms |")
     lines += ["", "## Concurrency 1: Prism's stage medians against their floors", "",
               "| image | stage | Prism | floor | Prism / floor |", "|---|---|---|---|---|"]
     for name in ("4k", "1080p", "repeated"):

@@ -81,6 +81,15 @@ async def vllm_in_process(runs) -> dict[tuple[str, str], list[float]]:
     return times
 
 
+def image_question(jpeg: bytes) -> dict:
+    """The streamed chat request that `over_http` sends for one JPEG."""
+    url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+    return dict(
+        model=SERVED_NAME, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
+    )
+
+
 def over_http(runs, base_url: str) -> tuple[dict, dict]:
     """TTFT per (resolution, miss|hit) through an OpenAI-compatible server, and
     Prism's per-stage breakdown when the server is Prism."""
@@ -90,12 +99,8 @@ def over_http(runs, base_url: str) -> tuple[dict, dict]:
     times: dict[tuple[str, str], list[float]] = {}
     stages: dict[tuple[str, str], list[dict]] = {}
     for name, kind, data in runs:
-        url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
         started = time.perf_counter()
-        stream = client.chat.completions.create(
-            model=SERVED_NAME, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}],
-        )
+        stream = client.chat.completions.create(**image_question(data))
         first = None
         for chunk in stream:
             first = first or time.perf_counter()
