@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-
 import logging
 
 import pydantic
