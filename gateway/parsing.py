@@ -73,6 +73,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
+                if not chunk:
+                    continue  # Starlette ends every stream with b"", which would make the join below copy
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:

@@ -1,5 +1,6 @@
 """uvicorn reads a whole request body without waiting for the app
-(gateway/parsing.py `buffer_whole_bodies`): a real uvicorn server, real HTTP."""
+(gateway/parsing.py `buffer_whole_bodies`): a real uvicorn server, real HTTP;
+and `read_body` hands on a body that came in one piece without copying it."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import asyncio
 import httpx
 import pytest
 import uvicorn
+from starlette.requests import Request
 from uvicorn.protocols.http import h11_impl, httptools_impl
 
-from gateway.parsing import buffer_whole_bodies
+from gateway.parsing import buffer_whole_bodies, read_body
 from prism.stack import free_port
 
 BODY = b"x" * (2 * 2**20)  # about a 4K JPEG's request, twice over
@@ -63,3 +65,11 @@ def test_a_body_arrives_whole(http, restore_limits) -> None:
 def test_the_buffer_is_capped(restore_limits) -> None:
     buffer_whole_bodies(2**30)
     assert httptools_impl.HIGH_WATER_LIMIT == h11_impl.HIGH_WATER_LIMIT == 16 * 2**20
+
+
+def test_a_body_that_came_whole_is_not_copied() -> None:
+    async def receive():
+        return {"type": "http.request", "body": BODY, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    assert asyncio.run(read_body(request, 4 * 2**20, 5)) is BODY
