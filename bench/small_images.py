@@ -47,13 +47,17 @@ SETTINGS = {  # encoder.batch_size_ratio, encoder.express_max_patches
 MAX_PIXELS = 1024 * 1024
 
 
+def small_alone(target: Target) -> dict:
+    """Eight 256² images sent one at a time: the denominator of every ratio here."""
+    return load_test(target, WorkloadSpec(SMALL, seed=1), Arrival(concurrency=1), Plan(requests=8, warmup=1, progress=False))
+
+
 def run(setting: str, ratio: str, express: str, requests: int, run_dir: Path) -> dict:
     overrides = {"PRISM_ENCODER__BATCH_SIZE_RATIO": ratio, "PRISM_ENCODER__EXPRESS_MAX_PATCHES": express,
                  "PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS)}
     with LocalStack(run_dir / setting.replace(" ", "-"), overrides, model=RANDOM_MODEL) as stack:
         target = Target(stack.base_url, "prism-demo")
-        alone = load_test(target, WorkloadSpec(SMALL, seed=1), Arrival(concurrency=1),
-                          Plan(requests=8, warmup=1, progress=False))
+        alone = small_alone(target)
         mixed = load_test(target, WorkloadSpec(parse_buckets("256x256=1,4k=1"), seed=2), Arrival(concurrency=8),
                           Plan(requests=requests, warmup=2, progress=False))
     small, large = mixed["by_bucket"]["256x256"], mixed["by_bucket"]["4k"]
@@ -78,8 +82,7 @@ def open_loop(variant: str, rate: float, requests: int, run_dir: Path) -> dict:
                  **dict(pair.split("=", 1) for pair in variant.split(",") if pair)}
     with LocalStack(run_dir, overrides, model=RANDOM_MODEL) as stack:
         target = Target(stack.base_url, "prism-demo")
-        alone = load_test(target, WorkloadSpec(SMALL, seed=1), Arrival(concurrency=1),
-                          Plan(requests=8, warmup=1, progress=False))
+        alone = small_alone(target)
         mixed = measured(target, WorkloadSpec(MIX, seed=3), Arrival(rate=rate, seed=3), requests, SLO())
         closed = measured(target, WorkloadSpec(MIX, seed=4), Arrival(concurrency=8), requests // 2, SLO())
     small = mixed["by_bucket"]["256x256"]
