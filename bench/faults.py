@@ -47,7 +47,14 @@ def services(root: psutil.Process, module: str) -> list[psutil.Process]:
 
 
 def engine_core(engine: psutil.Process) -> psutil.Process | None:
-    return next((p for p in engine.children(recursive=True) if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())), None)
+    return next((p for p in engine.children(recursive=True) if _is_engine_core(p)), None)
+
+
+def _is_engine_core(process: psutil.Process) -> bool:
+    try:
+        return "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline())
+    except psutil.NoSuchProcess:  # vLLM's start-up runs short-lived helpers
+        return False
 
 
 @dataclass

@@ -2,10 +2,16 @@
 exponential back-off when it dies (its whole group is killed first: vLLM's
 engine-core process must not outlive its engine). Used by the launcher for the
 services and by a multi-worker gateway for its workers.
+
+Nothing a supervisor started outlives it: a child's group is killed once the
+child has exited, however the child ended, and every child calls
+`stop_with_supervisor` first thing, so that it gets SIGTERM when its
+supervisor dies, however the supervisor died (SIGKILL, the OOM killer).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -20,6 +26,9 @@ from pathlib import Path
 from common.config import REPO_ROOT
 
 log = logging.getLogger("prism.supervisor")
+
+SUPERVISOR_PID_ENV = "PRISM_SUPERVISOR_PID"  # set for each child: the pid it must not outlive
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def kill_group(process: subprocess.Popen, sig: int) -> None:
@@ -45,7 +54,7 @@ class Child:
         self.process = subprocess.Popen(
             [sys.executable, "-m", self.module, *config],
             cwd=REPO_ROOT,
-            env={**os.environ, **self.env},
+            env={**os.environ, **self.env, SUPERVISOR_PID_ENV: str(os.getpid())},
             start_new_session=True,  # its own process group, so it can be stopped whole
         )
         self.started_at = time.monotonic()
@@ -101,4 +110,28 @@ class Supervisor:
             try:
                 child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                kill_group(child.process, signal.SIGKILL)
+                pass
+            # What is left of it goes too: an engine service stopped while vLLM was still
+            # starting exits at once, and its engine core, which only notes a SIGTERM
+            # while it is being built, would live on without it.
+            kill_group(child.process, signal.SIGKILL)
+
+
+def stop_with_supervisor() -> None:
+    """Ask the kernel for SIGTERM when the supervisor that started this process
+    dies. Its children run in sessions of their own (so that each can be stopped
+    whole), so nothing else would stop them: they would keep their sockets and
+    memory (an accelerator's, for an engine) with no one left to use them. A
+    no-op in a process no supervisor started, and off Linux.
+
+    The kernel sends it when the thread that started this process ends: the
+    supervisor starts its children from its main thread and restarts them
+    from its watcher, which both last until it stops them."""
+    supervisor_pid = os.environ.pop(SUPERVISOR_PID_ENV, None)  # vLLM's processes started from here are not ours
+    if supervisor_pid is None or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this process may outlive its supervisor", ctypes.get_errno())
+    elif os.getppid() != int(supervisor_pid):  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -13,9 +13,11 @@ from gateway.config import GatewayConfig
 from gateway.workers import serve_workers, this_worker
 from common.config import load_config
 from common.logs import setup_logging
+from common.supervisor import stop_with_supervisor
 
 
 def main() -> None:
+    stop_with_supervisor()  # a worker of a multi-worker gateway
     parser = argparse.ArgumentParser(description="Prism gateway (OpenAI-compatible HTTP API)")
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()

@@ -14,14 +14,22 @@ from llm_engine.config import EngineConfig
 from llm_engine.service import EngineService
 from common.config import load_config
 from common.logs import setup_logging
+from common.supervisor import stop_with_supervisor
 
 DEAD_SHUTDOWN_TIMEOUT_S = 5
 
 
 async def serve(config: EngineConfig) -> int:
     """The exit code: 1 when vLLM's engine core died or stalled for good (restart me)."""
+    # SIGTERM while vLLM starts: finish starting, then stop as if drained. Dying at once
+    # would leave vLLM's engine core behind, which only notes a signal while it is built.
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop_requested.set)
     service = await EngineService.start(config, zmq.asyncio.Context.instance())
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, service.drain)
+    loop.add_signal_handler(signal.SIGTERM, service.drain)
+    if stop_requested.is_set():
+        service.drain()
     await service.run_until_stopped()
     if service.dead_reason is None:
         service.engine.shutdown()
@@ -31,6 +39,7 @@ async def serve(config: EngineConfig) -> int:
 
 
 def main() -> None:
+    stop_with_supervisor()
     parser = argparse.ArgumentParser(description="Prism LLM engine service (vLLM)")
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()

@@ -148,14 +148,19 @@ class LocalStack:
         return env
 
     def start(self, timeout_s: float = 420) -> "LocalStack":
+        self.launch()
+        self._wait_ready(timeout_s)
+        return self
+
+    def launch(self) -> subprocess.Popen:
+        """`prism serve`, not waited for."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.stack_log, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "prism", "serve"], cwd=REPO_ROOT, env=self.environment(),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        self._wait_ready(timeout_s)
-        return self
+        return self.process
 
     @property
     def stack_log(self) -> Path:

@@ -13,6 +13,7 @@ import zmq
 
 from common.config import load_config
 from common.logs import setup_logging
+from common.supervisor import stop_with_supervisor
 from vision_encoder.config import EncoderConfig
 from vision_encoder.service import EncoderService
 
@@ -32,6 +33,7 @@ def wake_on_signals() -> tuple[socket.socket, socket.socket]:
 
 
 def main() -> None:
+    stop_with_supervisor()
     parser = argparse.ArgumentParser(description="Prism vision encoder service")
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()

@@ -1,0 +1,92 @@
+"""Nothing a supervisor (common/supervisor.py) started outlives it: neither
+what a child left in its process group when it stopped, nor the children
+themselves when the supervisor is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from common.config import REPO_ROOT
+from common.supervisor import Child, Supervisor
+
+CHILD = "tests.unit.supervised_child"
+# A supervisor in a process of its own, so that the test can kill it.
+SUPERVISOR = ("import sys, time; from common.supervisor import Child, Supervisor; "
+              f"Supervisor([Child({CHILD!r}, None)]).start(); time.sleep(600)")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(0.05)
+
+
+def started_pids(pids_file: Path) -> tuple[int, int]:
+    """(the child, the process it left in its group), once the child has written them."""
+    wait_for(lambda: pids_file.exists() and pids_file.read_text(), 30, "the child started")
+    child, leftover = map(int, pids_file.read_text().split())
+    return child, leftover
+
+
+@pytest.fixture
+def pids_file(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PIDS_FILE", str(tmp_path / "pids"))
+    return tmp_path / "pids"
+
+
+@pytest.fixture
+def cleanup():
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_stopping_a_child_stops_what_it_left_in_its_group(pids_file, cleanup):
+    supervisor = Supervisor([Child(CHILD, None)])
+    supervisor.start()
+    child, leftover = started_pids(pids_file)
+    cleanup.append(child)
+    started = time.monotonic()
+    supervisor.stop(grace_s=10)
+    assert time.monotonic() - started < 5, "the child itself exits on SIGTERM: no grace period is waited out"
+    assert not alive(child)
+    wait_for(lambda: not alive(leftover), 5, "the process that ignores SIGTERM is killed with its group")
+
+
+def test_children_get_sigterm_when_their_supervisor_is_killed(pids_file, cleanup):
+    supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR], cwd=REPO_ROOT, start_new_session=True)
+    cleanup.append(supervisor.pid)
+    child, _leftover = started_pids(pids_file)
+    cleanup.append(child)
+    assert alive(child)
+    os.kill(supervisor.pid, signal.SIGKILL)  # no stop(): the kernel has to tell the child
+    supervisor.wait(10)
+    wait_for(lambda: not alive(child), 5, "the child exits once its supervisor is gone")
+
+
+def test_a_process_no_supervisor_started_is_left_alone(pids_file, cleanup):
+    child = subprocess.Popen([sys.executable, "-m", CHILD], cwd=REPO_ROOT, start_new_session=True)
+    cleanup.append(child.pid)
+    started_pids(pids_file)
+    time.sleep(0.5)
+    assert child.poll() is None
