@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 from common.config import REPO_ROOT
+from common.supervisor import stop_group
 from prism.stack import LocalStack, free_port, serving, wait_for_health
 
 # Engine settings both sides share (configs/cpu-demo.yaml's engine section).
@@ -45,8 +45,7 @@ def vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, 
         wait_for_health(base_url, process, 600)
         yield base_url
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(60)
+        stop_group(process, grace_s=60)  # vLLM's engine core is in its group
 
 
 def ec_transfer(role: str, storage: Path) -> tuple[str, str]:

@@ -38,6 +38,18 @@ def kill_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def stop_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM to a process started in a session of its own and to its whole group,
+    SIGKILL past `grace_s`; then whatever is left of the group goes too."""
+    kill_group(process, signal.SIGTERM)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    kill_group(process, signal.SIGKILL)
+    process.wait()
+
+
 @dataclass
 class Child:
     module: str

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from common.config import REPO_ROOT
+from common.supervisor import stop_group
 from prism.demo_model import RANDOM_MODEL
 
 
@@ -176,11 +176,7 @@ class LocalStack:
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+            stop_group(self.process, grace_s=30)  # the services it started stop with it (common/supervisor.py)
 
     def __enter__(self) -> "LocalStack":
         return self.start()

@@ -1,6 +1,7 @@
 """Nothing a supervisor (common/supervisor.py) started outlives it: neither
 what a child left in its process group when it stopped, nor the children
-themselves when the supervisor is killed."""
+themselves when the supervisor is killed; nor what a process stopped with
+`stop_group` (prism serve under the tests and benchmarks, vLLM's server) left."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import psutil
 import pytest
 
 from common.config import REPO_ROOT
-from common.supervisor import Child, Supervisor
+from common.supervisor import Child, Supervisor, stop_group
 
 CHILD = "tests.unit.supervised_child"
 # A supervisor in a process of its own, so that the test can kill it.
@@ -82,6 +83,17 @@ def test_children_get_sigterm_when_their_supervisor_is_killed(pids_file, cleanup
     os.kill(supervisor.pid, signal.SIGKILL)  # no stop(): the kernel has to tell the child
     supervisor.wait(10)
     wait_for(lambda: not alive(child), 5, "the child exits once its supervisor is gone")
+
+
+def test_stopping_a_group_stops_what_its_leader_left(pids_file, cleanup):
+    leader = subprocess.Popen([sys.executable, "-m", CHILD], cwd=REPO_ROOT, start_new_session=True)
+    cleanup.append(leader.pid)
+    _, leftover = started_pids(pids_file)
+    started = time.monotonic()
+    stop_group(leader, grace_s=10)
+    assert time.monotonic() - started < 5, "the leader exits on SIGTERM: no grace period is waited out"
+    assert leader.returncode == -signal.SIGTERM
+    wait_for(lambda: not alive(leftover), 5, "the process that ignores SIGTERM is killed with its group")
 
 
 def test_a_process_no_supervisor_started_is_left_alone(pids_file, cleanup):
