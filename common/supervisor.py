@@ -42,8 +42,16 @@ def stop_group(process: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM to a process started in a session of its own and to its whole group,
     SIGKILL past `grace_s`; then whatever is left of the group goes too."""
     kill_group(process, signal.SIGTERM)
+    end_group(process, grace_s)
+
+
+def end_group(process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for a group's leader to exit, then kill the group:
+    the leader if it is still there, and what is left of it either way. An engine
+    service stopped while vLLM was still starting exits at once, and its engine
+    core, which only notes a SIGTERM while it is being built, would live on."""
     try:
-        process.wait(timeout=grace_s)
+        process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         pass
     kill_group(process, signal.SIGKILL)
@@ -119,14 +127,7 @@ class Supervisor:
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            # What is left of it goes too: an engine service stopped while vLLM was still
-            # starting exits at once, and its engine core, which only notes a SIGTERM
-            # while it is being built, would live on without it.
-            kill_group(child.process, signal.SIGKILL)
+            end_group(child.process, max(0.1, deadline - time.monotonic()))
 
 
 def stop_with_supervisor() -> None:

@@ -66,6 +66,14 @@ def scrape(stack) -> dict[tuple[str, tuple], float]:
     return scrape_metrics(getattr(stack, "base_url", stack))
 
 
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie waiting to be reaped."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> float:
     """Seconds until `predicate()` holds; fails the test, naming `what`, past the timeout."""
     started = time.monotonic()

@@ -14,16 +14,9 @@ import psutil
 
 from bench.faults import engine_core
 from prism.stack import LocalStack
-from tests.integration.helpers import child_pid, log_records, wait_until
+from tests.integration.helpers import alive, child_pid, log_records, wait_until
 
 ENGINE_START_S = 240  # vLLM's start on two busy cores, with room
-
-
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def service(stack: LocalStack, module: str) -> psutil.Process | None:
@@ -53,10 +46,10 @@ def test_services_stop_when_the_launcher_is_killed_while_vllm_starts(tmp_path):
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
 
-        encoder_s = wait_until(lambda: not alive(encoder), 30, "the encoder exits once the launcher is gone")
-        engine_s = wait_until(lambda: not alive(engine), ENGINE_START_S, "the engine exits once the launcher is gone")
+        encoder_s = wait_until(lambda: not alive(encoder.pid), 30, "the encoder exits once the launcher is gone")
+        engine_s = wait_until(lambda: not alive(engine.pid), ENGINE_START_S, "the engine exits once the launcher is gone")
         print(f"\nafter the launcher's kill: the encoder exited in {encoder_s:.1f} s, the engine in {engine_s:.1f} s")
-        wait_until(lambda: not alive(core), 2, "vLLM's engine core is gone with its engine, not left behind")
+        wait_until(lambda: not alive(core.pid), 2, "vLLM's engine core is gone with its engine, not left behind")
         assert any(m.startswith("draining") for m in engine_messages(stack)), \
             "the engine finished starting, then stopped as if drained"
     finally:

@@ -12,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from common.config import REPO_ROOT
 from common.supervisor import Child, Supervisor, stop_group
+from tests.integration.helpers import alive, wait_until
 
 CHILD = "tests.unit.supervised_child"
 # A supervisor in a process of its own, so that the test can kill it.
@@ -24,23 +24,9 @@ SUPERVISOR = ("import sys, time; from common.supervisor import Child, Supervisor
               f"Supervisor([Child({CHILD!r}, None)]).start(); time.sleep(600)")
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(0.05)
-
-
 def started_pids(pids_file: Path) -> tuple[int, int]:
     """(the child, the process it left in its group), once the child has written them."""
-    wait_for(lambda: pids_file.exists() and pids_file.read_text(), 30, "the child started")
+    wait_until(lambda: pids_file.exists() and pids_file.read_text(), 30, "the child started")
     child, leftover = map(int, pids_file.read_text().split())
     return child, leftover
 
@@ -71,7 +57,7 @@ def test_stopping_a_child_stops_what_it_left_in_its_group(pids_file, cleanup):
     supervisor.stop(grace_s=10)
     assert time.monotonic() - started < 5, "the child itself exits on SIGTERM: no grace period is waited out"
     assert not alive(child)
-    wait_for(lambda: not alive(leftover), 5, "the process that ignores SIGTERM is killed with its group")
+    wait_until(lambda: not alive(leftover), 5, "the process that ignores SIGTERM is killed with its group")
 
 
 def test_children_get_sigterm_when_their_supervisor_is_killed(pids_file, cleanup):
@@ -82,7 +68,7 @@ def test_children_get_sigterm_when_their_supervisor_is_killed(pids_file, cleanup
     assert alive(child)
     os.kill(supervisor.pid, signal.SIGKILL)  # no stop(): the kernel has to tell the child
     supervisor.wait(10)
-    wait_for(lambda: not alive(child), 5, "the child exits once its supervisor is gone")
+    wait_until(lambda: not alive(child), 5, "the child exits once its supervisor is gone")
 
 
 def test_stopping_a_group_stops_what_its_leader_left(pids_file, cleanup):
@@ -93,7 +79,7 @@ def test_stopping_a_group_stops_what_its_leader_left(pids_file, cleanup):
     stop_group(leader, grace_s=10)
     assert time.monotonic() - started < 5, "the leader exits on SIGTERM: no grace period is waited out"
     assert leader.returncode == -signal.SIGTERM
-    wait_for(lambda: not alive(leftover), 5, "the process that ignores SIGTERM is killed with its group")
+    wait_until(lambda: not alive(leftover), 5, "the process that ignores SIGTERM is killed with its group")
 
 
 def test_a_process_no_supervisor_started_is_left_alone(pids_file, cleanup):
