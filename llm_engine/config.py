@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from common.config import FrozenConfig, check_redis_url
 from protocol.addresses import ENGINE_ADDRESS
@@ -65,6 +65,14 @@ class EngineConfig(FrozenConfig):
     # for its supervisor to restart it.
     stall_restart_s: float = Field(120, gt=0)
     tensor_parallel_size: int = Field(1, ge=1)
+    # Where vLLM runs the model, as its --distributed-executor-backend: "uni" in
+    # the engine core process, "mp" in a worker process of its own. null: vLLM's
+    # choice, which is "uni" on a GPU at tensor_parallel_size 1 and "mp" on a
+    # CPU. On a CPU, "uni" saves a process and each step's hand-off between
+    # the two: a faster start and first token, but fewer requests/s under load
+    # on 2 cores, and no OpenMP core binding (docs/architecture.md, "Where vLLM
+    # runs the model").
+    distributed_executor_backend: Literal["uni", "mp"] | None = None
     kv_cache_dtype: str = "auto"  # vLLM's choices: auto, fp8, fp8_e4m3, ...
     enable_chunked_prefill: bool | None = None  # None: vLLM's default
     # Passed through to vLLM (prefill/decode disaggregation on GPUs), e.g.
@@ -78,6 +86,12 @@ class EngineConfig(FrozenConfig):
     shm_wait_sleep_us: int = Field(0, ge=0, le=10_000)
 
     _redis_url = field_validator("shared_cache_url")(check_redis_url)
+
+    @model_validator(mode="after")
+    def _one_process_one_rank(self) -> "EngineConfig":
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend: 'uni' runs one rank; tensor_parallel_size is {self.tensor_parallel_size} (use 'mp')")
+        return self
 
     @field_validator("structured_outputs")
     @classmethod

@@ -60,6 +60,11 @@ def engine_args(config: EngineConfig, family: Family):
     # A text-only model: no multimodal settings (vLLM refuses them for one).
     multimodal = dict(enable_mm_embeds=True, limit_mm_per_prompt={"image": images, "video": 0},
                       skip_mm_profiling=family.vllm_needs_tower) if family.takes_images else {}
+    if config.distributed_executor_backend == "uni":
+        # vLLM's CPU platform turns "uni" into "mp" unless this is 0
+        # (vllm/platforms/cpu.py). AsyncLLM runs its engine core in a process
+        # of its own either way: this only keeps the model in that process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return AsyncEngineArgs(
         model=config.model,
         served_model_name=[config.served_model_name] if config.served_model_name else None,
@@ -72,6 +77,7 @@ def engine_args(config: EngineConfig, family: Family):
         enable_prefix_caching=config.enable_prefix_caching,
         enforce_eager=config.enforce_eager,
         tensor_parallel_size=config.tensor_parallel_size,
+        distributed_executor_backend=config.distributed_executor_backend,
         kv_cache_dtype=config.kv_cache_dtype,
         enable_chunked_prefill=config.enable_chunked_prefill,
         kv_transfer_config=KVTransferConfig(**config.kv_transfer_config) if config.kv_transfer_config else None,

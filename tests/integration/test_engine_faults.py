@@ -30,6 +30,9 @@ OVERRIDES = {
     "PRISM_ENGINE__STALL_RESTART_S": str(STALL_RESTART_S),
     "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
     "PRISM_ENGINE__MAX_MODEL_LEN": "32768",  # generations long enough to outlast any fault
+    # The model in the engine core process: these faults are then the model's too
+    # (the other stacks run vLLM's CPU default, a worker process of its own).
+    "PRISM_ENGINE__DISTRIBUTED_EXECUTOR_BACKEND": "uni",
 }
 
 
@@ -95,6 +98,13 @@ def engine_start_up_s(stack: LocalStack, pid: int) -> float:
             if at >= created:
                 return at - created
     raise LookupError(f"engine {pid} never said it was ready")
+
+
+def test_the_model_runs_in_the_engine_core_process(stack):
+    """vLLM's CPU platform turns "uni" into "mp" unless told otherwise (llm_engine/service.py `engine_args`)."""
+    workers = [p.name() for p in engine_core(stack).children(recursive=True) if "Worker" in p.name()]
+    assert workers == []
+    assert serves(stack)
 
 
 def test_a_stopped_engine_core_fails_its_requests_and_serves_again_when_continued(stack):
