@@ -174,16 +174,15 @@ async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float
     import torch
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.async_llm import AsyncLLM
 
     from llm_engine.config import EngineConfig
-    from llm_engine.service import engine_args
+    from llm_engine.service import start_vllm
     from common.config import load_config
     from common.families import family_of
     from transformers import AutoConfig
 
     config = load_config(EngineConfig, "engine", env={"PRISM_MODEL": str(MODEL)})
-    engine = AsyncLLM.from_engine_args(engine_args(config, family_of(AutoConfig.from_pretrained(MODEL))))
+    engine = start_vllm(config, family_of(AutoConfig.from_pretrained(MODEL)))
     tokenizer = engine.get_tokenizer()
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True,

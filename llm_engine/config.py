@@ -69,9 +69,9 @@ class EngineConfig(FrozenConfig):
     # the engine core process, "mp" in a worker process of its own. null: vLLM's
     # choice, which is "uni" on a GPU at tensor_parallel_size 1 and "mp" on a
     # CPU. On a CPU, "uni" saves a process and each step's hand-off between
-    # the two: a faster start and first token, but fewer requests/s under load
-    # on 2 cores, and no OpenMP core binding (docs/architecture.md, "Where vLLM
-    # runs the model").
+    # the two: a faster start and first token, less CPU per unique image, but
+    # fewer requests/s on the mixed workload at concurrency 8 on 2 cores
+    # (docs/architecture.md, "Where vLLM runs the model").
     distributed_executor_backend: Literal["uni", "mp"] | None = None
     kv_cache_dtype: str = "auto"  # vLLM's choices: auto, fp8, fp8_e4m3, ...
     enable_chunked_prefill: bool | None = None  # None: vLLM's default

@@ -88,6 +88,30 @@ def engine_args(config: EngineConfig, family: Family):
     )
 
 
+def start_vllm(config: EngineConfig, family: Family, stat_loggers=None):
+    """vLLM's AsyncLLM with Prism's settings; its engine core starts in a process of its own."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    vllm_config = engine_args(config, family).create_engine_config()
+    with _worker_openmp(vllm_config):  # the engine core inherits the environment
+        return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
+
+
+def _worker_openmp(vllm_config):
+    """With the model in the engine core on a CPU ("uni"): the OpenMP threads
+    and core binding that vLLM gives its worker process otherwise. Left to
+    torch's default (a thread per core, unbound), the model's threads spun
+    against each other and everything else on 2 cores: 138 ms of the engine
+    core's CPU per request against 16 ms (docs/architecture.md, "Where vLLM
+    runs the model")."""
+    from vllm.platforms import current_platform
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    if vllm_config.parallel_config.distributed_executor_backend != "uni" or not current_platform.is_cpu():
+        return contextlib.nullcontext()
+    return OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0)
+
+
 def model_shape(family: Family, hf) -> ModelShape | None:
     """What every image's embeddings must look like; None: the model takes no images."""
     if not family.takes_images:
@@ -165,7 +189,6 @@ class EngineService:
     @classmethod
     async def start(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineService":
         from transformers import AutoConfig
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         # Read by vLLM when its tool parsers are imported, here and in its engine core.
         os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1" if config.strict_tool_calling else "0"
@@ -174,7 +197,7 @@ class EngineService:
         shape = model_shape(family, hf)
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
-        engine = AsyncLLM.from_engine_args(engine_args(config, family), stat_loggers=[step_clock_factory(watch)])
+        engine = start_vllm(config, family, [step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), embedding_fetcher(config, ctx))
