@@ -70,7 +70,7 @@ class EngineConfig(FrozenConfig):
     # choice, which is "uni" on a GPU at tensor_parallel_size 1 and "mp" on a
     # CPU. On a CPU, "uni" saves a process and each step's hand-off between
     # the two: a faster start and first token, less CPU per unique image, but
-    # fewer requests/s on the mixed workload at concurrency 8 on 2 cores
+    # a higher TTFT on the mixed workload at concurrency 8 on 2 cores
     # (docs/architecture.md, "Where vLLM runs the model").
     distributed_executor_backend: Literal["uni", "mp"] | None = None
     kv_cache_dtype: str = "auto"  # vLLM's choices: auto, fp8, fp8_e4m3, ...
