@@ -60,11 +60,6 @@ def engine_args(config: EngineConfig, family: Family):
     # A text-only model: no multimodal settings (vLLM refuses them for one).
     multimodal = dict(enable_mm_embeds=True, limit_mm_per_prompt={"image": images, "video": 0},
                       skip_mm_profiling=family.vllm_needs_tower) if family.takes_images else {}
-    if config.distributed_executor_backend == "uni":
-        # vLLM's CPU platform turns "uni" into "mp" unless this is 0
-        # (vllm/platforms/cpu.py). AsyncLLM runs its engine core in a process
-        # of its own either way: this only keeps the model in that process.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return AsyncEngineArgs(
         model=config.model,
         served_model_name=[config.served_model_name] if config.served_model_name else None,
@@ -92,6 +87,11 @@ def start_vllm(config: EngineConfig, family: Family, stat_loggers=None):
     """vLLM's AsyncLLM with Prism's settings; its engine core starts in a process of its own."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    if config.distributed_executor_backend == "uni":
+        # vLLM's CPU platform turns "uni" into "mp" unless this is 0 when it
+        # reads the config (vllm/platforms/cpu.py). AsyncLLM runs its engine core
+        # in a process of its own either way: this only keeps the model there.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     vllm_config = engine_args(config, family).create_engine_config()
     with _worker_openmp(vllm_config):  # the engine core inherits the environment
         return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)

@@ -101,8 +101,8 @@ def engine_start_up_s(stack: LocalStack, pid: int) -> float:
 
 
 def test_the_model_runs_in_the_engine_core_process_with_vllm_s_openmp_settings(stack):
-    """vLLM's CPU platform turns "uni" into "mp" unless told otherwise (llm_engine/service.py
-    `engine_args`), and gives only its worker process OpenMP threads and binding (`start_vllm`)."""
+    """vLLM's CPU platform turns "uni" into "mp" unless told otherwise, and gives only its
+    worker process OpenMP threads and binding (both handled in llm_engine/service.py `start_vllm`)."""
     assert serves(stack)  # the model has run: OpenMP has bound its thread
     core = engine_core(stack)
     workers = [p.name() for p in core.children(recursive=True) if "Worker" in p.name()]

@@ -34,9 +34,6 @@ def test_unknown_key_is_an_error_not_ignored(tmp_path):
     path = write(tmp_path, "model: m\nencoder:\n  max_batch_imagez: 4\n")
     with pytest.raises(ConfigError, match=r"encoder\.max_batch_imagez"):
         load_config(EncoderConfig, "encoder", path, env={})
-    path = write(tmp_path, "model: m\nengine:\n  distributed_executor_backend: uni\n  tensor_parallel_size: 2\n")
-    with pytest.raises(ConfigError, match=r"distributed_executor_backend: 'uni' runs one rank; tensor_parallel_size is 2"):
-        load_config(EngineConfig, "engine", path, env={})
 
 
 def test_environment_overrides_the_file_with_typed_values(tmp_path):
@@ -67,6 +64,9 @@ def test_cross_field_checks(tmp_path):
     path = write(tmp_path, "model: m\nencoder:\n  min_pixels: 5000\n  max_pixels: 4000\n")
     with pytest.raises(ConfigError, match="min_pixels must not exceed max_pixels"):
         load_config(EncoderConfig, "encoder", path, env={})
+    path = write(tmp_path, "model: m\nengine:\n  distributed_executor_backend: uni\n  tensor_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match=r"distributed_executor_backend: 'uni' runs one rank; tensor_parallel_size is 2"):
+        load_config(EngineConfig, "engine", path, env={})
 
 
 def test_limits_must_leave_every_gateway_worker_a_share(tmp_path):
