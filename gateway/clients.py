@@ -254,12 +254,14 @@ class EncoderClient(ServiceClient):
 
     async def encode(
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
-        push_to: str = "",
+        push_to: str = "", engine_waits: bool = False,
     ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
+        """`engine_waits`: the engine at `push_to` holds the request already and
+        is to be sent the images' references (EncodeRequest.engine_waits_as)."""
         queue = self.open(request_id)
         answered = False
         try:
-            await self.send(EncodeRequest(request_id, list(images), retry, push_to), frames)
+            await self.send(EncodeRequest(request_id, list(images), retry, push_to, self.address if engine_waits else ""), frames)
             message, reply_frames = await next_reply(queue, timeout_s)
             answered = True
         except asyncio.TimeoutError:
@@ -278,14 +280,32 @@ class EncoderClient(ServiceClient):
 class EngineClient(ServiceClient):
     peer = "engine"
 
-    async def generate(
-        self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float
-    ) -> AsyncIterator[TokenDelta]:
-        """Token deltas until the finishing one; aborts in vLLM if abandoned."""
+    async def submit(self, request: GenerateRequest) -> asyncio.Queue:
+        """Send a request now, to stream later (`generate(submitted=)`) or `withdraw`."""
         queue = self.open(request.request_id)
+        try:
+            await self.send(request)
+        except BaseException:
+            self.close_stream(request.request_id)
+            raise
+        return queue
+
+    async def withdraw(self, request_id: str) -> None:
+        """A submitted request that will not be streamed: aborted in vLLM."""
+        self.close_stream(request_id)
+        if self.up:
+            await self._send_quietly(AbortGenerate(request_id))
+
+    async def generate(
+        self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float, submitted: asyncio.Queue | None = None,
+    ) -> AsyncIterator[TokenDelta]:
+        """Token deltas until the finishing one; aborts in vLLM if abandoned.
+        `submitted`: the queue of a request sent already (`submit`)."""
+        queue = self.open(request.request_id) if submitted is None else submitted
         finished = False
         try:
-            await self.send(request, frames)
+            if submitted is None:
+                await self.send(request, frames)
             while not finished:
                 message, _ = await next_reply(queue, timeout_s)
                 if isinstance(message, APIError):

@@ -70,10 +70,12 @@ def image_parts(messages: list[dict]) -> int:
 
 def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> None:
     """One image part per image sent, and every image's embeddings, as
-    described, fit the model: checked before any tensor is fetched."""
-    if (parts := image_parts(chat.messages)) != len(request.images):
-        raise InvalidPrompt(f"{parts} image parts in the messages but {len(request.images)} images sent")
-    if request.images and shape is None:
+    described, fit the model: checked before any tensor is fetched (and for
+    a request whose references follow, its image count before they come)."""
+    sent = request.images_follow or len(request.images)
+    if (parts := image_parts(chat.messages)) != sent:
+        raise InvalidPrompt(f"{parts} image parts in the messages but {sent} images sent")
+    if sent and shape is None:
         raise InvalidPrompt("this model is text-only: it takes no images")
     for index, image in enumerate(request.images):
         _check(index, image, shape)
@@ -121,17 +123,22 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def build_prompt(chat, request: GenerateRequest, tensors: list, tokenizer, shape: ModelShape | None, max_model_len: int,
-                 template_kwargs: dict) -> Prompt:
-    """`chat`: vLLM's ChatCompletionRequest read from `request.chat`; `tensors`:
-    each image's embeddings, checked (check_images) and fetched (llm_engine/fetch.py)."""
+def render_prompt(chat, tokenizer, template_kwargs: dict) -> list[int]:
+    """The chat template's token ids, one placeholder token per image (vLLM
+    expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest."""
     tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
     text = tokenizer.apply_chat_template(
         template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
     )
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (0.4-0.6 ms of its input processing).
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,
+                 max_model_len: int) -> Prompt:
+    """`token_ids`: render_prompt's; `tensors`: each image's embeddings,
+    checked (check_images) and fetched (llm_engine/fetch.py)."""
     inputs: dict = {"prompt_token_ids": token_ids}
     visual_tokens = 0
     if (images := image_data(request, tensors, shape)) is not None:

@@ -74,6 +74,9 @@ class WorkloadSpec:
     max_tokens: int = 16
     system_prompts: str = "none"  # none | fixed | unique
     seed: int = 0
+    # Mixed into every image's seed: the same sizes, formats and repeats in the
+    # same order with other pixels (loads side by side on one cache: bench/ahead.py).
+    image_salt: int = 0
 
     def __post_init__(self) -> None:
         if not self.buckets or any(b.weight < 0 for b in self.buckets) or sum(b.weight for b in self.buckets) <= 0:
@@ -135,7 +138,7 @@ def generate(spec: WorkloadSpec, count: int, first_index: int = 0) -> list[Reque
                 continue
             bucket = rng.choices(spec.buckets, [b.weight for b in spec.buckets])[0]
             fmt = "PNG" if rng.random() < spec.png_fraction else "JPEG"
-            image = ImageSpec(bucket.name, bucket.width, bucket.height, fmt, rng.getrandbits(48))
+            image = ImageSpec(bucket.name, bucket.width, bucket.height, fmt, rng.getrandbits(48) ^ spec.image_salt)
             pool.add(image)
             images.append(image)
         question = rng.choice(QUESTIONS)

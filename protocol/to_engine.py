@@ -30,6 +30,12 @@ class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
     pushed: bool = False
 
 
+def reference(image, source: str) -> ImageEmbedding:
+    """An encoder's answer for one image (to_gateway.EncodedImage) as the engine
+    takes it: fetched from `source` unless it was pushed there."""
+    return ImageEmbedding(image.embeddings, image.grid_thw, image.key, source, image.identity, image.pushed)
+
+
 # What an image part's URL says once its pixels have become embeddings.
 IMAGE_PLACEHOLDER = "prism:embedding"
 
@@ -44,6 +50,13 @@ class GenerateRequest(Message):
     request_id: str
     chat: bytes
     images: list[ImageEmbedding] = []
+    # > 0: this many images' references come from their encoder instead
+    # (ImagesEncoded, sent as it replies to the gateway), and `images` is
+    # empty: the gateway sent this request beside the encoder's, so the engine
+    # reads and tokenizes it while the images are encoded. Waited for up to
+    # `images_wait_s`; then the request fails with 503 `embeddings_unavailable`.
+    images_follow: int = 0
+    images_wait_s: float = 0.0
 
     def unpushed(self) -> "GenerateRequest":
         """This request for an engine no encoder pushed its tokens to (a failover):
@@ -68,7 +81,15 @@ class PushedEmbedding(Message):
     grid_thw: tuple[int, int, int] | None
 
 
-EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | Hello | StatsRequest
+class ImagesEncoded(Message):
+    """From an encoder: the references to a request's images
+    (GenerateRequest.images_follow), sent after the tokens it pushed for them."""
+
+    request_id: str
+    images: list[ImageEmbedding]
+
+
+EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | ImagesEncoded | Hello | StatsRequest
 
 
 class FetchedEmbeddings(Message):

@@ -7,7 +7,7 @@ import torch
 
 import msgspec
 
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build, check_images, image_data
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build, check_images, image_data, render_prompt
 from llm_engine.requests import read_chat
 from protocol.tensors import to_frame, to_torch
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
@@ -50,7 +50,7 @@ def build_prompt(req, frames, tokenizer, shape, max_model_len):
     """As the engine does: every image checked, then its tensor had, then the prompt."""
     chat = read_chat(req.chat)
     check_images(chat, req, shape)
-    return build(chat, req, tensors_of(req, frames), tokenizer, shape, max_model_len, {})
+    return build(chat, render_prompt(chat, tokenizer, {}), req, tensors_of(req, frames), shape, max_model_len)
 
 
 def test_valid_images_are_concatenated_flat_with_their_grids():
