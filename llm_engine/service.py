@@ -25,7 +25,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
-
 import zmq
 import zmq.asyncio
 from vllm.exceptions import VLLMClientError

@@ -92,16 +92,21 @@ def sse_error(lines: list[str]) -> dict | None:
     return None
 
 
+async def final_reply(socket: AsyncDealer) -> object:
+    """An engine's last word on a request sent on `socket`: its failure or its finishing delta."""
+    while True:
+        message, _ = await asyncio.wait_for(socket.recv(), 60)
+        if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finished):
+            return message
+
+
 async def send_raw(address: str, request: GenerateRequest, frames) -> object:
     """Straight to an engine's socket, as a gateway would: its failure or its finishing delta."""
     ctx = zmq.asyncio.Context()
     socket = AsyncDealer(ctx, address, GatewayInbound)
     try:
         await socket.send(request, frames)
-        while True:
-            message, _ = await asyncio.wait_for(socket.recv(), 60)
-            if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finished):
-                return message
+        return await final_reply(socket)
     finally:
         socket.close()
         ctx.term()

@@ -35,7 +35,7 @@ from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GatewayInbound, Generate
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import encode_directly
-from tests.integration.helpers import by_reference, scrape, send_raw, wait_until
+from tests.integration.helpers import by_reference, final_reply, scrape, send_raw, wait_until
 
 SERVICE = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__DTYPE="float32")
 FETCH_TIMEOUT_S = 5  # engine.embed_fetch_timeout_s, the session stack's default
@@ -186,10 +186,7 @@ async def ahead_of_references(engine: str, encoder: str, image, rid: str, refere
         if not references_first:
             await asyncio.sleep(0.2)
             await encoder_side.send(references)
-        while True:
-            message, _ = await asyncio.wait_for(gateway.recv(), 60)
-            if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finished):
-                return message
+        return await final_reply(gateway)
     finally:
         gateway.close()
         encoder_side.close()

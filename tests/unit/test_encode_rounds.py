@@ -18,31 +18,21 @@ from gateway.encoder_pool import EncoderPool
 from gateway.intake import digest_of, inspect
 from gateway.pipeline import ChatPipeline
 from gateway.timing import RequestTimer
-from protocol.base import Hello
-from protocol.sockets import AsyncRouter
 from protocol.tensors import ArrayMeta
-from protocol.to_encoder import EncodeRequest, EncoderInbound
-from protocol.to_gateway import EncodedImage, EncodeNeedsPixels, EncoderReady, EncoderTimings, EncodeResult, ProcessorInfo
+from protocol.to_encoder import EncodeRequest
+from protocol.to_gateway import EncodedImage, EncodeNeedsPixels, EncoderTimings, EncodeResult
+from tests.unit.by_hand import EncoderByHand
 
 POLICY = qwen_policy(140 * 140)
 
 
-class Encoder:
+class Encoder(EncoderByHand):
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
-        self.router = AsyncRouter(ctx, address, EncoderInbound)
+        super().__init__(ctx, address)
         self.held: set[bytes] = set()
         self.rounds: list[list[bool]] = []  # per EncodeRequest: which images came with pixels
-        self.task = asyncio.create_task(self._serve())
 
-    async def _serve(self) -> None:
-        while True:
-            peer, message, _ = await self.router.recv()
-            if isinstance(message, Hello):
-                await self.router.send(peer, EncoderReady("m", "fingerprint", ProcessorInfo(14, 2, 56 * 56, 140 * 140)))
-            elif isinstance(message, EncodeRequest):
-                await self.router.send(peer, self._answer(message))
-
-    def _answer(self, request: EncodeRequest):
+    def answer(self, request: EncodeRequest):
         self.rounds.append([image.pixels is not None for image in request.images])
         missing = [i for i, image in enumerate(request.images) if image.pixels is None and image.digest not in self.held]
         if missing:
@@ -51,10 +41,6 @@ class Encoder:
                   for image in request.images]
         self.held.update(image.digest for image in request.images)
         return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0))
-
-    def stop(self) -> None:
-        self.task.cancel()
-        self.router.close()
 
 
 def png(color: tuple[int, int, int]) -> bytes:

@@ -11,41 +11,28 @@ import asyncio
 import zmq.asyncio
 
 from gateway.engine_pool import EnginePool
-from protocol.base import Hello
-from protocol.sockets import AsyncRouter
-from protocol.stats import EngineStats, StatsRequest
 from protocol.tensors import ArrayMeta
-from protocol.to_engine import EngineInbound, GenerateRequest, ImageEmbedding
-from protocol.to_gateway import ChoiceDelta, EngineReady, GenerateFailed, TokenDelta
+from protocol.to_engine import GenerateRequest, ImageEmbedding
+from protocol.to_gateway import ChoiceDelta, GenerateFailed, TokenDelta
+from tests.unit.by_hand import EngineByHand
 
 DIGEST = b"\x05" * 16
 
 
-class Engine:
+class Engine(EngineByHand):
     def __init__(self, ctx: zmq.asyncio.Context, address: str, takes_pushes: bool) -> None:
-        self.router = AsyncRouter(ctx, address, EngineInbound)
+        super().__init__(ctx, address)
         self.takes_pushes = takes_pushes
         self.refuse = False
         self.received: list[GenerateRequest] = []
-        self.task = asyncio.create_task(self._serve())
 
-    async def _serve(self) -> None:
-        while True:
-            peer, message, _ = await self.router.recv()
-            if isinstance(message, Hello):
-                await self.router.send(peer, EngineReady("m", 4096, takes_pushes=self.takes_pushes))
-            elif isinstance(message, StatsRequest):
-                await self.router.send(peer, EngineStats("boot", 0, 0, 0, 0))
-            elif isinstance(message, GenerateRequest):
-                self.received.append(message)
-                if self.refuse:
-                    await self.router.send(peer, GenerateFailed(message.request_id, "engine is draining", 503, "engine_draining"))
-                else:
-                    await self.router.send(peer, TokenDelta(message.request_id, [ChoiceDelta(0, "x")], 1, 1, finished=True))
-
-    def stop(self) -> None:
-        self.task.cancel()
-        self.router.close()
+    def answer(self, message):
+        if not isinstance(message, GenerateRequest):
+            return None
+        self.received.append(message)
+        if self.refuse:
+            return GenerateFailed(message.request_id, "engine is draining", 503, "engine_draining")
+        return TokenDelta(message.request_id, [ChoiceDelta(0, "x")], 1, 1, finished=True)
 
 
 def pushed_request(pushed: bool) -> GenerateRequest:

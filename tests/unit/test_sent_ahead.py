@@ -20,81 +20,54 @@ from gateway.errors import APIError
 from gateway.intake import digest_of, inspect
 from gateway.pipeline import ChatPipeline, Prepared
 from gateway.record import RequestRecord
-from protocol.base import Hello
-from protocol.sockets import AsyncRouter
-from protocol.stats import EngineStats, StatsRequest
 from protocol.tensors import ArrayMeta
-from protocol.to_encoder import EncodeRequest, EncoderInbound
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
+from protocol.to_encoder import EncodeRequest
+from protocol.to_engine import AbortGenerate, GenerateRequest
 from protocol.to_gateway import (
-    ChoiceDelta, EncodedImage, EncodeFailed, EncoderReady, EncoderTimings, EncodeResult, EngineReady, GenerateFailed,
-    ProcessorInfo, TokenDelta,
+    ChoiceDelta, EncodedImage, EncodeFailed, EncoderTimings, EncodeResult, GenerateFailed,
+    TokenDelta,
 )
+from tests.unit.by_hand import EncoderByHand, EngineByHand
 
 POLICY = qwen_policy(140 * 140)
 
 
-class Encoder:
+class Encoder(EncoderByHand):
     """Answers every encode; says it told the engine when asked to and `tells`."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
-        self.router = AsyncRouter(ctx, address, EncoderInbound)
+        super().__init__(ctx, address)
         self.tells = True
         self.fails = False
         self.asked: list[EncodeRequest] = []
-        self.task = asyncio.create_task(self._serve())
 
-    async def _serve(self) -> None:
-        while True:
-            peer, message, _ = await self.router.recv()
-            if isinstance(message, Hello):
-                await self.router.send(peer, EncoderReady("m", "fingerprint", ProcessorInfo(14, 2, 56 * 56, 140 * 140)))
-            elif isinstance(message, EncodeRequest):
-                self.asked.append(message)
-                await self.router.send(peer, self._answer(message))
-
-    def _answer(self, request: EncodeRequest):
+    def answer(self, request: EncodeRequest):
+        self.asked.append(request)
         if self.fails:
             return EncodeFailed(request.request_id, "bad pixels", 400)
         images = [EncodedImage(ArrayMeta("float32", (25, 128)), (1, 10, 10), False, i.digest, i.digest, True) for i in request.images]
         told = bool(request.engine_waits_as) and self.tells
         return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0), told)
 
-    def stop(self) -> None:
-        self.task.cancel()
-        self.router.close()
 
-
-class Engine:
+class Engine(EngineByHand):
     """Serves a whole request at once, and one sent ahead once told (here: at
     once), unless it `refuses` (a draining engine's 503)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
-        self.router = AsyncRouter(ctx, address, EngineInbound)
+        super().__init__(ctx, address)
         self.refuses = False
         self.received: list = []
-        self.task = asyncio.create_task(self._serve())
 
-    async def _serve(self) -> None:
-        while True:
-            peer, message, _ = await self.router.recv()
-            if isinstance(message, Hello):
-                await self.router.send(peer, EngineReady("m", 4096, takes_pushes=True, takes_images_later=True))
-            elif isinstance(message, StatsRequest):
-                await self.router.send(peer, EngineStats("boot", 0, 0, 0, 0))
-            elif isinstance(message, (GenerateRequest, AbortGenerate)):
-                self.received.append(message)
-                if isinstance(message, GenerateRequest):
-                    await self.router.send(peer, self._answer(message))
-
-    def _answer(self, request: GenerateRequest):
+    def answer(self, message):
+        if not isinstance(message, (GenerateRequest, AbortGenerate)):
+            return None
+        self.received.append(message)
+        if isinstance(message, AbortGenerate):
+            return None
         if self.refuses:
-            return GenerateFailed(request.request_id, "engine is draining", 503, "engine_draining")
-        return TokenDelta(request.request_id, [ChoiceDelta(0, "x")], 1, 1, finished=True)
-
-    def stop(self) -> None:
-        self.task.cancel()
-        self.router.close()
+            return GenerateFailed(message.request_id, "engine is draining", 503, "engine_draining")
+        return TokenDelta(message.request_id, [ChoiceDelta(0, "x")], 1, 1, finished=True)
 
 
 def png() -> bytes:
