@@ -11,7 +11,10 @@ image is 25 visual tokens and the model's own work takes milliseconds):
      decode (`gateway.jpeg_draft`);
    - tower: the encoder tower's own time for one image at its target size
      (processor + ViT + merger);
-   - transfer: a ZMQ round trip over ipc carrying one image's visual tokens;
+   - transfer: a ZMQ round trip over ipc carrying one image's visual tokens,
+     back to back, and after 20 ms idle (as a request's hops come: waking
+     the threads on both ends costs more); `embed_transfer` is judged
+     against two back-to-back round trips;
    - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
      settings and the same prompt and embeddings (generate() → scheduled, and
      scheduled → first token in the caller's hands, as Prism's engine reports them).
@@ -162,10 +165,16 @@ def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: fl
     return median
 
 
-def zmq_floor(payload_bytes: int, rounds: int = 200) -> float:
-    """A round trip over ipc carrying the payload both ways."""
+IDLE_S = 0.02  # a request's hops each come after milliseconds of other processes' work
+
+
+def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> float:
+    """A round trip over ipc carrying the payload both ways, each after `pause_s` idle.
+    Back to back, the threads on both ends are still awake; after an idle
+    moment, as every hop of a request comes, waking them costs more (on these
+    VMs 0.36-0.40 ms a round trip after 10-200 ms idle, against 0.12 ms)."""
     with tempfile.TemporaryDirectory() as directory:
-        return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds)
+        return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds, pause_s)
 
 
 async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float]:
@@ -212,6 +221,7 @@ def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
         out[f"decode {name} draft"] = decode_floor(images[name], True)
     out["tower"], (embeddings, grid) = tower_floor(images["1080p"])
     out["transfer"] = zmq_floor(embeddings.numel() * embeddings.element_size())
+    out["transfer after idle"] = zmq_floor(embeddings.numel() * embeddings.element_size(), 50, IDLE_S)
     out["embedding bytes"] = embeddings.numel() * embeddings.element_size()
     out["engine_queue"], out["prefill"] = asyncio.run(vllm_engine_floor(embeddings, grid, trials))
     return out
