@@ -256,8 +256,8 @@ class EncoderClient(ServiceClient):
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
         push_to: str = "", engine_waits: bool = False,
     ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
-        """`engine_waits`: the engine at `push_to` holds the request already and
-        is to be sent the images' references (EncodeRequest.engine_waits_as)."""
+        """`engine_waits`: the engine at `push_to` is sent the request too, and
+        the encoder is to send it the images' references (EncodeRequest.engine_waits_as)."""
         queue = self.open(request_id)
         answered = False
         try:

@@ -203,9 +203,11 @@ class ChatPipeline:
                         original = (height, width)
                     inputs.append(ImageInput(digest, meta, original))
                 sent = time.perf_counter()
-                encoding = asyncio.create_task(self.encoder.encode(
-                    route, request_id, inputs, frames, self.config.encode_timeout_s, retry, push_to, ahead is not None))
-                self._submit_ahead(ahead)  # the engine prepares its prompt while the encoder works
+                encoding = self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry,
+                                               push_to, ahead is not None)
+                if ahead is not None and ahead.submitting is None:
+                    encoding = asyncio.ensure_future(encoding)  # the encoder's request leaves first,
+                    self._submit_ahead(ahead)  # then the engine's: it prepares its prompt while the encoder works
                 reply, _ = await encoding
                 round_trip = time.perf_counter() - sent
                 if isinstance(reply, EncodeResult):
@@ -247,20 +249,20 @@ class ChatPipeline:
         self.known.remember(digests, refs)
         return refs
 
-    def _send_ahead(self, request_id: str, chat: bytes, images: int, engine: int | None) -> SentAhead | None:
-        """The engine's request, on its way now with its images to follow from
-        their encoder; None where that cannot be (no push target, or a replica
-        that does not take it: the request then goes once the encoder answered)."""
+    def _to_send_ahead(self, request_id: str, chat: bytes, images: int, engine: int | None) -> SentAhead | None:
+        """The engine's request with its images to follow from their encoder,
+        sent with the encoder's first request (`_submit_ahead`); None where
+        that cannot be (no push target, or a replica that does not take it:
+        the request then goes once the encoder answered)."""
         if not self.config.send_engine_request_ahead or engine is None or not self.engine.takes_images_later(engine):
             return None
         wait_s = 3 * self.config.encode_timeout_s  # the most `_encode`'s rounds may take; it is withdrawn sooner on failure
         return SentAhead(engine, GenerateRequest(request_id=request_id, chat=chat, images_follow=images, images_wait_s=wait_s))
 
-    def _submit_ahead(self, ahead: SentAhead | None) -> None:
-        """Send the engine its request now, once: a task, started after the
-        encoder's request's, so that one leaves first."""
-        if ahead is not None and ahead.submitting is None:
-            ahead.submitting = asyncio.create_task(self.engine.replicas[ahead.engine].submit(ahead.request))
+    def _submit_ahead(self, ahead: SentAhead) -> None:
+        """Send the engine its request: a task, started after the encoder's
+        request's, so that one leaves first."""
+        ahead.submitting = asyncio.create_task(self.engine.replicas[ahead.engine].submit(ahead.request))
 
     async def _settle(self, request_id: str, ahead: SentAhead, encoded: bool) -> SentAhead | None:
         """Once the encode is over: the request sent ahead, if it reached its
@@ -280,10 +282,10 @@ class ChatPipeline:
 
     async def _images_for_engine(self, record: RequestRecord, chat: bytes, images: list[Inspected], digests: list[bytes],
                                  engine: int | None) -> tuple[list[ImageEmbedding], SentAhead | None]:
-        """The images' references; for new ones, the engine's request goes ahead of them (`_send_ahead`)."""
+        """The images' references; for new ones, the engine's request goes ahead of them (`_to_send_ahead`)."""
         if (known := self._recalled(digests, record.timer)) is not None:
             return known, None
-        ahead = self._send_ahead(record.id, chat, len(images), engine)
+        ahead = self._to_send_ahead(record.id, chat, len(images), engine)
         try:
             refs = await self._encoded_images(record.id, images, digests, record.timer, engine, ahead)
         except BaseException:

@@ -387,9 +387,9 @@ class EncoderService:
                 state.pushed.add(index)
 
     def _tell_engine(self, state: PendingRequest, images: list[EncodedImage]) -> bool:
-        """The references, straight to the engine that holds the request
-        already (EncodeRequest.engine_waits_as), before the gateway's reply:
-        the request's way to its first token skips a hop through the gateway.
+        """The references, straight to the engine the gateway sent the request
+        to ahead of its images (EncodeRequest.engine_waits_as), before the
+        gateway's reply: the way to the first token skips the gateway.
         False: not asked, or not sent (the gateway then sends the engine its
         request the usual way)."""
         if not (state.engine_waits_as and state.push_to):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -90,3 +91,15 @@ def test_bucket_and_distribution_parsing():
         WorkloadSpec(parse_buckets("720p=0"))
     with pytest.raises(ValueError):
         WorkloadSpec(TWO_BUCKETS, repeat_ratio=1.5)
+
+
+def test_an_image_salt_keeps_the_sizes_and_repeats_and_changes_every_image():
+    spec = WorkloadSpec(TWO_BUCKETS, repeat_ratio=0.5, png_fraction=0.3, images_per_request=((1, 0.5), (2, 0.5)), seed=9)
+    plain, salted = generate(spec, 200), generate(dataclasses.replace(spec, image_salt=1 << 48), 200)
+
+    def shape(requests):  # sizes and formats in order, and which image repeats which
+        first_seen: dict[int, int] = {}
+        return [(i.bucket, i.fmt, first_seen.setdefault(i.seed, len(first_seen))) for r in requests for i in r.images]
+
+    assert shape(plain) == shape(salted)
+    assert not {i.seed for r in plain for i in r.images} & {i.seed for r in salted for i in r.images}
