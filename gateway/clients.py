@@ -280,18 +280,18 @@ class EncoderClient(ServiceClient):
 class EngineClient(ServiceClient):
     peer = "engine"
 
-    async def submit(self, request: GenerateRequest) -> asyncio.Queue:
-        """Send a request now, to stream later (`generate(submitted=)`) or `withdraw`."""
+    async def submit(self, request: GenerateRequest, frames: Sequence[Any] = ()) -> asyncio.Queue:
+        """Send a request now and open its reply queue, to stream (`generate`) or `withdraw`."""
         queue = self.open(request.request_id)
         try:
-            await self.send(request)
+            await self.send(request, frames)
         except BaseException:
             self.close_stream(request.request_id)
             raise
         return queue
 
     async def withdraw(self, request_id: str) -> None:
-        """A submitted request that will not be streamed: aborted in vLLM."""
+        """A request sent and not streamed to its end: aborted in vLLM."""
         self.close_stream(request_id)
         if self.up:
             await self._send_quietly(AbortGenerate(request_id))
@@ -301,11 +301,9 @@ class EngineClient(ServiceClient):
     ) -> AsyncIterator[TokenDelta]:
         """Token deltas until the finishing one; aborts in vLLM if abandoned.
         `submitted`: the queue of a request sent already (`submit`)."""
-        queue = self.open(request.request_id) if submitted is None else submitted
         finished = False
         try:
-            if submitted is None:
-                await self.send(request, frames)
+            queue = await self.submit(request, frames) if submitted is None else submitted
             while not finished:
                 message, _ = await next_reply(queue, timeout_s)
                 if isinstance(message, APIError):
@@ -320,6 +318,7 @@ class EngineClient(ServiceClient):
         except asyncio.TimeoutError:
             raise APIError(504, f"LLM engine produced no token within {timeout_s:g} s (gateway.generate_timeout_s)", code="engine_timeout") from None
         finally:
-            self.close_stream(request.request_id)
-            if not finished and self.up:
-                await self._send_quietly(AbortGenerate(request.request_id))
+            if finished:
+                self.close_stream(request.request_id)
+            else:
+                await self.withdraw(request.request_id)
