@@ -17,11 +17,14 @@ image is 25 visual tokens and the model's own work takes milliseconds):
      against two back-to-back round trips;
    - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
      settings and the same prompt and embeddings (generate() → scheduled, and
-     scheduled → first token in the caller's hands, as Prism's engine reports them).
-2. Concurrency 1 through vLLM's server and through Prism, one request at a time:
-   4K and 1080p JPEGs (new images) and a repeated image. TTFT as the client
-   sees it, Prism's as its gateway measures it (arrival → first token), and
-   Prism's stage medians beside their floors.
+     scheduled → first token in the caller's hands, as Prism's engine reports
+     them). These are taken while Prism's stack is up, one after each of its
+     requests at concurrency 1 (`EngineFloor`).
+2. Concurrency 1 through vLLM's server and through Prism, one request at a time,
+   each 1.1 s after the last one ended (`REST_S`), the floor's included: 4K
+   and 1080p JPEGs (new images) and a repeated image. TTFT as the client sees it, Prism's as its gateway
+   measures it (arrival → first token), and Prism's stage medians beside
+   their floors.
 3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
    Prism's `parse` p90 per resolution bucket; and how long new work waited
    for the gateway's event loop meanwhile (`prism_gateway_loop_lag_seconds`).
@@ -166,6 +169,10 @@ def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: fl
 
 
 IDLE_S = 0.02  # a request's hops each come after milliseconds of other processes' work
+# vLLM's processes spin for a second after each step (shm_broadcast's busy_loop_s), and Prism's
+# engine naps through that second (engine.shm_wait_sleep_us): requests at concurrency 1 come
+# this long after the last step of anything, so that neither disturbs the other's measurement.
+REST_S = 1.1
 
 
 def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> float:
@@ -177,42 +184,87 @@ def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> fl
         return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds, pause_s)
 
 
-async def vllm_engine_floor(embeddings, grid, trials: int) -> tuple[float, float]:
+class EngineFloor:
     """vLLM in-process with Prism's engine settings, the same prompt and the same
-    embeddings: (median ms from generate() to scheduled, median ms of prefill)."""
-    import torch
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    embeddings, kept up beside Prism's stack so that its trials are taken
+    between Prism's requests, under the same load from the rest of the machine
+    (these VMs drift by more than the gap measured). Each trial gives the ms
+    from generate() to scheduled and of prefill (scheduled → first token in
+    the caller's hands, as Prism's engine reports it).
 
-    from llm_engine.config import EngineConfig
-    from llm_engine.service import start_vllm
-    from common.config import load_config
-    from common.families import family_of
-    from transformers import AutoConfig
+    Its engine runs on a loop of its own, on a thread, as the bench's HTTP
+    client is synchronous."""
 
-    config = load_config(EngineConfig, "engine", env={"PRISM_MODEL": str(MODEL)})
-    engine = start_vllm(config, family_of(AutoConfig.from_pretrained(MODEL)))
-    tokenizer = engine.get_tokenizer()
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True,
-    )
-    # As many tokens as the requests through the servers ask for: a request that ends at its
-    # first token takes vLLM's output path 0.3-0.5 ms sooner here than one that goes on.
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, output_kind=RequestOutputKind.DELTA)
-    queued, prefill = [], []
-    for i in range(trials + 1):
+    def __init__(self, embeddings, grid):
+        self.embeddings, self.grid = embeddings, grid
+        self.queued: list[float] = []
+        self.prefill: list[float] = []
+        self._sent = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-floor", daemon=True)
+
+    def __enter__(self) -> EngineFloor:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from common.config import load_config
+        from common.families import family_of
+        from llm_engine.config import EngineConfig
+        from llm_engine.service import start_vllm
+        from transformers import AutoConfig
+
+        config = load_config(EngineConfig, "engine", env={"PRISM_MODEL": str(MODEL)})
+        self._engine = start_vllm(config, family_of(AutoConfig.from_pretrained(MODEL)))
+        self._prompt = self._engine.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True,
+        )
+        # As many tokens as the requests through the servers ask for: a request that ends at its
+        # first token takes vLLM's output path 0.3-0.5 ms sooner here than one that goes on.
+        self._params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, output_kind=RequestOutputKind.DELTA)
+        self._thread.start()
+        self._trial()  # warms up; not counted
+        self.queued.clear()
+        self.prefill.clear()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # On its own loop: shutdown() cancels the engine's output task, which lives there.
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        del self._engine  # now, not at the interpreter's exit, when its __del__ finds vLLM's modules gone
+
+    async def _shutdown(self) -> None:
+        self._engine.shutdown()
+
+    def rested_trial(self) -> None:
+        """One trial between two rests: vLLM's processes spin for a second
+        after each step (Prism's nap in that second instead), and neither
+        side's trial should run while the other's spins or naps."""
+        time.sleep(REST_S)
+        self._trial()
+        time.sleep(REST_S)
+
+    def _trial(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._generate(), self._loop).result()
+
+    async def _generate(self) -> None:
+        import torch
+
+        self._sent += 1
         # a distinct embedding each time, so vLLM's prefix cache never serves it
-        image = {"image_embeds": embeddings + i * 1e-3, "image_grid_thw": torch.tensor([grid])}
-        called = time.monotonic()
-        async for output in engine.generate({"prompt": prompt, "multi_modal_data": {"image": image}}, params, f"floor-{i}"):
-            if len(prefill) == i:  # the first output
-                queued.append(output.metrics.scheduled_ts - called)
-                prefill.append(time.monotonic() - output.metrics.scheduled_ts)  # as the engine reports prefill
-    engine.shutdown()
-    return median_ms(queued[1:]), median_ms(prefill[1:])
+        image = {"image_embeds": self.embeddings + self._sent * 1e-3, "image_grid_thw": torch.tensor([self.grid])}
+        called, first = time.monotonic(), True
+        async for output in self._engine.generate({"prompt": self._prompt, "multi_modal_data": {"image": image}}, self._params,
+                                                  f"floor-{self._sent}"):
+            if first:
+                self.queued.append(output.metrics.scheduled_ts - called)
+                self.prefill.append(time.monotonic() - output.metrics.scheduled_ts)  # as the engine reports prefill
+                first = False
 
 
-def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
+def floors(images: dict[str, list[bytes]]) -> tuple[dict[str, float], tuple]:
+    """The floors that need nothing running beside them, and one image's embeddings and grid for EngineFloor."""
     out = {}
     for name in IMAGES:
         out[f"client {name}"] = client_floor(images[name])
@@ -223,16 +275,16 @@ def floors(images: dict[str, list[bytes]], trials: int) -> dict[str, float]:
     out["transfer"] = zmq_floor(embeddings.numel() * embeddings.element_size())
     out["transfer after idle"] = zmq_floor(embeddings.numel() * embeddings.element_size(), 50, IDLE_S)
     out["embedding bytes"] = embeddings.numel() * embeddings.element_size()
-    out["engine_queue"], out["prefill"] = asyncio.run(vllm_engine_floor(embeddings, grid, trials))
-    return out
+    return out, (embeddings, grid)
 
 
 # ---- through the servers ----
 
-def one_at_a_time(base_url: str, images: dict[str, list[bytes]]) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
-    """TTFT per image kind, and Prism's stages per request (empty for vLLM), through bench.ttft's client."""
+def one_at_a_time(base_url: str, images: dict[str, list[bytes]], between) -> tuple[dict[str, list[float]], dict[str, list[dict]]]:
+    """TTFT per image kind, and Prism's stages per request (empty for vLLM), through
+    bench.ttft's client, calling `between()` after each request."""
     over_http([("warm-up", "sent", encode(make_image("floor-warm-up", IMAGES["1080p"])))], base_url)
-    times, stages = over_http([(name, "sent", raw) for name, raws in images.items() for raw in raws], base_url)
+    times, stages = over_http([(name, "sent", raw) for name, raws in images.items() for raw in raws], base_url, between)
     return {name: times[name, "sent"] for name in images}, {name: stages.get((name, "sent"), []) for name in images}
 
 
@@ -317,19 +369,22 @@ def main() -> None:
     args = parser.parse_args()
     images = jpegs(args.trials)
     print("floors, in this process", flush=True)
-    floor = floors(images, args.trials)
+    floor, (embeddings, grid) = floors(images)
     vllm = vllm_mixed = None
     with tempfile.TemporaryDirectory() as run_dir:
         if not args.prism_only:
             print("vLLM's server", flush=True)
             with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, Path(run_dir) / "vllm-server.log") as base_url:
-                vllm, _ = one_at_a_time(base_url, images)
+                vllm, _ = one_at_a_time(base_url, images, lambda: time.sleep(2 * REST_S))  # as Prism's are spaced
                 vllm_mixed = mixed(base_url, args.requests)
         print("Prism", flush=True)
         overrides = {"PRISM_GATEWAY__WORKERS": str(args.gateway_workers),
                      "PRISM_GATEWAY__PUSH_EMBEDDINGS": "false" if args.no_push else "true"}
         with LocalStack(Path(run_dir) / "prism", overrides, model=MODEL) as stack:
-            prism, prism_stages = one_at_a_time(stack.base_url, images)
+            print("Prism, one request at a time, vLLM in-process between them", flush=True)
+            with EngineFloor(embeddings, grid) as engine:
+                prism, prism_stages = one_at_a_time(stack.base_url, images, engine.rested_trial)
+            floor["engine_queue"], floor["prefill"] = median_ms(engine.queued), median_ms(engine.prefill)
             lag_before = loop_lag_buckets(stack.base_url)
             prism_mixed = mixed(stack.base_url, args.requests)
             lag = (lag_before, loop_lag_buckets(stack.base_url))

@@ -90,9 +90,10 @@ def image_question(jpeg: bytes) -> dict:
     )
 
 
-def over_http(runs, base_url: str) -> tuple[dict, dict]:
+def over_http(runs, base_url: str, between=None) -> tuple[dict, dict]:
     """TTFT per (resolution, miss|hit) through an OpenAI-compatible server, and
-    Prism's per-stage breakdown when the server is Prism."""
+    Prism's per-stage breakdown when the server is Prism; `between()`, if given,
+    is called after each request."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
@@ -108,6 +109,8 @@ def over_http(runs, base_url: str) -> tuple[dict, dict]:
             if prism and chunk.choices and chunk.choices[0].finish_reason:
                 stages.setdefault((name, kind), []).append(prism["stages_ms"])
         times.setdefault((name, kind), []).append(first - started)
+        if between:
+            between()
     return times, stages
 
 
