@@ -14,7 +14,8 @@ image is 25 visual tokens and the model's own work takes milliseconds):
    - transfer: a ZMQ round trip over ipc carrying one image's visual tokens,
      back to back, and after 20 ms idle (as a request's hops come: waking
      the threads on both ends costs more); `embed_transfer` is judged
-     against two back-to-back round trips;
+     against half a round trip after idle for each process its request
+     crosses (`CROSSINGS`);
    - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
      settings and the same prompt and embeddings (generate() → scheduled, and
      scheduled → first token in the caller's hands, as Prism's engine reports
@@ -173,6 +174,12 @@ IDLE_S = 0.02  # a request's hops each come after milliseconds of other processe
 # engine naps through that second (engine.shm_wait_sleep_us): requests at concurrency 1 come
 # this long after the last step of anything, so that neither disturbs the other's measurement.
 REST_S = 1.1
+# The one-way crossings between processes that `embed_transfer` holds, by image kind and whether the
+# gateway pushes new images' tokens: a new image's request goes gateway → encoder → engine → gateway
+# (sent ahead, docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine
+# (which fetches the tokens from the encoder: two more) → gateway; a repeat's, gateway → engine → gateway.
+CROSSINGS = {("4k", True): 3, ("1080p", True): 3, ("4k", False): 6, ("1080p", False): 6,
+             ("repeated", True): 2, ("repeated", False): 2}
 
 
 def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> float:
@@ -315,7 +322,7 @@ def stage_median(stages: list[dict], name: str) -> float:
 
 
 def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm_mixed: dict | None, prism_mixed: dict,
-           lag: tuple[dict, dict]) -> str:
+           lag: tuple[dict, dict], push: bool) -> str:
     lines = ["## Floors (this process)", "", "| hop | floor |", "|---|---|"]
     for name, value in floor.items():
         lines.append(f"| {name} | {value:.0f} bytes |" if name == "embedding bytes" else f"| {name} | {value:.2f} ms |")
@@ -331,7 +338,8 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
         stages = prism_stages[name]
         decode_floor_ms = floor.get(f"decode {name}", floor["decode 1080p"])
         rows = [
-            ("image_preprocess", decode_floor_ms), ("encode", floor["tower"]), ("embed_transfer", 2 * floor["transfer"]),
+            ("image_preprocess", decode_floor_ms), ("encode", floor["tower"]),
+            ("embed_transfer", CROSSINGS[name, push] * floor["transfer after idle"] / 2),
             ("engine_queue", floor["engine_queue"]), ("prefill", floor["prefill"]), ("parse", None), ("image_fetch", None),
             ("cache_lookup", None), ("encode_queue", None), ("unaccounted", None),
         ]
@@ -388,7 +396,7 @@ def main() -> None:
             lag_before = loop_lag_buckets(stack.base_url)
             prism_mixed = mixed(stack.base_url, args.requests)
             lag = (lag_before, loop_lag_buckets(stack.base_url))
-    print(report(floor, vllm, prism, prism_stages, vllm_mixed, prism_mixed, lag))
+    print(report(floor, vllm, prism, prism_stages, vllm_mixed, prism_mixed, lag, push=not args.no_push))
 
 
 if __name__ == "__main__":
