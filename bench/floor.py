@@ -17,15 +17,16 @@ image is 25 visual tokens and the model's own work takes milliseconds):
      against half a round trip after idle for each process its request
      crosses (`CROSSINGS`);
    - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
-     settings and the same prompt and embeddings (generate() → scheduled, and
+     settings (but vLLM's own spin between steps, not the engine's nap) and
+     the same prompt and embeddings (generate() → scheduled, and
      scheduled → first token in the caller's hands, as Prism's engine reports
      them). These are taken while Prism's stack is up, one after each of its
      requests at concurrency 1 (`EngineFloor`).
 2. Concurrency 1 through vLLM's server and through Prism, one request at a time,
    each 1.1 s after the last one ended (`REST_S`), the floor's included: 4K
-   and 1080p JPEGs (new images) and a repeated image. TTFT as the client sees it, Prism's as its gateway
-   measures it (arrival → first token), and Prism's stage medians beside
-   their floors.
+   and 1080p JPEGs (new images) and a repeated image. TTFT as the client sees
+   it, Prism's as its gateway measures it (arrival → first token), and
+   Prism's stage medians beside their floors.
 3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
    Prism's `parse` p90 per resolution bucket; and how long new work waited
    for the gateway's event loop meanwhile (`prism_gateway_loop_lag_seconds`).
@@ -192,8 +193,9 @@ def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> fl
 
 
 class EngineFloor:
-    """vLLM in-process with Prism's engine settings, the same prompt and the same
-    embeddings, kept up beside Prism's stack so that its trials are taken
+    """vLLM in-process with Prism's engine settings (its processes spin between
+    steps, as vLLM's do: no `engine.shm_wait_sleep_us`), the same prompt and
+    the same embeddings, kept up beside Prism's stack so that its trials are taken
     between Prism's requests, under the same load from the rest of the machine
     (these VMs drift by more than the gap measured). Each trial gives the ms
     from generate() to scheduled and of prefill (scheduled → first token in
@@ -246,7 +248,7 @@ class EngineFloor:
 
     def rested_trial(self) -> None:
         """One trial between two rests: vLLM's processes spin for a second
-        after each step (Prism's nap in that second instead), and neither
+        after each step (Prism's engine naps through that second instead), and neither
         side's trial should run while the other's spins or naps."""
         time.sleep(REST_S)
         self._trial()
