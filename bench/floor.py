@@ -10,7 +10,9 @@ image is 25 visual tokens and the model's own work takes milliseconds):
    - decode: a full JPEG decode plus downscale (the exact path), and the draft
      decode (`gateway.jpeg_draft`);
    - tower: the encoder tower's own time for one image at its target size
-     (processor + ViT + merger);
+     (processor + ViT + merger), back to back and with each image 1.1 s after
+     the last (`REST_S`), as requests at concurrency 1 come: `encode` is
+     judged against the second (a pause made it 4.5-4.7 ms against 2.8);
    - transfer: a ZMQ round trip over ipc carrying one image's visual tokens,
      back to back, and after 20 ms idle (as a request's hops come: waking
      the threads on both ends costs more); `embed_transfer` is judged
@@ -66,6 +68,17 @@ MIXED = WorkloadSpec(  # the README's `prism bench` example
     buckets=parse_buckets("256x256=1,720p=1,1080p=1,4k=1,wide-strip=0.5"),
     images_per_request=parse_distribution("1=0.8,2=0.2"), png_fraction=0.2, repeat_ratio=0.5, seed=21,
 )
+IDLE_S = 0.02  # a request's hops each come after milliseconds of other processes' work
+# vLLM's processes spin for a second after each step (shm_broadcast's busy_loop_s), and Prism's
+# engine naps through that second (engine.shm_wait_sleep_us): requests at concurrency 1 come
+# this long after the last step of anything, so that neither disturbs the other's measurement.
+REST_S = 1.1
+# The one-way crossings between processes that `embed_transfer` holds, by image kind and whether the
+# gateway pushes new images' tokens: a new image's request goes gateway → encoder → engine → gateway
+# (sent ahead, docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine
+# (which fetches the tokens from the encoder: two more) → gateway; a repeat's, gateway → engine → gateway.
+CROSSINGS = {("4k", True): 3, ("1080p", True): 3, ("4k", False): 6, ("1080p", False): 6,
+             ("repeated", True): 2, ("repeated", False): 2}
 
 
 def jpegs(trials: int) -> dict[str, list[bytes]]:
@@ -88,7 +101,9 @@ def decode_floor(images: list[bytes], jpeg_draft: bool) -> float:
 
 
 def tower_floor(images: list[bytes]):
-    """(median ms of the tower on one image, one image's embeddings and grid) with the encoder's own tower."""
+    """(median ms of the tower on one image back to back, the same with each
+    image `REST_S` after the last as requests at concurrency 1 come, one
+    image's embeddings and grid) with the encoder's own tower."""
     import torch
 
     from vision_encoder.tower import TowerImage
@@ -98,13 +113,18 @@ def tower_floor(images: list[bytes]):
     tower = load_tower(str(MODEL), "bfloat16", "cpu")
     exact = qwen_policy(MAX_PIXELS)
     prepared = [decode(inspect(raw, "image", exact, exact.default_budget), exact) for raw in images]
-    times, last = [], None
+    last = None
+
+    def run_tower(image) -> None:
+        nonlocal last
+        last = tower.encode(tower.preprocess([TowerImage(image.pixels, image.original_size[::-1])]))[0]
+
     with torch.inference_mode():
-        for image in [prepared[0], *prepared]:  # the first one warms up
-            started = time.perf_counter()
-            last = tower.encode(tower.preprocess([TowerImage(image.pixels, image.original_size[::-1])]))[0]
-            times.append(time.perf_counter() - started)
-    return median_ms(times[1:]), last
+        run_tower(prepared[0])  # warms up
+        images_in_turn = iter(prepared * 2)
+        back_to_back = timed_ms(lambda: run_tower(next(images_in_turn)), len(prepared))
+        rested = timed_ms(lambda: run_tower(next(images_in_turn)), len(prepared), REST_S)
+    return back_to_back, rested, last
 
 
 def client_floor(images: list[bytes]) -> float:
@@ -168,19 +188,6 @@ def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: fl
     thread.join()
     ctx.destroy(linger=0)
     return median
-
-
-IDLE_S = 0.02  # a request's hops each come after milliseconds of other processes' work
-# vLLM's processes spin for a second after each step (shm_broadcast's busy_loop_s), and Prism's
-# engine naps through that second (engine.shm_wait_sleep_us): requests at concurrency 1 come
-# this long after the last step of anything, so that neither disturbs the other's measurement.
-REST_S = 1.1
-# The one-way crossings between processes that `embed_transfer` holds, by image kind and whether the
-# gateway pushes new images' tokens: a new image's request goes gateway → encoder → engine → gateway
-# (sent ahead, docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine
-# (which fetches the tokens from the encoder: two more) → gateway; a repeat's, gateway → engine → gateway.
-CROSSINGS = {("4k", True): 3, ("1080p", True): 3, ("4k", False): 6, ("1080p", False): 6,
-             ("repeated", True): 2, ("repeated", False): 2}
 
 
 def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> float:
@@ -280,7 +287,7 @@ def floors(images: dict[str, list[bytes]]) -> tuple[dict[str, float], tuple]:
     for name in IMAGES:
         out[f"decode {name}"] = decode_floor(images[name], False)
         out[f"decode {name} draft"] = decode_floor(images[name], True)
-    out["tower"], (embeddings, grid) = tower_floor(images["1080p"])
+    out["tower"], out["tower after a pause"], (embeddings, grid) = tower_floor(images["1080p"])
     out["transfer"] = zmq_floor(embeddings.numel() * embeddings.element_size())
     out["transfer after idle"] = zmq_floor(embeddings.numel() * embeddings.element_size(), 50, IDLE_S)
     out["embedding bytes"] = embeddings.numel() * embeddings.element_size()
@@ -340,7 +347,7 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
         stages = prism_stages[name]
         decode_floor_ms = floor.get(f"decode {name}", floor["decode 1080p"])
         rows = [
-            ("image_preprocess", decode_floor_ms), ("encode", floor["tower"]),
+            ("image_preprocess", decode_floor_ms), ("encode", floor["tower after a pause"]),
             ("embed_transfer", CROSSINGS[name, push] * floor["transfer after idle"] / 2),
             ("engine_queue", floor["engine_queue"]), ("prefill", floor["prefill"]), ("parse", None), ("image_fetch", None),
             ("cache_lookup", None), ("encode_queue", None), ("unaccounted", None),
