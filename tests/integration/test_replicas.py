@@ -185,10 +185,14 @@ def test_killing_a_replica_under_load_loses_no_request(replicated):
     images = unique_images("failover", 24)
     failovers = scrape(replicated)[ENCODER_FAILOVERS]
     with ThreadPoolExecutor(6) as pool:
+        # Kill replica 0 while it holds requests. It encodes a demo image in a few
+        # milliseconds, so one seen busy was sometimes idle by the time the kill
+        # landed: stopped first, what it was sent stays outstanding until it dies.
+        replica = child_pid(replicated, "vision_encoder", replicated.encoder_addresses[0])
+        os.kill(replica, signal.SIGSTOP)
         futures = [pool.submit(chat, replicated, url, 8) for url in images]
-        # kill replica 0 while it holds requests (a fixed sleep sometimes found it idle)
         wait_until(lambda: per_replica(replicated, "prism_encoder_replica_outstanding")[0] > 0, 30, "requests on replica 0")
-        os.kill(child_pid(replicated, "vision_encoder", replicated.encoder_addresses[0]), signal.SIGKILL)
+        os.kill(replica, signal.SIGKILL)
         statuses = [future.result().status_code for future in futures]
     assert statuses == [200] * len(images)
     assert scrape(replicated)[ENCODER_FAILOVERS] > failovers  # its requests went to the other
