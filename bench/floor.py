@@ -17,7 +17,7 @@ image is 25 visual tokens and the model's own work takes milliseconds):
      back to back, and after 20 ms idle (as a request's hops come: waking
      the threads on both ends costs more); `embed_transfer` is judged
      against half a round trip after idle for each process its request
-     crosses (`CROSSINGS`);
+     crosses (`crossings`);
    - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
      settings (but vLLM's own spin between steps, not the engine's nap) and
      the same prompt and embeddings (generate() → scheduled, and
@@ -73,12 +73,16 @@ IDLE_S = 0.02  # a request's hops each come after milliseconds of other processe
 # engine naps through that second (engine.shm_wait_sleep_us): requests at concurrency 1 come
 # this long after the last step of anything, so that neither disturbs the other's measurement.
 REST_S = 1.1
-# The one-way crossings between processes that `embed_transfer` holds, by image kind and whether the
-# gateway pushes new images' tokens: a new image's request goes gateway → encoder → engine → gateway
-# (sent ahead, docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine
-# (which fetches the tokens from the encoder: two more) → gateway; a repeat's, gateway → engine → gateway.
-CROSSINGS = {("4k", True): 3, ("1080p", True): 3, ("4k", False): 6, ("1080p", False): 6,
-             ("repeated", True): 2, ("repeated", False): 2}
+
+
+def crossings(kind: str, push: bool) -> int:
+    """The one-way crossings between processes that `embed_transfer` holds. A repeat's request goes
+    gateway → engine → gateway. A new image's goes gateway → encoder → engine → gateway (sent ahead,
+    docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine (which
+    fetches the tokens from the encoder: two more) → gateway."""
+    if kind == "repeated":
+        return 2
+    return 3 if push else 6
 
 
 def jpegs(trials: int) -> dict[str, list[bytes]]:
@@ -113,18 +117,16 @@ def tower_floor(images: list[bytes]):
     tower = load_tower(str(MODEL), "bfloat16", "cpu")
     exact = qwen_policy(MAX_PIXELS)
     prepared = [decode(inspect(raw, "image", exact, exact.default_budget), exact) for raw in images]
-    last = None
 
-    def run_tower(image) -> None:
-        nonlocal last
-        last = tower.encode(tower.preprocess([TowerImage(image.pixels, image.original_size[::-1])]))[0]
+    def run_tower(image):
+        return tower.encode(tower.preprocess([TowerImage(image.pixels, image.original_size[::-1])]))[0]
 
     with torch.inference_mode():
-        run_tower(prepared[0])  # warms up
+        first = run_tower(prepared[0])  # warms up
         images_in_turn = iter(prepared * 2)
         back_to_back = timed_ms(lambda: run_tower(next(images_in_turn)), len(prepared))
         rested = timed_ms(lambda: run_tower(next(images_in_turn)), len(prepared), REST_S)
-    return back_to_back, rested, last
+    return back_to_back, rested, first
 
 
 def client_floor(images: list[bytes]) -> float:
@@ -348,7 +350,7 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
         decode_floor_ms = floor.get(f"decode {name}", floor["decode 1080p"])
         rows = [
             ("image_preprocess", decode_floor_ms), ("encode", floor["tower after a pause"]),
-            ("embed_transfer", CROSSINGS[name, push] * floor["transfer after idle"] / 2),
+            ("embed_transfer", crossings(name, push) * floor["transfer after idle"] / 2),
             ("engine_queue", floor["engine_queue"]), ("prefill", floor["prefill"]), ("parse", None), ("image_fetch", None),
             ("cache_lookup", None), ("encode_queue", None), ("unaccounted", None),
         ]
