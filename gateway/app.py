@@ -7,7 +7,6 @@ import contextlib
 import gc
 import logging
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from gateway.errors import APIError
 from gateway.fetch import FetchLimits, ImageFetcher
 from gateway.loop_probe import LoopProbe
 from gateway.intake import ImageLimits
+from gateway.listener import listening_socket
 from gateway.models import ServedModel
 from gateway.parsing import buffer_whole_bodies, validation_error
 from gateway.schemas import ChatCompletionRequest
@@ -269,13 +269,6 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on a port other processes listen on too: the kernel
-    spreads new connections over them (SO_REUSEPORT)."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    return socket.create_server((host, port), family=family, backlog=2048, reuse_port=True)
-
-
 def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
           run_dir: Path | None = None) -> None:
     """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
@@ -288,7 +281,6 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)
     server = uvicorn.Server(settings)
-    if slot.count == 1:
-        server.run()
-    else:
-        server.run(sockets=[reuse_port_socket(config.host, config.port)])
+    listener = listening_socket(config.host, config.port, reuse_port=slot.count > 1,
+                                receive_buffer_bytes=config.socket_receive_buffer_bytes)
+    server.run(sockets=[listener])

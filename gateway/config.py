@@ -58,6 +58,14 @@ class GatewayConfig(FrozenConfig):
     # server may close a connection just as a client reuses it, and that
     # request fails with "Server disconnected" (uvicorn's default is also 5 s).
     keep_alive_s: float = Field(75, gt=0)
+    # The kernel's receive buffer of each client connection (SO_RCVBUF on the
+    # listening socket, set before listen()), so a request body of up to about
+    # half this lands in the kernel while the gateway is busy, and is read in
+    # one turn of the loop instead of trickling in as the gateway drains a
+    # small window (gateway/listener.py). 0: the kernel's autotuning. Above
+    # net.core.rmem_max the kernel would cap it (and still stop autotuning),
+    # so the gateway then leaves autotuning on and logs a warning.
+    socket_receive_buffer_bytes: int = Field(4 * 2**20, ge=0, le=64 * 2**20)
     # Gateway processes sharing the port (SO_REUSEPORT: the kernel spreads new
     # connections over them), supervised by `python -m gateway` / `prism serve`.
     # More than one lets intake use more cores than one event loop and one GIL

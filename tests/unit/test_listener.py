@@ -1,0 +1,75 @@
+"""The gateway's listening socket (gateway/listener.py): its receive buffer,
+which accepted connections inherit, lets a client send a whole image body
+before the gateway reads any of it; above the kernel's cap it is left to
+autotuning, with a warning naming the key."""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+
+import pytest
+
+from gateway.listener import kernel_receive_buffer_max, listening_socket
+
+BODY_BYTES = 1_500_000  # a 4K JPEG's request, a little over
+BUFFER = 4 * 2**20
+
+
+def receive_buffer(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+def bytes_sent_unread(listener: socket.socket) -> tuple[int, socket.socket]:
+    """How much of a body a client gets off its hands while the server reads
+    nothing (the client's own send buffer kept small, so the figure is the
+    server's window), and the accepted connection."""
+    client = socket.socket(listener.family, socket.SOCK_STREAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 * 1024)
+    client.connect(listener.getsockname()[:2])
+    client.setblocking(False)
+    server_side, _ = listener.accept()
+    body, sent = memoryview(b"x" * BODY_BYTES), 0
+    while sent < BODY_BYTES:
+        try:
+            sent += client.send(body[sent:])
+        except BlockingIOError:
+            if not select.select([], [client], [], 0.5)[1]:
+                break  # the window stayed shut: the server must read first
+    client.close()
+    return sent, server_side
+
+
+def test_a_whole_body_fits_before_the_gateway_reads() -> None:
+    if (kernel_receive_buffer_max() or 0) < BUFFER:
+        pytest.skip("net.core.rmem_max is below 4 MiB on this host")
+    with listening_socket("127.0.0.1", 0, reuse_port=False, receive_buffer_bytes=BUFFER) as listener:
+        assert receive_buffer(listener) >= BUFFER  # Linux reports twice what was set
+        sent, connection = bytes_sent_unread(listener)
+        with connection:
+            assert receive_buffer(connection) == receive_buffer(listener)
+        assert sent == BODY_BYTES
+    with listening_socket("127.0.0.1", 0, reuse_port=False, receive_buffer_bytes=0) as listener:
+        sent, connection = bytes_sent_unread(listener)
+        connection.close()
+        assert sent < BODY_BYTES / 2, "the kernel's own window took the body too: the check above could not fail"
+
+
+def test_above_the_kernel_cap_autotuning_is_left_on(caplog) -> None:
+    with socket.socket() as plain:
+        default = receive_buffer(plain)
+    with caplog.at_level(logging.WARNING, logger="prism.gateway"):
+        with listening_socket("127.0.0.1", 0, reuse_port=False, receive_buffer_bytes=BUFFER,
+                              receive_buffer_max=BUFFER - 1) as listener:
+            assert receive_buffer(listener) == default
+    assert "gateway.socket_receive_buffer_bytes" in caplog.text and "rmem_max" in caplog.text
+
+
+def test_workers_share_the_port() -> None:
+    with listening_socket("127.0.0.1", 0, reuse_port=True, receive_buffer_bytes=0) as first:
+        port = first.getsockname()[1]
+        with listening_socket("127.0.0.1", port, reuse_port=True, receive_buffer_bytes=0) as second:
+            assert second.getsockname()[1] == port
+        with pytest.raises(OSError):
+            listening_socket("127.0.0.1", port, reuse_port=False, receive_buffer_bytes=0)
