@@ -13,11 +13,13 @@ image is 25 visual tokens and the model's own work takes milliseconds):
      (processor + ViT + merger), back to back and with each image 1.1 s after
      the last (`REST_S`), as requests at concurrency 1 come: `encode` is
      judged against the second (a pause made it 4.5-4.7 ms against 2.8);
-   - transfer: a ZMQ round trip over ipc carrying one image's visual tokens,
-     back to back, and after 20 ms idle (as a request's hops come: waking
-     the threads on both ends costs more); `embed_transfer` is judged
-     against half a round trip after idle for each process its request
-     crosses (`crossings`);
+   - transfer: a ZMQ round trip over ipc to another process carrying one
+     image's visual tokens, with blocking sockets and no Python work on
+     either end, back to back, and after 20 ms idle (as a request's hops
+     come: waking the threads on both ends costs more); `embed_transfer` is
+     judged against half a round trip after idle for each process its
+     request crosses (`crossings`). `python -m bench.crossing` times each
+     leg, and what zmq.asyncio ends (the services') add to it;
    - engine_queue and prefill: vLLM's own, in-process, with Prism's engine
      settings (but vLLM's own spin between steps, not the engine's nap) and
      the same prompt and embeddings (generate() → scheduled, and
@@ -41,6 +43,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -52,6 +56,8 @@ import zmq
 from bench.intake import qwen_policy
 from bench.servers import vllm_server
 from bench.ttft import MAX_TOKENS, QUESTION, SERVED_NAME, image_question, median_ms, over_http
+from bench.zmq_echo import answer
+from common.config import REPO_ROOT
 from gateway.intake import decode, inspect
 from loadtest.bench import Plan, load_test
 from loadtest.client import Target
@@ -163,22 +169,26 @@ def timed_ms(action, rounds: int, pause_s: float = 0.0) -> float:
     return median_ms(times)
 
 
-def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: float = 0.0, echo: bool = True) -> float:
+def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: float = 0.0, echo: bool = True,
+                      across_processes: bool = False) -> float:
     """DEALER → ROUTER → DEALER at `address` with the payload as a second frame,
-    no Python work between (the ROUTER answers from a thread): the message
-    itself back (`echo`), or a two-byte reply. A first, untimed round connects."""
+    no Python work between (bench/zmq_echo.py answers: the message itself back
+    (`echo`), or a two-byte reply), from a thread of this process sharing its
+    ZMQ context, or `across_processes` from a process of its own. A first,
+    untimed round connects."""
     ctx = zmq.Context()
-    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-    router.bind(address)
-    dealer.connect(address)
-
-    def answer():
-        for _ in range(rounds + 1):
-            parts = router.recv_multipart(copy=False)
-            router.send_multipart(parts if echo else [parts[0], b"ok"], copy=False)
-
-    thread = threading.Thread(target=answer)
-    thread.start()
+    dealer = ctx.socket(zmq.DEALER)
+    if across_processes:
+        reply = "echo" if echo else "ok"
+        far_end = subprocess.Popen([sys.executable, "-m", "bench.zmq_echo", address, str(rounds + 1), reply], cwd=REPO_ROOT)
+        finished = far_end.wait
+    else:
+        router = ctx.socket(zmq.ROUTER)
+        router.bind(address)
+        far_end = threading.Thread(target=answer, args=(router, rounds + 1, echo))
+        far_end.start()
+        finished = far_end.join
+    dealer.connect(address)  # ZMQ connects once the far end binds
     payload = np.ones(payload_bytes, np.uint8)  # written pages: a calloc'd zero page would be read for free
 
     def round_trip():
@@ -187,18 +197,21 @@ def zmq_round_trip_ms(address: str, payload_bytes: int, rounds: int, pause_s: fl
 
     round_trip()
     median = timed_ms(round_trip, rounds, pause_s)
-    thread.join()
+    finished()
     ctx.destroy(linger=0)
     return median
 
 
 def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> float:
-    """A round trip over ipc carrying the payload both ways, each after `pause_s` idle.
-    Back to back, the threads on both ends are still awake; after an idle
-    moment, as every hop of a request comes, waking them costs more (on these
-    VMs 0.36-0.40 ms a round trip after 10-200 ms idle, against 0.12 ms)."""
+    """A round trip over ipc between two processes carrying the payload both
+    ways, each after `pause_s` idle. Back to back, the threads on both ends
+    are still awake; after an idle moment, as every hop of a request comes,
+    waking them costs more. Each end has its own ZMQ I/O thread, as each
+    service does: with one process answering from a thread, both ends shared
+    one I/O thread, and the round trip after idle was 0.23-0.53 ms against
+    0.55-0.58 ms between two (docs/architecture.md, "What a crossing costs")."""
     with tempfile.TemporaryDirectory() as directory:
-        return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds, pause_s)
+        return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds, pause_s, across_processes=True)
 
 
 class EngineFloor:
