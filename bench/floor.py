@@ -209,7 +209,7 @@ def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> fl
     waking them costs more. Each end has its own ZMQ I/O thread, as each
     service does: with one process answering from a thread, both ends shared
     one I/O thread, and the round trip after idle was 0.23-0.53 ms against
-    0.55-0.58 ms between two (docs/architecture.md, "What a crossing costs")."""
+    0.40-0.56 ms between two (docs/architecture.md, "What a crossing costs")."""
     with tempfile.TemporaryDirectory() as directory:
         return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds, pause_s, across_processes=True)
 
