@@ -62,9 +62,10 @@ class GatewayConfig(FrozenConfig):
     # listening socket, set before listen()), so a request body of up to about
     # half this lands in the kernel while the gateway is busy, and is read in
     # one turn of the loop instead of trickling in as the gateway drains a
-    # small window (gateway/listener.py). 0: the kernel's autotuning. Above
-    # net.core.rmem_max the kernel would cap it (and still stop autotuning),
-    # so the gateway then leaves autotuning on and logs a warning.
+    # small window (gateway/listener.py). 0: the kernel's autotuning. Past
+    # what the kernel grants (net.core.rmem_max caps it) a fixed buffer would
+    # be smaller than asked and stop autotuning, so the gateway then leaves
+    # autotuning on and logs a warning.
     socket_receive_buffer_bytes: int = Field(4 * 2**20, ge=0, le=64 * 2**20)
     # Gateway processes sharing the port (SO_REUSEPORT: the kernel spreads new
     # connections over them), supervised by `python -m gateway` / `prism serve`.

@@ -21,36 +21,22 @@ from __future__ import annotations
 
 import logging
 import socket
-from pathlib import Path
 
 log = logging.getLogger("prism.gateway")
 
 BACKLOG = 2048  # uvicorn's default
-_RMEM_MAX = Path("/proc/sys/net/core/rmem_max")
 
 
-def kernel_receive_buffer_max() -> int | None:
-    """net.core.rmem_max: the most SO_RCVBUF may ask for (None: not Linux)."""
-    try:
-        return int(_RMEM_MAX.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def listening_socket(host: str, port: int, *, reuse_port: bool, receive_buffer_bytes: int,
-                     receive_buffer_max: int | None = None) -> socket.socket:
+def listening_socket(host: str, port: int, *, reuse_port: bool, receive_buffer_bytes: int) -> socket.socket:
     """A socket listening on the first address `host` resolves to (the
     configs give IP literals), as uvicorn would bind it, plus the two options
-    above. `receive_buffer_max` defaults to the kernel's."""
+    above."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
+    sock = _unbound(family, kind, proto, reuse_port)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if receive_buffer_bytes:
-            kernel_max = kernel_receive_buffer_max() if receive_buffer_max is None else receive_buffer_max
-            set_receive_buffer(sock, receive_buffer_bytes, kernel_max)
+        if receive_buffer_bytes and not _receive_buffer_granted(sock, receive_buffer_bytes):
+            sock.close()  # its buffer is fixed at what the kernel granted: start afresh, with autotuning
+            sock = _unbound(family, kind, proto, reuse_port)
         sock.bind(address)
         sock.listen(BACKLOG)
     except BaseException:
@@ -59,13 +45,27 @@ def listening_socket(host: str, port: int, *, reuse_port: bool, receive_buffer_b
     return sock
 
 
-def set_receive_buffer(sock: socket.socket, size: int, kernel_max: int | None) -> None:
-    """Set SO_RCVBUF unless the kernel would cap it: a capped buffer is both
-    smaller than asked and fixed, where the kernel's autotuning could have
-    grown it past the cap (to net.ipv4.tcp_rmem's last figure)."""
-    if kernel_max is not None and size > kernel_max:
-        log.warning("gateway.socket_receive_buffer_bytes (%d) is above net.core.rmem_max (%d): leaving the kernel's "
-                    "receive buffer autotuning on instead; raise net.core.rmem_max on the host, or lower the key",
-                    size, kernel_max)
-        return
+def _unbound(family: int, kind: int, proto: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
+
+
+def _receive_buffer_granted(sock: socket.socket, size: int) -> bool:
+    """Ask for `size` bytes of SO_RCVBUF; False if the kernel granted less.
+    Linux caps the request at net.core.rmem_max, then doubles it for its
+    own bookkeeping and reports the doubled figure (so this holds where the
+    cap is at least half of `size`). A capped buffer is both smaller than
+    asked and fixed, where the kernel's autotuning could have grown it past
+    the cap (to net.ipv4.tcp_rmem's last figure). What was granted is read
+    from the socket, not /proc: a container may not see the host's sysctl."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    if granted >= size:
+        return True
+    log.warning("gateway.socket_receive_buffer_bytes (%d) is more than the kernel grants (%d; net.core.rmem_max caps "
+                "it): leaving the kernel's receive buffer autotuning on instead; raise net.core.rmem_max on the host, "
+                "or lower the key", size, granted)
+    return False
