@@ -65,25 +65,29 @@ def far_end_async(address: str, rounds: int, legs) -> None:
 
 
 def near_end_sync(address: str, rounds: int, idle_s: float) -> list[float]:
-    dealer = zmq.Context().socket(zmq.DEALER)
+    ctx = zmq.Context()  # this process measures every pair: its I/O threads must not pile up
+    dealer = ctx.socket(zmq.DEALER)
     dealer.connect(address)
     back = []
     for _ in range(rounds):
         time.sleep(idle_s)
         dealer.send(stamped(PAYLOAD))
         back.append(leg_ms(dealer.recv(), time.perf_counter()))
+    ctx.destroy(linger=0)
     return back
 
 
 def near_end_async(address: str, rounds: int, idle_s: float) -> list[float]:
     async def ask() -> list[float]:
-        dealer = zmq.asyncio.Context().socket(zmq.DEALER)
+        ctx = zmq.asyncio.Context()
+        dealer = ctx.socket(zmq.DEALER)
         dealer.connect(address)
         back = []
         for _ in range(rounds):
             await asyncio.sleep(idle_s)
             await dealer.send(stamped(PAYLOAD))
             back.append(leg_ms(await dealer.recv(), time.perf_counter()))
+        ctx.destroy(linger=0)
         return back
 
     return asyncio.run(ask())
