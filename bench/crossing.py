@@ -1,15 +1,19 @@
 """What one crossing between two processes costs over ZMQ ipc, each leg on
 its own, after the idle moment every hop of a request at concurrency 1 comes
 after: with plain blocking sockets on both ends (the least any design with a
-ZMQ hop between processes pays), and with zmq.asyncio on both ends (as the
-gateway, the encoder's I/O and the engine run theirs).
+ZMQ hop between processes pays), with zmq.asyncio on both ends (as the
+gateway and the engine run theirs), and, to weigh what another transport
+would buy, with asyncio Unix stream sockets and no ZMQ: a crossing then wakes
+one thread, the receiving one, where ZMQ also wakes an I/O thread on each side.
 
 A DEALER sends a timestamp and one image's visual tokens (4.6 KB, the demo
-model's) to a ROUTER in another process, which stamps its reply at once.
+model's) to a ROUTER in another process, which stamps its reply at once (the
+same bytes, length-prefixed, on a stream).
 `perf_counter` is one clock for every process on a host, so each leg is
 timed on its own: "in" wakes the sender's ZMQ I/O thread, the receiver's and
 the receiving thread after idle; "back" finds the first process just
-blocked in its receive.
+blocked in its receive. Before the table, the floor under all of them: one
+thread of another process woken through a pipe after the same idle moment.
 
 Run: .venv/bin/python -m bench.crossing [--rounds 150] [--idle-ms 20]
 """
@@ -93,7 +97,86 @@ def near_end_async(address: str, rounds: int, idle_s: float) -> list[float]:
     return asyncio.run(ask())
 
 
-ENDS = {"blocking sockets": (far_end_sync, near_end_sync), "zmq.asyncio": (far_end_async, near_end_async)}
+FRAME = struct.Struct("I")  # a length before each message on a stream
+
+
+async def read_message(reader: asyncio.StreamReader) -> bytes:
+    (length,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    return await reader.readexactly(length)
+
+
+def write_message(writer: asyncio.StreamWriter, message: bytes) -> None:
+    writer.write(FRAME.pack(len(message)) + message)
+
+
+def far_end_stream(address: str, rounds: int, legs) -> None:
+    async def serve() -> None:
+        done = asyncio.Event()
+        got = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for _ in range(rounds):
+                got.append(leg_ms(await read_message(reader), time.perf_counter()))
+                write_message(writer, stamped())
+            done.set()
+
+        async with await asyncio.start_unix_server(answer, address.removeprefix("ipc://")):
+            await done.wait()
+        legs.put(got)
+
+    asyncio.run(serve())
+
+
+async def _connect_unix(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Once the far end listens (it starts in a process of its own)."""
+    for _ in range(500):
+        try:
+            return await asyncio.open_unix_connection(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            await asyncio.sleep(0.01)
+    raise TimeoutError(f"nothing listens on {path}")
+
+
+def near_end_stream(address: str, rounds: int, idle_s: float) -> list[float]:
+    async def ask() -> list[float]:
+        reader, writer = await _connect_unix(address.removeprefix("ipc://"))
+        back = []
+        for _ in range(rounds):
+            await asyncio.sleep(idle_s)
+            write_message(writer, stamped(PAYLOAD))
+            back.append(leg_ms(await read_message(reader), time.perf_counter()))
+        writer.close()
+        return back
+
+    return asyncio.run(ask())
+
+
+ENDS = {
+    "blocking sockets": (far_end_sync, near_end_sync),
+    "zmq.asyncio": (far_end_async, near_end_async),
+    "asyncio Unix stream, no ZMQ": (far_end_stream, near_end_stream),
+}
+
+
+def thread_wake_ms(rounds: int, idle_s: float) -> float:
+    """Median ms from a write into a pipe to the other process's blocked read
+    returning, after `idle_s`: one thread woken, no Python work but the read."""
+    spawn = multiprocessing.get_context("spawn")
+    reader, writer = spawn.Pipe(duplex=False)
+    answer_reader, answer_writer = spawn.Pipe(duplex=False)
+    process = spawn.Process(target=_pipe_reader, args=(reader, answer_writer, rounds))
+    process.start()
+    for _ in range(rounds):
+        time.sleep(idle_s)
+        writer.send_bytes(stamped())
+    median = answer_reader.recv()
+    process.join()
+    return median
+
+
+def _pipe_reader(reader, answer, rounds: int) -> None:
+    got = [leg_ms(reader.recv_bytes(), time.perf_counter()) for _ in range(rounds)]
+    answer.send(statistics.median(got[1:]))
 
 
 def measure(ends: str, rounds: int, idle_s: float) -> tuple[float, float]:
@@ -117,6 +200,7 @@ def main() -> None:
     parser.add_argument("--idle-ms", type=float, default=20)
     parser.add_argument("--repeats", type=int, default=2, help="each kind of end this many times, alternated")
     args = parser.parse_args()
+    print(f"A thread of another process woken through a pipe: {thread_wake_ms(args.rounds, args.idle_ms / 1e3):.3f} ms\n")
     print("| ends | leg in | leg back | round trip |\n|---|---|---|---|")
     for _ in range(args.repeats):
         for ends in ENDS:
