@@ -36,6 +36,7 @@ from gateway.schemas import ChatCompletionRequest
 from gateway.siblings import Siblings
 from gateway.timing import RequestTimer
 from common.config import ConfigError, load_config
+from common.malloc import keep_freed_heap
 
 log = logging.getLogger("prism.gateway")
 STATIC = Path(__file__).with_name("static")
@@ -277,6 +278,7 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)
     buffer_whole_bodies(config.max_body_bytes)
+    keep_freed_heap()  # a large body's pages are reused by the next, not faulted in afresh (common/malloc.py)
     app = create_app(config, config_path, slot, run_dir)
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)

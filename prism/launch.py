@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from common.config import DEFAULT_CONFIG, configured_model, load_config, resolve_model
+from common.malloc import HEAP_KEPT_TUNABLES
 from common.supervisor import Child, Supervisor
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from common.logs import setup_logging
@@ -45,7 +46,8 @@ def takes_images(checkpoint: str) -> bool:
 # The engine (and vLLM's processes): blocks of up to 32 MB come from the heap (mmap_threshold), and the heap is kept
 # when they are freed (trim_threshold). Every new image's visual tokens then land in reused pages (at Qwen2.5-VL-7B
 # widths, 2,334 faults per 9.56 MB received otherwise).
-ENGINE_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+# The gateway, in this process, sets the same at start-up (common/malloc.py).
+ENGINE_TUNABLES = HEAP_KEPT_TUNABLES
 # The encoder: blocks of any size. A batch's pixel values are 25 MB of float32 per megapixel image, stacked and then
 # concatenated, and the ViT's activations for a batch are as big: with the engine's setting every block over 32 MB
 # was mapped afresh and faulted in (3,200-5,700 faults per 1080p image under load, up to 70 ms of system time per

@@ -1,5 +1,6 @@
-"""The launcher's glibc malloc settings for its services, and what they buy:
-a freed block of megabytes is reused without page faults."""
+"""The launcher's glibc malloc settings for its services, and the gateway's
+own (common/malloc.py), and what they buy: a freed block of megabytes is
+reused without page faults."""
 
 import os
 import platform
@@ -17,6 +18,9 @@ from prism.launch import ENCODER_TUNABLES, ENGINE_TUNABLES, service_children
 # then another written: prints the minor page faults the second one took.
 SECOND_BLOCK_FAULTS = """
 import ctypes, resource, sys, threading
+if sys.argv[2:] == ["gateway"]:
+    from common.malloc import keep_freed_heap
+    assert keep_freed_heap()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -29,10 +33,14 @@ def probe():
     second = libc.malloc(size); libc.memset(second, 1, size)
     print(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
 
-thread = threading.Thread(target=probe); thread.start(); thread.join()
+if sys.argv[2:] == ["gateway"]:
+    probe()  # on the main thread, where the gateway's event loop reads bodies and parses them
+else:
+    thread = threading.Thread(target=probe); thread.start(); thread.join()
 """
 TOKENS_7B = 1334 * 3584 * 2  # one megapixel image's visual tokens at Qwen2.5-VL-7B widths, bf16: 9.56 MB
 PIXEL_VALUES_BATCH = 4 * 5376 * 1176 * 4  # four 1 MP images' float32 pixel values as the Qwen processors make them: 101 MB
+BODY_4K = 1_296_150  # a request with one 4K JPEG as a data URL: its body, then its URL's string as parsed
 
 
 def _config() -> GatewayConfig:
@@ -54,10 +62,10 @@ def test_a_users_own_tunables_are_kept(monkeypatch):
                for child in service_children(_config(), None, str(SHAPES_MODEL)))
 
 
-def _second_block_faults(size: int, tunables: str | None) -> int:
+def _second_block_faults(size: int, tunables: str | None, *args: str) -> int:
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | ({"GLIBC_TUNABLES": tunables} if tunables else {})
-    return int(subprocess.run([sys.executable, "-c", SECOND_BLOCK_FAULTS, str(size)], env=env, capture_output=True,
-                              text=True, check=True).stdout)
+    return int(subprocess.run([sys.executable, "-c", SECOND_BLOCK_FAULTS, str(size), *args], env=env, capture_output=True,
+                              text=True, check=True, cwd=REPO_ROOT).stdout)
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc tunables")
@@ -76,6 +84,22 @@ def test_the_engines_setting_maps_a_batch_of_pixel_values_afresh():
     faulted in, every time with the engine's."""
     pages = PIXEL_VALUES_BATCH // 4096
     assert _second_block_faults(PIXEL_VALUES_BATCH, ENGINE_TUNABLES) > pages * 0.9
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_the_gateway_keeps_a_freed_body_for_the_next():
+    """The gateway runs in the launcher's process, where GLIBC_TUNABLES comes too late: it sets the engine's
+    settings itself (mallopt), so a second 4K body lands in the pages the first one left."""
+    pages = BODY_4K // 4096
+    assert _second_block_faults(BODY_4K, None) > pages * 0.9  # glibc's defaults, on the main thread
+    assert _second_block_faults(BODY_4K, None, "gateway") < pages * 0.05
+
+
+def test_the_gateway_leaves_a_users_tunables_as_they_are(monkeypatch):
+    from common.malloc import keep_freed_heap
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert keep_freed_heap() is False
 
 
 def test_the_image_and_the_deployments_set_the_same_tunables():
