@@ -15,7 +15,8 @@ from common.config import REPO_ROOT
 from prism.launch import ENCODER_TUNABLES, ENGINE_TUNABLES, service_children
 
 # A block of SIZE bytes written and freed on a worker thread (where the encoder's preprocessing and ViT allocate),
-# then another written: prints the minor page faults the second one took.
+# then another written: prints the minor page faults the second one took. With `gateway`: on the main thread, after
+# the gateway's own setting (common/malloc.py).
 SECOND_BLOCK_FAULTS = """
 import ctypes, resource, sys, threading
 if sys.argv[2:] == ["gateway"]:
