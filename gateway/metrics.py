@@ -142,6 +142,7 @@ def _encoder_metrics(encoders: list):
         events.add_metric([event], total(field))
     yield events
     yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=total("jobs_dropped"))
+    yield CounterMetricFamily("prism_encoder_oom_splits", "Encoder batches split in two for want of device memory", value=total("oom_splits"))
     yield _histogram("prism_encoder_batch_images", "Images per encoder batch", merge_histograms([e.batch_images for e in encoders]))
     yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", merge_histograms([e.batch_patches for e in encoders]))
     shared = [e.shared_cache for e in encoders if e.shared_cache is not None]

@@ -93,6 +93,7 @@ class EncoderStats(Message):
     fetch_misses: int = 0  # asked for and no longer held (the gateway re-encodes them)
     pushes: int = 0  # images pushed to the engine of the request they were encoded for
     push_refusals: int = 0  # pushes not queued (engine not connected yet, or its queue full): fetched instead
+    oom_splits: int = 0  # batches (or halves) split in two for want of device memory
 
 
 class EngineStats(Message):

@@ -22,7 +22,7 @@ import torch
 from common.anyres import AnyresLayout
 from common.families import Family
 from protocol.to_gateway import AnyresInfo
-from vision_encoder.tower import TowerImage, VisionTower
+from vision_encoder.tower import RunOptions, TowerImage, VisionTower
 
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")
 
@@ -31,6 +31,7 @@ _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")
 class Preprocessed:
     pixel_values: torch.Tensor  # (n_images, most tiles, 3, tile, tile), padded, in the tower's dtype
     image_sizes: torch.Tensor  # (n_images, 2): (height, width) before the gateway downscaled
+    ready: Any = None  # the preprocessing stream's event (CUDA), see DeviceIO
 
 
 def layout_of(config: Any) -> AnyresLayout:
@@ -47,11 +48,11 @@ def layout_of(config: Any) -> AnyresLayout:
 
 class AnyresTower(VisionTower):
     def __init__(self, model_id: str, path: Path, config: Any, family: Family, dtype: str, device: str,
-                 min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+                 min_pixels: int | None = None, max_pixels: int | None = None, options: RunOptions = RunOptions()) -> None:
         from transformers import AutoImageProcessor
 
         self.refuse_pixel_budget(family, min_pixels, max_pixels, "tiles each image at the checkpoint's grid pinpoints")
-        super().__init__(model_id, config, family, dtype, device)
+        super().__init__(model_id, config, family, dtype, device, options)
         self.layout = layout_of(config)
         self.processor = AutoImageProcessor.from_pretrained(path)
         if [tuple(p) for p in self.processor.image_grid_pinpoints] != list(self.layout.grid_pinpoints):
@@ -108,16 +109,22 @@ class AnyresTower(VisionTower):
         return tiles * self.layout.tile_grid**2
 
     def preprocess(self, images: list[TowerImage]) -> Preprocessed:
-        out = self.processor(images=[image.pixels for image in images], return_tensors="pt")
+        with self.io.preparing():
+            out = self.processor(images=[image.pixels for image in images], return_tensors="pt", **self.processor_device)
+            pixels = out["pixel_values"].to(self.dtype)
+            ready = self.io.prepared()
         # The tiles come from the pixels as sent; the unpadding follows the original
         # aspect ratio, as vLLM's does on the raw image (the best pinpoint is the same).
-        return Preprocessed(out["pixel_values"].to(self.dtype), torch.tensor([image.original_size for image in images]))
+        return Preprocessed(pixels, torch.tensor([image.original_size for image in images]), ready)
 
     @torch.inference_mode()
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, None]]:
         shrink = {} if self.layout.max_tiles is None else {"vision_aspect_ratio": f"anyres_max_{self.layout.max_tiles}"}
+        self.io.wait_for(batch.ready, [batch.pixel_values])
         out = self.model.get_image_features(
-            batch.pixel_values.to(self.device), batch.image_sizes,
+            self.io.to_device(batch.pixel_values), batch.image_sizes,
             vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy, **shrink,
         )
-        return [(features.to("cpu").contiguous(), None) for features in out.pooler_output]
+        features = list(out.pooler_output)
+        tokens = self.io.to_host(torch.cat(features))  # one copy down for the batch
+        return [(t, None) for t in tokens.split([f.shape[0] for f in features])]

@@ -10,6 +10,9 @@ from common.config import FrozenConfig, check_redis_url
 from protocol.addresses import ENCODER_ADDRESS
 
 
+SMALLEST_GRAPH_BUCKET = 1024  # patches (vision_encoder/graphs.py)
+
+
 class EncoderConfig(FrozenConfig):
     model: str  # checkpoint directory (or hub id where there is internet)
     address: str = ENCODER_ADDRESS  # ROUTER bind address
@@ -54,6 +57,18 @@ class EncoderConfig(FrozenConfig):
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
     torch_threads: int | None = Field(None, ge=1)
+    # How the tower runs. attention: one packed call per layer or transformers'
+    # loop over images and windows; auto picks per device (vision_encoder/attention.py).
+    attention: Literal["auto", "loop", "padded", "varlen", "flash"] = "auto"
+    # On a GPU: the image processor runs there, on a stream beside the ViT's.
+    preprocess_on_device: bool = True
+    # On a GPU: batches of up to this many patches replay CUDA graphs, one per
+    # size bucket, captured at start-up (vision_encoder/graphs.py); 0: none.
+    graph_max_patches: int = Field(16384, ge=0)
+    # The share of the GPU's memory this process may take (the engine may share
+    # the GPU: its gpu_memory_utilization plus this at most 1); None: all of it.
+    # A batch that runs out is encoded as halves (vision_encoder/work.py).
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=1)
     # Stall watchdog (vision_encoder/watchdog.py): the oldest running batch is
     # stalled past stall_factor x its predicted time (never before
     # stall_min_s); the replica then fails what it holds (503, the gateway
@@ -64,6 +79,8 @@ class EncoderConfig(FrozenConfig):
     stall_restart_s: float = Field(120, gt=0)
     # Test hook: truncate cache keys to this many bytes, to force hash collisions.
     test_key_bytes: int | None = Field(None, ge=1, le=16)
+    # Test hook: a batch of more than this many pixel rows raises out-of-memory (vision_encoder/tower.py).
+    test_oom_above_rows: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _pixel_bounds(self) -> "EncoderConfig":
@@ -71,6 +88,10 @@ class EncoderConfig(FrozenConfig):
             raise ValueError("min_pixels must not exceed max_pixels")
         if 0 < self.batch_size_ratio < 1:
             raise ValueError("batch_size_ratio is 0 (first come first served) or at least 1")
+        if 0 < self.graph_max_patches < SMALLEST_GRAPH_BUCKET:
+            raise ValueError(f"graph_max_patches is 0 (no CUDA graphs) or at least {SMALLEST_GRAPH_BUCKET}")
+        if self.gpu_memory_fraction and not self.device.startswith("cuda"):
+            raise ValueError(f"gpu_memory_fraction applies to a CUDA device; device is {self.device!r}")
         return self
 
     _redis_url = field_validator("shared_cache_url")(check_redis_url)

@@ -44,7 +44,7 @@ from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, E
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
 from vision_encoder.handoff import Handoff
-from vision_encoder.tower import TowerImage, VisionTower
+from vision_encoder.tower import OutOfMemoryAbove, RunOptions, TowerImage, VisionTower
 from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, requests_of
@@ -76,6 +76,7 @@ class EncoderService:
     fetch_misses: int = 0
     pushes: int = 0
     push_refusals: int = 0
+    oom_splits: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
     signals: socket.socket | None = None  # readable once a signal came: wakes the poll (vision_encoder/__main__.py)
@@ -84,7 +85,12 @@ class EncoderService:
     def start(cls, config: EncoderConfig, ctx: zmq.Context) -> "EncoderService":
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels)
+        if config.gpu_memory_fraction:
+            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, torch.device(config.device))
+        options = RunOptions(config.attention, config.preprocess_on_device, config.graph_max_patches, config.max_batch_images)
+        tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels, options)
+        if config.test_oom_above_rows:
+            tower = OutOfMemoryAbove(tower, config.test_oom_above_rows)
         shared = None
         if config.shared_cache_url:
             shared = SharedTier(
@@ -215,6 +221,7 @@ class EncoderService:
             fetch_misses=self.fetch_misses,
             pushes=self.pushes,
             push_refusals=self.push_refusals,
+            oom_splits=self.oom_splits,
         )
 
     def _fetch(self, peer: bytes, fetch: FetchEmbeddings) -> None:
@@ -341,11 +348,19 @@ class EncoderService:
             log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.submitted)
         try:
             encoded, times = batch.future.result()
+        except torch.OutOfMemoryError as exc:  # one image the device cannot hold, even alone (work.encode_splitting)
+            log.error("out of device memory for one image (%d patches): %s", batch.patches, exc)
+            self.tower.release_memory()
+            self.watch.finished(batch.patches, time.monotonic() - batch.submitted)
+            self._fail_batch(batch.jobs, f"the vision encoder ran out of device memory for this image ({batch.patches} patches); "
+                             "retry shortly", 503, "encoder_out_of_memory")
+            return
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
             self.watch.finished(batch.patches, time.monotonic() - batch.submitted)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
+        self.oom_splits += times.oom_splits
         self.watch.finished(batch.patches, times.busy_s)
         self.encodes += len(batch.jobs)
         self.batches += 1
@@ -397,12 +412,12 @@ class EncoderService:
         refs = [reference(image, state.engine_waits_as) for image in images]
         return self.pusher.send(state.push_to, ImagesEncoded(state.request_id, refs))
 
-    def _fail_batch(self, batch: list[Job], message: str) -> None:
+    def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):
             self.pending.pop((state.peer, state.request_id), None)
             self.batcher.drop_waiters(state)
             if not state.cancelled:
-                self._send(state.peer, EncodeFailed(state.request_id, message))
+                self._send(state.peer, EncodeFailed(state.request_id, message, status, code))
 
     def _reply_if_done(self, state: PendingRequest) -> None:
         if state.cancelled or not state.done:

@@ -27,7 +27,7 @@ import torch
 from common.families import Family
 from common.tiles import TileLayout
 from protocol.to_gateway import TilesInfo
-from vision_encoder.tower import TowerImage, VisionTower
+from vision_encoder.tower import RunOptions, TowerImage, VisionTower
 
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
 
@@ -36,6 +36,7 @@ _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
 class Preprocessed:
     pixel_values: torch.Tensor  # (Σ tiles, 3, tile, tile), in the tower's dtype
     tiles: list[int]  # per image
+    ready: Any = None  # the preprocessing stream's event (CUDA), see DeviceIO
 
 
 def tokens_per_tile(config: Any) -> int:
@@ -45,11 +46,11 @@ def tokens_per_tile(config: Any) -> int:
 
 class TilesTower(VisionTower):
     def __init__(self, model_id: str, path: Path, config: Any, family: Family, dtype: str, device: str,
-                 min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+                 min_pixels: int | None = None, max_pixels: int | None = None, options: RunOptions = RunOptions()) -> None:
         from transformers import AutoImageProcessor
 
         self.refuse_pixel_budget(family, min_pixels, max_pixels, "tiles each image by its aspect ratio")
-        super().__init__(model_id, config, family, dtype, device)
+        super().__init__(model_id, config, family, dtype, device, options)
         self.processor = p = AutoImageProcessor.from_pretrained(path)
         if p.size["height"] != p.size["width"]:
             raise ValueError(f"image processor size {dict(p.size)}: only square tiles are served")
@@ -113,21 +114,26 @@ class TilesTower(VisionTower):
 
     def preprocess(self, images: list[TowerImage]) -> Preprocessed:
         pixels, tiles = [], []
-        for image in images:  # each image held to its own tile count: one processor call each
-            count = self.layout.tiles(*image.original_size)
-            crops = count - 1 if count > 1 else 1
-            out = self.processor(images=[image.pixels], min_patches=crops, max_patches=crops, return_tensors="pt")
-            if out["pixel_values"].shape[0] != count:
-                raise ValueError(f"image of original size {image.original_size}: {out['pixel_values'].shape[0]} tiles, expected {count}")
-            pixels.append(out["pixel_values"].to(self.dtype))
-            tiles.append(count)
-        return Preprocessed(torch.cat(pixels), tiles)
+        with self.io.preparing():
+            for image in images:  # each image held to its own tile count: one processor call each
+                count = self.layout.tiles(*image.original_size)
+                crops = count - 1 if count > 1 else 1
+                out = self.processor(images=[image.pixels], min_patches=crops, max_patches=crops, return_tensors="pt",
+                                     **self.processor_device)
+                if out["pixel_values"].shape[0] != count:
+                    raise ValueError(f"image of original size {image.original_size}: {out['pixel_values'].shape[0]} tiles, expected {count}")
+                pixels.append(out["pixel_values"].to(self.dtype))
+                tiles.append(count)
+            batch = torch.cat(pixels)
+            ready = self.io.prepared()
+        return Preprocessed(batch, tiles, ready)
 
     @torch.inference_mode()
     def encode(self, batch: Preprocessed) -> list[tuple[torch.Tensor, None]]:
+        self.io.wait_for(batch.ready, [batch.pixel_values])
         out = self.model.get_image_features(
-            batch.pixel_values.to(self.device),
+            self.io.to_device(batch.pixel_values),
             vision_feature_layer=self.feature_layer, vision_feature_select_strategy=self.select_strategy,
         )
-        features = out.pooler_output  # (Σ tiles, tokens per tile, hidden)
-        return [(f.reshape(-1, f.shape[-1]).to("cpu").contiguous(), None) for f in features.split(batch.tiles)]
+        features = self.io.to_host(out.pooler_output)  # (Σ tiles, tokens per tile, hidden), one copy down
+        return [(f.reshape(-1, f.shape[-1]), None) for f in features.split(batch.tiles)]

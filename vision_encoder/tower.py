@@ -21,7 +21,18 @@ import xxhash
 
 from cache import content_key
 from common.families import Family
+from vision_encoder.device_io import DeviceIO
 from vision_encoder.patch_matmul import patch_convs_as_matmul
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a tower runs on its device (EncoderConfig's keys of the same names)."""
+
+    attention: str = "auto"  # vision_encoder/attention.py
+    preprocess_on_device: bool = True  # the image processor on the tower's GPU (no effect on a CPU)
+    graph_max_patches: int = 0  # CUDA graphs for batches up to this many patches (0: none; vision_encoder/graphs.py)
+    max_batch_images: int = 16  # the most images a batch holds (sizes the graphs' inputs)
 
 
 @dataclass(frozen=True)
@@ -62,12 +73,20 @@ class VisionTower:
 
     processor: Any
 
-    def __init__(self, model_id: str, config: Any, family: Family, dtype: str, device: str) -> None:
+    def __init__(self, model_id: str, config: Any, family: Family, dtype: str, device: str,
+                 options: RunOptions = RunOptions()) -> None:
         self.model_id = model_id
         self.family = family
         self.dtype = getattr(torch, dtype)
         self.device = torch.device(device)
+        self.options = options
+        self.io = DeviceIO(self.device)
         self.embedding_width = family.embedding_width(config)
+
+    @property
+    def processor_device(self) -> dict:
+        """The image processor's `device` argument: the tower's GPU when preprocessing runs there."""
+        return {"device": self.device} if self.io.cuda and self.options.preprocess_on_device else {}
 
     def _vision_code(self, config: Any) -> tuple[Any, type]:
         """The transformers module and class that hold the family's vision code (common/families.py)."""
@@ -113,6 +132,11 @@ class VisionTower:
         patch_convs_as_matmul(model, self.device)  # as vLLM's towers run them (patch_matmul.py)
         return model
 
+    def release_memory(self) -> None:
+        """Hand the allocator's cached device memory back (after an out-of-memory error)."""
+        if self.io.cuda:
+            torch.cuda.empty_cache()
+
     def vision_weight(self, name: str) -> str | None:
         """The tower module's name for a checkpoint weight, or None if it is not a vision weight."""
         raise NotImplementedError
@@ -156,3 +180,21 @@ class VisionTower:
     def encode(self, batch: Any) -> list[tuple[torch.Tensor, tuple[int, int, int] | None]]:
         """One forward; each image's (tokens, width) embeddings and its grid, if the family has one."""
         raise NotImplementedError
+
+
+class OutOfMemoryAbove:
+    """Test hook (encoder.test_oom_above_rows): the tower, except that a batch of
+    more than `rows` rows of pixel values (Qwen: patches; tiled families:
+    tiles) raises the out-of-memory error a GPU would."""
+
+    def __init__(self, tower: VisionTower, rows: int) -> None:
+        self._tower = tower
+        self._rows = rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tower, name)
+
+    def encode(self, batch: Any) -> list:
+        if batch.pixel_values.shape[0] > self._rows:
+            raise torch.OutOfMemoryError(f"test hook: a batch of {batch.pixel_values.shape[0]} rows, over {self._rows}")
+        return self._tower.encode(batch)

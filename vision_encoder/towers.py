@@ -6,13 +6,13 @@ from common.families import UnsupportedModel, family_of
 from vision_encoder.anyres_tower import AnyresTower
 from vision_encoder.qwen_tower import QwenTower
 from vision_encoder.tiles_tower import TilesTower
-from vision_encoder.tower import VisionTower, local_checkpoint
+from vision_encoder.tower import RunOptions, VisionTower, local_checkpoint
 
 TOWERS = {"qwen": QwenTower, "anyres": AnyresTower, "tiles": TilesTower}
 
 
 def load_tower(checkpoint: str, dtype: str, device: str, min_pixels: int | None = None,
-               max_pixels: int | None = None) -> VisionTower:
+               max_pixels: int | None = None, options: RunOptions = RunOptions()) -> VisionTower:
     from transformers import AutoConfig
 
     path = local_checkpoint(checkpoint)
@@ -21,4 +21,4 @@ def load_tower(checkpoint: str, dtype: str, device: str, min_pixels: int | None 
     if not family.takes_images:
         raise UnsupportedModel(f"{checkpoint} is a text-only model ({(config.architectures or [config.model_type])[0]}): it has "
                                "no vision tower for an encoder to run; serve it with no encoder (gateway.encoder_addresses: [])")
-    return TOWERS[family.layout](str(checkpoint), path, config, family, dtype, device, min_pixels, max_pixels)
+    return TOWERS[family.layout](str(checkpoint), path, config, family, dtype, device, min_pixels, max_pixels, options)

@@ -4,6 +4,7 @@ waiting for its images, and each batch on the worker threads."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -13,10 +14,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import zmq
 
 from cache import CachedEmbedding
 from vision_encoder.batcher import Job
+
+log = logging.getLogger("prism.encoder")
 
 
 @dataclass(eq=False)
@@ -47,6 +51,7 @@ class StageTimes:
     preprocess_end: float = 0.0
     vit_start: float = 0.0
     vit_end: float = 0.0
+    oom_splits: int = 0  # times the batch, or a part of it, was split in two for want of device memory
 
     @property
     def busy_s(self) -> float:
@@ -90,11 +95,32 @@ def batch_stages(tower, jobs: list[Job]):
 
     def vit(inputs):
         times.vit_start = time.monotonic()
-        encoded = tower.encode(inputs)
+        encoded = encode_splitting(tower, jobs, inputs, times)
         times.vit_end = time.monotonic()
         return encoded, times
 
     return preprocess, vit
+
+
+def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
+    """The batch's tokens. A batch the device has no memory for is encoded as two
+    halves, each split again if it must be: a burst of large images costs
+    smaller batches, never the service. One image that does not fit fails its
+    batch (OutOfMemoryError)."""
+    try:
+        return tower.encode(inputs)
+    except torch.OutOfMemoryError:
+        if len(jobs) == 1:
+            raise
+    tower.release_memory()  # after the except block: the failed forward's tensors are gone by now
+    times.oom_splits += 1
+    half = len(jobs) // 2
+    log.warning("out of device memory for a batch of %d images (%d patches): encoding it as %d + %d",
+                len(jobs), sum(job.patches for job in jobs), half, len(jobs) - half)
+    return [
+        *encode_splitting(tower, jobs[:half], tower.preprocess([job.image for job in jobs[:half]]), times),
+        *encode_splitting(tower, jobs[half:], tower.preprocess([job.image for job in jobs[half:]]), times),
+    ]
 
 
 class Lanes:

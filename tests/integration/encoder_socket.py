@@ -4,18 +4,43 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 
 import numpy as np
 import torch
 import zmq.asyncio
 
+from common.config import REPO_ROOT
+from prism.demo_model import RANDOM_MODEL
 from protocol.base import Hello
 from protocol.sockets import AsyncDealer
 from prism.synthetic import make_image
 from protocol.tensors import to_frame, to_torch
 from protocol.to_encoder import EncodeRequest, FetchEmbeddings, ImageInput
 from protocol.to_engine import FetchInbound
+from protocol.stats import EncoderStats, StatsRequest
 from protocol.to_gateway import EncodedImage, EncodeResult, EncoderReady, GatewayInbound
+
+
+def start_encoder(run_dir, **settings: str):
+    """A standalone encoder on the random demo model (float32, 1 MP budget); a
+    fixture's generator: yields its address, stops it afterwards."""
+    address = f"ipc://{run_dir}/encoder.sock"
+    env = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__ADDRESS=address,
+               PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32", **settings)
+    process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
+                               stdout=open(run_dir / "encoder.log", "wb"), stderr=subprocess.STDOUT)
+    yield address
+    process.terminate()
+    process.wait(10)
+
+
+async def stats_of(socket: AsyncDealer) -> EncoderStats:
+    await socket.send(StatsRequest("test"))
+    while not isinstance(message := (await asyncio.wait_for(socket.recv(), 10))[0], EncoderStats):
+        pass
+    return message
 
 
 async def handshake(socket: AsyncDealer, timeout_s: float = 120) -> EncoderReady:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -19,29 +17,16 @@ import pytest
 import torch
 import zmq.asyncio
 
-from common.config import REPO_ROOT
-from prism.demo_model import RANDOM_MODEL
 from prism.synthetic import make_image
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeResult, GatewayInbound
-from tests.integration.encoder_socket import encode_directly, fetch_tokens, handshake
+from tests.integration.encoder_socket import encode_directly, fetch_tokens, handshake, start_encoder
 
 # At the 1 MP budget: 5,336, 324 and 2,500 patches (MEDIUM: past the express
 # lane's 1,024, within the batcher's size ratio of LARGE, a fifth of its ViT time)
 LARGE, SMALL, MEDIUM = (1288, 812), (252, 252), (700, 700)
-
-
-def start_encoder(run_dir, **settings: str):
-    address = f"ipc://{run_dir}/encoder.sock"
-    env = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__ADDRESS=address,
-               PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32", **settings)
-    process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
-                               stdout=open(run_dir / "encoder.log", "wb"), stderr=subprocess.STDOUT)
-    yield address
-    process.terminate()
-    process.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -192,6 +192,7 @@ CASES = [
         fetch_misses=3,
         pushes=655,
         push_refusals=2,
+        oom_splits=1,
     )),
     (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
     (SiblingInbound, WorkerLoad(3, 17)),

@@ -1,0 +1,51 @@
+"""A batch the device has no memory for is encoded as halves, each split
+again if it must be (vision_encoder/work.py, encode_splitting): the tokens
+are those of the images encoded apart, and one image that does not fit alone
+fails with the out-of-memory error. The error is the encoder's test hook
+(`encoder.test_oom_above_rows`, vision_encoder/tower.py OutOfMemoryAbove),
+raised as torch raises it on a GPU; bench.gpu_encoder does the same on a
+GPU with the process's memory limited."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+from vision_encoder.batcher import Job
+from vision_encoder.tower import OutOfMemoryAbove, TowerImage
+from vision_encoder.towers import load_tower
+from vision_encoder.work import StageTimes, encode_splitting
+
+SIZES = [(224, 224), (280, 224), (224, 336), (252, 252), (308, 224)]  # 256 to 440 patches each
+
+
+@pytest.fixture(scope="module")
+def tower():
+    return load_tower(str(ensure_demo_model(RANDOM_MODEL)), "float32", "cpu")
+
+
+def jobs_of(tower) -> list[Job]:
+    rng = np.random.default_rng(0)
+    images = [TowerImage(rng.integers(0, 255, (h, w, 3), dtype=np.uint8), (h, w)) for h, w in SIZES]
+    return [Job(bytes([i]), image, tower.num_patches(*image.pixels.shape[:2]), 0.0) for i, image in enumerate(images)]
+
+
+def test_a_batch_over_the_memory_is_encoded_in_parts_with_the_same_tokens(tower):
+    jobs = jobs_of(tower)
+    apart = [tower.encode(tower.preprocess([job.image]))[0] for job in jobs]
+    limited = OutOfMemoryAbove(tower, rows=900)  # two small images fit, three do not
+    times = StageTimes()
+    together = encode_splitting(limited, jobs, limited.preprocess([job.image for job in jobs]), times)
+    assert times.oom_splits >= 2  # 5 → 2 + 3 → ... : more than one split
+    assert [grid for _, grid in together] == [grid for _, grid in apart]
+    for (got, _), (expected, _) in zip(together, apart):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_one_image_that_does_not_fit_alone_fails_with_the_error(tower):
+    jobs = jobs_of(tower)[:1]
+    limited = OutOfMemoryAbove(tower, rows=100)
+    with pytest.raises(torch.OutOfMemoryError):
+        encode_splitting(limited, jobs, limited.preprocess([jobs[0].image]), StageTimes())
