@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,13 +124,24 @@ async def images_encoded(pool: EncoderPool) -> int:
     return sum(r.stats.images_encoded for r in pool.replicas)
 
 
-async def measure(setting: Setting, run_dir: Path, images, requests: int, concurrency: int) -> dict:
+@asynccontextmanager
+async def running(setting: Setting, run_dir: Path, ready_timeout_s: float = 180):
+    """The setting's encoders started, and the gateway's pool over them once every one answers."""
     encoders = Encoders(run_dir, setting)
     ctx = zmq.asyncio.Context()
-    pool = EncoderPool(ctx, encoders.addresses, heartbeat_timeout_s=30)
+    pool = EncoderPool(ctx, encoders.addresses, heartbeat_timeout_s=max(30, ready_timeout_s / 2))
     try:
-        await pool.connect(180)
+        await pool.connect(ready_timeout_s)
         pool.start_heartbeat(0.25)
+        yield pool
+    finally:
+        await pool.close()
+        ctx.term()
+        encoders.stop()
+
+
+async def measure(setting: Setting, run_dir: Path, images, requests: int, concurrency: int) -> dict:
+    async with running(setting, run_dir) as pool:
         await drive(pool, jobs_for(len(images) * 2, images), concurrency)  # warm-up
         started = time.perf_counter()
         latencies = await drive(pool, jobs_for(requests, images), concurrency)
@@ -146,10 +158,6 @@ async def measure(setting: Setting, run_dir: Path, images, requests: int, concur
             result["same_image_x16_encodes"] = await images_encoded(pool) - before
             result["requests_per_replica"] = list(pool.requests_sent)
         return result
-    finally:
-        await pool.close()
-        ctx.term()
-        encoders.stop()
 
 
 def _mean_batch(pool: EncoderPool) -> float:

@@ -11,7 +11,8 @@ mixed; the settings differ only in the batching keys they set:
   cpu-policy     the CPU configs' rules: express lane for small images,
                  batches of alike sizes (size ratio 4), 5 ms wait
   gpu-wait-N     first come first served by patch budget, no express lane,
-                 max_wait_ms N
+                 max_wait_ms N (-depth-1: the next batch formed only when the
+                 ViT is free; -compiled: encoder.compile_blocks)
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import zmq.asyncio
 
 from bench import real_towers
-from bench.encoder import Encoders, Setting, drive, jobs_for
+from bench.encoder import Setting, drive, jobs_for, running
 from common.config import REPO_ROOT
 from gateway.encoder_pool import EncoderPool
 from gateway.resize import smart_resize
@@ -35,14 +35,16 @@ from gateway.resize import smart_resize
 CONFIG = REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml"
 MIXES = {"256": [(256, 256)], "mixed": [(256, 256), (720, 1280), (1080, 1920), (2160, 3840)]}
 GPU_POLICY = {"PRISM_ENCODER__EXPRESS_MAX_PATCHES": "0", "PRISM_ENCODER__BATCH_SIZE_RATIO": "0"}
-SETTINGS = [
+SETTINGS = [  # most telling first: the budget may end the list
     Setting("batch-1", 1, {"PRISM_ENCODER__MAX_BATCH_IMAGES": "1", "PRISM_ENCODER__PIPELINE_DEPTH": "1",
                            "PRISM_ENCODER__MAX_WAIT_MS": "0", "PRISM_ENCODER__EXPRESS_MAX_PATCHES": "0"}),
-    Setting("gpu-wait-2", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "2"}),
+    Setting("gpu-wait-5", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5"}),
+    Setting("gpu-wait-5-depth-1", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5", "PRISM_ENCODER__PIPELINE_DEPTH": "1"}),
+    Setting("gpu-wait-5-compiled", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5", "PRISM_ENCODER__COMPILE_BLOCKS": "true"}),
     Setting("cpu-policy", 1, {"PRISM_ENCODER__EXPRESS_MAX_PATCHES": "1024", "PRISM_ENCODER__BATCH_SIZE_RATIO": "4",
                               "PRISM_ENCODER__MAX_WAIT_MS": "5"}),
     Setting("gpu-wait-0", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "0"}),
-    Setting("gpu-wait-5", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5"}),
+    Setting("gpu-wait-2", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "2"}),
     Setting("gpu-wait-10", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "10"}),
 ]
 
@@ -62,12 +64,7 @@ def _totals(pool: EncoderPool) -> tuple[int, int]:
 
 async def measure(setting: Setting, run_dir: Path, args, log) -> None:
     started = time.monotonic()
-    encoders = Encoders(run_dir, setting)
-    ctx = zmq.asyncio.Context()
-    pool = EncoderPool(ctx, encoders.addresses, heartbeat_timeout_s=120)
-    try:
-        await pool.connect(300)
-        pool.start_heartbeat(0.25)
+    async with running(setting, run_dir, ready_timeout_s=300) as pool:
         ready_s = time.monotonic() - started
         for mix, sizes in MIXES.items():
             images = budget_images(sizes, seed=len(mix))
@@ -84,10 +81,6 @@ async def measure(setting: Setting, run_dir: Path, args, log) -> None:
                 images_per_s=round(args.requests / elapsed, 1), p50_ms=round(statistics.median(latencies) * 1000, 1),
                 p90_ms=round(ordered[int(0.9 * len(ordered))] * 1000, 1),
                 mean_batch=round((encoded_after - encoded) / max(batches_after - batches, 1), 2), ready_s=round(ready_s, 1))
-    finally:
-        await pool.close()
-        ctx.term()
-        encoders.stop()
 
 
 def run(args, budget, log) -> None:

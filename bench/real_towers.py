@@ -16,7 +16,6 @@ torch's FlopCounterMode, attention from the segments each layer attends over.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -66,32 +65,18 @@ def qwen3_vl_8b(tokenizer):
     )
 
 
-def _write_qwen(out: Path, model_class, config, configs: tuple[dict, dict], name: str, device: str) -> Path:
-    tokenizer = build_tokenizer(SEED)
-    torch.manual_seed(SEED)
-    with torch.device(device):
-        model = model_class(config(tokenizer)).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    image, video = configs
-    (out / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
-    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    return tm._finish(out, SEED, name)
-
-
 def write_qwen2_5_vl_7b(out: Path, device: str) -> Path:
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     configs = processor_configs(QWEN_MAX_PIXELS, QWEN_MIN_PIXELS, processor="Qwen2_5_VLProcessor")
-    return _write_qwen(out, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_7b, configs, "qwen2.5-vl-7b", device)
+    return tm._write_qwen(out, SEED, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_7b, configs, "qwen2.5-vl-7b", device)
 
 
 def write_qwen3_vl_8b(out: Path, device: str) -> Path:
     from transformers import Qwen3VLForConditionalGeneration
 
     configs = tm.qwen3_vl_processor_configs(QWEN_MAX_PIXELS, QWEN_MIN_PIXELS)
-    return _write_qwen(out, Qwen3VLForConditionalGeneration, qwen3_vl_8b, configs, "qwen3-vl-8b", device)
+    return tm._write_qwen(out, SEED, Qwen3VLForConditionalGeneration, qwen3_vl_8b, configs, "qwen3-vl-8b", device)
 
 
 def write_onevision_7b(out: Path, device: str) -> Path:

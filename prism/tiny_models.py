@@ -96,13 +96,16 @@ def write_qwen2_5_vl_7b_widths(out: Path, seed: int = SEED, max_pixels: int = DE
     return _write_qwen(out, seed, Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_7b_widths_config, configs, "qwen2.5-vl-7b-widths")
 
 
-def _write_qwen(out: Path, seed: int, model_class, config, processor_configs: tuple[dict, dict], family: str) -> Path:
-    """A Qwen-family checkpoint: weights, the demo tokenizer, image and video processor configs."""
+def _write_qwen(out: Path, seed: int, model_class, config, processor_configs: tuple[dict, dict], family: str,
+                device: str = "cpu") -> Path:
+    """A Qwen-family checkpoint: weights, the demo tokenizer, image and video processor configs
+    (built on `device`: a GPU builds a real-width tower in seconds)."""
     import torch
 
     tokenizer = build_tokenizer(seed)
     torch.manual_seed(seed)
-    model = model_class(config(tokenizer)).to(torch.bfloat16)
+    with torch.device(device):
+        model = model_class(config(tokenizer)).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

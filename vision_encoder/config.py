@@ -64,7 +64,10 @@ class EncoderConfig(FrozenConfig):
     preprocess_on_device: bool = True
     # On a GPU: batches of up to this many patches replay CUDA graphs, one per
     # size bucket, captured at start-up (vision_encoder/graphs.py); 0: none.
-    graph_max_patches: int = Field(16384, ge=0)
+    graph_max_patches: int = Field(4096, ge=0)
+    # torch.compile each ViT block (vision_encoder/tower.py compile_blocks): the
+    # first batches of new shapes wait for compilation (seconds each).
+    compile_blocks: bool = False
     # The share of the GPU's memory this process may take (the engine may share
     # the GPU: its gpu_memory_utilization plus this at most 1); None: all of it.
     # A batch that runs out is encoded as halves (vision_encoder/work.py).

@@ -87,7 +87,8 @@ class EncoderService:
             torch.set_num_threads(config.torch_threads)
         if config.gpu_memory_fraction:
             torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, torch.device(config.device))
-        options = RunOptions(config.attention, config.preprocess_on_device, config.graph_max_patches, config.max_batch_images)
+        options = RunOptions(config.attention, config.preprocess_on_device, config.graph_max_patches, config.max_batch_images,
+                             config.compile_blocks)
         tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels, options)
         if config.test_oom_above_rows:
             tower = OutOfMemoryAbove(tower, config.test_oom_above_rows)

@@ -33,6 +33,7 @@ class RunOptions:
     preprocess_on_device: bool = True  # the image processor on the tower's GPU (no effect on a CPU)
     graph_max_patches: int = 0  # CUDA graphs for batches up to this many patches (0: none; vision_encoder/graphs.py)
     max_batch_images: int = 16  # the most images a batch holds (sizes the graphs' inputs)
+    compile_blocks: bool = False  # torch.compile each ViT block (compile_blocks below)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,20 @@ def _weights_digest(state: dict[str, torch.Tensor]) -> bytes:
         hasher.update(name.encode())
         hasher.update(state[name].contiguous().reshape(-1).view(torch.uint8).numpy())
     return hasher.digest()
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each block of the ViT (the model's longest ModuleList: Qwen's
+    `blocks`, SigLIP's and InternViT's encoder layers); how many. Eager, a block
+    is some twenty kernels of which the matrix products are half the time and
+    the rest norms, rotary and activations, each a pass over memory; compiled,
+    those fuse. Shapes change with every batch: torch recompiles once with
+    dynamic shapes after the first, and then no more."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    blocks = max(lists, key=len, default=[])
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 class VisionTower:
@@ -130,6 +145,8 @@ class VisionTower:
             raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model = model.to(self.device, self.dtype).eval()
         patch_convs_as_matmul(model, self.device)  # as vLLM's towers run them (patch_matmul.py)
+        if self.options.compile_blocks:
+            compile_blocks(model)
         return model
 
     def release_memory(self) -> None:

@@ -103,24 +103,25 @@ def batch_stages(tower, jobs: list[Job]):
 
 
 def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
-    """The batch's tokens. A batch the device has no memory for is encoded as two
-    halves, each split again if it must be: a burst of large images costs
-    smaller batches, never the service. One image that does not fit fails its
-    batch (OutOfMemoryError)."""
+    """The batch's tokens (`inputs`: its preprocessed batch, or None to make it
+    here). A batch the device has no memory for is encoded as two halves, each
+    split again if it must be: a burst of large images costs smaller batches,
+    never the service. One image that does not fit fails its batch
+    (OutOfMemoryError)."""
     try:
+        if inputs is None:  # on the GPU, preprocessing takes device memory too
+            inputs = tower.preprocess([job.image for job in jobs])
         return tower.encode(inputs)
     except torch.OutOfMemoryError:
         if len(jobs) == 1:
             raise
+    inputs = None
     tower.release_memory()  # after the except block: the failed forward's tensors are gone by now
     times.oom_splits += 1
     half = len(jobs) // 2
     log.warning("out of device memory for a batch of %d images (%d patches): encoding it as %d + %d",
                 len(jobs), sum(job.patches for job in jobs), half, len(jobs) - half)
-    return [
-        *encode_splitting(tower, jobs[:half], tower.preprocess([job.image for job in jobs[:half]]), times),
-        *encode_splitting(tower, jobs[half:], tower.preprocess([job.image for job in jobs[half:]]), times),
-    ]
+    return [*encode_splitting(tower, jobs[:half], None, times), *encode_splitting(tower, jobs[half:], None, times)]
 
 
 class Lanes:

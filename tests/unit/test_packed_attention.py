@@ -118,3 +118,16 @@ def test_auto_attention_is_the_loop_on_a_cpu_and_a_cuda_kernel_by_name_is_refuse
     for backend in ("varlen", "flash"):
         with pytest.raises(ValueError, match="encoder.attention"):
             attention.choose(backend, cpu)
+
+
+def test_compiled_blocks_give_the_same_tokens():
+    """encoder.compile_blocks: every block compiled (vision_encoder/tower.py), the tokens unchanged,
+    over two batches of different shapes (the second recompiles with dynamic shapes)."""
+    eager = load_tower(checkpoint("qwen2.5-vl"), "float32", "cpu", options=RunOptions(attention="padded"))
+    compiled = load_tower(checkpoint("qwen2.5-vl"), "float32", "cpu", options=RunOptions(attention="padded", compile_blocks=True))
+    assert all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl for block in compiled.model.blocks)
+    for seed, count in ((0, 2), (1, 4)):
+        batch = eager.preprocess(images(seed)[:count])
+        expected = [t for t, _ in eager.encode(batch)]
+        got = [t for t, _ in compiled.encode(batch)]
+        assert relative(got, expected) < 1e-4
