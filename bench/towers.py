@@ -8,14 +8,18 @@ outside vLLM's engine: a one-process parallel state, the weights loaded with
 its own `load_weights` and `process_weights_after_loading`. Each round runs
 one mixed batch of images through both, alternating, so machine noise falls
 on both alike. Prints the largest difference between their outputs and
-images per second for each.
+images per second for each. With `--bf16-error`, instead: each tower's
+bfloat16 tokens against the float32 reference (the same weights, rounded),
+as ‖bf16 − fp32‖ / ‖fp32‖: the precision the encoder gives up in bfloat16,
+beside what vLLM's own tower gives up.
 
-Run: python -m bench.towers [--depth 4] [--rounds 5]
+Run: python -m bench.towers [--depth 4] [--rounds 5] [--bf16-error]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 
 import numpy as np
@@ -46,18 +50,20 @@ def transformers_tower(vision_config) -> torch.nn.Module:
     return tower.eval()
 
 
-def vllm_tower(vision_config, state: dict[str, torch.Tensor], model_dir: str):
+def vllm_tower(vision_config, state: dict[str, torch.Tensor], model_dir: str, dtype: str = "float32"):
     """vLLM's Qwen2.5-VL tower, standing alone; its config context is returned for the forward."""
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VisionTransformer
 
-    config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype="float32"))  # any checkpoint: dtype and backends
+    config = VllmConfig(model_config=ModelConfig(model=model_dir, dtype=dtype))  # any checkpoint: dtype and backends
     with set_current_vllm_config(config):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29555",
-                                     local_rank=0, backend="gloo")
-        initialize_model_parallel(1, 1)
+        if not model_parallel_is_initialized():  # once per process
+            init_distributed_environment(world_size=1, rank=0, distributed_init_method="tcp://127.0.0.1:29555",
+                                         local_rank=0, backend="gloo")
+            initialize_model_parallel(1, 1)
         tower = Qwen2_5_VisionTransformer(vision_config, norm_eps=1e-6, prefix="visual")
         tower.load_weights(state.items())
         process_weights_after_loading(tower, config.model_config, torch.device("cpu"))
@@ -76,10 +82,35 @@ def inputs(patch_size: int, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(np.concatenate(rows)), torch.tensor(grids)
 
 
+def bf16_errors(vision, ours, theirs, config, pixels: torch.Tensor, grid: torch.Tensor, model_dir: str) -> None:
+    """Both towers in bfloat16 against transformers' float32 tokens (the two agree in float32)."""
+    from vllm.config import set_current_vllm_config
+
+    from vision_encoder.patch_matmul import patch_convs_as_matmul
+
+    def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
+        return float((x.float() - reference).norm() / reference.norm())
+
+    with torch.inference_mode(), set_current_vllm_config(config):
+        reference = ours(pixels, grid_thw=grid).pooler_output
+        theirs32 = theirs(pixels, grid_thw=grid.tolist())
+    prism = copy.deepcopy(ours).to(torch.bfloat16)
+    patch_convs_as_matmul(prism, torch.device("cpu"))  # as the encoder runs it
+    state16 = {k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()}
+    theirs_bf16, config16 = vllm_tower(vision, state16, model_dir, "bfloat16")  # vLLM packs its weights per dtype
+    with torch.inference_mode(), set_current_vllm_config(config16):
+        ours16 = prism(pixels.bfloat16(), grid_thw=grid).pooler_output
+        theirs16 = theirs_bf16(pixels.bfloat16(), grid_thw=grid.tolist())
+    print(f"float32: vLLM's tower against transformers' {relative(theirs32, reference):.2e}")
+    print(f"bfloat16 against the float32 reference: Prism's tower {relative(ours16, reference):.2e}, "
+          f"vLLM's tower {relative(theirs16, reference):.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bf16-error", action="store_true", help="each tower's bfloat16 error, not the timings")
     args = parser.parse_args()
     from prism.demo_model import RANDOM_MODEL, ensure_demo_model
     from vllm.config import set_current_vllm_config
@@ -88,6 +119,9 @@ def main() -> None:
     ours = transformers_tower(vision)
     theirs, config = vllm_tower(vision, {k: v.clone() for k, v in ours.state_dict().items()}, str(ensure_demo_model(RANDOM_MODEL)))
     pixels, grid = inputs(vision.patch_size, vision.spatial_merge_size)
+    if args.bf16_error:
+        bf16_errors(vision, ours, theirs, config, pixels, grid, str(ensure_demo_model(RANDOM_MODEL)))
+        return
     times: dict[str, list[float]] = {"transformers": [], "vllm": []}
     with torch.inference_mode(), set_current_vllm_config(config):
         for _ in range(args.rounds + 1):  # the first round warms both up and is not counted
