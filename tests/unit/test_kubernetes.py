@@ -45,10 +45,10 @@ pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl
 
 @functools.cache
 def render(overlay: str) -> tuple[dict, ...]:
-    out = subprocess.run(
-        ["kubectl", "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(DEPLOY / "overlays" / overlay)],
-        check=True, capture_output=True, text=True).stdout
-    return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+    """What `kubectl apply -k` applies: kustomize with its defaults, no flags."""
+    done = subprocess.run(["kubectl", "kustomize", str(DEPLOY / "overlays" / overlay)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
 
 
 def of_kind(objects, kind: str) -> list[dict]:
@@ -286,6 +286,11 @@ def test_disruption_budgets_cover_every_prism_deployment(overlay):
     for deployment, _, _ in prism_containers(objects):
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert sum(budget.items() <= labels.items() for budget in budgets) == 1, deployment["metadata"]["name"]
+
+
+def test_the_base_copy_of_the_dashboard_is_the_file_in_configs():
+    source, copy = REPO_ROOT / "configs/grafana/prism-dashboard.json", DEPLOY / "base/prism-dashboard.json"
+    assert copy.read_bytes() == source.read_bytes(), f"{copy} differs from its source: run `make {copy.relative_to(REPO_ROOT)}`"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
