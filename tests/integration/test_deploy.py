@@ -1,10 +1,11 @@
 """docker-compose.yml and its GPU override, checked by docker-compose itself
-(`config`: no container engine runs here) and against configs/compose.yaml:
-every service has a health check, start-up waits on health, and every port
-and address the services use lines up."""
+(`config`) and against configs/compose.yaml and the Kubernetes manifests:
+every service has a health check, the Kubernetes readiness probe's, start-up
+waits on health, and every port and address the services use lines up."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from urllib.parse import urlparse
 
@@ -60,11 +61,29 @@ def test_prism_services_run_one_image_built_from_the_repo_with_the_compose_profi
     assert "scripts/install.sh" in dockerfile and "COPY requirements/" in dockerfile  # the README's pinned install
 
 
+def published_ports(service: dict) -> dict[int, tuple[str, int]]:
+    """Container port → (host address, host port); `config` writes "ip:published:target/tcp"."""
+    ports = {}
+    for port in service.get("ports", []):
+        host_ip, published, target = port.removesuffix("/tcp").rsplit(":", 2)
+        ports[int(target)] = (host_ip, int(published))
+    return ports
+
+
+def test_the_stack_is_reached_through_loopback_ports_alone(base):
+    """Services talk over the stack's internal network; only those with published
+    ports join one with a way out, and those ports are bound to the host's loopback."""
+    networks = base["networks"]
+    for name, service in base["services"].items():
+        assert {ip for ip, _ in published_ports(service).values()} <= {"127.0.0.1"}, name
+        outward = {n for n in service["networks"] if not networks[n].get("internal")}
+        assert not outward or service.get("ports"), f"{name} needs no way out of the stack"
+
+
 def test_ports_and_addresses_line_up_with_the_profile(base, profile):
     services = base["services"]
     gateway, encoder, engine = profile["gateway"], profile["encoder"], profile["engine"]
-    published = {int(p["target"]): int(p["published"]) for p in services["gateway"]["ports"]}
-    assert gateway["port"] in published
+    assert gateway["port"] in published_ports(services["gateway"])
     assert str(port_of(encoder["address"])) in services["vision-encoder"]["expose"]
     assert str(port_of(engine["address"])) in services["llm-engine"]["expose"]
     for address in gateway["encoder_addresses"]:
@@ -76,7 +95,40 @@ def test_ports_and_addresses_line_up_with_the_profile(base, profile):
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == [f"gateway:{gateway['port']}"]
     datasource = yaml.safe_load((REPO_ROOT / "configs/grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
-    assert any(int(p["target"]) == 9090 for p in services["prometheus"]["ports"])
+    assert 9090 in published_ports(services["prometheus"])
+
+
+def seconds(duration: str) -> int:
+    """A compose duration ("1m30s", "5s") in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", duration).groups(default="0")
+    return int(parts[0]) * 3600 + int(parts[1]) * 60 + int(parts[2])
+
+
+def test_health_checks_are_the_kubernetes_readiness_probes(base):
+    """A compose health check gates start-up and says whether a service serves, as
+    the readiness probe does: the same check, period, timeout and failure count,
+    with the startup probe's allowance as its start_period."""
+    binary("kubectl")
+    from tests.unit.test_kubernetes import of_kind, render
+
+    containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                  for d in of_kind(render("cpu-demo"), "Deployment")}
+    # The gateway's probe is an HTTP GET; its compose check makes the same request (prism/healthcheck.py).
+    same_request = {("python", "-m", "prism.healthcheck", "gateway"): ("/health/ready", "http")}
+    for name in ("redis", *PRISM_SERVICES):
+        check, container = base["services"][name]["healthcheck"], containers[name]
+        ready, startup = container["readinessProbe"], container.get("startupProbe")
+        command = tuple(check["test"][1:])
+        assert check["test"][0] == "CMD"
+        if "exec" in ready:
+            assert list(command) == ready["exec"]["command"], name
+        else:
+            assert same_request[command] == (ready["httpGet"]["path"], ready["httpGet"]["port"]), name
+        assert seconds(check["interval"]) == ready["periodSeconds"], name
+        assert seconds(check["timeout"]) == ready.get("timeoutSeconds", 1), name
+        assert check["retries"] == ready.get("failureThreshold", 3), name
+        allowance = startup["periodSeconds"] * startup["failureThreshold"] if startup else 0
+        assert seconds(check.get("start_period", "0s")) == allowance, name
 
 
 def test_the_gpu_override_reserves_devices_and_builds_the_gpu_flavour():
@@ -85,9 +137,23 @@ def test_the_gpu_override_reserves_devices_and_builds_the_gpu_flavour():
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
         assert services[name]["environment"]["PRISM_ENCODER__DEVICE"] == "cuda"
+    cpu = compose_config(BASE)["services"]
     for name in PRISM_SERVICES:
-        assert services[name]["build"]["args"]["FLAVOUR"] == "gpu"
+        assert services[name]["build"] == {**cpu[name]["build"], "args": {**cpu[name]["build"]["args"], "FLAVOUR": "gpu"}}
+        assert set(services[name]["networks"]) == set(cpu[name]["networks"])  # nothing but the stack's own
     assert "deploy" not in services["gateway"]  # the gateway needs no GPU
+
+
+def test_the_flavours_differ_in_their_lock_file_alone():
+    """The GPU image cannot be built or run here (no GPU): it takes the CPU
+    image's path, which the container test runs, with its own lock file."""
+    dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
+    uses = [line.strip() for line in dockerfile.splitlines() if "FLAVOUR}" in line and not line.startswith("#")]
+    assert uses == ["COPY requirements/${FLAVOUR}.lock requirements/",
+                    "RUN PRISM_FLAVOUR=${FLAVOUR} PYTHON=python3 PIP_NO_CACHE_DIR=1 PIP_CERT=/etc/ssl/certs/ca-certificates.crt \\",
+                    "ENV PRISM_FLAVOUR=${FLAVOUR} \\"]
+    install = (REPO_ROOT / "scripts" / "install.sh").read_text()
+    assert "lock=requirements/$flavour.lock" in install
 
 
 def test_the_compose_profile_validates_for_every_service(profile):

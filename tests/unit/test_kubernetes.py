@@ -106,7 +106,7 @@ def gateway_get_routes() -> frozenset[str]:
 def test_the_dockerfile_puts_the_repository_where_the_manifests_look():
     dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text()
     assert f"WORKDIR {IMAGE_ROOT}\n" in dockerfile and "COPY . ." in dockerfile
-    assert "COPY requirements/ requirements/" in dockerfile and "scripts/install.sh" in dockerfile  # the lock files
+    assert "COPY requirements/${FLAVOUR}.lock requirements/" in dockerfile and "scripts/install.sh" in dockerfile  # the lock file
 
 
 def test_there_are_the_three_overlays():
