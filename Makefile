@@ -2,7 +2,7 @@
 # what it needs first (scripts/install.sh is a no-op once done).
 PY := .venv/bin/python
 
-.PHONY: install install-system serve test test-unit bench demo-model train-demo accuracy
+.PHONY: install install-system serve test test-unit test-containers bench demo-model train-demo accuracy
 
 install:
 	@scripts/install.sh
@@ -18,6 +18,12 @@ test: install install-system
 
 test-unit: install
 	$(PY) -m pytest tests/unit
+
+# The compose stack built and run for real (tests/containers/): as root, with
+# Docker, debootstrap and tcpdump from Debian's packages, installed when missing.
+test-containers: install
+	@scripts/install-system.sh containers
+	$(PY) -m pytest tests/containers
 
 bench: install
 	$(PY) -m bench.ttft

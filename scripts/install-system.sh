@@ -2,15 +2,19 @@
 # Debian packages the tests use beside the Python environment: a real
 # Prometheus server (and promtool), headless Chromium, a Redis server (the
 # encoders' shared cache tier) and docker-compose (to validate the compose
-# files; no container engine runs). Installed when missing and we may (root or
+# files). With `containers` (make test-containers): a container engine,
+# debootstrap for a base image made from Debian's packages, and tcpdump to see
+# where the containers send packets. Installed when missing and we may (root or
 # sudo); otherwise the tests that need them say so.
 set -euo pipefail
 
 packages=()
-command -v prometheus >/dev/null || packages+=(prometheus)
-command -v chromium >/dev/null || packages+=(chromium)
-command -v redis-server >/dev/null || packages+=(redis-server)
-command -v docker-compose >/dev/null || packages+=(docker-compose)
+need() { command -v "$1" >/dev/null || packages+=("$2"); }
+if [ "${1:-}" = containers ]; then
+  need dockerd docker.io; need docker-compose docker-compose; need debootstrap debootstrap; need tcpdump tcpdump
+else
+  need prometheus prometheus; need chromium chromium; need redis-server redis-server; need docker-compose docker-compose
+fi
 [ ${#packages[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" -eq 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else

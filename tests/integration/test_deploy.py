@@ -1,7 +1,8 @@
 """docker-compose.yml and its GPU override, checked by docker-compose itself
 (`config`) and against configs/compose.yaml and the Kubernetes manifests:
 every service has a health check, the Kubernetes readiness probe's, start-up
-waits on health, and every port and address the services use lines up."""
+waits on health, and every port and address the services use lines up. The
+stack itself is built and run by `make test-containers` (tests/containers/)."""
 
 from __future__ import annotations
 
