@@ -16,6 +16,11 @@ The launcher sets this for the engine as GLIBC_TUNABLES (prism/launch.py),
 as the Docker image does for every container; the gateway runs in the
 launcher's own process, where the environment is read too late, so it sets
 the same through mallopt at start-up (`keep_freed_heap`).
+
+The gateway sizes what it keeps from its memory limit instead of 1 GiB
+(`keep_at_most`, gateway/memory.py), and gives back what it holds past
+that (`trim`): glibc trims only the top of each heap, so a burst's freed
+blocks below a block still in use would otherwise stay resident.
 """
 
 from __future__ import annotations
@@ -33,6 +38,16 @@ _M_TRIM_THRESHOLD = -1  # malloc.h
 _M_MMAP_THRESHOLD = -3
 
 
+def _libc():
+    """glibc's functions, or None (another C library: musl has no mallopt)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - raises AttributeError where absent
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def keep_freed_heap() -> bool:
     """This process's malloc set as HEAP_KEPT_TUNABLES would set it. Not done
     (False) where GLIBC_TUNABLES is set, whose settings are kept as they are
@@ -40,9 +55,22 @@ def keep_freed_heap() -> bool:
     library is not glibc (musl has no mallopt)."""
     if "GLIBC_TUNABLES" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    if libc is None:
         log.info("this C library has no mallopt: freed memory goes back to the kernel as it does by default")
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def keep_at_most(kept_bytes: int) -> bool:
+    """glibc trims a heap's top once more than `kept_bytes` of it is free,
+    whatever GLIBC_TUNABLES said (the caller sized it)."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(kept_bytes, 2**31 - 1))))
+
+
+def trim() -> bool:
+    """Give the kernel every whole free page of every heap (malloc_trim: a walk
+    over the heaps, so off the event loop). True if any went back."""
+    libc = _libc()
+    return libc is not None and bool(libc.malloc_trim(0))

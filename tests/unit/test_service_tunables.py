@@ -107,3 +107,28 @@ def test_the_image_and_the_deployments_set_the_same_tunables():
     assert f"GLIBC_TUNABLES={ENGINE_TUNABLES}\n" in (REPO_ROOT / "docker" / "Dockerfile").read_text()
     assert f"GLIBC_TUNABLES: {ENCODER_TUNABLES}\n" in (REPO_ROOT / "docker-compose.yml").read_text()
     assert f'value: "{ENCODER_TUNABLES}"' in (REPO_ROOT / "deploy" / "kubernetes" / "model" / "encoder.yaml").read_text()
+
+
+# A 24 MB block (heap, not mmap: under the 32 MB threshold) freed below a small one still in use: glibc keeps it (it is not the heap's top), trim() gives it back.
+FREED_BELOW_IN_USE = """
+import ctypes
+from common.malloc import keep_at_most, keep_freed_heap, trim
+keep_freed_heap(); keep_at_most(2**30)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+big = libc.malloc(24 << 20); libc.memset(big, 1, 24 << 20); pin = libc.malloc(4096)
+before = rss(); libc.free(big); freed = rss(); trimmed = trim(); after = rss()
+print(freed - before, before - after, trimmed)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_the_gateways_trim_gives_back_freed_heap_that_malloc_keeps():
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    kept, given_back, trimmed = subprocess.run([sys.executable, "-c", FREED_BELOW_IN_USE], env=env, capture_output=True,
+                                               text=True, check=True, cwd=REPO_ROOT).stdout.split()
+    assert abs(int(kept)) < 2**20 and int(given_back) > 0.9 * (24 << 20) and trimmed == "True"
