@@ -296,7 +296,9 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)
     buffer_whole_bodies(config.max_body_bytes)
-    keep_freed_heap()  # a large body's pages are reused by the next, not faulted in afresh (common/malloc.py)
+    # A large body's pages are reused by the next, not faulted in afresh (common/malloc.py); how much
+    # freed heap is kept is sized from the memory limit once started (`plan_memory`).
+    keep_freed_heap()
     app = create_app(config, config_path, slot, run_dir)
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)
