@@ -36,6 +36,7 @@ TRIM_THRESHOLD = 2**30
 HEAP_KEPT_TUNABLES = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
 _M_TRIM_THRESHOLD = -1  # malloc.h
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def _libc():
@@ -67,6 +68,15 @@ def keep_at_most(kept_bytes: int) -> bool:
     whatever GLIBC_TUNABLES said (the caller sized it)."""
     libc = _libc()
     return libc is not None and bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(kept_bytes, 2**31 - 1))))
+
+
+def one_heap() -> bool:
+    """Every thread allocates from one heap, as the encoder's ENCODER_TUNABLES
+    has it (arena_max=1): what one thread frees, another reuses, and the
+    free memory kept is one heap's, where each thread's heap keeps its own up
+    to the trim threshold. Set before the threads first allocate."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, 1))
 
 
 def trim() -> bool:

@@ -37,7 +37,7 @@ from gateway.schemas import ChatCompletionRequest
 from gateway.siblings import Siblings
 from gateway.timing import RequestTimer
 from common.config import ConfigError, load_config
-from common.malloc import keep_freed_heap
+from common.malloc import keep_freed_heap, one_heap
 
 log = logging.getLogger("prism.gateway")
 STATIC = Path(__file__).with_name("static")
@@ -109,8 +109,8 @@ class Gateway:
         """Size the memory budget and the kept heap from the limit and this
         process's memory now that it has started (gateway/memory.py)."""
         plan = MemoryPlan.size(self.config, self.slot.count, process_rss())
-        self.limiter.memory.capacity = plan.budget
-        self.heap = HeapKeeper(plan.kept_heap, plan.at_start)
+        self.limiter.memory.size(plan.budget)
+        self.heap = HeapKeeper(plan, self.limiter.memory)
         metrics.MEMORY_BUDGET.set(plan.budget)
         log.info("memory: %s (%s); %s at start-up, %s for requests (gateway.memory_use_fraction %g), %s of freed heap kept",
                  mib(plan.limit), plan.source, mib(plan.at_start), mib(plan.budget), self.config.memory_use_fraction,
@@ -168,7 +168,7 @@ class Gateway:
         while True:
             await asyncio.sleep(interval_s)
             if self.heap is not None:
-                await self.heap.check(self.limiter.memory.in_use)
+                await self.heap.check()
             encoders, engines = self.service_stats()
             in_flight = self.limiter.in_flight
             if self.siblings is not None:
@@ -299,6 +299,7 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     # A large body's pages are reused by the next, not faulted in afresh (common/malloc.py); how much
     # freed heap is kept is sized from the memory limit once started (`plan_memory`).
     keep_freed_heap()
+    one_heap()  # the intake threads' decodes and the event loop's bodies reuse each other's freed memory
     app = create_app(config, config_path, slot, run_dir)
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)

@@ -69,6 +69,7 @@ class MemoryBudget:
 
     def __init__(self, wait_s: float = 10, label: str = "") -> None:
         self.capacity: int | None = None  # set at start-up (MemoryPlan); None: nothing is refused
+        self.largest: int | None = None  # the planned budget, whatever the process's own memory leaves of it now
         self.wait_s = wait_s
         self.label = label  # the worker's share, said in refusals (WorkerSlot.label)
         self.held = 0  # admitted: bodies, images, pixels, replies
@@ -79,6 +80,9 @@ class MemoryBudget:
     def in_use(self) -> int:
         return self.held + self.working
 
+    def size(self, capacity: int) -> None:
+        self.capacity = self.largest = capacity
+
     def _changed(self) -> None:
         metrics.MEMORY_HELD.set(self.in_use)
 
@@ -86,12 +90,11 @@ class MemoryBudget:
         """Count `nbytes` more of a request's own: 413 if more than any request
         may hold, 429 if the budget has no room for it now."""
         if self.capacity is not None:
-            share = int(self.capacity * BODY_SHARE)
-            if nbytes > share:
+            if nbytes > self.largest * BODY_SHARE:
                 raise APIError(413, f"{what} needs about {mib(nbytes)} of the gateway's memory; it admits at most "
-                               f"{mib(share)} a request{self.label} (gateway.memory_limit_bytes, or its container's "
-                               "limit)", code="request_too_large")
-            if self.held + nbytes > share or self.in_use + nbytes > self.capacity:
+                               f"{mib(int(self.largest * BODY_SHARE))} a request{self.label} (gateway.memory_limit_bytes, "
+                               "or its container's limit)", code="request_too_large")
+            if self.held + nbytes > self.capacity * BODY_SHARE or self.in_use + nbytes > self.capacity:
                 raise APIError(429, f"the gateway's memory is held by requests in flight ({mib(self.in_use)} of "
                                f"{mib(self.capacity)}{self.label}; {what} needs {mib(nbytes)}); retry shortly",
                                code="memory_full", headers=RETRY_AFTER)
@@ -110,9 +113,9 @@ class MemoryBudget:
     async def start_work(self, nbytes: int, what: str) -> None:
         """Room for a decode or a fetch: waits up to `wait_s` for it (503 then),
         413 if it would not fit in the whole budget."""
-        if self.capacity is not None and nbytes > self.capacity:
+        if self.capacity is not None and nbytes > self.largest:
             raise APIError(413, f"{what} needs about {mib(nbytes)} of the gateway's memory, more than its whole budget "
-                           f"of {mib(self.capacity)}{self.label} (gateway.memory_limit_bytes, or its container's limit)",
+                           f"of {mib(self.largest)}{self.label} (gateway.memory_limit_bytes, or its container's limit)",
                            code="image_too_large")
         try:
             async with asyncio.timeout(self.wait_s):
@@ -217,21 +220,37 @@ class MemoryPlan:
 
 
 class HeapKeeper:
-    """Freed heap kept for reuse up to `kept` bytes past the process's memory
-    at start and what requests hold; past it, trimmed (common/malloc.py), at
-    most every TRIM_EVERY_S: what a trim cannot give back (memory still in
-    use that the budget does not count, such as idle connections' buffers)
-    would otherwise have it trim on every check."""
+    """Freed heap kept for reuse, within bounds (common/malloc.py trims past them):
+    - `plan.kept_heap` bytes past the process's memory at start and what
+      requests hold, at most every TRIM_EVERY_S: what a trim cannot give back
+      (memory in use that the budget does not count) would otherwise have it
+      trim at every check;
+    - the plan's ceiling (its memory at start plus the budget), at every check.
+    A trim while no request holds anything leaves the process's own memory,
+    which grows as it runs (Python's caches, heap fragments): the budget is
+    then what the ceiling leaves beside that, not beside the memory at start."""
 
-    def __init__(self, kept: int, at_start: int) -> None:
-        self.kept = kept
-        self.at_start = at_start
+    def __init__(self, plan: MemoryPlan, budget: MemoryBudget) -> None:
+        self.plan = plan
+        self.budget = budget
+        self.ceiling = plan.at_start + plan.budget
         self._next_trim = 0.0
-        keep_at_most(kept)
+        keep_at_most(plan.kept_heap)
 
-    async def check(self, held: int) -> None:
-        now = time.monotonic()
-        if now < self._next_trim or process_rss() - self.at_start - held <= self.kept:
+    async def check(self) -> None:
+        now, rss, held = time.monotonic(), process_rss(), self.budget.in_use
+        past_kept = now >= self._next_trim and rss - self.plan.at_start - held > self.plan.kept_heap
+        if not past_kept and rss <= self.ceiling:
             return
         self._next_trim = now + TRIM_EVERY_S
         await asyncio.to_thread(trim)
+        if held == 0 and self.budget.in_use == 0:
+            self._resize(process_rss())
+
+    def _resize(self, own: int) -> None:
+        capacity = max(0, self.ceiling - max(own, self.plan.at_start))
+        if capacity < 0.9 * self.budget.capacity:
+            log.warning("memory: the gateway holds %s idle (%s at start): %s left for requests", mib(own),
+                        mib(self.plan.at_start), mib(max(capacity, 0)))
+        self.budget.capacity = capacity
+        metrics.MEMORY_BUDGET.set(capacity)

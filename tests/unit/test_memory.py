@@ -81,7 +81,7 @@ def test_a_limit_the_gateway_fills_by_itself_is_refused_at_start_up():
 
 def sized(capacity: int, wait_s: float = 10) -> MemoryBudget:
     budget = MemoryBudget(wait_s)
-    budget.capacity = capacity
+    budget.size(capacity)
     return budget
 
 
@@ -166,3 +166,19 @@ def test_replies_waiting_for_the_client_are_counted_until_taken():
 def test_without_a_plan_nothing_is_refused():
     limiter = ConcurrencyLimiter.for_worker(None, None, None, WorkerSlot(), memory_wait_s=1)
     limiter.admit("k", 10 * GIB)
+
+
+def test_an_idle_trim_sizes_the_budget_beside_what_the_process_holds_now():
+    """The process has grown since start-up (here: it "started" at 1 MiB): the ceiling is kept, the budget shrinks;
+    a body the planned budget could take is refused for now (429), not as too large (413)."""
+    from gateway.memory import HeapKeeper, process_rss
+
+    budget = sized(4 * GIB)
+    plan = MemoryPlan(limit=8 * GIB, source="", at_start=MIB, budget=4 * GIB, kept_heap=0)
+    asyncio.run(HeapKeeper(plan, budget).check())
+    assert 4 * GIB + MIB - process_rss() - 64 * MIB <= budget.capacity < 4 * GIB + MIB - 32 * MIB  # it holds more than that
+    limiter = ConcurrencyLimiter(None, None, memory=budget)
+    budget.capacity = 0
+    with pytest.raises(APIError) as later:
+        limiter.admit("k", MIB)
+    assert later.value.status == 429
