@@ -107,7 +107,10 @@ class MemoryBudget:
 
     def give(self, nbytes: int) -> None:
         self.held -= nbytes
-        self._room.set()
+        self._freed()
+
+    def _freed(self) -> None:
+        self._room.set()  # waiting decodes and fetches look again
         self._changed()
 
     async def start_work(self, nbytes: int, what: str) -> None:
@@ -130,8 +133,7 @@ class MemoryBudget:
 
     def end_work(self, nbytes: int) -> None:
         self.working -= nbytes
-        self._room.set()
-        self._changed()
+        self._freed()
 
 
 class MemoryHold:
