@@ -183,7 +183,12 @@ class ChatPipeline:
     async def _decode_one(self, item: Inspected) -> PreparedImage:
         width, height = item.size
         async with working(item.decoding_bytes, f"decoding {item.where} ({width}×{height})"):
-            prepared = await self._in_pool(decode, item, self.policy)
+            decoding = asyncio.ensure_future(self._in_pool(decode, item, self.policy))
+            try:
+                prepared = await asyncio.shield(decoding)
+            except asyncio.CancelledError:  # the client left; the thread decodes on, and its memory stays counted till then
+                await asyncio.wait({decoding})
+                raise
         hold(prepared.pixels.nbytes)  # sent to the encoder
         return prepared
 
