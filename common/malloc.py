@@ -16,6 +16,11 @@ The launcher sets this for the engine as GLIBC_TUNABLES (prism/launch.py),
 as the Docker image does for every container; the gateway runs in the
 launcher's own process, where the environment is read too late, so it sets
 the same through mallopt at start-up (`keep_freed_heap`).
+
+The gateway sizes what it keeps from its memory limit instead of 1 GiB
+(`keep_at_most`, gateway/memory.py), and gives back what it holds past
+that (`trim`): glibc trims only the top of each heap, so a burst's freed
+blocks below a block still in use would otherwise stay resident.
 """
 
 from __future__ import annotations
@@ -31,6 +36,17 @@ TRIM_THRESHOLD = 2**30
 HEAP_KEPT_TUNABLES = f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD}:glibc.malloc.trim_threshold={TRIM_THRESHOLD}"
 _M_TRIM_THRESHOLD = -1  # malloc.h
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+def _libc():
+    """glibc's functions, or None (another C library: musl has no mallopt)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - raises AttributeError where absent
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def keep_freed_heap() -> bool:
@@ -40,9 +56,31 @@ def keep_freed_heap() -> bool:
     library is not glibc (musl has no mallopt)."""
     if "GLIBC_TUNABLES" in os.environ:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    if libc is None:
         log.info("this C library has no mallopt: freed memory goes back to the kernel as it does by default")
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def keep_at_most(kept_bytes: int) -> bool:
+    """glibc trims a heap's top once more than `kept_bytes` of it is free,
+    whatever GLIBC_TUNABLES said (the caller sized it)."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(kept_bytes, 2**31 - 1))))
+
+
+def one_heap() -> bool:
+    """Every thread allocates from one heap, as the encoder's ENCODER_TUNABLES
+    has it (arena_max=1): what one thread frees, another reuses, and the
+    free memory kept is one heap's, where each thread's heap keeps its own up
+    to the trim threshold. Set before the threads first allocate."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, 1))
+
+
+def trim() -> bool:
+    """Give the kernel every whole free page of every heap (malloc_trim: a walk
+    over the heaps, so off the event loop). True if any went back."""
+    libc = _libc()
+    return libc is not None and bool(libc.malloc_trim(0))

@@ -30,13 +30,14 @@ from gateway.fetch import FetchLimits, ImageFetcher
 from gateway.loop_probe import LoopProbe
 from gateway.intake import ImageLimits
 from gateway.listener import listening_socket
+from gateway.memory import HeapKeeper, MemoryPlan, mib, process_rss
 from gateway.models import ServedModel
 from gateway.parsing import buffer_whole_bodies, validation_error
 from gateway.schemas import ChatCompletionRequest
 from gateway.siblings import Siblings
 from gateway.timing import RequestTimer
 from common.config import ConfigError, load_config
-from common.malloc import keep_freed_heap
+from common.malloc import keep_freed_heap, one_heap
 
 log = logging.getLogger("prism.gateway")
 STATIC = Path(__file__).with_name("static")
@@ -76,8 +77,10 @@ class Gateway:
         self._reloading = asyncio.Lock()
         self.auth = Authenticator(config.api_keys)
         self.limiter = ConcurrencyLimiter.for_worker(
-            config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight, slot
+            config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight, slot,
+            config.memory_wait_s,
         )
+        self.heap: HeapKeeper | None = None  # once the memory is planned
         self.image_limits = image_limits(config)
         self.fetcher = ImageFetcher(fetch_limits(config), self.image_limits)
         self.window = DashboardWindow()
@@ -101,6 +104,18 @@ class Gateway:
         REGISTRY.register(self.stats_collector)
         log.info("Prism ready: http://%s:%d/v1 (models %s%s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)),
                  f"; worker {self.slot.index + 1} of {self.slot.count}" if self.slot.count > 1 else "")
+
+    def plan_memory(self) -> MemoryPlan:
+        """Size the memory budget and the kept heap from the limit and this
+        process's memory now that it has started (gateway/memory.py)."""
+        plan = MemoryPlan.size(self.config, self.slot.count, process_rss())
+        self.limiter.memory.size(plan.budget)
+        self.heap = HeapKeeper(plan, self.limiter.memory)
+        metrics.MEMORY_BUDGET.set(plan.budget)
+        log.info("memory: %s (%s); %s at start-up, %s for requests (gateway.memory_use_fraction %g), %s of freed heap kept",
+                 mib(plan.limit), plan.source, mib(plan.at_start), mib(plan.budget), self.config.memory_use_fraction,
+                 mib(plan.kept_heap))
+        return plan
 
     async def reload(self) -> None:
         """Re-read the routing map (`models`) from the config file: drain → update → retire.
@@ -152,6 +167,8 @@ class Gateway:
         """The dashboard's service samples: the latest polled stats, summed over models and replicas."""
         while True:
             await asyncio.sleep(interval_s)
+            if self.heap is not None:
+                await self.heap.check()
             encoders, engines = self.service_stats()
             in_flight = self.limiter.in_flight
             if self.siblings is not None:
@@ -193,6 +210,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
         # event loop (127 ms here). Frozen, as vLLM's server does (freeze_gc_heap).
         gc.collect()
         gc.freeze()
+        gateway.plan_memory()  # from what the process holds now, started
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload()))
         yield
@@ -278,7 +296,10 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)
     buffer_whole_bodies(config.max_body_bytes)
-    keep_freed_heap()  # a large body's pages are reused by the next, not faulted in afresh (common/malloc.py)
+    # A large body's pages are reused by the next, not faulted in afresh (common/malloc.py); how much
+    # freed heap is kept is sized from the memory limit once started (`plan_memory`).
+    keep_freed_heap()
+    one_heap()  # the intake threads' decodes and the event loop's bodies reuse each other's freed memory
     app = create_app(config, config_path, slot, run_dir)
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import metrics, responses
 from gateway.errors import APIError
+from gateway.memory import current_hold
 from gateway.parsing import parse_request
 from gateway.pipeline import Prepared
 from gateway.record import RequestRecord
@@ -53,9 +54,10 @@ class ChatHandler:
         request_id_var.set(record.id)
         try:
             key = self.gateway.auth.identify(http_request.headers.get("authorization"))
-            record.ticket = ticket = self.gateway.limiter.admit(key)
+            record.ticket = ticket = self.gateway.limiter.admit(key, self._declared_body(http_request))
         except APIError as exc:
-            return self.refuse(exc, record)
+            return self.refuse(exc, record)  # before a byte of the body is read: uvicorn drops it as it comes
+        current_hold.set(ticket.memory)
         in_flight = metrics.IN_FLIGHT.labels("gateway")
         in_flight.inc()
         ticket.on_release(in_flight.dec)
@@ -71,6 +73,15 @@ class ChatHandler:
             ticket.release()  # a stream gives its slot back when it ends
         response.headers["X-Request-Id"] = record.echoed_id
         return response
+
+    def _declared_body(self, http_request: Request) -> int | None:
+        """The body's Content-Length, counted against the memory budget at
+        admission; None without one (counted as it arrives), or past
+        max_body_bytes (refused by `read_body` before reading)."""
+        declared = http_request.headers.get("content-length", "")
+        if not declared.isdigit() or int(declared) > self.gateway.config.max_body_bytes:
+            return None
+        return int(declared)
 
     async def _serve_until_disconnect(self, http_request: Request, record: RequestRecord) -> Response:
         """Serve, but stop (aborting encode and generation) if the client hangs up
@@ -110,7 +121,8 @@ class ChatHandler:
     async def _serve(self, http_request: Request, record: RequestRecord, body_read: asyncio.Event) -> Response:
         gateway = self.gateway
         parse_started = time.perf_counter()
-        request = await parse_request(http_request, gateway.config.max_body_bytes, gateway.config.body_timeout_s)
+        request = await parse_request(http_request, gateway.config.max_body_bytes, gateway.config.body_timeout_s,
+                                      record.ticket.memory)
         body_read.set()
         record.timer.add("parse", time.perf_counter() - parse_started)
         served = gateway.models.get(request.model)

@@ -29,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gateway import metrics
 from gateway.errors import APIError
+from gateway.memory import MemoryHold, current_hold
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer
 from protocol.stats import EncoderStats, EngineStats, ServiceState, StatsRequest
@@ -211,7 +212,7 @@ class ServiceClient:
         return len(self._streams)
 
     def open(self, request_id: str) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = ReplyQueue(current_hold.get())
         self._streams[request_id] = queue
         return queue
 
@@ -224,6 +225,38 @@ class ServiceClient:
         self.socket.socket.disable_monitor()
         self._monitor.close()
         self.socket.close()
+
+
+# What a reply waiting in a queue holds besides its text: the message, its
+# choices and their strings as Python objects.
+REPLY_BYTES = 512
+
+
+def reply_bytes(item: tuple[Any, list]) -> int:
+    message, frames = item
+    text = sum(len(c.text) + len(c.reasoning) for c in message.choices) if isinstance(message, TokenDelta) else 0
+    return REPLY_BYTES + text + sum(memoryview(frame).nbytes for frame in frames)
+
+
+class ReplyQueue(asyncio.Queue):
+    """One request's replies, counted against the memory budget while they
+    wait for it (gateway/memory.py): a client that reads its stream slowly
+    leaves its tokens here."""
+
+    def __init__(self, memory: MemoryHold | None) -> None:
+        super().__init__()
+        self._memory = memory
+
+    def _put(self, item) -> None:
+        super()._put(item)
+        if self._memory is not None:
+            self._memory.take(reply_bytes(item))
+
+    def _get(self):
+        item = super()._get()
+        if self._memory is not None:
+            self._memory.give(reply_bytes(item))
+        return item
 
 
 async def next_reply(queue: asyncio.Queue, timeout_s: float) -> tuple[Any, list]:

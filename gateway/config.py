@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ByteSize, Field, field_validator, model_validator
 
 from common.config import FrozenConfig
 from protocol.addresses import ENCODER_ADDRESS, ENGINE_ADDRESS
@@ -81,6 +81,20 @@ class GatewayConfig(FrozenConfig):
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
     max_visual_tokens_in_flight: int | None = Field(None, ge=1)
+    # Memory (gateway/memory.py): what requests hold (bodies, images, replies
+    # waiting) is counted against a budget; past it: 429 + Retry-After, before
+    # the body is read. The memory the gateway may use; None: its container's
+    # limit (cgroup v2 memory.max, v1 memory.limit_in_bytes), else the machine's.
+    # Bytes, or "2GiB". Split over `workers`.
+    memory_limit_bytes: ByteSize | None = Field(None, gt=0)
+    # The share of that the gateway fills at most: its own memory at start-up
+    # plus the budget. The rest is margin for what is not counted.
+    memory_use_fraction: float = Field(0.8, gt=0, le=1)
+    # An admitted request waits this long for room to decode or fetch an image; then 503.
+    memory_wait_s: float = Field(10, gt=0)
+    # Freed heap kept for the next requests (common/malloc.py); past it, given
+    # back to the kernel. None: an eighth of the memory limit, at most 1 GiB.
+    kept_heap_bytes: ByteSize | None = Field(None, ge=0)
     max_n: int = Field(8, ge=1)  # choices per request (`n`): each is a whole generation
     max_body_bytes: int = Field(64 * 2**20, ge=1024)
     # A client must send its whole body within this (else 408): a slow sender

@@ -126,6 +126,12 @@ class IntakePolicy:
         }
 
 
+# What a decode holds at its peak, per pixel decoded: measured 10 bytes for a
+# 4K RGB JPEG or PNG (the decoded image, the array `_fit` takes of it, the
+# resize's own) and 15 for an RGBA PNG (converted onto a canvas first).
+DECODE_BYTES_PER_PIXEL = 16
+
+
 @dataclass(frozen=True)
 class Inspected:
     raw: bytes
@@ -135,6 +141,12 @@ class Inspected:
     budget: PixelBudget
     target: tuple[int, int]  # (height, width) the encoder will be sent
     visual_tokens: int
+    decoded_pixels: int = 0  # what `decode` decodes: fewer than stored where a JPEG is drafted
+
+    @property
+    def decoding_bytes(self) -> int:
+        """The gateway memory its decode takes (gateway/memory.py)."""
+        return self.decoded_pixels * DECODE_BYTES_PER_PIXEL
 
 
 @dataclass(frozen=True)
@@ -182,7 +194,6 @@ def _invalid(where: str, message: str, status: int = 400, code: str = "invalid_i
 def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -> Inspected:
     """Header-only checks; nothing is decoded. (The byte limit was checked where
     the bytes arrived: decode_data_url, ImageFetcher.)"""
-    limits = policy.limits
     if not raw:
         raise _invalid(where, "image is empty (0 bytes)")
     fmt = sniff(raw)
@@ -193,16 +204,25 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
             warnings.simplefilter("ignore")
             with Image.open(io.BytesIO(raw), formats=[fmt]) as image:
                 width, height = image.size
+                _check_declared_size(where, width, height, policy.limits)
+                target = policy.target(height, width, budget)
+                _scale_down(image, fmt, target, policy)  # the header only: nothing is decoded
+                decoded_pixels = image.size[0] * image.size[1]
+    except APIError:
+        raise
     except _DECODE_ERRORS as exc:
         raise _invalid(where, f"cannot read the {fmt} header ({_reason(exc)})") from None
+    return Inspected(raw, where, fmt, (width, height), budget, target, policy.visual_tokens(height, width, target),
+                     decoded_pixels)
+
+
+def _check_declared_size(where: str, width: int, height: int, limits: ImageLimits) -> None:
     if width * height > limits.max_pixels:
         raise _invalid(where, f"image is {width}×{height} = {width * height} pixels; the limit is {limits.max_pixels}", 413, "image_too_large")
     if min(width, height) < limits.min_side:
         raise _invalid(where, f"image is {width}×{height}; the minimum side is {limits.min_side} pixels")
     if max(width, height) / min(width, height) > limits.max_aspect_ratio:
         raise _invalid(where, f"image is {width}×{height}: aspect ratio {max(width, height) / min(width, height):.0f} exceeds the model's limit of {limits.max_aspect_ratio:g}")
-    target = policy.target(height, width, budget)
-    return Inspected(raw, where, fmt, (width, height), budget, target, policy.visual_tokens(height, width, target))
 
 
 def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
@@ -230,6 +250,18 @@ def _sides_swap(opened: Image.Image) -> bool:
     return opened.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)
 
 
+def _scale_down(opened: Image.Image, fmt: str, target: tuple[int, int], policy: IntakePolicy) -> bool:
+    """Set libjpeg to decode `opened` at 1/2, 1/4 or 1/8 scale, never below
+    `target` (stored orientation: every layout's sizing is symmetric in h and
+    w), where `jpeg_draft` allows; True if it will. Its size is then the
+    scaled one; nothing is decoded yet."""
+    if not policy.jpeg_draft or fmt != "JPEG":
+        return False
+    size = opened.size
+    opened.draft(opened.mode, (target[1], target[0]))
+    return opened.size != size
+
+
 def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy) -> tuple[int, int] | None:
     """Let libjpeg decode at 1/2, 1/4 or 1/8 scale, never below the target
     size: a 4K JPEG's decode then skips most of its work (68 ms against 207 ms
@@ -238,12 +270,8 @@ def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy) -> tuple[
     raw-image path: it is a setting (`gateway.jpeg_draft`), and in the cache
     key. Returns the original (width, height) after EXIF transpose if the
     decode was scaled, else None."""
-    if not policy.jpeg_draft or item.format != "JPEG":
-        return None
     width, height = opened.size
-    target_h, target_w = item.target  # every layout's sizing is symmetric in h and w: this is the stored orientation's
-    opened.draft(opened.mode, (target_w, target_h))
-    if opened.size == (width, height):
+    if not _scale_down(opened, item.format, item.target, policy):
         return None
     return (height, width) if _sides_swap(opened) else (width, height)
 

@@ -63,6 +63,12 @@ SENT_AHEAD = Counter("prism_gateway_requests_sent_ahead", "Requests sent to the 
                      ["outcome"])
 for _outcome in ("served", "withdrawn", "resent"):
     SENT_AHEAD.labels(_outcome)
+# The memory budget (gateway/memory.py): what it admits, and what requests hold of it now.
+MEMORY_BUDGET = Gauge("prism_gateway_memory_budget_bytes", "Bytes requests may hold in the gateway (its memory budget)",
+                      multiprocess_mode="livesum")
+MEMORY_HELD = Gauge("prism_gateway_memory_held_bytes",
+                    "Bytes held by requests against the memory budget: bodies, images, decodes, replies waiting",
+                    multiprocess_mode="livesum")
 PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets to encoders and engines (headers and frames)",
                      ["peer", "direction"])
 

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
 from gateway.errors import APIError
+from gateway.memory import BODY_COPIES, MemoryHold
 from gateway.schemas import ChatCompletionRequest
 
 log = logging.getLogger("prism.gateway")
@@ -64,10 +65,14 @@ def buffer_whole_bodies(limit: int) -> None:
             module.HIGH_WATER_LIMIT = max(limit, module.HIGH_WATER_LIMIT)
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None) -> bytes:
+    """The whole body, under `limit` bytes and `timeout_s`. One without a
+    Content-Length was not counted at admission: `memory` counts each piece as
+    it comes (gateway/memory.py), refusing it past the budget."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    counted = memory if memory is not None and not declared.isdigit() else None
     chunks: list[bytes] = []
     size = 0
     try:
@@ -75,6 +80,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             async for chunk in request.stream():
                 if not chunk:
                     continue  # Starlette ends every stream with b"", which would make the join below copy
+                if counted is not None:
+                    counted.admit(BODY_COPIES * len(chunk), "a request body sent without Content-Length")
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:
@@ -85,8 +92,9 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)  # a body that came whole is returned as it is, not copied
 
 
-async def parse_request(request: Request, limit: int, timeout_s: float) -> ChatCompletionRequest:
-    body = await read_body(request, limit, timeout_s)
+async def parse_request(request: Request, limit: int, timeout_s: float,
+                        memory: MemoryHold | None = None) -> ChatCompletionRequest:
+    body = await read_body(request, limit, timeout_s, memory)
     try:
         return ChatCompletionRequest.model_validate_json(body)
     except pydantic.ValidationError as exc:

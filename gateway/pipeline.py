@@ -24,6 +24,7 @@ from gateway.errors import APIError
 from gateway import metrics
 from gateway.fetch import ImageFetcher
 from gateway.known_tokens import KnownTokens
+from gateway.memory import BODY_COPIES, hold, working
 from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.record import RequestRecord
 from gateway.replicas import RETRIABLE
@@ -147,9 +148,12 @@ class ChatPipeline:
         return PixelBudget(min(request_budget.min_pixels, low), low)
 
     async def _fetch(self, ref: ImageRef) -> bytes:
-        if ref.url.startswith("data:"):
+        if ref.url.startswith("data:"):  # its bytes were counted with the body's
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.policy.limits)
-        return await self.fetcher.fetch(ref.url, ref.where)
+        async with working(BODY_COPIES * self.config.max_image_bytes, f"fetching {ref.where}"):
+            raw = await self.fetcher.fetch(ref.url, ref.where)
+        hold(len(raw))
+        return raw
 
     async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], record: RequestRecord) -> list[Inspected]:
         """Fetch and judge every image by its header; nothing is decoded yet."""
@@ -172,9 +176,21 @@ class ChatPipeline:
 
     async def _decode(self, items: list[Inspected], timer: RequestTimer) -> list[PreparedImage]:
         started = time.perf_counter()
-        decoded = await asyncio.gather(*(self._in_pool(decode, item, self.policy) for item in items))
+        decoded = await asyncio.gather(*(self._decode_one(item) for item in items))
         timer.add("image_preprocess", time.perf_counter() - started)
         return decoded
+
+    async def _decode_one(self, item: Inspected) -> PreparedImage:
+        width, height = item.size
+        async with working(item.decoding_bytes, f"decoding {item.where} ({width}×{height})"):
+            decoding = asyncio.ensure_future(self._in_pool(decode, item, self.policy))
+            try:
+                prepared = await asyncio.shield(decoding)
+            except asyncio.CancelledError:  # the client left; the thread decodes on, and its memory stays counted till then
+                await asyncio.wait({decoding})
+                raise
+        hold(prepared.pixels.nbytes)  # sent to the encoder
+        return prepared
 
     async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
                       engine: int | None, ahead: SentAhead | None = None):

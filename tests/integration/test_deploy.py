@@ -182,3 +182,16 @@ def test_the_health_checks_pass_against_a_live_stack_and_fail_without_one(stack,
     assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": str(stack.port)}) == 0
     assert healthcheck("encoder", {"PRISM_ENCODER__ADDRESS": f"ipc://{tmp_path}/nobody.sock"}) == 1
     assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": "9"}) == 1
+
+
+def test_the_prism_services_have_the_kubernetes_manifests_memory_limits(base):
+    """The gateway keeps to its container's limit (gateway/memory.py): one limit, wherever it runs."""
+    docker_units = {"k": 2**10, "m": 2**20, "g": 2**30}  # docker's suffixes are binary
+    kubernetes_units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    manifests = {"gateway": "base/gateway.yaml", "vision-encoder": "model/encoder.yaml", "llm-engine": "model/engine.yaml"}
+    for name, path in manifests.items():
+        documents = yaml.safe_load_all((REPO_ROOT / "deploy" / "kubernetes" / path).read_text())
+        deployment = next(d for d in documents if d["kind"] == "Deployment")
+        quantity = deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"]
+        compose = str(base["services"][name]["mem_limit"]).lower()
+        assert int(compose[:-1]) * docker_units[compose[-1]] == int(quantity[:-2]) * kubernetes_units[quantity[-2:]], name

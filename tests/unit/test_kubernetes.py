@@ -315,3 +315,41 @@ def test_encoder_autoscalers_read_a_metric_the_adapter_serves_from_the_gateway(o
         name = metric["external"]["metric"]["name"]
         assert f'"{served[name]}"' in exported, f"the gateway exports no {served[name]}"
         assert math.isfinite(float(metric["external"]["target"]["averageValue"]))
+
+
+# Each service's own resident memory with nothing in flight, measured by bench.burst on the CPU demo: the
+# gateway 0.55 GB at start-up (its own plan reads it live), the encoder 0.8 GB, vLLM's processes 2.9 GB
+# besides the KV cache they allocate at start (host memory on a CPU).
+GATEWAY_AT_START = 600 * 2**20
+ENCODER_OWN = 800 * 2**20
+ENGINE_OWN = 2900 * 2**20
+BODY_4K = 4_723_113  # a request with one 4K JPEG of 3.5 MB as a data URL (bench/uploads.py)
+DEMO_MAX_PIXELS = json.loads((REPO_ROOT / "models/prism-shapes/preprocessor_config.json").read_text())["max_pixels"]
+
+
+def memory_limit(container: dict) -> int:
+    from pydantic import ByteSize, TypeAdapter
+
+    return TypeAdapter(ByteSize).validate_python(container["resources"]["limits"]["memory"] + "B")  # 2Gi: 2GiB
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_what_each_service_may_hold_fits_its_containers_memory_limit(overlay, tmp_path):
+    from gateway.intake import DECODE_BYTES_PER_PIXEL
+    from gateway.memory import BODY_COPIES, BODY_SHARE, MemoryPlan
+
+    objects = render(overlay)
+    for deployment, container, module in prism_containers(objects):
+        config = container_config(objects, deployment, container, module, tmp_path)
+        limit = memory_limit(container)
+        if module == "gateway":
+            assert config.memory_limit_bytes is None  # the gateway reads the container's limit
+            plan = MemoryPlan.size(config.model_copy(update={"memory_limit_bytes": limit}), config.workers, GATEWAY_AT_START)
+            assert plan.budget * BODY_SHARE >= 50 * BODY_COPIES * BODY_4K  # fifty 4K uploads at once
+            assert config.max_image_pixels * DECODE_BYTES_PER_PIXEL <= plan.budget  # the largest image can be decoded
+        elif module == "vision_encoder":
+            queued = config.max_queue_images * (config.max_pixels or DEMO_MAX_PIXELS) * 3  # uint8 pixels
+            assert ENCODER_OWN + config.cache_capacity_mb * 2**20 + queued <= limit, deployment["metadata"]["name"]
+        else:
+            caches = (config.kv_cache_memory_mb or 0) + config.embedding_cache_mb  # KV: host memory on a CPU
+            assert ENGINE_OWN + caches * 2**20 <= limit, deployment["metadata"]["name"]

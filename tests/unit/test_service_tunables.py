@@ -107,3 +107,46 @@ def test_the_image_and_the_deployments_set_the_same_tunables():
     assert f"GLIBC_TUNABLES={ENGINE_TUNABLES}\n" in (REPO_ROOT / "docker" / "Dockerfile").read_text()
     assert f"GLIBC_TUNABLES: {ENCODER_TUNABLES}\n" in (REPO_ROOT / "docker-compose.yml").read_text()
     assert f'value: "{ENCODER_TUNABLES}"' in (REPO_ROOT / "deploy" / "kubernetes" / "model" / "encoder.yaml").read_text()
+
+
+# 24 MB blocks (heap, not mmap: under the 32 MB threshold), each followed by a small one still in use: glibc keeps
+# them when freed (not the heap's top). Printed: what RSS lost, in MB, at each free and each way of giving back.
+FREED_BELOW_IN_USE = """
+import asyncio, ctypes
+from common.malloc import keep_freed_heap, trim
+from gateway.memory import HeapKeeper, MemoryBudget, MemoryPlan
+keep_freed_heap()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+budget = MemoryBudget()
+budget.size(2**40)
+keeper = HeapKeeper(MemoryPlan(limit=2**41, source="", at_start=rss(), budget=2**40, kept_heap=2**20), budget)
+blocks = []
+for _ in range(4):
+    blocks.append(libc.malloc(24 << 20)); libc.memset(blocks[-1], 1, 24 << 20); libc.malloc(1 << 20)  # a block in use after it
+def lost(step):
+    before = rss(); step(); return (before - rss()) >> 20
+check = lambda: asyncio.run(keeper.check())
+def and_then(give_back):
+    return lost(lambda: libc.free(blocks.pop(0))), lost(give_back)
+results = [and_then(trim), and_then(check), and_then(check)]  # the third within TRIM_EVERY_S of the second
+keeper.ceiling = 0
+results.append(and_then(check))
+print(*(given for freed, given in results), max(freed for freed, given in results))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim")
+def test_freed_heap_past_what_the_gateway_keeps_goes_back_to_the_kernel():
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", FREED_BELOW_IN_USE], env=env, capture_output=True, text=True, check=True,
+                         cwd=REPO_ROOT).stdout.split()
+    trimmed, past_kept, again_soon, past_ceiling, given_back_by_free = map(int, out)
+    assert given_back_by_free == 0  # free() alone gives nothing back
+    assert trimmed >= 23 and past_kept >= 23  # trim(); the keeper, past what it keeps
+    assert again_soon <= 1  # not again within TRIM_EVERY_S while under the plan's ceiling
+    assert past_ceiling >= 23  # past the ceiling, at every check
