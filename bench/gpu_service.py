@@ -41,6 +41,8 @@ SETTINGS = [  # most telling first: the budget may end the list
     Setting("gpu-wait-5", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5"}),
     Setting("gpu-wait-5-depth-1", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5", "PRISM_ENCODER__PIPELINE_DEPTH": "1"}),
     Setting("gpu-wait-5-compiled", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5", "PRISM_ENCODER__COMPILE_BLOCKS": "true"}),
+    Setting("gpu-wait-5-depth-1-compiled", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "5", "PRISM_ENCODER__PIPELINE_DEPTH": "1",
+                                               "PRISM_ENCODER__COMPILE_BLOCKS": "true"}),
     Setting("cpu-policy", 1, {"PRISM_ENCODER__EXPRESS_MAX_PATCHES": "1024", "PRISM_ENCODER__BATCH_SIZE_RATIO": "4",
                               "PRISM_ENCODER__MAX_WAIT_MS": "5"}),
     Setting("gpu-wait-0", 1, {**GPU_POLICY, "PRISM_ENCODER__MAX_WAIT_MS": "0"}),
