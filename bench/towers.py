@@ -3,7 +3,8 @@ vLLM's own, side by side in one process on the same weights and inputs.
 
 Qwen2.5-VL's tower at Qwen2.5-VL-7B's widths (1280 wide, 16 heads, windowed
 attention with a full-attention block) or Qwen3-VL's at Qwen3-VL-8B's (1152
-wide, patch 16, DeepStack), `--depth` blocks, random weights, on this
+wide, patch 16, DeepStack), or SigLIP-so400m's as LLaVA-OneVision-7B has it
+(1152 wide, tiles of 384), `--depth` blocks, random weights, on this
 machine's CPU. vLLM's tower is built outside vLLM's engine as its model
 loader builds it: under the checkpoint's dtype as torch's default (vLLM
 sizes its parameters and its rotary table by it), in a one-process parallel
@@ -14,11 +15,11 @@ largest difference between their float32 outputs and images per second for
 each. With `--bf16-error`, instead: each tower in bfloat16 against the
 float32 reference (transformers' tower on the same weights), as
 ‖bf16 − fp32‖ / ‖fp32‖, stage by stage (after the patch embedding, each
-block, the merger; in the towers' own window order), beside the reference
+block, Qwen's merger; in the towers' own window order), beside the reference
 rounded once to bfloat16: the precision the encoder gives up, beside what
 vLLM's own tower gives up.
 
-Run: python -m bench.towers [--family qwen2.5-vl|qwen3-vl] [--depth 4] [--rounds 5] [--bf16-error]
+Run: python -m bench.towers [--family qwen2.5-vl|qwen3-vl|siglip] [--depth 4] [--rounds 5] [--bf16-error]
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class TowerFamily:
     config: Callable[..., object]  # (depth, **widths) → the transformers vision config
     transformers_class: str  # module:class
     vllm_class: str
+    stages: Callable[[torch.nn.Module], dict[str, torch.nn.Module]]  # either tower's stages, by name, in order
+    ours: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]  # transformers' tokens
+    theirs: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor | None], torch.Tensor]  # vLLM's tokens
+    vllm_kwargs: tuple[tuple[str, object], ...] = (("norm_eps", 1e-6),)
+    state_prefix: str = ""  # what transformers' names have that vLLM's module does not
 
 
 def qwen25_vision(depth: int, hidden: int = 1280, intermediate: int = 3420, heads: int = 16, out: int = 3584):
@@ -69,11 +75,46 @@ def qwen3_vision(depth: int, hidden: int = 1152, intermediate: int = 4304, heads
     )
 
 
+def siglip_vision(depth: int, hidden: int = 1152, intermediate: int = 4304, heads: int = 16, out: int = 0):
+    """SigLIP-so400m as LLaVA-OneVision-7B has it (tiles of 384), `depth` layers; `out` is unused (no merger)."""
+    from transformers import SiglipVisionConfig
+
+    return SiglipVisionConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=depth,
+                              num_attention_heads=heads, image_size=384, patch_size=14, hidden_act="gelu_pytorch_tanh")
+
+
+def qwen_stages(tower: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {"patch embedding": tower.patch_embed, **{f"block {i}": b for i, b in enumerate(tower.blocks)},
+            "merger": tower.merger}
+
+
+def siglip_stages(tower: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    vit = getattr(tower, "vision_model", tower)  # transformers' model wraps the transformer vLLM builds alone
+    return {"patch embedding": vit.embeddings, **{f"block {i}": b for i, b in enumerate(vit.encoder.layers)}}
+
+
+def qwen_tokens(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """The merger's tokens, followed by DeepStack's as vLLM returns them (and the encoder sends them)."""
+    out = tower(pixels, grid_thw=grid)
+    return torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
+
+
+def siglip_tokens(tower: torch.nn.Module, pixels: torch.Tensor, grid: None) -> torch.Tensor:
+    """The last layer's hidden states, before the post-norm: LLaVA-OneVision's feature layer -1."""
+    return tower(pixels, output_hidden_states=True).hidden_states[-1]
+
+
 FAMILIES = {
     "qwen2.5-vl": TowerFamily(qwen25_vision, "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
-                              "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VisionTransformer"),
+                              "vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VisionTransformer", qwen_stages, qwen_tokens,
+                              lambda tower, pixels, grid: tower(pixels, grid_thw=grid.tolist())),
     "qwen3-vl": TowerFamily(qwen3_vision, "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLVisionModel",
-                            "vllm.model_executor.models.qwen3_vl:Qwen3_VisionTransformer"),
+                            "vllm.model_executor.models.qwen3_vl:Qwen3_VisionTransformer", qwen_stages, qwen_tokens,
+                            lambda tower, pixels, grid: tower(pixels, grid_thw=grid.tolist())),
+    "siglip": TowerFamily(siglip_vision, "transformers:SiglipVisionModel",
+                          "vllm.model_executor.models.siglip:SiglipVisionTransformer", siglip_stages, siglip_tokens,
+                          lambda tower, pixels, grid: tower(pixels),
+                          (("require_post_norm", False), ("use_head", False)), "vision_model."),
 }
 
 
@@ -92,14 +133,8 @@ def transformers_tower(family: TowerFamily, vision_config) -> torch.nn.Module:
     return tower.eval()
 
 
-def transformers_tokens(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """The merger's tokens, followed by DeepStack's as vLLM returns them (and the encoder sends them)."""
-    out = tower(pixels, grid_thw=grid)
-    return torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
-
-
 def vllm_tower(family: TowerFamily, vision_config, state: dict[str, torch.Tensor], model_dir: str,
-               dtype: str = "float32", port: int = 29555):
+               dtype: str = "float32", port: int | None = None):
     """vLLM's tower, standing alone, built as its model loader builds it; its config context is returned for the forward."""
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -112,18 +147,26 @@ def vllm_tower(family: TowerFamily, vision_config, state: dict[str, torch.Tensor
     # parameters, and the rotary table the tower computes with, are made in it
     with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
         if not model_parallel_is_initialized():  # once per process
+            from prism.stack import free_port
+
+            port = port or free_port()  # its TCP store: another run of this bench may hold any fixed port
             init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
                                          local_rank=0, backend="gloo")
             initialize_model_parallel(1, 1)
-        tower = _class(family.vllm_class)(vision_config, norm_eps=1e-6, prefix="visual")
-        tower.load_weights(state.items())
+        tower = _class(family.vllm_class)(vision_config, prefix="visual", **dict(family.vllm_kwargs))
+        tower.load_weights((name.removeprefix(family.state_prefix), weight) for name, weight in state.items())
         process_weights_after_loading(tower, config.model_config, torch.device("cpu"))
     return tower.eval(), config
 
 
-def inputs(patch_size: int, merge: int, sizes=SIZES) -> tuple[torch.Tensor, torch.Tensor]:
-    """The images as Qwen's processor flattens them: (Σ patches, 3·2·p·p) and each (t, h, w) grid."""
+def inputs(vision, sizes=SIZES) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Qwen: the images as its processor flattens them, (Σ patches, 3·2·p·p), and each (t, h, w) grid;
+    SigLIP: one tile per image, no grid."""
     rng = np.random.default_rng(0)
+    if not hasattr(vision, "spatial_merge_size"):
+        side = vision.image_size
+        return torch.from_numpy(rng.standard_normal((len(sizes), 3, side, side), dtype=np.float32)), None
+    patch_size, merge = vision.patch_size, vision.spatial_merge_size
     rows, grids = [], []
     for height, width in sizes:
         h, w = height // PATCH_GRID, width // PATCH_GRID
@@ -133,11 +176,9 @@ def inputs(patch_size: int, merge: int, sizes=SIZES) -> tuple[torch.Tensor, torc
     return torch.from_numpy(np.concatenate(rows)), torch.tensor(grids)
 
 
-def staged(tower: torch.nn.Module, run: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`run()`'s output and what each stage of `tower` gave on the way, in float32, one row per token.
+def staged(stages: dict[str, torch.nn.Module], run: Callable[[], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`run()`'s output and what each stage gave on the way, in float32, one row per token (Qwen) or tile.
     The stages' forwards are wrapped, not hooked: vLLM's compilable modules call `forward` directly."""
-    stages = {"patch embedding": tower.patch_embed, **{f"block {i}": b for i, b in enumerate(tower.blocks)},
-              "merger": tower.merger}
     outputs: dict[str, torch.Tensor] = {}
 
     def recording(name: str, forward: Callable) -> Callable:
@@ -165,22 +206,22 @@ def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def bf16_errors(family: TowerFamily, vision, ours, pixels: torch.Tensor, grid: torch.Tensor, model_dir: str,
-                port: int = 29555) -> dict[str, dict[str, float]]:
+                port: int | None = None) -> dict[str, dict[str, float]]:
     """Each stage's ‖bf16 − fp32‖ / ‖fp32‖: Prism's tower (transformers' modules as vision_encoder
     runs them), vLLM's, and the float32 reference rounded once to bfloat16."""
     from vllm.config import set_current_vllm_config
 
     from vision_encoder.patch_matmul import patch_convs_as_matmul
 
-    reference = staged(ours, lambda: transformers_tokens(ours, pixels, grid))
+    reference = staged(family.stages(ours), lambda: family.ours(ours, pixels, grid))
     prism = copy.deepcopy(ours).to(torch.bfloat16)
     patch_convs_as_matmul(prism, torch.device("cpu"))  # as the encoder runs it
     state16 = {k: v.to(torch.bfloat16) for k, v in ours.state_dict().items()}
     theirs, config = vllm_tower(family, vision, state16, model_dir, "bfloat16", port)  # vLLM packs its weights per dtype
     pixels16 = pixels.bfloat16()
-    runs = {"Prism": staged(prism, lambda: transformers_tokens(prism, pixels16, grid))}
+    runs = {"Prism": staged(family.stages(prism), lambda: family.ours(prism, pixels16, grid))}
     with set_current_vllm_config(config):
-        runs["vLLM"] = staged(theirs, lambda: theirs(pixels16, grid_thw=grid.tolist()))
+        runs["vLLM"] = staged(family.stages(theirs), lambda: family.theirs(theirs, pixels16, grid))
     runs["fp32 rounded once"] = {k: v.bfloat16() for k, v in reference.items()}
     return {name: {stage: relative(out[stage], reference[stage]) for stage in reference} for name, out in runs.items()}
 
@@ -193,20 +234,20 @@ def print_bf16_errors(errors: dict[str, dict[str, float]]) -> None:
         print(f"{stage:>16} " + " ".join(f"{errors[n][stage]:18.3e}" for n in names))
 
 
-def compare_timings(family, ours, theirs, config, pixels, grid, rounds: int, depth: int) -> None:
+def compare_timings(name: str, family: TowerFamily, ours, theirs, config, pixels, grid, rounds: int, depth: int) -> None:
     from vllm.config import set_current_vllm_config
 
     times: dict[str, list[float]] = {"transformers": [], "vllm": []}
     with torch.inference_mode(), set_current_vllm_config(config):
         for _ in range(rounds + 1):  # the first round warms both up and is not counted
             started = time.perf_counter()
-            a = transformers_tokens(ours, pixels, grid)
+            a = family.ours(ours, pixels, grid)
             middle = time.perf_counter()
-            b = theirs(pixels, grid_thw=grid.tolist())
+            b = family.theirs(theirs, pixels, grid)
             times["transformers"].append(middle - started)
             times["vllm"].append(time.perf_counter() - middle)
     scale = float(a.abs().max())
-    print(f"{family}, {depth} blocks, float32, {torch.get_num_threads()} threads; "
+    print(f"{name}, {depth} blocks, float32, {torch.get_num_threads()} threads; "
           f"{len(SIZES)} images ({pixels.shape[0]} patches) per batch, {rounds} rounds")
     print(f"outputs {tuple(a.shape)}: largest difference {float((a - b).abs().max()):.2e} (largest value {scale:.2e})")
     for name, runs in times.items():
@@ -229,13 +270,13 @@ def main() -> None:
     model_dir = str(ensure_demo_model(RANDOM_MODEL))
     vision = family.config(args.depth)
     ours = transformers_tower(family, vision)
-    pixels, grid = inputs(vision.patch_size, vision.spatial_merge_size)
+    pixels, grid = inputs(vision)
     if args.bf16_error:
-        print(f"{args.family}, {args.depth} blocks, {len(SIZES)} images ({pixels.shape[0]} patches)")
+        print(f"{args.family}, {args.depth} blocks, {len(SIZES)} images ({pixels.shape[0]} patches or tiles)")
         print_bf16_errors(bf16_errors(family, vision, ours, pixels, grid, model_dir))
         return
     theirs, config = vllm_tower(family, vision, {k: v.clone() for k, v in ours.state_dict().items()}, model_dir)
-    compare_timings(args.family, ours, theirs, config, pixels, grid, args.rounds, args.depth)
+    compare_timings(args.family, family, ours, theirs, config, pixels, grid, args.rounds, args.depth)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.towers import FAMILIES, vllm_tower
+from bench.towers import FAMILIES, bf16_errors, inputs, transformers_tower, vllm_tower
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.stack import free_port
 from prism.tiny_models import ensure_tiny_model
 from vision_encoder.tower import TowerImage
@@ -61,4 +62,14 @@ def test_the_encoder_s_bf16_tokens_are_no_further_from_float32_than_vllm_s(famil
         theirs = theirs_tower(batch.pixel_values.bfloat16(), grid_thw=batch.grid_thw.tolist())
 
     ours_error, theirs_error = relative(ours, reference), relative(theirs, reference)
+    assert 0 < ours_error <= theirs_error * (1 + TOLERANCE), (ours_error, theirs_error)
+
+
+def test_siglip_s_bf16_tokens_are_no_further_from_float32_than_vllm_s(port):
+    family = FAMILIES["siglip"]
+    vision = family.config(2, hidden=128, intermediate=256, heads=4)
+    pixels, _ = inputs(vision, sizes=[(384, 384)] * 3)  # three tiles
+    errors = bf16_errors(family, vision, transformers_tower(family, vision), pixels, None,
+                         str(ensure_demo_model(RANDOM_MODEL)), port)
+    ours_error, theirs_error = errors["Prism"]["tokens"], errors["vLLM"]["tokens"]
     assert 0 < ours_error <= theirs_error * (1 + TOLERANCE), (ours_error, theirs_error)
