@@ -4,7 +4,8 @@ vLLM's own, side by side in one process on the same weights and inputs.
 Qwen2.5-VL's tower at Qwen2.5-VL-7B's widths (1280 wide, 16 heads, windowed
 attention with a full-attention block) or Qwen3-VL's at Qwen3-VL-8B's (1152
 wide, patch 16, DeepStack), or SigLIP-so400m's as LLaVA-OneVision-7B has it
-(1152 wide, tiles of 384), `--depth` blocks, random weights, on this
+(1152 wide, tiles of 384), or InternViT-300M's as InternVL3-8B has it (1024
+wide, tiles of 448), `--depth` blocks, random weights, on this
 machine's CPU. vLLM's tower is built outside vLLM's engine as its model
 loader builds it: under the checkpoint's dtype as torch's default (vLLM
 sizes its parameters and its rotary table by it), in a one-process parallel
@@ -19,7 +20,7 @@ block, Qwen's merger; in the towers' own window order), beside the reference
 rounded once to bfloat16: the precision the encoder gives up, beside what
 vLLM's own tower gives up.
 
-Run: python -m bench.towers [--family qwen2.5-vl|qwen3-vl|siglip] [--depth 4] [--rounds 5] [--bf16-error]
+Run: python -m bench.towers [--family qwen2.5-vl|qwen3-vl|siglip|internvit] [--depth 4] [--rounds 5] [--bf16-error]
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ def siglip_vision(depth: int, hidden: int = 1152, intermediate: int = 4304, head
                               num_attention_heads=heads, image_size=384, patch_size=14, hidden_act="gelu_pytorch_tanh")
 
 
+def internvit_vision(depth: int, hidden: int = 1024, intermediate: int = 4096, heads: int = 16, out: int = 0):
+    """InternViT-300M as InternVL3-8B has it (tiles of 448), `depth` layers; `out` is unused (no merger)."""
+    from transformers import InternVLVisionConfig
+
+    return InternVLVisionConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=depth,
+                                num_attention_heads=heads, image_size=[448, 448], patch_size=[14, 14])
+
+
 def qwen_stages(tower: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {"patch embedding": tower.patch_embed, **{f"block {i}": b for i, b in enumerate(tower.blocks)},
             "merger": tower.merger}
@@ -91,6 +100,10 @@ def qwen_stages(tower: torch.nn.Module) -> dict[str, torch.nn.Module]:
 def siglip_stages(tower: torch.nn.Module) -> dict[str, torch.nn.Module]:
     vit = getattr(tower, "vision_model", tower)  # transformers' model wraps the transformer vLLM builds alone
     return {"patch embedding": vit.embeddings, **{f"block {i}": b for i, b in enumerate(vit.encoder.layers)}}
+
+
+def internvit_stages(tower: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {"patch embedding": tower.embeddings, **{f"block {i}": b for i, b in enumerate(tower.encoder.layer)}}
 
 
 def qwen_tokens(tower: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
@@ -115,6 +128,11 @@ FAMILIES = {
                           "vllm.model_executor.models.siglip:SiglipVisionTransformer", siglip_stages, siglip_tokens,
                           lambda tower, pixels, grid: tower(pixels),
                           (("require_post_norm", False), ("use_head", False)), "vision_model."),
+    # vLLM runs InternVL's transformers-format checkpoints (-hf) with InternS1's vision model
+    "internvit": TowerFamily(internvit_vision, "transformers:InternVLVisionModel",
+                             "vllm.model_executor.models.interns1_vit:InternS1VisionModel", internvit_stages,
+                             lambda tower, pixels, grid: tower(pixels).last_hidden_state,
+                             lambda tower, pixels, grid: tower(pixels), ()),
 }
 
 
@@ -161,10 +179,10 @@ def vllm_tower(family: TowerFamily, vision_config, state: dict[str, torch.Tensor
 
 def inputs(vision, sizes=SIZES) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Qwen: the images as its processor flattens them, (Σ patches, 3·2·p·p), and each (t, h, w) grid;
-    SigLIP: one tile per image, no grid."""
+    SigLIP, InternViT: one tile per image, no grid."""
     rng = np.random.default_rng(0)
     if not hasattr(vision, "spatial_merge_size"):
-        side = vision.image_size
+        side = vision.image_size[0] if isinstance(vision.image_size, (list, tuple)) else vision.image_size
         return torch.from_numpy(rng.standard_normal((len(sizes), 3, side, side), dtype=np.float32)), None
     patch_size, merge = vision.patch_size, vision.spatial_merge_size
     rows, grids = [], []

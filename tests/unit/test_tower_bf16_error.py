@@ -65,10 +65,11 @@ def test_the_encoder_s_bf16_tokens_are_no_further_from_float32_than_vllm_s(famil
     assert 0 < ours_error <= theirs_error * (1 + TOLERANCE), (ours_error, theirs_error)
 
 
-def test_siglip_s_bf16_tokens_are_no_further_from_float32_than_vllm_s(port):
-    family = FAMILIES["siglip"]
+@pytest.mark.parametrize("name", ["siglip", "internvit"])
+def test_a_tiled_family_s_bf16_tokens_are_no_further_from_float32_than_vllm_s(name, port):
+    family = FAMILIES[name]
     vision = family.config(2, hidden=128, intermediate=256, heads=4)
-    pixels, _ = inputs(vision, sizes=[(384, 384)] * 3)  # three tiles
+    pixels, _ = inputs(vision, sizes=[(0, 0)] * 3)  # three tiles of the tower's size
     errors = bf16_errors(family, vision, transformers_tower(family, vision), pixels, None,
                          str(ensure_demo_model(RANDOM_MODEL)), port)
     ours_error, theirs_error = errors["Prism"]["tokens"], errors["vLLM"]["tokens"]
