@@ -266,7 +266,7 @@ def compare_timings(name: str, family: TowerFamily, ours, theirs, config, pixels
             times["vllm"].append(time.perf_counter() - middle)
     scale = float(a.abs().max())
     print(f"{name}, {depth} blocks, float32, {torch.get_num_threads()} threads; "
-          f"{len(SIZES)} images ({pixels.shape[0]} patches) per batch, {rounds} rounds")
+          f"{len(SIZES)} images ({pixels.shape[0]} patches or tiles) per batch, {rounds} rounds")
     print(f"outputs {tuple(a.shape)}: largest difference {float((a - b).abs().max()):.2e} (largest value {scale:.2e})")
     for name, runs in times.items():
         median = float(np.median(runs[1:]))
