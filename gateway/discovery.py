@@ -4,9 +4,11 @@ A `tcp://` address whose host is a name stands for every address that name
 resolves to: docker compose's DNS for a scaled service, or a Kubernetes
 headless Service, which has one A record per ready pod. Every
 `gateway.discovery_interval_s` the gateway resolves its names again and hands
-the answer to the pool (`ReplicaPool.update`): an address that appeared joins
-once its handshake answers; one that is gone takes no new requests, and its
-requests in flight finish (or fail, as they would have) before it is closed.
+the answer to an `update` callback, the pool's (`ReplicaPool.update`; this
+module knows no pool, so the two do not import each other): an address that
+appeared joins once its handshake answers; one that is gone takes no new
+requests, and its requests in flight finish (or fail, as they would have)
+before it is closed.
 
 Only an answer changes the set. A lookup that fails (DNS unreachable, or a
 name with no records while its pods restart) leaves the replicas as they are:
@@ -19,15 +21,12 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from gateway.replicas import ReplicaPool
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 log = logging.getLogger("prism.gateway")
 
 Lookup = Callable[[str, int], Iterable[str]]  # (host, port) → IP addresses; OSError when there are none
+Update = Callable[[list[str], float], Awaitable[None]]  # (every replica's address, join timeout): the pool's `update`
 
 
 def dns_lookup(host: str, port: int) -> list[str]:
@@ -75,10 +74,13 @@ def resolve_all(addresses: Sequence[str], lookup: Lookup = dns_lookup) -> list[s
 
 
 class Discovery:
-    """Re-resolves one pool's configured addresses and updates the pool."""
+    """Re-resolves one pool's configured addresses and hands the answer to `update`.
+    `kind` names the pool in the log ("vision encoder", "LLM engine")."""
 
-    def __init__(self, pool: ReplicaPool, addresses: Sequence[str], join_timeout_s: float, lookup: Lookup | None = None) -> None:
-        self.pool = pool
+    def __init__(self, addresses: Sequence[str], join_timeout_s: float, update: Update, kind: str,
+                 lookup: Lookup | None = None) -> None:
+        self.update = update
+        self.kind = kind
         self.addresses = tuple(addresses)
         self.join_timeout_s = join_timeout_s
         self.lookup = lookup or dns_lookup
@@ -95,8 +97,8 @@ class Discovery:
         except OSError as exc:
             if not self._failing:
                 log.warning("%s discovery: %s did not resolve (%s); the replicas stay as they are",
-                            self.pool.kind, ", ".join(self.addresses), exc)
+                            self.kind, ", ".join(self.addresses), exc)
             self._failing = True
             return
         self._failing = False
-        await self.pool.update(wanted, self.join_timeout_s)
+        await self.update(wanted, self.join_timeout_s)

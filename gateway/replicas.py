@@ -107,7 +107,7 @@ class ReplicaPool(Generic[C]):
     def follow_dns(self, addresses: Sequence[str], interval_s: float, join_timeout_s: float, lookup=None) -> None:
         """Re-resolve the configured addresses every interval (gateway/discovery.py)."""
         if interval_s > 0 and follows_dns(addresses):
-            discovery = Discovery(self, addresses, join_timeout_s, lookup)
+            discovery = Discovery(addresses, join_timeout_s, self.update, self.kind, lookup)
             self._discovery = asyncio.create_task(discovery.run(interval_s))
 
     async def close(self) -> None:
