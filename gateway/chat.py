@@ -24,7 +24,6 @@ from gateway import metrics, responses
 from gateway.errors import APIError
 from gateway.memory import current_hold
 from gateway.parsing import parse_request
-from gateway.pipeline import Prepared
 from gateway.record import RequestRecord
 from gateway.schemas import StreamOptions
 from gateway.streaming import ClientNotReading, DeadlineStreamingResponse
@@ -138,9 +137,9 @@ class ChatHandler:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
             body = self._stream(first, deltas, record, request.stream_options or StreamOptions())
             return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
-        return await self._complete(prepared, deltas, record)
+        return await self._complete(deltas, record)
 
-    async def _complete(self, prepared: Prepared, deltas: AsyncIterator[TokenDelta], record: RequestRecord) -> Response:
+    async def _complete(self, deltas: AsyncIterator[TokenDelta], record: RequestRecord) -> Response:
         timer = record.timer
         answer = responses.Answer()
         last = None

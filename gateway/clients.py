@@ -288,14 +288,14 @@ class EncoderClient(ServiceClient):
     async def encode(
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
         push_to: str = "", engine_waits: bool = False,
-    ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
+    ) -> EncodeResult | EncodeNeedsPixels:
         """`engine_waits`: the engine at `push_to` is sent the request too, and
         the encoder is to send it the images' references (EncodeRequest.engine_waits_as)."""
         queue = self.open(request_id)
         answered = False
         try:
             await self.send(EncodeRequest(request_id, list(images), retry, push_to, self.address if engine_waits else ""), frames)
-            message, reply_frames = await next_reply(queue, timeout_s)
+            message, _ = await next_reply(queue, timeout_s)  # its replies carry no frames: tokens go by reference
             answered = True
         except asyncio.TimeoutError:
             raise APIError(504, f"vision encoder did not answer within {timeout_s:g} s (gateway.encode_timeout_s)", code="encoder_timeout") from None
@@ -307,17 +307,17 @@ class EncoderClient(ServiceClient):
         if isinstance(message, EncodeFailed):
             code = message.code or ("encoder_overloaded" if message.status == 429 else "encoder_error")
             raise APIError(message.status, f"vision encoder: {message.message}", code=code, headers=retry_after(message.status))
-        return message, reply_frames
+        return message
 
 
 class EngineClient(ServiceClient):
     peer = "engine"
 
-    async def submit(self, request: GenerateRequest, frames: Sequence[Any] = ()) -> asyncio.Queue:
+    async def submit(self, request: GenerateRequest) -> asyncio.Queue:
         """Send a request now and open its reply queue, to stream (`generate`) or `withdraw`."""
         queue = self.open(request.request_id)
         try:
-            await self.send(request, frames)
+            await self.send(request)
         except BaseException:
             self.close_stream(request.request_id)
             raise
@@ -330,13 +330,13 @@ class EngineClient(ServiceClient):
             await self._send_quietly(AbortGenerate(request_id))
 
     async def generate(
-        self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float, submitted: asyncio.Queue | None = None,
+        self, request: GenerateRequest, timeout_s: float, submitted: asyncio.Queue | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Token deltas until the finishing one; aborts in vLLM if abandoned.
         `submitted`: the queue of a request sent already (`submit`)."""
         finished = False
         try:
-            queue = await self.submit(request, frames) if submitted is None else submitted
+            queue = await self.submit(request) if submitted is None else submitted
             while not finished:
                 message, _ = await next_reply(queue, timeout_s)
                 if isinstance(message, APIError):

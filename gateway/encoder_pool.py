@@ -98,7 +98,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
     async def encode(
         self, route: Route, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float,
         retry: bool = False, push_to: str = "", engine_waits: bool = False,
-    ) -> tuple[EncodeResult | EncodeNeedsPixels, list[memoryview]]:
+    ) -> EncodeResult | EncodeNeedsPixels:
         """One round on the route's replica; on a 503 or 429, the same round on another."""
         refused: APIError | None = None
         while True:

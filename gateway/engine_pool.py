@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 from gateway.clients import EngineClient
 from gateway.errors import APIError
@@ -54,12 +53,12 @@ class EnginePool(ReplicaPool[EngineClient]):
     ) -> AsyncIterator[TokenDelta]:
         """The deltas of a request sent to replica `index` already (EngineClient.submit): no failover."""
         with self.sending(index):
-            async with contextlib.aclosing(self.replicas[index].generate(request, (), timeout_s, submitted)) as stream:
+            async with contextlib.aclosing(self.replicas[index].generate(request, timeout_s, submitted)) as stream:
                 async for delta in stream:
                     yield delta
 
     async def generate(
-        self, request: GenerateRequest, frames: Sequence[Any], timeout_s: float, digests: Sequence[bytes] = (),
+        self, request: GenerateRequest, timeout_s: float, digests: Sequence[bytes] = (),
         pushed_to: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """`pushed_to`: the replica the images' encoder pushed their tokens to
@@ -73,7 +72,7 @@ class EnginePool(ReplicaPool[EngineClient]):
             self.remember(digests, index)
             started = False
             sent = request if index == pushed_to else request.unpushed()
-            stream = self.replicas[index].generate(sent, frames, timeout_s)
+            stream = self.replicas[index].generate(sent, timeout_s)
             try:
                 with self.sending(index):
                     async with contextlib.aclosing(stream):  # a hang-up aborts in vLLM at once

@@ -224,7 +224,7 @@ class ChatPipeline:
                 if ahead is not None and ahead.submitting is None:
                     encoding = asyncio.ensure_future(encoding)  # the encoder's request leaves first,
                     self._submit_ahead(ahead)  # then the engine's: it prepares its prompt while the encoder works
-                reply, _ = await encoding
+                reply = await encoding
                 round_trip = time.perf_counter() - sent
                 if isinstance(reply, EncodeResult):
                     if ahead is not None and reply.engine_told:
@@ -335,7 +335,7 @@ class ChatPipeline:
     def _deltas(self, prepared: Prepared, request: GenerateRequest, ahead: SentAhead | None) -> AsyncIterator[TokenDelta]:
         if ahead is not None:
             return self.engine.generate_submitted(ahead.engine, request, ahead.queue, self.config.generate_timeout_s)
-        return self.engine.generate(request, (), self.config.generate_timeout_s, prepared.digests, prepared.engine)
+        return self.engine.generate(request, self.config.generate_timeout_s, prepared.digests, prepared.engine)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The engine's deltas. If it could not fetch the visual tokens (their

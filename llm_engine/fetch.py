@@ -121,19 +121,15 @@ class EmbeddingFetcher:
             self._encoders[address] = _Encoder(self.ctx, address, self._count)
         return self._encoders[address]
 
-    async def tensors(self, images: Sequence[ImageEmbedding], frames: Sequence) -> list:
-        """Each image's tensor, in order: frames of the message for images sent
-        inline (no `source`), else fetched by reference."""
-        if len(frames) != sum(not image.source for image in images):
-            raise ValueError(f"{len(frames)} embedding frames for {sum(not i.source for i in images)} images sent inline")
-        inline = iter(frames)
-        found: list = [to_torch(image.embeddings, next(inline)) if not image.source else None for image in images]
+    async def tensors(self, images: Sequence[ImageEmbedding]) -> list:
+        """Each image's tensor, in order, by its reference."""
+        found: list = [None] * len(images)
         if awaited := {i: self._push_of(image) for i, image in enumerate(images) if self._push_on_its_way(image)}:
             await self._await_pushes(images, awaited, found)
         wanted: dict[str, list[int]] = {}
         joining: dict[int, asyncio.Future] = {}
         for index, image in enumerate(images):
-            if not image.source or found[index] is not None:
+            if found[index] is not None:  # pushed, and come while it waited
                 continue
             if (here := self._here(image)) is not None:
                 found[index] = here

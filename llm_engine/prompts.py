@@ -143,8 +143,7 @@ def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: 
     visual_tokens = 0
     if (images := image_data(request, tensors, shape)) is not None:
         inputs["multi_modal_data"] = images
-        if all(image.key for image in request.images):  # Prism's content keys: vLLM hashes nothing
-            inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}
+        inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}  # Prism's content keys: vLLM hashes nothing
         # each placeholder becomes the image's rows of tokens
         visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
     num_tokens = len(token_ids) + visual_tokens

@@ -251,7 +251,7 @@ class EngineService:
         while True:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
-                await self._accept(peer, message, frames, time.monotonic())
+                await self._accept(peer, message, time.monotonic())
             elif isinstance(message, PushedEmbedding):
                 self._received(message, frames)
             elif isinstance(message, ImagesEncoded):
@@ -311,7 +311,7 @@ class EngineService:
             self.fetcher.fetched_bytes, self.fetcher.joined, self.fetcher.pushed, self.fetcher.pushed_bytes,
         )
 
-    async def _accept(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
+    async def _accept(self, peer: bytes, request: GenerateRequest, received: float) -> None:
         rid = request.request_id
         if (refusal := self._refusal()) is not None:
             await self._send(peer, GenerateFailed(rid, *refusal))
@@ -321,7 +321,7 @@ class EngineService:
             return
         if not request.images_follow:  # else once its images are known: till then it is no work for vLLM
             self.watch.note_work_arrived(time.monotonic(), was_idle=self._in_vllm() == 0)
-        task = asyncio.create_task(self._generate(peer, request, frames, received))
+        task = asyncio.create_task(self._generate(peer, request, received))
         self.requests[rid] = InFlight(peer, task)
         task.add_done_callback(lambda _: self.requests.pop(rid, None))
 
@@ -428,7 +428,7 @@ class EngineService:
             raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
         return prompt, params
 
-    async def _generate(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
+    async def _generate(self, peer: bytes, request: GenerateRequest, received: float) -> None:
         """`received`: when the request came off the socket (engine_queue starts there)."""
         rid = request.request_id
         request_id_var.set(rid)
@@ -441,7 +441,7 @@ class EngineService:
                 received = time.monotonic()  # its engine_queue starts once it can go to vLLM
                 check_images(chat, request, self.shape)
             fetch_started = time.monotonic()
-            tensors = await self.fetcher.tensors(request.images, frames)
+            tensors = await self.fetcher.tensors(request.images)
             fetch_s = time.monotonic() - fetch_started if request.images else 0.0
             prompt, params = self._plan(chat, token_ids, request, tensors)
             tokens = await self._stream(peer, rid, prompt.inputs, params, (received, fetch_s), chat, new_parser)

@@ -11,20 +11,19 @@ from protocol.tensors import ArrayMeta
 
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One image's visual tokens: by reference (`source`), or as a frame of the message."""
+    """One image's visual tokens, by reference: the tensor never travels in a
+    GenerateRequest; the engine finds it by `key` (llm_engine/fetch.py)."""
 
     embeddings: ArrayMeta  # (tokens, hidden): what the tensor is, checked before it is fetched
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
     # The encoder's content key: handed to vLLM as the image's `multi_modal_uuids`
     # entry, so vLLM neither hashes the tensor nor keys its prefix cache on
-    # anything else; and the key the engine fetches it by. Empty: vLLM hashes
-    # the embeddings itself.
-    key: bytes = b""
+    # anything else; and the key the engine fetches it by.
+    key: bytes
     # The encoder address that holds the tensor (the engine fetches it from
-    # there, or from its own LRU or the shared tier). "": the tensor is a frame
-    # of this message, one per such image, in order.
-    source: str = ""
-    identity: bytes = b""  # what `key` was hashed from: checked on every fetch (cache/lru.py)
+    # there, or finds it in its own LRU or the shared tier).
+    source: str
+    identity: bytes  # what `key` was hashed from: checked on every fetch (cache/lru.py)
     # `source` pushed the tensor to this engine as it encoded it (PushedEmbedding):
     # it may still be on its way; the engine waits for it before fetching.
     pushed: bool = False
@@ -42,8 +41,8 @@ IMAGE_PLACEHOLDER = "prism:embedding"
 
 class GenerateRequest(Message):
     """`chat` is the client's OpenAI chat request as the gateway validated it
-    (JSON), each image part's URL replaced by IMAGE_PLACEHOLDER and its pixels
-    by the embeddings here, in order of appearance. The engine reads it with
+    (JSON), each image part's URL replaced by IMAGE_PLACEHOLDER, and `images`
+    the references to their embeddings, in order of appearance. The engine reads it with
     vLLM's own ChatCompletionRequest, so sampling, structured outputs and tools
     mean exactly what they mean on vLLM's server (llm_engine/requests.py)."""
 

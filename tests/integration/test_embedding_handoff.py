@@ -203,12 +203,12 @@ def test_a_request_sent_ahead_of_its_images_takes_their_references_whenever_they
     waits = msgspec.structs.replace(by_reference(encoder, reply.images[0], "ahead-never"), images=[], images_follow=1,
                                     images_wait_s=0.5)
     started = time.monotonic()
-    failed = asyncio.run(send_raw(engine, waits, []))
+    failed = asyncio.run(send_raw(engine, waits))
     assert isinstance(failed, GenerateFailed) and (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE), failed
     assert "did not come from their encoder within 0.5 s" in failed.message and time.monotonic() - started < 10
     # A count that the messages do not match is refused at once, before any wait.
     miscounted = msgspec.structs.replace(waits, request_id="ahead-miscounted", images_follow=2, images_wait_s=30)
-    refused = asyncio.run(send_raw(engine, miscounted, []))
+    refused = asyncio.run(send_raw(engine, miscounted))
     assert isinstance(refused, GenerateFailed) and refused.status == 400 and "1 image parts" in refused.message, refused
     # Withdrawn while it waits (the encode failed, or the client hung up): it leaves the engine at once.
     withdrawn = msgspec.structs.replace(waits, request_id="ahead-withdrawn", images_wait_s=30)
@@ -244,12 +244,12 @@ def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_n
     engine = stack.engine_addresses[0]
     try:
         reply = asyncio.run(encode_directly(address, ["doomed-a", "doomed-b"]))
-        fetched = asyncio.run(send_raw(engine, by_reference(address, reply.images[0], "handoff-alive"), []))
+        fetched = asyncio.run(send_raw(engine, by_reference(address, reply.images[0], "handoff-alive")))
         assert isinstance(fetched, TokenDelta) and fetched.finished, fetched  # the engine fetched it from this encoder
         encoder.send_signal(signal.SIGKILL)
         encoder.wait(10)
         started = time.monotonic()
-        failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead"), []))
+        failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead")))
         assert isinstance(failed, GenerateFailed), failed
         assert (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE) and "engine.embed_fetch_timeout_s" in failed.message
         assert time.monotonic() - started < FETCH_TIMEOUT_S + 10

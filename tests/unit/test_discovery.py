@@ -117,7 +117,7 @@ class Load:
             request_id = str(next(self.numbers))  # numbered and routed with no await between
             deltas = []
             try:
-                async for delta in self.pool.generate(GenerateRequest(request_id, b"{}"), [], timeout_s=30):
+                async for delta in self.pool.generate(GenerateRequest(request_id, b"{}"), timeout_s=30):
                     deltas.append(delta)
             except Exception as exc:  # noqa: BLE001 - every failure is a lost request: the test reports it
                 self.failures.append(exc)

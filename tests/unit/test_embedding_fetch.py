@@ -81,20 +81,16 @@ async def encoder_and_fetcher(source: str, held: dict[bytes, torch.Tensor], **fe
 
 async def _fetches() -> None:
     async with encoder_and_fetcher("inproc://encoder-a", {b"a": TOKENS, b"b": TOKENS * 2}) as (encoder, fetcher):
-        got = await fetcher.tensors([reference(b"a", "inproc://encoder-a"), reference(b"b", "inproc://encoder-a")], [])
+        got = await fetcher.tensors([reference(b"a", "inproc://encoder-a"), reference(b"b", "inproc://encoder-a")])
         assert torch.equal(got[0], TOKENS) and torch.equal(got[1], TOKENS * 2)
         moved = fetcher.fetched_bytes
         assert moved > 2 * TOKENS.numel() * 2 and encoder.asked == [[b"a", b"b"]]
-        again = await fetcher.tensors([reference(b"b", "inproc://encoder-a")], [])  # the engine's LRU: nothing moves
+        again = await fetcher.tensors([reference(b"b", "inproc://encoder-a")])  # the engine's LRU: nothing moves
         assert torch.equal(again[0], TOKENS * 2) and fetcher.fetched_bytes == moved and len(encoder.asked) == 1
         with pytest.raises(EmbeddingsUnavailable, match="no longer held by inproc://encoder-a"):
-            await fetcher.tensors([reference(b"gone", "inproc://encoder-a")], [])
+            await fetcher.tensors([reference(b"gone", "inproc://encoder-a")])
         with pytest.raises(EmbeddingsUnavailable, match="engine.embed_fetch_timeout_s"):  # nobody there: bounded
-            await asyncio.wait_for(fetcher.tensors([reference(b"z", "inproc://nobody")], []), 5)
-        with pytest.raises(ValueError, match="0 embedding frames for 1 images sent inline"):
-            await fetcher.tensors([ImageEmbedding(meta_of(TOKENS), (1, 4, 6))], [])
-        inline = await fetcher.tensors([ImageEmbedding(*to_frame(TOKENS)[:1], (1, 4, 6))], [to_frame(TOKENS)[1]])
-        assert torch.equal(inline[0], TOKENS)
+            await asyncio.wait_for(fetcher.tensors([reference(b"z", "inproc://nobody")]), 5)
 
 
 def test_the_engine_fetches_by_reference_keeps_an_lru_and_never_waits_unbounded():
@@ -103,11 +99,11 @@ def test_the_engine_fetches_by_reference_keeps_an_lru_and_never_waits_unbounded(
 
 async def _concurrent_requests_fetch_an_image_once() -> None:
     async with encoder_and_fetcher("inproc://encoder-burst", {b"a": TOKENS}) as (encoder, fetcher):
-        burst = await asyncio.gather(*(fetcher.tensors([reference(b"a", "inproc://encoder-burst")], []) for _ in range(3)))
+        burst = await asyncio.gather(*(fetcher.tensors([reference(b"a", "inproc://encoder-burst")]) for _ in range(3)))
         assert all(torch.equal(got[0], TOKENS) for got in burst)
         assert encoder.asked == [[b"a"]] and (fetcher.fetched, fetcher.joined) == (1, 2)
         # A fetch that brings nothing leaves each waiter to ask for itself: both fail, neither hangs.
-        gone = await asyncio.gather(*(fetcher.tensors([reference(b"gone", "inproc://encoder-burst")], []) for _ in range(2)),
+        gone = await asyncio.gather(*(fetcher.tensors([reference(b"gone", "inproc://encoder-burst")]) for _ in range(2)),
                                     return_exceptions=True)
         assert all(isinstance(error, EmbeddingsUnavailable) for error in gone)
         assert encoder.asked[1:] == [[b"gone"], [b"gone"]] and not fetcher._fetching
@@ -130,18 +126,18 @@ async def _pushes() -> None:
     source = "inproc://encoder-push"
     async with encoder_and_fetcher(source, {b"late": TOKENS * 3}, push_wait_s=0.3) as (encoder, fetcher):
         push(fetcher, b"a", TOKENS)  # before its request: it is used, nothing is fetched
-        got = await fetcher.tensors([pushed_reference(b"a", source)], [])
+        got = await fetcher.tensors([pushed_reference(b"a", source)])
         assert torch.equal(got[0], TOKENS) and fetcher.pushed == 1 and fetcher.cache.stats.hits == 0
-        waiting = asyncio.create_task(fetcher.tensors([pushed_reference(b"b", source)], []))
+        waiting = asyncio.create_task(fetcher.tensors([pushed_reference(b"b", source)]))
         await asyncio.sleep(0.05)  # the request first: it waits for the push
         push(fetcher, b"b", TOKENS * 2)
         assert torch.equal((await waiting)[0], TOKENS * 2) and fetcher.pushed == 2
         assert encoder.asked == [] and fetcher.pushed_bytes == 2 * TOKENS.numel() * 2
         started = time.monotonic()  # a push that never comes: fetched once push_wait_s has passed
-        got = await fetcher.tensors([pushed_reference(b"late", source)], [])
+        got = await fetcher.tensors([pushed_reference(b"late", source)])
         assert torch.equal(got[0], TOKENS * 3) and time.monotonic() - started >= 0.3
         assert encoder.asked == [[b"late"]] and not fetcher._awaited
-        again = await fetcher.tensors([pushed_reference(b"a", source)], [])  # a repeat is a plain hit
+        again = await fetcher.tensors([pushed_reference(b"a", source)])  # a repeat is a plain hit
         assert torch.equal(again[0], TOKENS) and (fetcher.pushed, fetcher.cache.stats.hits) == (2, 1)
         with pytest.raises(ValueError, match="1 frame, not 0"):
             fetcher.received(PushedEmbedding(b"c", b"id-c", meta_of(TOKENS), None), [])
@@ -157,7 +153,7 @@ async def _evicted_push() -> None:
         push(fetcher, b"x", TOKENS)
         push(fetcher, b"y", TOKENS * 2)  # evicts x
         started = time.monotonic()
-        got = await fetcher.tensors([pushed_reference(b"x", source)], [])
+        got = await fetcher.tensors([pushed_reference(b"x", source)])
         assert torch.equal(got[0], TOKENS) and time.monotonic() - started < 2 and encoder.asked == [[b"x"]]
 
 

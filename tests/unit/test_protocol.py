@@ -107,7 +107,7 @@ CASES = [
         CHAT,
         [
             ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16), True),
-            ImageEmbedding(ArrayMeta("float16", (729, 896)), None),  # inline: a frame of the message
+            ImageEmbedding(ArrayMeta("float16", (729, 896)), None, b"\x08" * 16, "ipc:///run/prism/encoder.sock", bytes(32)),
         ],
     )),
     (EngineInbound, GenerateRequest("chatcmpl-42", CHAT, images_follow=2, images_wait_s=360.0)),

@@ -50,7 +50,7 @@ async def _route(tmp_path, takes_pushes: bool) -> tuple[int | None, list[Engine]
         if target is not None:
             engines[target].refuse = True
         request = pushed_request(target is not None)
-        deltas = [delta async for delta in pool.generate(request, (), 5, [DIGEST], target)]
+        deltas = [delta async for delta in pool.generate(request, 5, [DIGEST], target)]
         assert deltas[-1].finished
         return target, engines
     finally:
