@@ -83,12 +83,12 @@ REST_S = 1.1
 
 def crossings(kind: str, push: bool) -> int:
     """The one-way crossings between processes that `embed_transfer` holds. A repeat's request goes
-    gateway → engine → gateway. A new image's goes gateway → encoder → engine → gateway (sent ahead,
-    docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine (which
-    fetches the tokens from the encoder: two more) → gateway."""
+    gateway → engine → gateway. A new image's goes gateway → encoder → gateway → engine → gateway,
+    its tokens pushed encoder → engine meanwhile; without pushing, the engine fetches them from the
+    encoder: two more."""
     if kind == "repeated":
         return 2
-    return 3 if push else 6
+    return 4 if push else 6
 
 
 def jpegs(trials: int) -> dict[str, list[bytes]]:

@@ -287,14 +287,13 @@ class EncoderClient(ServiceClient):
 
     async def encode(
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
-        push_to: str = "", engine_waits: bool = False,
+        push_to: str = "",
     ) -> EncodeResult | EncodeNeedsPixels:
-        """`engine_waits`: the engine at `push_to` is sent the request too, and
-        the encoder is to send it the images' references (EncodeRequest.engine_waits_as)."""
+        """`push_to`: the engine the encoder pushes the images it encodes to (EncodeRequest.push_to)."""
         queue = self.open(request_id)
         answered = False
         try:
-            await self.send(EncodeRequest(request_id, list(images), retry, push_to, self.address if engine_waits else ""), frames)
+            await self.send(EncodeRequest(request_id, list(images), retry, push_to), frames)
             message, _ = await next_reply(queue, timeout_s)  # its replies carry no frames: tokens go by reference
             answered = True
         except asyncio.TimeoutError:
@@ -330,13 +329,12 @@ class EngineClient(ServiceClient):
             await self._send_quietly(AbortGenerate(request_id))
 
     async def generate(
-        self, request: GenerateRequest, timeout_s: float, submitted: asyncio.Queue | None = None,
+        self, request: GenerateRequest, timeout_s: float,
     ) -> AsyncIterator[TokenDelta]:
-        """Token deltas until the finishing one; aborts in vLLM if abandoned.
-        `submitted`: the queue of a request sent already (`submit`)."""
+        """Token deltas until the finishing one; aborts in vLLM if abandoned."""
         finished = False
         try:
-            queue = await self.submit(request) if submitted is None else submitted
+            queue = await self.submit(request)
             while not finished:
                 message, _ = await next_reply(queue, timeout_s)
                 if isinstance(message, APIError):

@@ -97,7 +97,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
 
     async def encode(
         self, route: Route, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float,
-        retry: bool = False, push_to: str = "", engine_waits: bool = False,
+        retry: bool = False, push_to: str = "",
     ) -> EncodeResult | EncodeNeedsPixels:
         """One round on the route's replica; on a 503 or 429, the same round on another."""
         refused: APIError | None = None
@@ -109,7 +109,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
             replica = self.replicas[route.replica]
             try:
                 with self.sending(route.replica):
-                    return await replica.encode(request_id, images, frames, timeout_s, retry, push_to, engine_waits)
+                    return await replica.encode(request_id, images, frames, timeout_s, retry, push_to)
             except APIError as error:
                 if error.status not in RETRIABLE:
                     raise

@@ -17,7 +17,6 @@ error event), as with one engine.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
 
@@ -43,19 +42,6 @@ class EnginePool(ReplicaPool[EngineClient]):
             return None
         self.remember(digests, index)
         return index
-
-    def takes_images_later(self, index: int) -> bool:
-        """Replica `index` takes a request before its images' references (GenerateRequest.images_follow)."""
-        return self.replicas[index].info.takes_images_later
-
-    async def generate_submitted(
-        self, index: int, request: GenerateRequest, submitted: asyncio.Queue, timeout_s: float,
-    ) -> AsyncIterator[TokenDelta]:
-        """The deltas of a request sent to replica `index` already (EngineClient.submit): no failover."""
-        with self.sending(index):
-            async with contextlib.aclosing(self.replicas[index].generate(request, timeout_s, submitted)) as stream:
-                async for delta in stream:
-                    yield delta
 
     async def generate(
         self, request: GenerateRequest, timeout_s: float, digests: Sequence[bytes] = (),

@@ -57,12 +57,6 @@ LOOP_LAG_SECONDS = Histogram(
 # Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/known_tokens.py).
 IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
                                     "Images sent to the engine by a reference kept from an earlier encode, without asking an encoder")
-# Requests with new images sent to their engine beside the encoder's (gateway/pipeline.py SentAhead):
-# served so; withdrawn (the encode failed, or its encoder could not tell the engine); resent whole (the engine refused it).
-SENT_AHEAD = Counter("prism_gateway_requests_sent_ahead", "Requests sent to the engine before their images were encoded, by outcome",
-                     ["outcome"])
-for _outcome in ("served", "withdrawn", "resent"):
-    SENT_AHEAD.labels(_outcome)
 # The memory budget (gateway/memory.py): what it admits, and what requests hold of it now.
 MEMORY_BUDGET = Gauge("prism_gateway_memory_budget_bytes", "Bytes requests may hold in the gateway (its memory budget)",
                       multiprocess_mode="livesum")

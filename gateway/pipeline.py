@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
@@ -27,7 +27,6 @@ from gateway.known_tokens import KnownTokens
 from gateway.memory import BODY_COPIES, hold, working
 from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.record import RequestRecord
-from gateway.replicas import RETRIABLE
 from gateway.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
@@ -40,28 +39,6 @@ log = logging.getLogger("prism.gateway")
 _ROLES = {"developer": "system"}
 
 
-@dataclass
-class SentAhead:
-    """The engine's request, sent to replica `engine` beside the encoder's: it
-    reads and tokenizes it while the images are encoded, and their encoder
-    sends it their references (GenerateRequest.images_follow), so the reply
-    the gateway gets is off the way to the first token."""
-
-    engine: int
-    request: GenerateRequest  # with `images_follow`
-    # EngineClient.submit, as a task started just after the encoder's first
-    # request (`_encode`): its result is the request's reply queue; an
-    # APIError: it reached no engine. None: the encode failed before.
-    submitting: asyncio.Task | None = None
-    queue: asyncio.Queue | None = None  # once submitted
-    engine_told: bool = False  # the encoder sent the engine the references (else it is withdrawn)
-    # When the encoder's reply left (the gateway's clock: the round's send plus
-    # the encoder's own time). From there the way to the first token is the
-    # engine's; embed_transfer is that way, less the engine's queue and
-    # prefill, plus the encoder request's way in.
-    encoder_done_at: float = 0.0
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A request ready for the engine."""
@@ -70,7 +47,6 @@ class Prepared:
     digests: list[bytes]  # the images', for engine affinity
     images: list[Inspected]  # emptied at the first token; until then re-encoded if the engine cannot fetch their tokens
     engine: int | None = None  # the engine replica its encoder pushes the visual tokens to (EnginePool.push_target)
-    sent_ahead: SentAhead | None = field(default=None, compare=False)  # the engine has it already (streamed first)
 
 
 @dataclass(frozen=True)
@@ -193,7 +169,7 @@ class ChatPipeline:
         return prepared
 
     async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
-                      engine: int | None, ahead: SentAhead | None = None):
+                      engine: int | None):
         """Images this process has sent to an encoder before are asked for by
         digest first: a cached image is never decoded here. The others are
         most likely new, so they are decoded at once and go with pixels in
@@ -201,8 +177,7 @@ class ChatPipeline:
         the encoder still answers from its cache). The images the encoder
         reports missing are then decoded and sent; a third round (an entry
         evicted in between) sends every image's pixels. The images it encodes
-        it pushes to replica `engine`, if not None, and with `ahead` it sends
-        that engine their references too."""
+        it pushes to replica `engine`, if not None."""
         unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
         pixels = dict(zip(unseen, await self._decode([items[i] for i in unseen], timer))) if unseen else {}
         push_to = "" if engine is None else self.engine.replicas[engine].address
@@ -219,18 +194,10 @@ class ChatPipeline:
                         original = (height, width)
                     inputs.append(ImageInput(digest, meta, original))
                 sent = time.perf_counter()
-                encoding = self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry,
-                                               push_to, ahead is not None)
-                if ahead is not None and ahead.submitting is None:
-                    encoding = asyncio.ensure_future(encoding)  # the encoder's request leaves first,
-                    self._submit_ahead(ahead)  # then the engine's: it prepares its prompt while the encoder works
-                reply = await encoding
+                reply = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry,
+                                                  push_to)
                 round_trip = time.perf_counter() - sent
                 if isinstance(reply, EncodeResult):
-                    if ahead is not None and reply.engine_told:
-                        ahead.engine_told = True
-                        ahead.encoder_done_at = sent + reply.timings.total_s
-                        round_trip = reply.timings.total_s  # its way in is counted with the engine's part
                     return self._encoded(reply, self.encoder.replicas[route.replica].address, round_trip, timer)
                 timer.add("cache_lookup", reply.cache_lookup_s)
                 timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
@@ -260,55 +227,17 @@ class ChatPipeline:
         return refs
 
     async def _encoded_images(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
-                              engine: int | None, ahead: SentAhead | None = None) -> list[ImageEmbedding]:
-        refs = await self._encode(request_id, items, digests, timer, engine, ahead)
+                              engine: int | None) -> list[ImageEmbedding]:
+        refs = await self._encode(request_id, items, digests, timer, engine)
         self.known.remember(digests, refs)
         return refs
 
-    def _to_send_ahead(self, request_id: str, chat: bytes, images: int, engine: int | None) -> SentAhead | None:
-        """The engine's request with its images to follow from their encoder,
-        sent with the encoder's first request (`_submit_ahead`); None where
-        that cannot be (no push target, or a replica that does not take it:
-        the request then goes once the encoder answered)."""
-        if not self.config.send_engine_request_ahead or engine is None or not self.engine.takes_images_later(engine):
-            return None
-        wait_s = 3 * self.config.encode_timeout_s  # the most `_encode`'s rounds may take; it is withdrawn sooner on failure
-        return SentAhead(engine, GenerateRequest(request_id=request_id, chat=chat, images_follow=images, images_wait_s=wait_s))
-
-    def _submit_ahead(self, ahead: SentAhead) -> None:
-        """Send the engine its request: a task, started after the encoder's
-        request's, so that one leaves first."""
-        ahead.submitting = asyncio.create_task(self.engine.replicas[ahead.engine].submit(ahead.request))
-
-    async def _settle(self, request_id: str, ahead: SentAhead, encoded: bool) -> SentAhead | None:
-        """Once the encode is over: the request sent ahead, if it reached its
-        engine and the encoder told that engine the references; else it is
-        withdrawn (None), and goes the usual way if `encoded`."""
-        if ahead.submitting is None:
-            return None  # the encode failed before it was sent
-        try:
-            ahead.queue = await ahead.submitting
-        except APIError:
-            return None  # that replica was not taking requests: the usual way picks one that is
-        if encoded and ahead.engine_told:
-            return ahead
-        metrics.SENT_AHEAD.labels("withdrawn").inc()
-        await self.engine.replicas[ahead.engine].withdraw(request_id)
-        return None
-
-    async def _images_for_engine(self, record: RequestRecord, chat: bytes, images: list[Inspected], digests: list[bytes],
-                                 engine: int | None) -> tuple[list[ImageEmbedding], SentAhead | None]:
-        """The images' references; for new ones, the engine's request goes ahead of them (`_to_send_ahead`)."""
+    async def _images_for_engine(self, record: RequestRecord, images: list[Inspected], digests: list[bytes],
+                                 engine: int | None) -> list[ImageEmbedding]:
+        """The images' references: kept from an earlier encode, else encoded now."""
         if (known := self._recalled(digests, record.timer)) is not None:
-            return known, None
-        ahead = self._to_send_ahead(record.id, chat, len(images), engine)
-        try:
-            refs = await self._encoded_images(record.id, images, digests, record.timer, engine, ahead)
-        except BaseException:
-            if ahead is not None:
-                await self._settle(record.id, ahead, encoded=False)
-            raise
-        return refs, ahead and await self._settle(record.id, ahead, encoded=True)
+            return known
+        return await self._encoded_images(record.id, images, digests, record.timer, engine)
 
     async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         refs = image_refs(request)
@@ -322,50 +251,37 @@ class ChatPipeline:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
-        embeddings, digests, images, engine, ahead = [], [], [], None, None
+        embeddings, digests, images, engine = [], [], [], None
         chat = engine_chat(request)
         if refs:
             images = await self._intake(request, refs, record)
             digests = [digest_of(item, self.policy) for item in images]
             engine = self.engine.push_target(digests) if self.config.push_embeddings else None
-            embeddings, ahead = await self._images_for_engine(record, chat, images, digests, engine)
+            embeddings = await self._images_for_engine(record, images, digests, engine)
         generate = GenerateRequest(request_id=record.id, chat=chat, images=embeddings)
-        return Prepared(generate, digests, images, engine, ahead)
-
-    def _deltas(self, prepared: Prepared, request: GenerateRequest, ahead: SentAhead | None) -> AsyncIterator[TokenDelta]:
-        if ahead is not None:
-            return self.engine.generate_submitted(ahead.engine, request, ahead.queue, self.config.generate_timeout_s)
-        return self.engine.generate(request, self.config.generate_timeout_s, prepared.digests, prepared.engine)
+        return Prepared(generate, digests, images, engine)
 
     async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The engine's deltas. If it could not fetch the visual tokens (their
         encoder died or dropped them since), the images are encoded once more
         (on a replica that is up) and the engine asked again; a second such
         failure is the client's 503."""
-        request, ahead = prepared.request, prepared.sent_ahead
+        request = prepared.request
         last_try = False
         while True:
-            sent = time.perf_counter() if ahead is None else ahead.encoder_done_at
+            sent = time.perf_counter()
             first = True
-            deltas = self._deltas(prepared, request, ahead)
+            deltas = self.engine.generate(request, self.config.generate_timeout_s, prepared.digests, prepared.engine)
             try:
                 async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
                     async for delta in deltas:
                         if first:
                             timer.add_engine_first(delta.timings, time.perf_counter() - sent)
-                            if ahead is not None:
-                                metrics.SENT_AHEAD.labels("served").inc()
                             prepared.images.clear()  # the engine has the tokens: the raw images are not needed again
                             first = False
                         yield delta
                 return
             except APIError as error:
-                if ahead is not None and first and (error.status in RETRIABLE or error.code == EMBEDDINGS_UNAVAILABLE):
-                    log.info("the request sent ahead of its images was not served (%s); sending it whole", error.message)
-                    timer.add("embed_transfer", time.perf_counter() - sent)
-                    metrics.SENT_AHEAD.labels("resent").inc()
-                    ahead = None  # the usual way: any replica, the references in the request
-                    continue
                 if error.code == EMBEDDINGS_UNAVAILABLE:
                     self.known.forget(prepared.digests)  # they were nowhere: the references are stale
                 if error.code != EMBEDDINGS_UNAVAILABLE or last_try or not prepared.images:

@@ -70,9 +70,8 @@ def image_parts(messages: list[dict]) -> int:
 
 def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> None:
     """One image part per image sent, and every image's embeddings, as
-    described, fit the model: checked before any tensor is fetched (and for
-    a request whose references follow, its image count before they come)."""
-    sent = request.images_follow or len(request.images)
+    described, fit the model: checked before any tensor is fetched."""
+    sent = len(request.images)
     if (parts := image_parts(chat.messages)) != sent:
         raise InvalidPrompt(f"{parts} image parts in the messages but {sent} images sent")
     if sent and shape is None:

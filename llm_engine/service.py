@@ -21,10 +21,8 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 import zmq.asyncio
 from vllm.exceptions import VLLMClientError
@@ -41,13 +39,12 @@ from common.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, ImageEmbedding, ImagesEncoded, PushedEmbedding
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, PushedEmbedding
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
 DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long before it exits
-EARLY_REFERENCES_KEPT = 1024  # ImagesEncoded that came before their request (or for one aborted since)
 
 
 def engine_args(config: EngineConfig, family: Family):
@@ -180,8 +177,6 @@ class EngineService:
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
-        self.awaiting_images: dict[str, asyncio.Future] = {}  # requests whose images' references are still to come
-        self._early_images: OrderedDict[str, list[ImageEmbedding]] = OrderedDict()  # references that came first
         self.boot_id = uuid.uuid4().hex
         self.finished = 0
         self.failed = 0
@@ -254,15 +249,13 @@ class EngineService:
                 await self._accept(peer, message, time.monotonic())
             elif isinstance(message, PushedEmbedding):
                 self._received(message, frames)
-            elif isinstance(message, ImagesEncoded):
-                self._images_encoded(message)
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
                 await self._send(peer, self.stats())
             elif isinstance(message, Hello):
                 takes_images = self.shape is not None
-                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.fetcher.takes_pushes, takes_images)
+                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.fetcher.takes_pushes)
                 await self._send(peer, ready)
 
     def _received(self, push: PushedEmbedding, frames) -> None:
@@ -270,39 +263,6 @@ class EngineService:
             self.fetcher.received(push, frames)
         except ValueError as exc:  # a malformed push costs its request a fetch, never the loop
             log.warning("a pushed embedding was dropped: %s", exc)
-
-    def _images_encoded(self, message: ImagesEncoded) -> None:
-        """An encoder's references for a request sent ahead of them (GenerateRequest.images_follow)."""
-        waiter = self.awaiting_images.get(message.request_id)
-        if waiter is not None:
-            if not waiter.done():
-                waiter.set_result(message.images)
-            return
-        self._early_images[message.request_id] = message.images  # its request is still on its way
-        while len(self._early_images) > EARLY_REFERENCES_KEPT:
-            self._early_images.popitem(last=False)
-
-    async def _with_images(self, request: GenerateRequest) -> GenerateRequest:
-        """`request` with the references its encoder sends: waited for up to `images_wait_s`."""
-        rid = request.request_id
-        images = self._early_images.pop(rid, None)
-        if images is None:
-            self.awaiting_images[rid] = asyncio.get_running_loop().create_future()
-            try:
-                async with asyncio.timeout(request.images_wait_s):
-                    images = await self.awaiting_images[rid]
-            except TimeoutError:
-                raise EmbeddingsUnavailable(
-                    f"the references to this request's images did not come from their encoder within "
-                    f"{request.images_wait_s:g} s") from None
-            finally:
-                del self.awaiting_images[rid]
-        self.watch.note_work_arrived(time.monotonic(), was_idle=self._in_vllm() == 1)
-        return msgspec.structs.replace(request, images=images, images_follow=0)
-
-    def _in_vllm(self) -> int:
-        """Requests vLLM has or is about to have: not those still waiting for their images."""
-        return len(self.requests) - len(self.awaiting_images)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -319,8 +279,7 @@ class EngineService:
         if len(self.waiting) >= self.config.max_waiting_requests:
             await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
             return
-        if not request.images_follow:  # else once its images are known: till then it is no work for vLLM
-            self.watch.note_work_arrived(time.monotonic(), was_idle=self._in_vllm() == 0)
+        self.watch.note_work_arrived(time.monotonic(), was_idle=not self.requests)
         task = asyncio.create_task(self._generate(peer, request, received))
         self.requests[rid] = InFlight(peer, task)
         task.add_done_callback(lambda _: self.requests.pop(rid, None))
@@ -358,7 +317,7 @@ class EngineService:
                 return
             if loop.time() - asked_at > 2 * interval + 1:
                 continue  # our own timer woke late (this process was not run): no verdict on this round
-            verdict = self.watch.check(time.monotonic(), busy=self._in_vllm() > 0)
+            verdict = self.watch.check(time.monotonic(), busy=bool(self.requests))
             if verdict is Verdict.STALLED:
                 self._on_stall()
             elif verdict is Verdict.RESTART:
@@ -435,11 +394,7 @@ class EngineService:
         self.waiting.add(rid)
         try:
             chat, kwargs, new_parser = self._read(request)
-            token_ids = render_prompt(chat, self.tokenizer, kwargs)  # before any wait: it needs no tensor
-            if request.images_follow:
-                request = await self._with_images(request)
-                received = time.monotonic()  # its engine_queue starts once it can go to vLLM
-                check_images(chat, request, self.shape)
+            token_ids = render_prompt(chat, self.tokenizer, kwargs)
             fetch_started = time.monotonic()
             tensors = await self.fetcher.tensors(request.images)
             fetch_s = time.monotonic() - fetch_started if request.images else 0.0

@@ -49,13 +49,6 @@ class GenerateRequest(Message):
     request_id: str
     chat: bytes
     images: list[ImageEmbedding] = []
-    # > 0: this many images' references come from their encoder instead
-    # (ImagesEncoded, sent as it replies to the gateway), and `images` is
-    # empty: the gateway sent this request beside the encoder's, so the engine
-    # reads and tokenizes it while the images are encoded. Waited for up to
-    # `images_wait_s`; then the request fails with 503 `embeddings_unavailable`.
-    images_follow: int = 0
-    images_wait_s: float = 0.0
 
     def unpushed(self) -> "GenerateRequest":
         """This request for an engine no encoder pushed its tokens to (a failover):
@@ -80,15 +73,7 @@ class PushedEmbedding(Message):
     grid_thw: tuple[int, int, int] | None
 
 
-class ImagesEncoded(Message):
-    """From an encoder: the references to a request's images
-    (GenerateRequest.images_follow), sent after the tokens it pushed for them."""
-
-    request_id: str
-    images: list[ImageEmbedding]
-
-
-EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | ImagesEncoded | Hello | StatsRequest
+EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | Hello | StatsRequest
 
 
 class FetchedEmbeddings(Message):

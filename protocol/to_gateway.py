@@ -72,7 +72,6 @@ class EncodeResult(Message):
     request_id: str
     images: list[EncodedImage]
     timings: EncoderTimings
-    engine_told: bool = False  # the waiting engine was sent the images (EncodeRequest.engine_waits_as)
 
 
 class EncodeNeedsPixels(Message):
@@ -96,7 +95,6 @@ class EngineReady(Message):
     max_model_len: int
     takes_images: bool = True  # False: a text-only model, served with no encoder
     takes_pushes: bool = False  # its LRU keeps visual tokens an encoder pushes unasked (PushedEmbedding)
-    takes_images_later: bool = False  # takes a request before its images' references (GenerateRequest.images_follow)
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -39,7 +39,7 @@ from protocol.sockets import Pusher, SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
 from protocol.tensors import meta_of, to_frame, to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
-from protocol.to_engine import FetchedEmbeddings, ImagesEncoded, PushedEmbedding, reference
+from protocol.to_engine import FetchedEmbeddings, PushedEmbedding
 from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
@@ -239,8 +239,7 @@ class EncoderService:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
         keys = [content_key(self.tower.fingerprint, image.digest) for image in request.images]
-        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to,
-                               engine_waits_as=request.engine_waits_as)
+        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to)
         misses, lacking = [], []
         for index, key, image, frame in self._look_up(state, request, frames):
             if frame is None:
@@ -402,17 +401,6 @@ class EncoderService:
             for state, index in waiters:
                 state.pushed.add(index)
 
-    def _tell_engine(self, state: PendingRequest, images: list[EncodedImage]) -> bool:
-        """The references, straight to the engine the gateway sent the request
-        to ahead of its images (EncodeRequest.engine_waits_as), before the
-        gateway's reply: the way to the first token skips the gateway.
-        False: not asked, or not sent (the gateway then sends the engine its
-        request the usual way)."""
-        if not (state.engine_waits_as and state.push_to):
-            return False
-        refs = [reference(image, state.engine_waits_as) for image in images]
-        return self.pusher.send(state.push_to, ImagesEncoded(state.request_id, refs))
-
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):
             self.pending.pop((state.peer, state.request_id), None)
@@ -431,14 +419,13 @@ class EncoderService:
             if not pushed:  # held until an engine fetches it (vision_encoder/handoff.py)
                 self.handoff.hold(key, value, now)
             images.append(EncodedImage(meta_of(value.embeddings), value.grid_thw, hit, key, value.identity, pushed))
-        timings = EncoderTimings(  # telling the engine is the hop's work: the gateway counts it as embed_transfer
+        timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
             encode_queue_s=state.encode_queue_s,
             encode_s=state.encode_s,
             total_s=time.monotonic() - state.arrived,
         )
-        engine_told = self._tell_engine(state, images)
-        self._send(state.peer, EncodeResult(state.request_id, images, timings, engine_told))
+        self._send(state.peer, EncodeResult(state.request_id, images, timings))
         hits = sum(hit for _, hit in state.results)
         log.info(
             "encoded %d images (%d cache hits) in %.1f ms", len(images), hits, timings.total_s * 1000,
