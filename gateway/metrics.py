@@ -156,7 +156,7 @@ def _encoder_metrics(encoders: list):
 
 
 def _handoff_metrics(encoders: list, engines: list):
-    """Visual tokens going from encoders to engines by reference (llm_engine/fetch.py)."""
+    """Visual tokens going from encoders to engines by reference (llm_engine/images.py)."""
     images = CounterMetricFamily("prism_engine_embeddings", "Images' visual tokens an engine needed, by where it found them", labels=["source"])
     images.add_metric(["engine_cache"], sum(e.embedding_cache_hits for e in engines))
     images.add_metric(["fetched"], sum(e.embeddings_fetched for e in engines))

@@ -28,7 +28,7 @@ import zmq.asyncio
 from vllm.exceptions import VLLMClientError
 
 from llm_engine.config import EngineConfig
-from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
+from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_images, render_prompt
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
@@ -40,7 +40,7 @@ from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, PushedEmbedding
-from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EngineReady, EngineTimings, GenerateFailed, TokenDelta
+from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
@@ -101,9 +101,9 @@ def _worker_openmp(vllm_config):
     """With the model in the engine core on a CPU ("uni"): the OpenMP threads
     and core binding that vLLM gives its worker process otherwise. Left to
     torch's default (a thread per core, unbound), the model's threads spun
-    against each other and everything else on 2 cores: 138 ms of the engine
-    core's CPU per request against 16 ms (docs/architecture.md, "Where vLLM
-    runs the model")."""
+    against each other and everything else on a small machine, costing the
+    engine core several times its CPU per request (measured in the docs:
+    "Where vLLM runs the model")."""
     from vllm.platforms import current_platform
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
@@ -147,16 +147,6 @@ def engine_timings(metrics, received: float, fetch_s: float, first_ready: float)
     )
 
 
-def embedding_fetcher(config: EngineConfig, ctx: zmq.asyncio.Context) -> EmbeddingFetcher:
-    shared = None
-    if config.shared_cache_url:
-        from cache.shared import SharedTier
-
-        shared = SharedTier(config.shared_cache_url, config.shared_cache_timeout_ms / 1000, config.shared_cache_retry_s)
-    return EmbeddingFetcher(ctx, int(config.embedding_cache_mb * 2**20), config.embed_fetch_timeout_s, shared,
-                            config.embed_push_wait_s)
-
-
 @dataclass(eq=False)
 class InFlight:
     peer: bytes
@@ -165,11 +155,11 @@ class InFlight:
 
 class EngineService:
     def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape | None,
-                 generation_defaults: dict, fetcher: EmbeddingFetcher) -> None:
+                 generation_defaults: dict, images: EngineImages) -> None:
         self.config = config
         self.engine = engine
         self.router = router
-        self.fetcher = fetcher
+        self.images = images  # the requests' visual tokens: pushed here, or fetched (llm_engine/images.py)
         self.watch = watch
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
@@ -200,7 +190,7 @@ class EngineService:
         engine = start_vllm(config, family, [step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
-        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), embedding_fetcher(config, ctx))
+        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model)
         return service
@@ -231,7 +221,7 @@ class EngineService:
                 log.warning("drain deadline passed with %d requests in flight", len(self.requests))
         receiving.cancel()
         watching.cancel()
-        self.fetcher.close()  # its sockets to the encoders, and the shared tier's connection
+        self.images.close()  # its sockets to the encoders, and the shared tier's connection
 
     def drain(self) -> None:
         """Stop taking requests (503: the gateway sends them to another replica);
@@ -248,27 +238,21 @@ class EngineService:
             if isinstance(message, GenerateRequest):
                 await self._accept(peer, message, time.monotonic())
             elif isinstance(message, PushedEmbedding):
-                self._received(message, frames)
+                self.images.received(message, frames)
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
                 await self._send(peer, self.stats())
             elif isinstance(message, Hello):
                 takes_images = self.shape is not None
-                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.fetcher.takes_pushes)
+                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes)
                 await self._send(peer, ready)
-
-    def _received(self, push: PushedEmbedding, frames) -> None:
-        try:
-            self.fetcher.received(push, frames)
-        except ValueError as exc:  # a malformed push costs its request a fetch, never the loop
-            log.warning("a pushed embedding was dropped: %s", exc)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
-            self.watch.steps, self.watch.stalls, self.fetcher.cache.stats.hits, self.fetcher.fetched,
-            self.fetcher.fetched_bytes, self.fetcher.joined, self.fetcher.pushed, self.fetcher.pushed_bytes,
+            self.watch.steps, self.watch.stalls, self.images.cache.stats.hits, self.images.fetched,
+            self.images.fetched_bytes, self.images.joined, self.images.pushed, self.images.pushed_bytes,
         )
 
     async def _accept(self, peer: bytes, request: GenerateRequest, received: float) -> None:
@@ -396,7 +380,7 @@ class EngineService:
             chat, kwargs, new_parser = self._read(request)
             token_ids = render_prompt(chat, self.tokenizer, kwargs)
             fetch_started = time.monotonic()
-            tensors = await self.fetcher.tensors(request.images)
+            tensors = await self.images.tensors(request.images)
             fetch_s = time.monotonic() - fetch_started if request.images else 0.0
             prompt, params = self._plan(chat, token_ids, request, tensors)
             tokens = await self._stream(peer, rid, prompt.inputs, params, (received, fetch_s), chat, new_parser)
@@ -410,7 +394,7 @@ class EngineService:
         except EmbeddingsUnavailable as exc:
             self.failed += 1
             log.warning("%s", exc)
-            await self._send(peer, GenerateFailed(rid, str(exc), 503, EMBEDDINGS_UNAVAILABLE))
+            await self._send(peer, exc.reply(rid))
         except (InvalidPrompt, ValueError, TypeError, VLLMClientError) as exc:  # vLLM's errors caused by the request
             self.failed += 1
             log.info("refused: %s", exc)

@@ -12,7 +12,7 @@ from protocol.tensors import ArrayMeta
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One image's visual tokens, by reference: the tensor never travels in a
-    GenerateRequest; the engine finds it by `key` (llm_engine/fetch.py)."""
+    GenerateRequest; the engine finds it by `key` (llm_engine/images.py)."""
 
     embeddings: ArrayMeta  # (tokens, hidden): what the tensor is, checked before it is fetched
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid

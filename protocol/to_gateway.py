@@ -156,7 +156,7 @@ class GenerateFailed(Message):
 
 
 # GenerateFailed's code when the engine could not fetch an image's visual
-# tokens (llm_engine/fetch.py): the gateway encodes the images again, once.
+# tokens (llm_engine/images.py): the gateway encodes the images again, once.
 EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
 
 

@@ -1,5 +1,5 @@
 """Visual tokens go from encoder to engine, never through the gateway
-(llm_engine/fetch.py): the gateway carries keys; the encoder pushes a new
+(llm_engine/images.py): the gateway carries keys; the encoder pushes a new
 image's tokens to the request's engine as it encodes them, or the engine
 fetches them from the encoder that holds them; the engine keeps recent ones in
 its own LRU, and a lost tensor costs one re-encode or a 503, never a hang.

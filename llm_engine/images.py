@@ -1,32 +1,37 @@
-"""Visual tokens by reference: the engine fetches each image's tensor itself.
+"""The engine's side of the visual-token hand-off: where a request's images'
+tokens are found. The gateway's side chooses how they come
+(gateway/handoff.py); the encoder's pushes them and answers fetches
+(vision_encoder/handoff.py).
 
 The gateway sends the engine references (content key, identity, the encoder
 address that holds the tensor), never the tensors, so a megapixel image's
 megabytes of tokens cross one connection, encoder → engine, instead of two
-through the gateway. Lookup order per image: this engine's own LRU (a
-repeated image moves no bytes at all), then the encoder named by the
-reference (one DEALER per encoder, zero-copy frames), then the shared Redis
-tier when one is configured. An image found nowhere within
-`embed_fetch_timeout_s` (its encoder died, or dropped it) fails the request
-with 503 `embeddings_unavailable`; the gateway then re-encodes once.
+through the gateway. Each image is looked for, in this order:
 
-An encoder may also push an image's tokens here unasked, as soon as it has
-encoded them for a request the gateway is about to send to this engine
-(`PushedEmbedding`; the reference then says `pushed`): they travel while the
-gateway makes the request. A pushed tensor goes into the LRU; a request whose
-pushed tokens have not arrived yet waits for them up to
-`embed_push_wait_s`, then fetches as above (a push may be refused or lost).
+1. this engine's own LRU (`engine.embedding_cache_mb`): a repeated image
+   moves no bytes, and a pushed one that arrived before its request waits
+   there;
+2. a push still on its way (the reference says `pushed`: its encoder was
+   sending it here as it encoded it, `PushedEmbedding`), waited for up to
+   `engine.embed_push_wait_s` (a push may be refused or lost);
+3. a fetch of the same image another request has in flight: joined, so a
+   burst of questions about one new image fetches it once (if that fetch
+   brings nothing, each waiter fetches for itself: at most one more timeout);
+4. the encoder the reference names (`FetchEmbeddings`, one DEALER per
+   encoder, zero-copy frames), within `engine.embed_fetch_timeout_s`;
+5. the shared Redis tier, when `engine.shared_cache_url` is set.
 
-Concurrent requests for one new image (a burst of questions about it) fetch
-it once: the first request's fetch is marked in flight, and the others wait
-for it. If it brings nothing (it failed, or its request was cancelled), each
-waiter fetches for itself, so waiting costs at most one more timeout.
+Found nowhere (its encoder died between the encode and the fetch, or the
+reference expired there), the request fails with 503 `embeddings_unavailable`
+(`EmbeddingsUnavailable.reply`); the gateway then encodes the images once
+more, and a second loss is the client's 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -35,16 +40,23 @@ import zmq.asyncio
 
 from cache import CachedEmbedding, EmbeddingCache
 from cache.shared import SharedTier
+from llm_engine.config import EngineConfig
 from protocol.sockets import AsyncDealer
 from protocol.tensors import meta_of, to_torch
 from protocol.to_encoder import FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding, PushedEmbedding
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed
 
+log = logging.getLogger("prism.engine")
 PUSHES_REMEMBERED = 4096  # pushed tensors not yet used by a request (their keys only)
 
 
 class EmbeddingsUnavailable(Exception):
-    """Some image's tokens could not be fetched from anywhere."""
+    """Some image's tokens could not be found anywhere."""
+
+    def reply(self, request_id: str) -> GenerateFailed:
+        """The gateway's cue to encode the images once more (gateway/handoff.py)."""
+        return GenerateFailed(request_id, str(self), 503, EMBEDDINGS_UNAVAILABLE)
 
 
 class _Encoder:
@@ -74,7 +86,9 @@ class _Encoder:
             self.waiting.pop(fetch_id, None)
 
 
-class EmbeddingFetcher:
+class EngineImages:
+    """This engine's visual tokens: its LRU, the pushes it was sent, its fetches."""
+
     def __init__(self, ctx: zmq.asyncio.Context, capacity_bytes: int, timeout_s: float, shared: SharedTier | None = None,
                  push_wait_s: float = 0.0) -> None:
         self.ctx = ctx
@@ -93,15 +107,30 @@ class EmbeddingFetcher:
         self._arrived: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # pushes no request used yet
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, ctx: zmq.asyncio.Context) -> "EngineImages":
+        shared = None
+        if config.shared_cache_url:
+            shared = SharedTier(config.shared_cache_url, config.shared_cache_timeout_ms / 1000, config.shared_cache_retry_s)
+        return cls(ctx, int(config.embedding_cache_mb * 2**20), config.embed_fetch_timeout_s, shared, config.embed_push_wait_s)
+
     @property
     def takes_pushes(self) -> bool:
+        """Said in the handshake (EngineReady): the gateway asks encoders to push here only then."""
         return self.cache.capacity_bytes > 0  # a push that arrives first waits in the LRU
 
     def received(self, push: PushedEmbedding, frames: Sequence) -> None:
-        """An encoder's push: handed to the requests waiting for it, and kept in the LRU."""
+        """An encoder's push: handed to the requests waiting for it, and kept in
+        the LRU. A malformed one is dropped: it costs its request a fetch, never
+        the engine's loop."""
         if len(frames) != 1:
-            raise ValueError(f"a pushed embedding comes as 1 frame, not {len(frames)}")
-        tensor = to_torch(push.embeddings, frames[0])
+            log.warning("a pushed embedding was dropped: it comes as 1 frame, not %d", len(frames))
+            return
+        try:
+            tensor = to_torch(push.embeddings, frames[0])
+        except ValueError as exc:
+            log.warning("a pushed embedding was dropped: %s", exc)
+            return
         self.pushed_bytes += memoryview(frames[0]).nbytes
         self.cache.put(push.key, CachedEmbedding(tensor, push.grid_thw, push.identity))
         slot = (push.key, push.identity)
@@ -122,7 +151,7 @@ class EmbeddingFetcher:
         return self._encoders[address]
 
     async def tensors(self, images: Sequence[ImageEmbedding]) -> list:
-        """Each image's tensor, in order, by its reference."""
+        """Each image's tensor, in order, by its reference (the module's lookup order)."""
         found: list = [None] * len(images)
         if awaited := {i: self._push_of(image) for i, image in enumerate(images) if self._push_on_its_way(image)}:
             await self._await_pushes(images, awaited, found)

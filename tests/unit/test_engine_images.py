@@ -1,7 +1,6 @@
-"""Visual tokens by reference: the encoder's pins (vision_encoder/handoff.py) and
-the engine's fetcher (llm_engine/fetch.py) against a ROUTER answering as an
-encoder does. The real encoder and engine are tested end to end in
-tests/integration/test_embedding_handoff.py."""
+"""Where the engine finds each image's tokens (llm_engine/images.py), against a
+ROUTER answering as an encoder does. The real encoder and engine are tested end
+to end in tests/integration/test_embedding_handoff.py."""
 
 from __future__ import annotations
 
@@ -14,29 +13,13 @@ import pytest
 import torch
 import zmq.asyncio
 
-from cache import CachedEmbedding
-from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
+from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from protocol.sockets import AsyncRouter
 from protocol.tensors import meta_of, to_frame
 from protocol.to_encoder import EncoderInbound, FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, GenerateRequest, ImageEmbedding, PushedEmbedding
-from vision_encoder.handoff import Handoff
 
 TOKENS = torch.randn(6, 128, dtype=torch.bfloat16)
-
-
-def test_a_pin_lasts_until_each_reference_is_fetched_or_it_expires():
-    handoff = Handoff(ttl_s=10)
-    value = CachedEmbedding(TOKENS, (1, 4, 6), b"id")
-    handoff.hold(b"k", value, now=0)
-    handoff.hold(b"k", value, now=1)  # two requests handed the same image
-    assert handoff.take(b"k", b"other") is None  # another identity: a collision, never served
-    assert handoff.take(b"k", b"id") is value and handoff.take(b"k", b"id") is value
-    assert handoff.take(b"k", b"id") is None and len(handoff) == 0
-    handoff.hold(b"a", value, now=0)
-    handoff.hold(b"b", value, now=5)
-    handoff.expire(now=10)
-    assert handoff.take(b"a", b"id") is None and handoff.take(b"b", b"id") is value
 
 
 def reference(key: bytes, source: str, tensor=TOKENS) -> ImageEmbedding:
@@ -70,7 +53,7 @@ async def encoder_and_fetcher(source: str, held: dict[bytes, torch.Tensor], **fe
     """An answering encoder at `source` and an engine's fetcher, closed after."""
     ctx = zmq.asyncio.Context()
     encoder = Encoder(ctx, source, held)
-    fetcher = EmbeddingFetcher(ctx, **{"capacity_bytes": 2**20, "timeout_s": 0.5, **fetcher_args})
+    fetcher = EngineImages(ctx, **{"capacity_bytes": 2**20, "timeout_s": 0.5, **fetcher_args})
     try:
         yield encoder, fetcher
     finally:
@@ -117,7 +100,7 @@ def pushed_reference(key: bytes, source: str) -> ImageEmbedding:
     return msgspec.structs.replace(reference(key, source), pushed=True)
 
 
-def push(fetcher: EmbeddingFetcher, key: bytes, tensor: torch.Tensor) -> None:
+def push(fetcher: EngineImages, key: bytes, tensor: torch.Tensor) -> None:
     meta, frame = to_frame(tensor)
     fetcher.received(PushedEmbedding(key, b"id-" + key, meta, (1, 4, 6)), [frame])
 
@@ -139,8 +122,9 @@ async def _pushes() -> None:
         assert encoder.asked == [[b"late"]] and not fetcher._awaited
         again = await fetcher.tensors([pushed_reference(b"a", source)])  # a repeat is a plain hit
         assert torch.equal(again[0], TOKENS) and (fetcher.pushed, fetcher.cache.stats.hits) == (2, 1)
-        with pytest.raises(ValueError, match="1 frame, not 0"):
-            fetcher.received(PushedEmbedding(b"c", b"id-c", meta_of(TOKENS), None), [])
+        fetcher.received(PushedEmbedding(b"c", b"id-c", meta_of(TOKENS), None), [])  # malformed: dropped, not raised
+        fetcher.received(PushedEmbedding(b"d", b"id-d", meta_of(TOKENS), None), [b"short"])
+        assert fetcher.cache.get(b"c", b"id-c", record=False) is None and fetcher.cache.get(b"d", b"id-d", record=False) is None
 
 
 def test_pushed_tokens_are_used_whether_they_come_before_or_after_the_request_and_fetched_if_they_never_come():
