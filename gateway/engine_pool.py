@@ -8,17 +8,19 @@ gateway process picks: gateway/replicas.py); one without images to the up
 replica with the fewest requests outstanding.
 
 A replica that refuses (503: down, restarted or draining; 429: its queue is
-full) before the first token is replaced by another, with the same request:
-nothing was sent to the client yet (and if its encoder pushed the visual
-tokens to the first replica, the other is told to fetch them). Once tokens
-have flowed, a failure ends the request with its error (a stream gets a final
-error event), as with one engine.
+full) before the first token is replaced by another, with the same request
+as the caller makes it for that replica (`request_for`: the hand-off tells a
+replica no tokens were pushed to that it fetches them, gateway/handoff.py):
+nothing was sent to the client yet. Once tokens have flowed, a failure ends
+the request with its error (a stream gets a final error event), as with one
+engine. Lost visual tokens are lost for every replica: that error goes back
+to the hand-off, which encodes them again.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from gateway.clients import EngineClient
 from gateway.errors import APIError
@@ -33,22 +35,11 @@ class EnginePool(ReplicaPool[EngineClient]):
     client = EngineClient
     same = "model"
 
-    def push_target(self, digests: Sequence[bytes]) -> int | None:
-        """The replica a request with these images will go to, chosen now so
-        that its encoder can push the visual tokens there (`generate`'s first
-        pick, remembered); None when none is up or it keeps no pushes."""
-        index = self.pick(digests, set())
-        if index is None or not self.replicas[index].info.takes_pushes:  # picked: up, so it answered the handshake
-            return None
-        self.remember(digests, index)
-        return index
-
     async def generate(
         self, request: GenerateRequest, timeout_s: float, digests: Sequence[bytes] = (),
-        pushed_to: int | None = None,
+        request_for: Callable[[GenerateRequest, int], GenerateRequest] | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """`pushed_to`: the replica the images' encoder pushed their tokens to
-        (`push_target`); any other replica is sent the request `unpushed`."""
+        """`request_for(request, replica)`: the request as sent to that replica (None: as it is)."""
         tried: set[int] = set()
         refused: APIError | None = None
         while (index := self.pick(digests, tried)) is not None:
@@ -57,7 +48,7 @@ class EnginePool(ReplicaPool[EngineClient]):
             tried.add(index)
             self.remember(digests, index)
             started = False
-            sent = request if index == pushed_to else request.unpushed()
+            sent = request if request_for is None else request_for(request, index)
             stream = self.replicas[index].generate(sent, timeout_s)
             try:
                 with self.sending(index):
@@ -71,6 +62,6 @@ class EnginePool(ReplicaPool[EngineClient]):
                     raise APIError(error.status, f"{error.message} (after the first token: not retried)",
                                    error.param, error.code, error.headers) from None
                 if error.status not in RETRIABLE or error.code == EMBEDDINGS_UNAVAILABLE:
-                    raise  # lost tokens are lost for every replica: the pipeline encodes them again
+                    raise  # lost tokens are lost for every replica: the hand-off encodes them again
                 refused = error
         raise refused or self.unavailable()

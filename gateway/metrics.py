@@ -54,7 +54,7 @@ LOOP_LAG_SECONDS = Histogram(
     "prism_gateway_loop_lag_seconds", "How long new work waited for the gateway's event loop (sampled 10 times a second)",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
 )
-# Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/known_tokens.py).
+# Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/handoff.py, Delivery.KNOWN).
 IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
                                     "Images sent to the engine by a reference kept from an earlier encode, without asking an encoder")
 # The memory budget (gateway/memory.py): what it admits, and what requests hold of it now.

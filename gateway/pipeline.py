@@ -2,14 +2,13 @@
 
 `prepare` does everything that can fail on the user's input before any
 response byte is sent (so errors keep their HTTP status); `generate` then
-streams the engine's token deltas.
+streams the engine's token deltas. How the images' tokens reach the engine,
+and what a lost one costs, is the hand-off's (gateway/handoff.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,20 +20,16 @@ from gateway.encoder_pool import EncoderPool
 from gateway.engine_pool import EnginePool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway import metrics
 from gateway.fetch import ImageFetcher
-from gateway.known_tokens import KnownTokens
+from gateway.handoff import ImageHandoff, RequestImages
 from gateway.memory import BODY_COPIES, hold, working
 from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.record import RequestRecord
 from gateway.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
-from protocol.tensors import to_frame
-from protocol.to_encoder import ImageInput
-from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding, reference
-from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, TokenDelta
+from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
+from protocol.to_gateway import TokenDelta
 
-log = logging.getLogger("prism.gateway")
 
 _ROLES = {"developer": "system"}
 
@@ -44,9 +39,7 @@ class Prepared:
     """A request ready for the engine."""
 
     request: GenerateRequest
-    digests: list[bytes]  # the images', for engine affinity
-    images: list[Inspected]  # emptied at the first token; until then re-encoded if the engine cannot fetch their tokens
-    engine: int | None = None  # the engine replica its encoder pushes the visual tokens to (EnginePool.push_target)
+    images: RequestImages | None  # None: no images
 
 
 @dataclass(frozen=True)
@@ -97,7 +90,7 @@ class ChatPipeline:
         self.fetcher = fetcher
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
-        self.known = KnownTokens()  # references to images' tokens, for repeats (gateway/known_tokens.py)
+        self.handoff = ImageHandoff(config, encoder, engine, self._decode)
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -168,77 +161,6 @@ class ChatPipeline:
         hold(prepared.pixels.nbytes)  # sent to the encoder
         return prepared
 
-    async def _encode(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
-                      engine: int | None):
-        """Images this process has sent to an encoder before are asked for by
-        digest first: a cached image is never decoded here. The others are
-        most likely new, so they are decoded at once and go with pixels in
-        the first round, saving a round trip (a wrong guess costs a decode:
-        the encoder still answers from its cache). The images the encoder
-        reports missing are then decoded and sent; a third round (an entry
-        evicted in between) sends every image's pixels. The images it encodes
-        it pushes to replica `engine`, if not None."""
-        unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
-        pixels = dict(zip(unseen, await self._decode([items[i] for i in unseen], timer))) if unseen else {}
-        push_to = "" if engine is None else self.engine.replicas[engine].address
-        with self.encoder.route(digests) as route:
-            for retry, last_round in ((False, False), (True, False), (True, True)):
-                inputs, frames = [], []
-                for index, digest in enumerate(digests):
-                    meta = None
-                    original = None
-                    if index in pixels:
-                        meta, frame = to_frame(pixels[index].pixels)
-                        frames.append(frame)
-                        width, height = pixels[index].original_size
-                        original = (height, width)
-                    inputs.append(ImageInput(digest, meta, original))
-                sent = time.perf_counter()
-                reply = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry,
-                                                  push_to)
-                round_trip = time.perf_counter() - sent
-                if isinstance(reply, EncodeResult):
-                    return self._encoded(reply, self.encoder.replicas[route.replica].address, round_trip, timer)
-                timer.add("cache_lookup", reply.cache_lookup_s)
-                timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
-                wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
-                for index, prepared in zip(wanted, await self._decode([items[i] for i in wanted], timer)):
-                    pixels[index] = prepared
-        raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
-
-    def _encoded(self, result: EncodeResult, source: str, round_trip: float, timer: RequestTimer) -> list[ImageEmbedding]:
-        """References to the tokens, for the engine to fetch from `source` (the
-        encoder that answered): no tensor passes through the gateway."""
-        timer.add_encoder(result.timings, round_trip)
-        timer.cache_hits += sum(i.cache_hit for i in result.images)
-        timer.cache_misses += sum(not i.cache_hit for i in result.images)
-        timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
-        return [reference(image, source) for image in result.images]
-
-    def _recalled(self, digests: list[bytes], timer: RequestTimer) -> list[ImageEmbedding] | None:
-        """Every image's reference from an earlier encode, if all are known and
-        their encoders up: no encoder round (gateway/known_tokens.py)."""
-        refs = self.known.recall(digests)
-        if refs is None or not all(self.encoder.serves_from(ref.source) for ref in refs):
-            return None
-        timer.cache_hits += len(refs)
-        timer.visual_tokens += sum(ref.embeddings.shape[0] for ref in refs)
-        metrics.IMAGES_BY_KNOWN_REFERENCE.inc(len(refs))
-        return refs
-
-    async def _encoded_images(self, request_id: str, items: list[Inspected], digests: list[bytes], timer: RequestTimer,
-                              engine: int | None) -> list[ImageEmbedding]:
-        refs = await self._encode(request_id, items, digests, timer, engine)
-        self.known.remember(digests, refs)
-        return refs
-
-    async def _images_for_engine(self, record: RequestRecord, images: list[Inspected], digests: list[bytes],
-                                 engine: int | None) -> list[ImageEmbedding]:
-        """The images' references: kept from an earlier encode, else encoded now."""
-        if (known := self._recalled(digests, record.timer)) is not None:
-            return known
-        return await self._encoded_images(record.id, images, digests, record.timer, engine)
-
     async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
         refs = image_refs(request)
         if refs and self.policy is None:
@@ -251,43 +173,14 @@ class ChatPipeline:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
-        embeddings, digests, images, engine = [], [], [], None
         chat = engine_chat(request)
-        if refs:
-            images = await self._intake(request, refs, record)
-            digests = [digest_of(item, self.policy) for item in images]
-            engine = self.engine.push_target(digests) if self.config.push_embeddings else None
-            embeddings = await self._images_for_engine(record, images, digests, engine)
-        generate = GenerateRequest(request_id=record.id, chat=chat, images=embeddings)
-        return Prepared(generate, digests, images, engine)
+        if not refs:
+            return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
+        inspected = await self._intake(request, refs, record)
+        digests = [digest_of(item, self.policy) for item in inspected]
+        images = await self.handoff.deliver(record.id, inspected, digests, record.timer)
+        return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references), images)
 
-    async def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
-        """The engine's deltas. If it could not fetch the visual tokens (their
-        encoder died or dropped them since), the images are encoded once more
-        (on a replica that is up) and the engine asked again; a second such
-        failure is the client's 503."""
-        request = prepared.request
-        last_try = False
-        while True:
-            sent = time.perf_counter()
-            first = True
-            deltas = self.engine.generate(request, self.config.generate_timeout_s, prepared.digests, prepared.engine)
-            try:
-                async with contextlib.aclosing(deltas):  # closing this closes the engine stream (abort) at once
-                    async for delta in deltas:
-                        if first:
-                            timer.add_engine_first(delta.timings, time.perf_counter() - sent)
-                            prepared.images.clear()  # the engine has the tokens: the raw images are not needed again
-                            first = False
-                        yield delta
-                return
-            except APIError as error:
-                if error.code == EMBEDDINGS_UNAVAILABLE:
-                    self.known.forget(prepared.digests)  # they were nowhere: the references are stale
-                if error.code != EMBEDDINGS_UNAVAILABLE or last_try or not prepared.images:
-                    raise
-                log.warning("%s; encoding the images again", error.message)
-                timer.add("embed_transfer", time.perf_counter() - sent)
-                images = await self._encoded_images(request.request_id, prepared.images, prepared.digests, timer, prepared.engine)
-                request = msgspec.structs.replace(request, images=images)
-                last_try = True
+    def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
+        """The engine's deltas (gateway/handoff.py: one re-encode if it finds the tokens nowhere)."""
+        return self.handoff.stream(prepared.request, prepared.images, timer)

@@ -121,7 +121,7 @@ def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stac
     repeated = scrape(stack)
     assert moved(repeated) == moved(after)
     # The gateway sent the reference it kept from the first encode
-    # (gateway/known_tokens.py): no encoder was asked.
+    # (gateway/handoff.py, Delivery.KNOWN): no encoder was asked.
     assert delta(after, repeated, "prism_gateway_images_by_known_reference_total") == 1
     assert delta(after, repeated, "prism_encoder_replica_requests_total", model=MODEL_NAME, replica="0") == 0
 

@@ -21,6 +21,7 @@ from gateway.config import GatewayConfig
 from gateway.encoder_pool import EncoderPool
 from gateway.engine_pool import EnginePool
 from gateway.errors import APIError
+from gateway.handoff import Delivery, RequestImages, Stage
 from gateway.pipeline import ChatPipeline
 from gateway.record import RequestRecord
 from gateway.schemas import ChatCompletionRequest
@@ -82,6 +83,7 @@ class Gateway:
     encoders: list[Encoder]
     engines: list[Engine]
     encoder_pool: EncoderPool
+    asked: RequestImages | None = None  # the last request's images, once prepared
 
     def pushed_to(self) -> int:
         """The engine the encoder was asked to push the first request's tokens to."""
@@ -136,6 +138,7 @@ async def ask(gateway: Gateway, url: str, request_id: str = "r") -> list[TokenDe
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}]}
     record = RequestRecord(request_id, request_id, ticket=ConcurrencyLimiter(None, None).admit("key"))
     prepared = await gateway.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
+    gateway.asked = prepared.images
     return [delta async for delta in gateway.pipeline.generate(prepared, record.timer)]
 
 
@@ -150,9 +153,11 @@ async def _pushed_then_known(tmp_path) -> None:
         # PUSHED: the encoder was told which engine to push to, and that engine got the request, its tokens pushed.
         first = gw.engines[gw.pushed_to()]
         assert pushed(first.received) == [True] and gw.received().count([]) == 1
+        assert (gw.asked.delivery, gw.asked.stage, gw.asked.inspected) == (Delivery.PUSHED, Stage.DELIVERED, [])
         # KNOWN: the same image again goes by the reference kept, asking no encoder; no push is awaited.
         assert (await ask(gw, GREEN, "again"))[-1].finished
         assert len(encoder.asked) == 1 and pushed(first.received) == [True, False]
+        assert (gw.asked.delivery, gw.asked.stage) == (Delivery.KNOWN, Stage.DELIVERED)
 
 
 def test_a_new_image_is_pushed_to_its_engine_and_a_repeat_goes_by_the_kept_reference(tmp_path):
@@ -162,6 +167,7 @@ def test_a_new_image_is_pushed_to_its_engine_and_a_repeat_goes_by_the_kept_refer
 async def _fetched(tmp_path, config: GatewayConfig, takes_pushes: bool) -> tuple[list[EncodeRequest], list[list[bool]]]:
     async with gateway(tmp_path, config, takes_pushes) as gw:
         assert (await ask(gw, GREEN))[-1].finished
+        assert (gw.asked.delivery, gw.asked.engine) == (Delivery.FETCHED, None)
         return gw.encoders[0].asked, [pushed(received) for received in gw.received()]
 
 
@@ -208,11 +214,11 @@ async def _lost(tmp_path) -> None:
         gw.script("lost")
         # Lost once (the encoder died, or dropped them, before the fetch): encoded once more, then served.
         assert (await ask(gw, GREEN))[-1].finished
-        assert len(encoder.asked) == 2
+        assert len(encoder.asked) == 2 and (gw.asked.stage, gw.asked.reencoded) == (Stage.DELIVERED, True)
         # A repeat whose kept reference is lost: encoded again, then served.
         gw.script("lost")
         assert (await ask(gw, GREEN, "repeat"))[-1].finished
-        assert len(encoder.asked) == 3
+        assert len(encoder.asked) == 3 and gw.asked.delivery is Delivery.PUSHED  # re-encoded: never by a kept reference
         # Lost twice: the client's 503, and the references are forgotten.
         gw.script("lost", "lost")
         try:
@@ -220,7 +226,7 @@ async def _lost(tmp_path) -> None:
             raise AssertionError("tokens lost twice were served")
         except APIError as error:
             assert (error.status, error.code) == (503, EMBEDDINGS_UNAVAILABLE)
-        assert len(encoder.asked) == 5  # its first encode and the one more
+        assert len(encoder.asked) == 5 and gw.asked.stage is Stage.FAILED  # its first encode and the one more
         assert (await ask(gw, RED, "after"))[-1].finished
         assert len(encoder.asked) == 6  # not by the forgotten reference: the encoder was asked
 
@@ -241,7 +247,7 @@ async def _encoder_gone(tmp_path) -> None:
         assert not gw.encoder_pool.replicas[holder].up
         # The kept reference names an encoder that is not up: the image goes to the other one.
         assert (await ask(gw, GREEN, "again"))[-1].finished
-        assert len(gw.encoders[1 - holder].asked) == 1
+        assert len(gw.encoders[1 - holder].asked) == 1 and gw.asked.delivery is Delivery.PUSHED
 
 
 def test_a_kept_reference_whose_encoder_is_gone_is_not_used(tmp_path):
