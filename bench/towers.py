@@ -86,7 +86,7 @@ def bf16_errors(vision, ours, theirs, config, pixels: torch.Tensor, grid: torch.
     """Both towers in bfloat16 against transformers' float32 tokens (the two agree in float32)."""
     from vllm.config import set_current_vllm_config
 
-    from vision_encoder.patch_matmul import patch_convs_as_matmul
+    from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
 
     def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
         return float((x.float() - reference).norm() / reference.norm())

@@ -49,7 +49,7 @@ class GatewayConfig(FrozenConfig):
     drain_timeout_s: float = Field(30, ge=0)  # on shutdown, in-flight requests get this long to finish
     # tcp:// host names in the encoder and engine addresses are resolved again
     # this often (a Kubernetes headless Service has one A record per ready pod),
-    # so replicas join and leave while the gateway runs (gateway/discovery.py).
+    # so replicas join and leave while the gateway runs (gateway/routing/discovery.py).
     # 0: resolved once, at start-up.
     discovery_interval_s: float = Field(5.0, ge=0)
     # An idle keep-alive connection is closed after this. It must outlast the
@@ -61,7 +61,7 @@ class GatewayConfig(FrozenConfig):
     # listening socket, set before listen()), so a request body of up to about
     # half this lands in the kernel while the gateway is busy, and is read in
     # one turn of the loop instead of trickling in as the gateway drains a
-    # small window (gateway/listener.py). 0: the kernel's autotuning. Past
+    # small window (gateway/api/listener.py). 0: the kernel's autotuning. Past
     # what the kernel grants (net.core.rmem_max caps it) a fixed buffer would
     # be smaller than asked and stop autotuning, so the gateway then leaves
     # autotuning on and logs a warning.
@@ -80,7 +80,7 @@ class GatewayConfig(FrozenConfig):
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
     max_visual_tokens_in_flight: int | None = Field(None, ge=1)
-    # Memory (gateway/memory.py): what requests hold (bodies, images, replies
+    # Memory (gateway/intake/memory.py): what requests hold (bodies, images, replies
     # waiting) is counted against a budget; past it: 429 + Retry-After, before
     # the body is read. The memory the gateway may use; None: its container's
     # limit (cgroup v2 memory.max, v1 memory.limit_in_bytes), else the machine's.

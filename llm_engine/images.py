@@ -1,6 +1,6 @@
 """The engine's side of the visual-token hand-off: where a request's images'
 tokens are found. The gateway's side chooses how they come
-(gateway/handoff.py); the encoder's pushes them and answers fetches
+(gateway/routing/handoff.py); the encoder's pushes them and answers fetches
 (vision_encoder/handoff.py).
 
 The gateway sends the engine references (content key, identity, the encoder
@@ -55,7 +55,7 @@ class EmbeddingsUnavailable(Exception):
     """Some image's tokens could not be found anywhere."""
 
     def reply(self, request_id: str) -> GenerateFailed:
-        """The gateway's cue to encode the images once more (gateway/handoff.py)."""
+        """The gateway's cue to encode the images once more (gateway/routing/handoff.py)."""
         return GenerateFailed(request_id, str(self), 503, EMBEDDINGS_UNAVAILABLE)
 
 

@@ -14,7 +14,7 @@ import base64
 import random
 from dataclasses import dataclass, field
 
-from prism.synthetic import encode, make_image
+from loadtest.synthetic import encode, make_image
 
 # Named resolutions (width, height): the mix plus strips.
 RESOLUTIONS = {

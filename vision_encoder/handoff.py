@@ -1,6 +1,6 @@
 """The encoder's side of the visual-token hand-off: each image's tokens leave
 here by one of two ways. The gateway's side chooses the way
-(gateway/handoff.py); the engine's looks the tokens up
+(gateway/routing/handoff.py); the engine's looks the tokens up
 (llm_engine/images.py).
 
 - Pushed: when the gateway named the engine the request will go to

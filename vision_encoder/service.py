@@ -43,7 +43,7 @@ from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncoderReady, E
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
 from vision_encoder.handoff import PUSH_QUEUE_LIMIT, Handoff
-from vision_encoder.tower import OutOfMemoryAbove, RunOptions, TowerImage, VisionTower
+from vision_encoder.towers.tower import OutOfMemoryAbove, RunOptions, TowerImage, VisionTower
 from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, requests_of

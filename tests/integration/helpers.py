@@ -13,7 +13,7 @@ import zmq.asyncio
 from openai import OpenAI
 
 from bench.faults import engine_core as engine_core_of
-from prism.stack import scrape as scrape_metrics
+from testing.stack import scrape as scrape_metrics
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding, PushedEmbedding

@@ -24,8 +24,8 @@ import pytest
 
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
-from prism.stack import free_port, wait_for_health
-from prism.synthetic import make_image
+from testing.stack import free_port, wait_for_health
+from loadtest.synthetic import make_image
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed, TokenDelta
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
@@ -121,7 +121,7 @@ def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stac
     repeated = scrape(stack)
     assert moved(repeated) == moved(after)
     # The gateway sent the reference it kept from the first encode
-    # (gateway/handoff.py, Delivery.KNOWN): no encoder was asked.
+    # (gateway/routing/handoff.py, Delivery.KNOWN): no encoder was asked.
     assert delta(after, repeated, "prism_gateway_images_by_known_reference_total") == 1
     assert delta(after, repeated, "prism_encoder_replica_requests_total", model=MODEL_NAME, replica="0") == 0
 

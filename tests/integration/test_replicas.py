@@ -18,8 +18,8 @@ import pytest
 import torch
 import zmq.asyncio
 
-from prism.stack import LocalStack, free_port
-from prism.synthetic import make_image
+from testing.stack import LocalStack, free_port
+from loadtest.synthetic import make_image
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from gateway.clients import EngineClient, next_reply
+from gateway.routing.clients import EngineClient, next_reply
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
 from protocol.to_gateway import ChoiceDelta, TokenDelta

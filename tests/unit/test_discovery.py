@@ -15,9 +15,9 @@ import socket
 import pytest
 import zmq.asyncio
 
-from gateway.discovery import replica_addresses, resolve_all
-from gateway.encoder_pool import EncoderPool
-from gateway.engine_pool import EnginePool
+from gateway.routing.discovery import replica_addresses, resolve_all
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
 from protocol.base import Hello
 from protocol.sockets import AsyncRouter
 from protocol.stats import EngineStats, StatsRequest

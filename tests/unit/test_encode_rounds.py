@@ -14,9 +14,9 @@ from PIL import Image
 
 from bench.intake import qwen_policy
 from gateway.config import GatewayConfig
-from gateway.encoder_pool import EncoderPool
-from gateway.intake import digest_of, inspect
-from gateway.pipeline import ChatPipeline
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.intake.images import digest_of, inspect
+from gateway.api.pipeline import ChatPipeline
 from gateway.timing import RequestTimer
 from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest

@@ -16,15 +16,15 @@ import zmq.asyncio
 from PIL import Image
 
 from bench.intake import qwen_policy
-from gateway.admission import ConcurrencyLimiter
+from gateway.api.admission import ConcurrencyLimiter
 from gateway.config import GatewayConfig
-from gateway.encoder_pool import EncoderPool
-from gateway.engine_pool import EnginePool
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
 from gateway.errors import APIError
-from gateway.handoff import Delivery, RequestImages, Stage
-from gateway.pipeline import ChatPipeline
-from gateway.record import RequestRecord
-from gateway.schemas import ChatCompletionRequest
+from gateway.routing.handoff import Delivery, RequestImages, Stage
+from gateway.api.pipeline import ChatPipeline
+from gateway.api.record import RequestRecord
+from gateway.api.schemas import ChatCompletionRequest
 from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest
 from protocol.to_engine import GenerateRequest

@@ -1,8 +1,8 @@
-"""The gateway's references to images' visual tokens (gateway/handoff.py KnownTokens)."""
+"""The gateway's references to images' visual tokens (gateway/routing/handoff.py KnownTokens)."""
 
 from __future__ import annotations
 
-from gateway.handoff import KnownTokens
+from gateway.routing.handoff import KnownTokens
 from protocol.tensors import ArrayMeta
 from protocol.to_engine import ImageEmbedding
 

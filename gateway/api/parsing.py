@@ -13,8 +13,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
 from gateway.errors import APIError
-from gateway.memory import BODY_COPIES, MemoryHold
-from gateway.schemas import ChatCompletionRequest
+from gateway.intake.memory import BODY_COPIES, MemoryHold
+from gateway.api.schemas import ChatCompletionRequest
 
 log = logging.getLogger("prism.gateway")
 
@@ -68,7 +68,7 @@ def buffer_whole_bodies(limit: int) -> None:
 async def read_body(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None) -> bytes:
     """The whole body, under `limit` bytes and `timeout_s`. One without a
     Content-Length was not counted at admission: `memory` counts each piece as
-    it comes (gateway/memory.py), refusing it past the budget."""
+    it comes (gateway/intake/memory.py), refusing it past the budget."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")

@@ -21,7 +21,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import httpx
 
 from gateway.errors import APIError
-from gateway.intake import ImageLimits
+from gateway.intake.images import ImageLimits
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.admission import Ticket
+from gateway.api.admission import Ticket
 from gateway.timing import RequestTimer
 
 

@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from gateway import metrics
+from gateway.ops import metrics
 from gateway.config import GatewayConfig
-from gateway.encoder_pool import EncoderPool
-from gateway.engine_pool import EnginePool
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
 from gateway.errors import APIError
-from gateway.intake import Inspected, PreparedImage
+from gateway.intake.images import Inspected, PreparedImage
 from gateway.timing import RequestTimer
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput

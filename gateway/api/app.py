@@ -20,22 +20,23 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 
-from gateway import metrics
-from gateway.admission import Authenticator, ConcurrencyLimiter, WorkerSlot
-from gateway.chat import ChatHandler
+from gateway.ops import metrics
+from gateway.api.admission import Authenticator, ConcurrencyLimiter
+from gateway.api.chat import ChatHandler
 from gateway.config import GatewayConfig, ModelRoute
-from gateway.dashboard import DashboardWindow, ServiceSample, finished_request
+from gateway.ops.dashboard import DashboardWindow, ServiceSample, finished_request
 from gateway.errors import APIError
-from gateway.fetch import FetchLimits, ImageFetcher
-from gateway.loop_probe import LoopProbe
-from gateway.intake import ImageLimits
-from gateway.listener import listening_socket
-from gateway.memory import HeapKeeper, MemoryPlan, mib, process_rss
-from gateway.models import ServedModel
-from gateway.parsing import buffer_whole_bodies, validation_error
-from gateway.schemas import ChatCompletionRequest
-from gateway.siblings import Siblings
+from gateway.intake.fetch import FetchLimits, ImageFetcher
+from gateway.ops.loop_probe import LoopProbe
+from gateway.intake.images import ImageLimits
+from gateway.api.listener import listening_socket
+from gateway.intake.memory import HeapKeeper, MemoryPlan, mib, process_rss
+from gateway.api.models import ServedModel
+from gateway.api.parsing import buffer_whole_bodies, validation_error
+from gateway.api.schemas import ChatCompletionRequest
+from gateway.ops.siblings import Siblings
 from gateway.timing import RequestTimer
+from gateway.ops.workers import WorkerSlot
 from common.config import ConfigError, load_config
 from common.malloc import keep_freed_heap, one_heap
 
@@ -107,7 +108,7 @@ class Gateway:
 
     def plan_memory(self) -> MemoryPlan:
         """Size the memory budget and the kept heap from the limit and this
-        process's memory now that it has started (gateway/memory.py)."""
+        process's memory now that it has started (gateway/intake/memory.py)."""
         plan = MemoryPlan.size(self.config, self.slot.count, process_rss())
         self.limiter.memory.size(plan.budget)
         self.heap = HeapKeeper(plan, self.limiter.memory)
@@ -291,8 +292,8 @@ def _openapi(app: FastAPI) -> dict:
 def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
           run_dir: Path | None = None) -> None:
     """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
-    One of several workers shares the port with the others (gateway/workers.py)."""
-    # Images are resized with torch on the intake threads (gateway/resize.py), which
+    One of several workers shares the port with the others (gateway/ops/workers.py)."""
+    # Images are resized with torch on the intake threads (gateway/intake/resize.py), which
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)
     buffer_whole_bodies(config.max_body_bytes)

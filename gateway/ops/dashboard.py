@@ -1,7 +1,7 @@
 """The data behind /dashboard: a rolling window of finished requests and of
 service samples, summarised as percentiles per stage and series over time.
 With several gateway workers, each window also holds the other workers'
-requests (gateway/siblings.py), so any worker answers for the whole gateway."""
+requests (gateway/ops/siblings.py), so any worker answers for the whole gateway."""
 
 from __future__ import annotations
 

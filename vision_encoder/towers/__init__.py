@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from common.families import UnsupportedModel, family_of
-from vision_encoder.anyres_tower import AnyresTower
-from vision_encoder.qwen_tower import QwenTower
-from vision_encoder.tiles_tower import TilesTower
-from vision_encoder.tower import RunOptions, VisionTower, local_checkpoint
+from vision_encoder.towers.anyres_tower import AnyresTower
+from vision_encoder.towers.qwen_tower import QwenTower
+from vision_encoder.towers.tiles_tower import TilesTower
+from vision_encoder.towers.tower import RunOptions, VisionTower, local_checkpoint
 
 TOWERS = {"qwen": QwenTower, "anyres": AnyresTower, "tiles": TilesTower}
 

@@ -4,7 +4,7 @@ Everything that can fail on the user's input happens before the first byte
 (so errors keep their HTTP status); a stream that fails later ends with an
 error event. Every request ends in `finish`, exactly once: metrics, the
 dashboard window and one log line. Its state travels in one RequestRecord
-(gateway/record.py) and its hold on the limits in one admission Ticket.
+(gateway/api/record.py) and its hold on the limits in one admission Ticket.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway import metrics, responses
+from gateway.ops import metrics
+
+from gateway.api import responses
 from gateway.errors import APIError
-from gateway.memory import current_hold
-from gateway.parsing import parse_request
-from gateway.record import RequestRecord
-from gateway.schemas import StreamOptions
-from gateway.streaming import ClientNotReading, DeadlineStreamingResponse
+from gateway.intake.memory import current_hold
+from gateway.api.parsing import parse_request
+from gateway.api.record import RequestRecord
+from gateway.api.schemas import StreamOptions
+from gateway.api.streaming import ClientNotReading, DeadlineStreamingResponse
 from common.logs import request_id_var
 from protocol.to_gateway import TokenDelta
 

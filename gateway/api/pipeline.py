@@ -3,7 +3,7 @@
 `prepare` does everything that can fail on the user's input before any
 response byte is sent (so errors keep their HTTP status); `generate` then
 streams the engine's token deltas. How the images' tokens reach the engine,
-and what a lost one costs, is the hand-off's (gateway/handoff.py).
+and what a lost one costs, is the hand-off's (gateway/routing/handoff.py).
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from dataclasses import dataclass
 
 import msgspec
 
-from gateway.encoder_pool import EncoderPool
-from gateway.engine_pool import EnginePool
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.fetch import ImageFetcher
-from gateway.handoff import ImageHandoff, RequestImages
-from gateway.memory import BODY_COPIES, hold, working
-from gateway.intake import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
-from gateway.record import RequestRecord
-from gateway.schemas import ChatCompletionRequest, ImagePart
+from gateway.intake.fetch import ImageFetcher
+from gateway.routing.handoff import ImageHandoff, RequestImages
+from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
+from gateway.api.record import RequestRecord
+from gateway.api.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
 from protocol.to_gateway import TokenDelta
@@ -182,5 +182,5 @@ class ChatPipeline:
         return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references), images)
 
     def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
-        """The engine's deltas (gateway/handoff.py: one re-encode if it finds the tokens nowhere)."""
+        """The engine's deltas (gateway/routing/handoff.py: one re-encode if it finds the tokens nowhere)."""
         return self.handoff.stream(prepared.request, prepared.images, timer)

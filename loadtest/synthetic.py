@@ -1,8 +1,8 @@
 """Synthetic, photo-like test images (smooth gradient, a few discs, mild noise).
 
-Used by the tests and the benchmarks: deterministic per name, one picture per
-name, and not white noise, so resizing and JPEG behave as they do on real
-pictures.
+Used by the load tester (workload.py), the tests and the benchmarks:
+deterministic per name, one picture per name, and not white noise, so
+resizing and JPEG behave as they do on real pictures.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 from common.anyres import AnyresLayout
 from common.families import Family
 from protocol.to_gateway import AnyresInfo
-from vision_encoder.tower import RunOptions, TowerImage, VisionTower
+from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")
 

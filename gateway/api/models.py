@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import zmq.asyncio
 
 from gateway.config import GatewayConfig, ModelRoute
-from gateway.encoder_pool import EncoderPool
-from gateway.engine_pool import EnginePool
-from gateway.fetch import ImageFetcher
-from gateway.intake import ImageLimits, IntakePolicy
-from gateway.pipeline import ChatPipeline
-from gateway.replicas import expand_addresses
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
+from gateway.intake.fetch import ImageFetcher
+from gateway.intake.images import ImageLimits, IntakePolicy
+from gateway.api.pipeline import ChatPipeline
+from gateway.routing.replicas import expand_addresses
 
 log = logging.getLogger("prism.gateway")
 

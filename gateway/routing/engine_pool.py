@@ -4,13 +4,13 @@ A request goes to the replica that last served one of its images: its
 prefix cache holds the KV of that image's tokens (and of the system prompt
 before them), so the prefill there is shorter. A request with images this
 process has not routed goes to its first image's own replica (the one every
-gateway process picks: gateway/replicas.py); one without images to the up
+gateway process picks: gateway/routing/replicas.py); one without images to the up
 replica with the fewest requests outstanding.
 
 A replica that refuses (503: down, restarted or draining; 429: its queue is
 full) before the first token is replaced by another, with the same request
 as the caller makes it for that replica (`request_for`: the hand-off tells a
-replica no tokens were pushed to that it fetches them, gateway/handoff.py):
+replica no tokens were pushed to that it fetches them, gateway/routing/handoff.py):
 nothing was sent to the client yet. Once tokens have flowed, a failure ends
 the request with its error (a stream gets a final error event), as with one
 engine. Lost visual tokens are lost for every replica: that error goes back
@@ -22,9 +22,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from gateway.clients import EngineClient
+from gateway.routing.clients import EngineClient
 from gateway.errors import APIError
-from gateway.replicas import RETRIABLE, ReplicaPool
+from gateway.routing.replicas import RETRIABLE, ReplicaPool
 from protocol.to_engine import GenerateRequest
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, TokenDelta
 

@@ -21,17 +21,17 @@ import xxhash
 
 from cache import content_key
 from common.families import Family
-from vision_encoder.device_io import DeviceIO
-from vision_encoder.patch_matmul import patch_convs_as_matmul
+from vision_encoder.towers.device_io import DeviceIO
+from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
 
 
 @dataclass(frozen=True)
 class RunOptions:
     """How a tower runs on its device (EncoderConfig's keys of the same names)."""
 
-    attention: str = "auto"  # vision_encoder/attention.py
+    attention: str = "auto"  # vision_encoder/towers/attention.py
     preprocess_on_device: bool = True  # the image processor on the tower's GPU (no effect on a CPU)
-    graph_max_patches: int = 0  # CUDA graphs for batches up to this many patches (0: none; vision_encoder/graphs.py)
+    graph_max_patches: int = 0  # CUDA graphs for batches up to this many patches (0: none; vision_encoder/towers/graphs.py)
     max_batch_images: int = 16  # the most images a batch holds (sizes the graphs' inputs)
     compile_blocks: bool = False  # torch.compile each ViT block (compile_blocks below)
 

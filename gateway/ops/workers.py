@@ -8,12 +8,12 @@ environment, and listens on the port itself (SO_REUSEPORT), so the kernel
 spreads new connections over them, with no process in the data path.
 
 What stays right across workers, with nothing shared but that directory:
-- admission: each worker admits its share of every limit (gateway/admission.py);
+- admission: each worker admits its share of every limit (gateway/api/admission.py);
 - affinity: each image goes to the same encoder and engine replicas from every
-  worker (rendezvous hashing, gateway/replicas.py);
-- metrics: a scrape sums every worker's (gateway/metrics.py);
+  worker (rendezvous hashing, gateway/routing/replicas.py);
+- metrics: a scrape sums every worker's (gateway/ops/metrics.py);
 - the dashboard: every worker's window holds every worker's requests
-  (gateway/siblings.py).
+  (gateway/ops/siblings.py).
 
 A worker that dies is restarted (its gauges leave the sums first); SIGHUP is
 passed on to every worker (each reloads its routing map); SIGTERM drains them.
@@ -28,18 +28,37 @@ import signal
 import socket
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import multiprocess
 
 from common.supervisor import Child, Supervisor
-from gateway.admission import WorkerSlot
 from gateway.config import GatewayConfig
 
 log = logging.getLogger("prism.gateway")
 
 WORKER_ENV = "PRISM_GATEWAY_WORKER"  # the worker's index; set only in workers
 RUN_DIR_ENV = "PRISM_GATEWAY_RUN_DIR"
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """This process's place among the gateway's worker processes."""
+
+    index: int = 0
+    count: int = 1
+
+    def share(self, limit: int | None) -> int | None:
+        """This worker's part of a gateway-wide limit; the parts add up to it."""
+        if limit is None:
+            return None
+        return limit // self.count + (self.index < limit % self.count)
+
+    @property
+    def label(self) -> str:
+        """Said in refusals, where a limit is a share."""
+        return "" if self.count == 1 else f" (this worker's share: the gateway runs {self.count} workers)"
 
 
 def this_worker(config: GatewayConfig) -> tuple[WorkerSlot, Path | None]:

@@ -21,7 +21,7 @@ What one request holds (`MemoryHold`):
   fetched, then its size;
 - an image being decoded, `Inspected.decoding_bytes`; then the pixels sent
   to the encoder;
-- replies waiting to be sent to the client (gateway/clients.py ReplyQueue).
+- replies waiting to be sent to the client (gateway/routing/clients.py ReplyQueue).
 
 Bodies may take BODY_SHARE of the budget; past it a request is refused at
 admission. The rest is room for decodes and fetches: they come after the
@@ -45,7 +45,7 @@ import psutil
 from common.config import ConfigError
 from common.container import memory_limit
 from common.malloc import keep_at_most, trim
-from gateway import metrics
+from gateway.ops import metrics
 from gateway.errors import APIError
 
 log = logging.getLogger("prism.gateway")
@@ -173,7 +173,7 @@ class MemoryHold:
         self.released = True
 
 
-# The request this task serves: its replies are counted while they wait (gateway/clients.py).
+# The request this task serves: its replies are counted while they wait (gateway/routing/clients.py).
 current_hold: ContextVar[MemoryHold | None] = ContextVar("prism_memory_hold", default=None)
 
 

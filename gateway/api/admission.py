@@ -3,7 +3,7 @@
 API keys are bearer tokens compared in constant time (every configured key is
 compared, so timing tells nothing about which one nearly matched). Concurrency
 limits refuse at once with 429 + Retry-After rather than queueing without
-bound; so does the memory budget (gateway/memory.py), by a body's
+bound; so does the memory budget (gateway/intake/memory.py), by a body's
 Content-Length, before a byte of the body is read.
 
 With several gateway workers (`gateway.workers`), each admits its share of
@@ -22,7 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import APIError
-from gateway.memory import BODY_COPIES, MemoryBudget, MemoryHold
+from gateway.intake.memory import BODY_COPIES, MemoryBudget, MemoryHold
+from gateway.ops.workers import WorkerSlot
 
 
 class Authenticator:
@@ -47,25 +48,6 @@ class Authenticator:
         if not matched:
             raise APIError(401, "invalid API key", code="invalid_api_key")
         return token.strip()
-
-
-@dataclass(frozen=True)
-class WorkerSlot:
-    """This process's place among the gateway's worker processes."""
-
-    index: int = 0
-    count: int = 1
-
-    def share(self, limit: int | None) -> int | None:
-        """This worker's part of a gateway-wide limit; the parts add up to it."""
-        if limit is None:
-            return None
-        return limit // self.count + (self.index < limit % self.count)
-
-    @property
-    def label(self) -> str:
-        """Said in refusals, where a limit is a share."""
-        return "" if self.count == 1 else f" (this worker's share: the gateway runs {self.count} workers)"
 
 
 @dataclass

@@ -8,8 +8,8 @@ bounds, Qwen2.5-VL's window order, Qwen3-VL's position-embedding taps) is
 computed on the preprocessing thread with transformers' own helpers
 (`transformers.vision_utils`) and handed to the forward, which pops them
 from its kwargs: the forward then never waits on the host (a CUDA graph can
-hold it: vision_encoder/graphs.py), and attention runs as one packed call
-per layer (vision_encoder/attention.py).
+hold it: vision_encoder/towers/graphs.py), and attention runs as one packed call
+per layer (vision_encoder/towers/attention.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 from common.families import Family
 from protocol.to_gateway import ProcessorInfo
-from vision_encoder import attention
-from vision_encoder.graphs import TowerGraphs
-from vision_encoder.tower import RunOptions, TowerImage, VisionTower
+from vision_encoder.towers import attention
+from vision_encoder.towers.graphs import TowerGraphs
+from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
 # Key prefixes of the vision weights: transformers >= 4.52 saves `model.visual.`,
 # the original Qwen2-VL / Qwen2.5-VL checkpoints use `visual.`.

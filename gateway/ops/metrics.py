@@ -5,7 +5,7 @@ stages in their replies and their counters in the stats the gateway polls, so
 one scrape of the gateway shows the whole system even across hosts.
 
 With several gateway workers, PROMETHEUS_MULTIPROC_DIR is set (by
-gateway/workers.py) and each worker's metrics live in files there: a scrape,
+gateway/ops/workers.py) and each worker's metrics live in files there: a scrape,
 whichever worker answers, sums every worker's counters and histograms and the
 live workers' gauges (prometheus-client's multiprocess mode). What the gateway
 polls from the services is the same in every worker and is exported once.
@@ -49,15 +49,15 @@ REPLICA_OUTSTANDING = {
 FAILOVERS = Counter("prism_replica_failovers", "Requests moved to another replica after a 503 or 429", ["service"])
 for _service in REPLICA_REQUESTS:
     FAILOVERS.labels(_service)  # exported at 0 before the first
-# How long a callback posted from another thread waited for the gateway's event loop (gateway/loop_probe.py).
+# How long a callback posted from another thread waited for the gateway's event loop (gateway/ops/loop_probe.py).
 LOOP_LAG_SECONDS = Histogram(
     "prism_gateway_loop_lag_seconds", "How long new work waited for the gateway's event loop (sampled 10 times a second)",
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
 )
-# Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/handoff.py, Delivery.KNOWN).
+# Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/routing/handoff.py, Delivery.KNOWN).
 IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
                                     "Images sent to the engine by a reference kept from an earlier encode, without asking an encoder")
-# The memory budget (gateway/memory.py): what it admits, and what requests hold of it now.
+# The memory budget (gateway/intake/memory.py): what it admits, and what requests hold of it now.
 MEMORY_BUDGET = Gauge("prism_gateway_memory_budget_bytes", "Bytes requests may hold in the gateway (its memory budget)",
                       multiprocess_mode="livesum")
 MEMORY_HELD = Gauge("prism_gateway_memory_held_bytes",

@@ -27,7 +27,7 @@ import torch
 from common.families import Family
 from common.tiles import TileLayout
 from protocol.to_gateway import TilesInfo
-from vision_encoder.tower import RunOptions, TowerImage, VisionTower
+from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
 _VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
 

@@ -2,7 +2,7 @@
 two of its options must be set before `listen()`:
 
 - SO_REUSEPORT when several gateway workers share the port (the kernel
-  spreads new connections over them; gateway/workers.py);
+  spreads new connections over them; gateway/ops/workers.py);
 - SO_RCVBUF (`gateway.socket_receive_buffer_bytes`), which accepted
   connections inherit, and whose TCP window scale is fixed at the handshake.
 

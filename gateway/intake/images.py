@@ -30,8 +30,8 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from cache import content_key
 from gateway.errors import APIError
-from gateway.resize import resize_pixels, smart_resize
-from gateway.sniff import ALLOWED_NAMES, describe_refused, sniff
+from gateway.intake.resize import resize_pixels, smart_resize
+from gateway.intake.sniff import ALLOWED_NAMES, describe_refused, sniff
 from common.anyres import AnyresLayout
 from common.tiles import TileLayout
 from protocol.to_gateway import AnyresInfo, ProcessorInfo, TilesInfo
@@ -145,7 +145,7 @@ class Inspected:
 
     @property
     def decoding_bytes(self) -> int:
-        """The gateway memory its decode takes (gateway/memory.py)."""
+        """The gateway memory its decode takes (gateway/intake/memory.py)."""
         return self.decoded_pixels * DECODE_BYTES_PER_PIXEL
 
 

@@ -6,7 +6,7 @@ concurrent requests for a new image cost one encode across replicas, not one
 per replica; else to the replica that last served one of its images (its
 local cache has them: no Redis round trip, no race with the shared write);
 else to its first image's own replica, the one every gateway process picks for
-it (rendezvous hashing with bounded load, gateway/replicas.py).
+it (rendezvous hashing with bounded load, gateway/routing/replicas.py).
 Replicas share visual tokens through the Redis tier when one is configured, so
 where an image was encoded before costs a round trip, not an encode.
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import zmq.asyncio
 
-from gateway.clients import EncoderClient
+from gateway.routing.clients import EncoderClient
 from gateway.errors import APIError
-from gateway.replicas import RETRIABLE, ReplicaPool
+from gateway.routing.replicas import RETRIABLE, ReplicaPool
 from protocol.to_encoder import ImageInput
 from protocol.to_gateway import EncodeNeedsPixels, EncodeResult
 

@@ -27,9 +27,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from gateway import metrics
+from gateway.ops import metrics
 from gateway.errors import APIError
-from gateway.memory import MemoryHold, current_hold
+from gateway.intake.memory import MemoryHold, current_hold
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer
 from protocol.stats import EncoderStats, EngineStats, ServiceState, StatsRequest
@@ -240,7 +240,7 @@ def reply_bytes(item: tuple[Any, list]) -> int:
 
 class ReplyQueue(asyncio.Queue):
     """One request's replies, counted against the memory budget while they
-    wait for it (gateway/memory.py): a client that reads its stream slowly
+    wait for it (gateway/intake/memory.py): a client that reads its stream slowly
     leaves its tokens here."""
 
     def __init__(self, memory: MemoryHold | None) -> None:

@@ -5,7 +5,7 @@ and each worker says how many requests it has in flight. So /dashboard
 answers for the whole gateway whichever worker the connection reached.
 
 Nothing here decides admission or routing: those need no shared state
-(gateway/admission.py, gateway/replicas.py). A worker that restarts starts
+(gateway/api/admission.py, gateway/routing/replicas.py). A worker that restarts starts
 with an empty window of its own; the others keep what it had sent.
 """
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import msgspec
 import zmq.asyncio
 
-from gateway.admission import WorkerSlot
-from gateway.dashboard import DashboardWindow
+from gateway.ops.workers import WorkerSlot
+from gateway.ops.dashboard import DashboardWindow
 from protocol.siblings import FinishedRequest, SiblingInbound, WorkerLoad
 from protocol.sockets import AsyncSubscriber, Publisher
 

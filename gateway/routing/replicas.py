@@ -10,7 +10,7 @@ it (bounded loads: a hot image spills over instead of piling up). So a
 repeated image finds its cache hit, and its engine's prefix cache, whichever
 gateway process it reaches.
 
-The set can change while the gateway runs (gateway/discovery.py): a replica
+The set can change while the gateway runs (gateway/routing/discovery.py): a replica
 keeps its index for as long as anything may refer to it (a request's route,
 its streams). One that leaves is retired: no new requests, closed once idle;
 only then may a newcomer take its index.
@@ -31,9 +31,9 @@ from typing import Generic, TypeVar
 import xxhash
 import zmq.asyncio
 
-from gateway import metrics
-from gateway.clients import ServiceClient
-from gateway.discovery import Discovery, follows_dns, replica_addresses
+from gateway.ops import metrics
+from gateway.routing.clients import ServiceClient
+from gateway.routing.discovery import Discovery, follows_dns, replica_addresses
 from gateway.errors import APIError
 
 RETRIABLE = (503, 429)  # the replica is gone, draining or full; another may not be
@@ -105,7 +105,7 @@ class ReplicaPool(Generic[C]):
             replica.start_heartbeat(interval_s)
 
     def follow_dns(self, addresses: Sequence[str], interval_s: float, join_timeout_s: float, lookup=None) -> None:
-        """Re-resolve the configured addresses every interval (gateway/discovery.py)."""
+        """Re-resolve the configured addresses every interval (gateway/routing/discovery.py)."""
         if interval_s > 0 and follows_dns(addresses):
             discovery = Discovery(addresses, join_timeout_s, self.update, self.kind, lookup)
             self._discovery = asyncio.create_task(discovery.run(interval_s))
