@@ -29,8 +29,8 @@ from rich.table import Table
 
 from prism import scenes
 from prism.demo_model import SHAPES_MODEL
-from prism.stack import LocalStack
-from prism.synthetic import data_url
+from testing.stack import LocalStack
+from loadtest.synthetic import data_url
 
 BARS = {"colour": 0.95, "shape": 0.90, "count": 0.90, "json": 0.90}
 KINDS = (*scenes.KINDS, "json")

@@ -41,7 +41,7 @@ from bench.cgroup import MemoryCgroup
 from bench.uploads import Uploads, burst, by_outcome, large_jpeg
 from common.config import DEFAULT_CONFIG, REPO_ROOT
 from prism.launch import ENCODER_TUNABLES, ENGINE_TUNABLES
-from prism.stack import free_port, scrape, wait_for_health
+from testing.stack import free_port, scrape, wait_for_health
 
 MIB = 2**20
 GATEWAY_MANIFEST = REPO_ROOT / "deploy" / "kubernetes" / "base" / "gateway.yaml"

@@ -36,12 +36,12 @@ from pathlib import Path
 import numpy as np
 import zmq.asyncio
 
-from gateway.encoder_pool import EncoderPool
-from gateway.resize import resize_pixels, smart_resize
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.intake.resize import resize_pixels, smart_resize
 from loadtest.workload import RESOLUTIONS
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 

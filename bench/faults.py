@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import psutil
 
-from prism.redis_server import RedisServer
+from testing.redis_server import RedisServer
 
 REFUSED_AT_ADMISSION = "is unavailable; retry shortly"
 AFTER_FIRST_TOKEN = "after the first token"

@@ -58,14 +58,14 @@ from bench.servers import vllm_server
 from bench.ttft import MAX_TOKENS, QUESTION, SERVED_NAME, image_question, median_ms, over_http
 from bench.zmq_echo import answer
 from common.config import REPO_ROOT
-from gateway.intake import decode, inspect
+from gateway.intake.images import decode, inspect
 from loadtest.bench import Plan, load_test
 from loadtest.client import Target
 from loadtest.runner import Arrival
 from loadtest.workload import WorkloadSpec, parse_buckets, parse_distribution
 from prism.demo_model import SHAPES_MODEL
-from prism.stack import LocalStack, scrape
-from prism.synthetic import encode, make_image
+from testing.stack import LocalStack, scrape
+from loadtest.synthetic import encode, make_image
 
 MODEL = SHAPES_MODEL
 IMAGES = {"4k": (3840, 2160), "1080p": (1920, 1080)}
@@ -83,12 +83,12 @@ REST_S = 1.1
 
 def crossings(kind: str, push: bool) -> int:
     """The one-way crossings between processes that `embed_transfer` holds. A repeat's request goes
-    gateway → engine → gateway. A new image's goes gateway → encoder → engine → gateway (sent ahead,
-    docs/architecture.md step 8), or without pushing gateway → encoder → gateway → engine (which
-    fetches the tokens from the encoder: two more) → gateway."""
+    gateway → engine → gateway. A new image's goes gateway → encoder → gateway → engine → gateway,
+    its tokens pushed encoder → engine meanwhile; without pushing, the engine fetches them from the
+    encoder: two more."""
     if kind == "repeated":
         return 2
-    return 3 if push else 6
+    return 4 if push else 6
 
 
 def jpegs(trials: int) -> dict[str, list[bytes]]:
@@ -116,7 +116,7 @@ def tower_floor(images: list[bytes]):
     image's embeddings and grid) with the encoder's own tower."""
     import torch
 
-    from vision_encoder.tower import TowerImage
+    from vision_encoder.towers.tower import TowerImage
     from vision_encoder.towers import load_tower
 
     torch.set_num_threads(1)  # as the encoder service runs it (encoder.torch_threads)

@@ -33,8 +33,8 @@ import httpx
 
 from bench.profile import cpu_seconds, descendants
 from prism.demo_model import SHAPES_MODEL
-from prism.stack import LocalStack
-from prism.synthetic import data_url, make_image
+from testing.stack import LocalStack
+from loadtest.synthetic import data_url, make_image
 
 ROLES = (("-m gateway", "gateway"), ("-m vision_encoder", "encoder"), ("-m llm_engine", "engine"), ("VLLM::", "engine"))
 

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from bench import real_towers
-from vision_encoder.attention import available, register
-from vision_encoder.tower import RunOptions, TowerImage
+from vision_encoder.towers.attention import available, register
+from vision_encoder.towers.tower import RunOptions, TowerImage
 
 OUT = Path(os.environ.get("OUT", "/tmp/prism-gpu-encoder"))
 NOMINAL_PEAK = 989e12  # H100/H200 dense bf16, datasheet
@@ -93,7 +93,7 @@ def timed(fn, warmup: int, rounds: int) -> float:
 
 
 def images_of(sizes: list[tuple[int, int]], seed: int = 0) -> list[TowerImage]:
-    from gateway.resize import smart_resize
+    from gateway.intake.resize import smart_resize
 
     rng = np.random.default_rng(seed)
     out = []

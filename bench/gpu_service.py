@@ -29,8 +29,8 @@ import numpy as np
 from bench import real_towers
 from bench.encoder import Setting, drive, jobs_for, running
 from common.config import REPO_ROOT
-from gateway.encoder_pool import EncoderPool
-from gateway.resize import smart_resize
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.intake.resize import smart_resize
 
 CONFIG = REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml"
 MIXES = {"256": [(256, 256)], "mixed": [(256, 256), (720, 1280), (1080, 1920), (2160, 3840)]}

@@ -48,8 +48,8 @@ import numpy as np
 
 from bench.floor import timed_ms, zmq_round_trip_ms
 from bench.ttft import SERVED_NAME
-from prism.stack import LocalStack, free_port, scrape
-from prism.synthetic import encode, make_image
+from testing.stack import LocalStack, free_port, scrape
+from loadtest.synthetic import encode, make_image
 from prism.tiny_models import ensure_tiny_model
 
 SIZE = (1280, 800)

@@ -23,9 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from gateway.intake import ImageLimits, IntakePolicy, decode, decode_data_url, inspect
-from prism.stack import LocalStack
-from prism.synthetic import data_url, make_image
+from gateway.intake.images import ImageLimits, IntakePolicy, decode, decode_data_url, inspect
+from testing.stack import LocalStack
+from loadtest.synthetic import data_url, make_image
 from protocol.to_gateway import ProcessorInfo
 
 BUDGETS = {"1 MP": 1024 * 1024, "140×140 (demo)": 140 * 140}

@@ -35,8 +35,8 @@ from pathlib import Path
 from openai import OpenAI
 
 from prism.demo_model import SHAPES_MODEL
-from prism.stack import LocalStack
-from prism.synthetic import data_url, make_image
+from testing.stack import LocalStack
+from loadtest.synthetic import data_url, make_image
 
 PRISM_PACKAGES = ("gateway/", "vision_encoder/", "llm_engine/", "protocol/", "cache/")
 TICKS = os.sysconf("SC_CLK_TCK")

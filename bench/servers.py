@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common.config import REPO_ROOT
 from common.supervisor import stop_group
-from prism.stack import LocalStack, free_port, serving, wait_for_health
+from testing.stack import LocalStack, free_port, serving, wait_for_health
 
 # Engine settings both sides share (configs/cpu-demo.yaml's engine section).
 MAX_MODEL_LEN = 4096

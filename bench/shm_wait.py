@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from prism.stack import LocalStack
+from testing.stack import LocalStack
 
 DECODE_TOKENS = 2000
 PROBE = """

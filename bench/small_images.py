@@ -37,7 +37,7 @@ from loadtest.runner import Arrival
 from loadtest.stats import SLO
 from loadtest.workload import WorkloadSpec, parse_buckets
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.stack import LocalStack
+from testing.stack import LocalStack
 
 SETTINGS = {  # encoder.batch_size_ratio, encoder.express_max_patches
     "first come first served": ("0", "0"),

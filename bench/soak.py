@@ -29,9 +29,9 @@ import httpx
 import psutil
 
 from bench.faults import FaultSchedule, classify
-from prism.redis_server import RedisServer
-from prism.stack import LocalStack, free_port
-from prism.synthetic import data_url, make_image
+from testing.redis_server import RedisServer
+from testing.stack import LocalStack, free_port
+from loadtest.synthetic import data_url, make_image
 
 SIZES = [(256, 256), (1280, 720), (1920, 1080), (640, 480)]
 

@@ -229,7 +229,7 @@ def bf16_errors(family: TowerFamily, vision, ours, pixels: torch.Tensor, grid: t
     runs them), vLLM's, and the float32 reference rounded once to bfloat16."""
     from vllm.config import set_current_vllm_config
 
-    from vision_encoder.patch_matmul import patch_convs_as_matmul
+    from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
 
     reference = staged(family.stages(ours), lambda: family.ours(ours, pixels, grid))
     prism = copy.deepcopy(ours).to(torch.bfloat16)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench.servers import prism_stack, vllm_server
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.synthetic import encode, make_image
+from loadtest.synthetic import encode, make_image
 
 MODEL = RANDOM_MODEL
 RESOLUTIONS = {"256x256": (256, 256), "1280x720": (1280, 720), "1920x1080": (1920, 1080), "3840x2160": (3840, 2160)}

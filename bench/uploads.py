@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 
 PIECE = 256 * 1024
 COMMENT = 30  # bytes of each JPEG's own comment: start marker (2) + marker (2) + length (2) + 30 = 36, a multiple of 3

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import pydantic
 import yaml
@@ -33,6 +33,17 @@ class FrozenConfig(pydantic.BaseModel):
     """Base of every service config: immutable, unknown keys rejected."""
 
     model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+    # Keys that were removed → why, and what stands in their place: a config
+    # that still sets one fails saying so, not as an unknown key.
+    removed_keys: ClassVar[dict[str, str]] = {}
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _no_removed_keys(cls, values):
+        if isinstance(values, Mapping):
+            for key in sorted(cls.removed_keys.keys() & values.keys()):
+                raise ValueError(f"{key} was removed ({cls.removed_keys[key]}); delete it from the config")
+        return values
 
 
 def check_redis_url(url: str | None) -> str | None:
@@ -101,6 +112,6 @@ def load_config(
         return model.model_validate(values)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
-            f"{section}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join((section, *(str(p) for p in err['loc'])))}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"invalid config {path}: {problems}") from None

@@ -3,7 +3,7 @@
 A checkpoint's `model_type` picks its family. A family's `layout` says how
 its images become tokens:
 - "qwen" (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the image is resized to a pixel
-  budget with sides a multiple of patch × merge (gateway/resize.py), and its
+  budget with sides a multiple of patch × merge (gateway/intake/resize.py), and its
   tokens form a (t, h, w) grid that vLLM takes beside the embeddings;
 - "anyres" (LLaVA-OneVision, LLaVA-NeXT): tiles of the image at its best grid pinpoint
   plus a base tile, one token list per image with newline tokens in it
@@ -14,7 +14,7 @@ its images become tokens:
   `vision_config`, of an architecture vLLM serves). It is served with no
   encoder, and a request with an image gets a 400 naming the model.
 The gateway learns the layout's numbers from the encoder's handshake; the
-encoder picks its tower by layout (vision_encoder/towers.py); the engine
+encoder picks its tower by layout (vision_encoder/towers/); the engine
 needs the width of the embeddings it hands vLLM, and whether vLLM must keep
 the checkpoint's vision tower loaded to take them.
 

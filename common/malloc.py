@@ -18,7 +18,7 @@ launcher's own process, where the environment is read too late, so it sets
 the same through mallopt at start-up (`keep_freed_heap`).
 
 The gateway sizes what it keeps from its memory limit instead of 1 GiB
-(`keep_at_most`, gateway/memory.py), and gives back what it holds past
+(`keep_at_most`, gateway/intake/memory.py), and gives back what it holds past
 that (`trim`): glibc trims only the top of each heap, so a burst's freed
 blocks below a block still in use would otherwise stay resident.
 """

@@ -1,16 +1,16 @@
 """Entry point: python -m gateway [--config configs/cpu-demo.yaml]
 
 With `gateway.workers` > 1 this process supervises that many gateway workers
-(gateway/workers.py); each of them comes back here with its slot set."""
+(gateway/ops/workers.py); each of them comes back here with its slot set."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from gateway.app import serve
+from gateway.api.app import serve
 from gateway.config import GatewayConfig
-from gateway.workers import serve_workers, this_worker
+from gateway.ops.workers import serve_workers, this_worker
 from common.config import load_config
 from common.logs import setup_logging
 from common.supervisor import stop_with_supervisor

@@ -21,6 +21,11 @@ class ModelRoute(FrozenConfig):
 
 
 class GatewayConfig(FrozenConfig):
+    removed_keys = {
+        "send_engine_request_ahead": "a request's engine now always gets it once the encoder has answered: sending it "
+                                     "ahead measured within noise, docs/measurements/ahead.md",
+    }
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     # One address per encoder replica; `prism serve` starts one encoder for each.
@@ -38,19 +43,13 @@ class GatewayConfig(FrozenConfig):
     # instead of waiting for that engine to fetch them. The engine addresses
     # must then be reachable from the encoders. false: engines always fetch.
     push_embeddings: bool = True
-    # With push_embeddings: a request with new images goes to its engine beside
-    # the encoder's, and the encoder sends the engine the images' references
-    # itself, so the engine tokenizes the prompt while the images are encoded
-    # and the encoder's reply to the gateway is off the way to the first token.
-    # false: the engine's request goes once the encoder has answered.
-    send_engine_request_ahead: bool = True
     generate_timeout_s: float = Field(600, gt=0)
     stats_interval_s: float = Field(1.0, gt=0)  # polling the services' stats (also a heartbeat)
     heartbeat_timeout_s: float = Field(5.0, gt=0)  # silent this long: the service is down (503)
     drain_timeout_s: float = Field(30, ge=0)  # on shutdown, in-flight requests get this long to finish
     # tcp:// host names in the encoder and engine addresses are resolved again
     # this often (a Kubernetes headless Service has one A record per ready pod),
-    # so replicas join and leave while the gateway runs (gateway/discovery.py).
+    # so replicas join and leave while the gateway runs (gateway/routing/discovery.py).
     # 0: resolved once, at start-up.
     discovery_interval_s: float = Field(5.0, ge=0)
     # An idle keep-alive connection is closed after this. It must outlast the
@@ -62,7 +61,7 @@ class GatewayConfig(FrozenConfig):
     # listening socket, set before listen()), so a request body of up to about
     # half this lands in the kernel while the gateway is busy, and is read in
     # one turn of the loop instead of trickling in as the gateway drains a
-    # small window (gateway/listener.py). 0: the kernel's autotuning. Past
+    # small window (gateway/api/listener.py). 0: the kernel's autotuning. Past
     # what the kernel grants (net.core.rmem_max caps it) a fixed buffer would
     # be smaller than asked and stop autotuning, so the gateway then leaves
     # autotuning on and logs a warning.
@@ -81,7 +80,7 @@ class GatewayConfig(FrozenConfig):
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
     max_visual_tokens_in_flight: int | None = Field(None, ge=1)
-    # Memory (gateway/memory.py): what requests hold (bodies, images, replies
+    # Memory (gateway/intake/memory.py): what requests hold (bodies, images, replies
     # waiting) is counted against a budget; past it: 429 + Retry-After, before
     # the body is read. The memory the gateway may use; None: its container's
     # limit (cgroup v2 memory.max, v1 memory.limit_in_bytes), else the machine's.

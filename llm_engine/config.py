@@ -42,7 +42,7 @@ class EngineConfig(FrozenConfig):
     # `auto` is not constrained (vLLM's VLLM_ENFORCE_STRICT_TOOL_CALLING).
     strict_tool_calling: bool = True
     # Visual tokens come by reference and are fetched from the encoder that
-    # holds them (llm_engine/fetch.py); the most recent stay in an LRU of this
+    # holds them (llm_engine/images.py); the most recent stay in an LRU of this
     # size, so a repeated image is not fetched again. 0: no LRU.
     embedding_cache_mb: float = Field(1024, ge=0)
     embed_fetch_timeout_s: float = Field(5, gt=0)  # past it, the shared tier; then 503 (the gateway re-encodes)

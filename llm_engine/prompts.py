@@ -70,9 +70,8 @@ def image_parts(messages: list[dict]) -> int:
 
 def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> None:
     """One image part per image sent, and every image's embeddings, as
-    described, fit the model: checked before any tensor is fetched (and for
-    a request whose references follow, its image count before they come)."""
-    sent = request.images_follow or len(request.images)
+    described, fit the model: checked before any tensor is fetched."""
+    sent = len(request.images)
     if (parts := image_parts(chat.messages)) != sent:
         raise InvalidPrompt(f"{parts} image parts in the messages but {sent} images sent")
     if sent and shape is None:
@@ -89,7 +88,7 @@ def image_data(request: GenerateRequest, tensors: list, shape: ModelShape | None
     if shape.merge_size is None:
         return {"image": [x.to(dtype) for x in tensors]}
     grids = torch.tensor([image.grid_thw for image in request.images], dtype=torch.int64)
-    # One image (the common case) is passed as it is: at 7B widths a cat would copy its 9 MB per request.
+    # One image (the common case) is passed as it is: a cat would copy its megabytes of tokens per request.
     embeds = tensors[0] if len(tensors) == 1 else torch.cat([x.to(dtype) for x in tensors])
     return {"image": {"image_embeds": embeds, "image_grid_thw": grids}}
 
@@ -131,20 +130,19 @@ def render_prompt(chat, tokenizer, template_kwargs: dict) -> list[int]:
         template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
     )
     # Token ids, not text: the ids are needed for the length check anyway, and
-    # vLLM then skips tokenizing again (0.4-0.6 ms of its input processing).
+    # vLLM then skips tokenizing again (part of its input processing).
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,
                  max_model_len: int) -> Prompt:
     """`token_ids`: render_prompt's; `tensors`: each image's embeddings,
-    checked (check_images) and fetched (llm_engine/fetch.py)."""
+    checked (check_images) and fetched (llm_engine/images.py)."""
     inputs: dict = {"prompt_token_ids": token_ids}
     visual_tokens = 0
     if (images := image_data(request, tensors, shape)) is not None:
         inputs["multi_modal_data"] = images
-        if all(image.key for image in request.images):  # Prism's content keys: vLLM hashes nothing
-            inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}
+        inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}  # Prism's content keys: vLLM hashes nothing
         # each placeholder becomes the image's rows of tokens
         visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
     num_tokens = len(token_ids) + visual_tokens

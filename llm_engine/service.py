@@ -21,16 +21,14 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 import zmq.asyncio
 from vllm.exceptions import VLLMClientError
 
 from llm_engine.config import EngineConfig
-from llm_engine.fetch import EmbeddingFetcher, EmbeddingsUnavailable
+from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
 from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_images, render_prompt
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
@@ -41,13 +39,12 @@ from common.logs import request_id_var
 from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, ImageEmbedding, ImagesEncoded, PushedEmbedding
-from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EngineReady, EngineTimings, GenerateFailed, TokenDelta
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, PushedEmbedding
+from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
 DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long before it exits
-EARLY_REFERENCES_KEPT = 1024  # ImagesEncoded that came before their request (or for one aborted since)
 
 
 def engine_args(config: EngineConfig, family: Family):
@@ -104,9 +101,9 @@ def _worker_openmp(vllm_config):
     """With the model in the engine core on a CPU ("uni"): the OpenMP threads
     and core binding that vLLM gives its worker process otherwise. Left to
     torch's default (a thread per core, unbound), the model's threads spun
-    against each other and everything else on 2 cores: 138 ms of the engine
-    core's CPU per request against 16 ms (docs/architecture.md, "Where vLLM
-    runs the model")."""
+    against each other and everything else on a small machine, costing the
+    engine core several times its CPU per request (measured in the docs:
+    "Where vLLM runs the model")."""
     from vllm.platforms import current_platform
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
@@ -150,16 +147,6 @@ def engine_timings(metrics, received: float, fetch_s: float, first_ready: float)
     )
 
 
-def embedding_fetcher(config: EngineConfig, ctx: zmq.asyncio.Context) -> EmbeddingFetcher:
-    shared = None
-    if config.shared_cache_url:
-        from cache.shared import SharedTier
-
-        shared = SharedTier(config.shared_cache_url, config.shared_cache_timeout_ms / 1000, config.shared_cache_retry_s)
-    return EmbeddingFetcher(ctx, int(config.embedding_cache_mb * 2**20), config.embed_fetch_timeout_s, shared,
-                            config.embed_push_wait_s)
-
-
 @dataclass(eq=False)
 class InFlight:
     peer: bytes
@@ -168,11 +155,11 @@ class InFlight:
 
 class EngineService:
     def __init__(self, config: EngineConfig, engine, router: AsyncRouter, watch: StallWatch, shape: ModelShape | None,
-                 generation_defaults: dict, fetcher: EmbeddingFetcher) -> None:
+                 generation_defaults: dict, images: EngineImages) -> None:
         self.config = config
         self.engine = engine
         self.router = router
-        self.fetcher = fetcher
+        self.images = images  # the requests' visual tokens: pushed here, or fetched (llm_engine/images.py)
         self.watch = watch
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
@@ -180,8 +167,6 @@ class EngineService:
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
-        self.awaiting_images: dict[str, asyncio.Future] = {}  # requests whose images' references are still to come
-        self._early_images: OrderedDict[str, list[ImageEmbedding]] = OrderedDict()  # references that came first
         self.boot_id = uuid.uuid4().hex
         self.finished = 0
         self.failed = 0
@@ -205,7 +190,7 @@ class EngineService:
         engine = start_vllm(config, family, [step_clock_factory(watch)])
         router = AsyncRouter(ctx, config.address, EngineInbound)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
-        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), embedding_fetcher(config, ctx))
+        service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model)
         return service
@@ -236,7 +221,7 @@ class EngineService:
                 log.warning("drain deadline passed with %d requests in flight", len(self.requests))
         receiving.cancel()
         watching.cancel()
-        self.fetcher.close()  # its sockets to the encoders, and the shared tier's connection
+        self.images.close()  # its sockets to the encoders, and the shared tier's connection
 
     def drain(self) -> None:
         """Stop taking requests (503: the gateway sends them to another replica);
@@ -251,67 +236,26 @@ class EngineService:
         while True:
             peer, message, frames = await self.router.recv()
             if isinstance(message, GenerateRequest):
-                await self._accept(peer, message, frames, time.monotonic())
+                await self._accept(peer, message, time.monotonic())
             elif isinstance(message, PushedEmbedding):
-                self._received(message, frames)
-            elif isinstance(message, ImagesEncoded):
-                self._images_encoded(message)
+                self.images.received(message, frames)
             elif isinstance(message, AbortGenerate):
                 await self._abort(message.request_id)
             elif isinstance(message, StatsRequest):
                 await self._send(peer, self.stats())
             elif isinstance(message, Hello):
                 takes_images = self.shape is not None
-                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.fetcher.takes_pushes, takes_images)
+                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes)
                 await self._send(peer, ready)
-
-    def _received(self, push: PushedEmbedding, frames) -> None:
-        try:
-            self.fetcher.received(push, frames)
-        except ValueError as exc:  # a malformed push costs its request a fetch, never the loop
-            log.warning("a pushed embedding was dropped: %s", exc)
-
-    def _images_encoded(self, message: ImagesEncoded) -> None:
-        """An encoder's references for a request sent ahead of them (GenerateRequest.images_follow)."""
-        waiter = self.awaiting_images.get(message.request_id)
-        if waiter is not None:
-            if not waiter.done():
-                waiter.set_result(message.images)
-            return
-        self._early_images[message.request_id] = message.images  # its request is still on its way
-        while len(self._early_images) > EARLY_REFERENCES_KEPT:
-            self._early_images.popitem(last=False)
-
-    async def _with_images(self, request: GenerateRequest) -> GenerateRequest:
-        """`request` with the references its encoder sends: waited for up to `images_wait_s`."""
-        rid = request.request_id
-        images = self._early_images.pop(rid, None)
-        if images is None:
-            self.awaiting_images[rid] = asyncio.get_running_loop().create_future()
-            try:
-                async with asyncio.timeout(request.images_wait_s):
-                    images = await self.awaiting_images[rid]
-            except TimeoutError:
-                raise EmbeddingsUnavailable(
-                    f"the references to this request's images did not come from their encoder within "
-                    f"{request.images_wait_s:g} s") from None
-            finally:
-                del self.awaiting_images[rid]
-        self.watch.note_work_arrived(time.monotonic(), was_idle=self._in_vllm() == 1)
-        return msgspec.structs.replace(request, images=images, images_follow=0)
-
-    def _in_vllm(self) -> int:
-        """Requests vLLM has or is about to have: not those still waiting for their images."""
-        return len(self.requests) - len(self.awaiting_images)
 
     def stats(self) -> EngineStats:
         return EngineStats(
             self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
-            self.watch.steps, self.watch.stalls, self.fetcher.cache.stats.hits, self.fetcher.fetched,
-            self.fetcher.fetched_bytes, self.fetcher.joined, self.fetcher.pushed, self.fetcher.pushed_bytes,
+            self.watch.steps, self.watch.stalls, self.images.cache.stats.hits, self.images.fetched,
+            self.images.fetched_bytes, self.images.joined, self.images.pushed, self.images.pushed_bytes,
         )
 
-    async def _accept(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
+    async def _accept(self, peer: bytes, request: GenerateRequest, received: float) -> None:
         rid = request.request_id
         if (refusal := self._refusal()) is not None:
             await self._send(peer, GenerateFailed(rid, *refusal))
@@ -319,9 +263,8 @@ class EngineService:
         if len(self.waiting) >= self.config.max_waiting_requests:
             await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
             return
-        if not request.images_follow:  # else once its images are known: till then it is no work for vLLM
-            self.watch.note_work_arrived(time.monotonic(), was_idle=self._in_vllm() == 0)
-        task = asyncio.create_task(self._generate(peer, request, frames, received))
+        self.watch.note_work_arrived(time.monotonic(), was_idle=not self.requests)
+        task = asyncio.create_task(self._generate(peer, request, received))
         self.requests[rid] = InFlight(peer, task)
         task.add_done_callback(lambda _: self.requests.pop(rid, None))
 
@@ -358,7 +301,7 @@ class EngineService:
                 return
             if loop.time() - asked_at > 2 * interval + 1:
                 continue  # our own timer woke late (this process was not run): no verdict on this round
-            verdict = self.watch.check(time.monotonic(), busy=self._in_vllm() > 0)
+            verdict = self.watch.check(time.monotonic(), busy=bool(self.requests))
             if verdict is Verdict.STALLED:
                 self._on_stall()
             elif verdict is Verdict.RESTART:
@@ -428,20 +371,16 @@ class EngineService:
             raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
         return prompt, params
 
-    async def _generate(self, peer: bytes, request: GenerateRequest, frames, received: float) -> None:
+    async def _generate(self, peer: bytes, request: GenerateRequest, received: float) -> None:
         """`received`: when the request came off the socket (engine_queue starts there)."""
         rid = request.request_id
         request_id_var.set(rid)
         self.waiting.add(rid)
         try:
             chat, kwargs, new_parser = self._read(request)
-            token_ids = render_prompt(chat, self.tokenizer, kwargs)  # before any wait: it needs no tensor
-            if request.images_follow:
-                request = await self._with_images(request)
-                received = time.monotonic()  # its engine_queue starts once it can go to vLLM
-                check_images(chat, request, self.shape)
+            token_ids = render_prompt(chat, self.tokenizer, kwargs)
             fetch_started = time.monotonic()
-            tensors = await self.fetcher.tensors(request.images, frames)
+            tensors = await self.images.tensors(request.images)
             fetch_s = time.monotonic() - fetch_started if request.images else 0.0
             prompt, params = self._plan(chat, token_ids, request, tensors)
             tokens = await self._stream(peer, rid, prompt.inputs, params, (received, fetch_s), chat, new_parser)
@@ -455,7 +394,7 @@ class EngineService:
         except EmbeddingsUnavailable as exc:
             self.failed += 1
             log.warning("%s", exc)
-            await self._send(peer, GenerateFailed(rid, str(exc), 503, EMBEDDINGS_UNAVAILABLE))
+            await self._send(peer, exc.reply(rid))
         except (InvalidPrompt, ValueError, TypeError, VLLMClientError) as exc:  # vLLM's errors caused by the request
             self.failed += 1
             log.info("refused: %s", exc)

@@ -14,7 +14,7 @@ import base64
 import random
 from dataclasses import dataclass, field
 
-from prism.synthetic import encode, make_image
+from loadtest.synthetic import encode, make_image
 
 # Named resolutions (width, height): the mix plus strips.
 RESOLUTIONS = {
@@ -75,7 +75,7 @@ class WorkloadSpec:
     system_prompts: str = "none"  # none | fixed | unique
     seed: int = 0
     # Mixed into every image's seed: the same sizes, formats and repeats in the
-    # same order with other pixels (loads side by side on one cache: bench/ahead.py).
+    # same order with other pixels (two loads side by side on one cache).
     image_salt: int = 0
 
     def __post_init__(self) -> None:

@@ -83,7 +83,7 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
 
 
 def serve(config_path: Path) -> None:
-    from gateway.app import serve as serve_gateway
+    from gateway.api.app import serve as serve_gateway
     from gateway.config import GatewayConfig
 
     setup_logging("gateway")  # the gateway runs in this process
@@ -93,7 +93,7 @@ def serve(config_path: Path) -> None:
     supervisor.start()
     atexit.register(supervisor.stop)
     if gateway_config.workers > 1:
-        from gateway.workers import serve_workers
+        from gateway.ops.workers import serve_workers
 
         serve_workers(gateway_config, config_path)  # returns on SIGTERM, once the workers have drained
         return

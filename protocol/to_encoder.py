@@ -30,12 +30,6 @@ class EncodeRequest(Message):
     # batch ends, so the tokens travel while the gateway makes the request.
     # "": none; the engine fetches them.
     push_to: str = ""
-    # Non-empty: the engine at `push_to` is sent this request too, ahead of
-    # its images (GenerateRequest.images_follow), and waits for them: their
-    # references go there (ImagesEncoded) just before the reply, each naming
-    # this encoder by this address (the one the engine fetches from, as the
-    # gateway knows it).
-    engine_waits_as: str = ""
 
 
 class CancelEncode(Message):

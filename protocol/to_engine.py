@@ -11,20 +11,19 @@ from protocol.tensors import ArrayMeta
 
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One image's visual tokens: by reference (`source`), or as a frame of the message."""
+    """One image's visual tokens, by reference: the tensor never travels in a
+    GenerateRequest; the engine finds it by `key` (llm_engine/images.py)."""
 
     embeddings: ArrayMeta  # (tokens, hidden): what the tensor is, checked before it is fetched
     grid_thw: tuple[int, int, int] | None  # Qwen's families; None where the family has no grid
     # The encoder's content key: handed to vLLM as the image's `multi_modal_uuids`
     # entry, so vLLM neither hashes the tensor nor keys its prefix cache on
-    # anything else; and the key the engine fetches it by. Empty: vLLM hashes
-    # the embeddings itself.
-    key: bytes = b""
+    # anything else; and the key the engine fetches it by.
+    key: bytes
     # The encoder address that holds the tensor (the engine fetches it from
-    # there, or from its own LRU or the shared tier). "": the tensor is a frame
-    # of this message, one per such image, in order.
-    source: str = ""
-    identity: bytes = b""  # what `key` was hashed from: checked on every fetch (cache/lru.py)
+    # there, or finds it in its own LRU or the shared tier).
+    source: str
+    identity: bytes  # what `key` was hashed from: checked on every fetch (cache/lru.py)
     # `source` pushed the tensor to this engine as it encoded it (PushedEmbedding):
     # it may still be on its way; the engine waits for it before fetching.
     pushed: bool = False
@@ -42,21 +41,14 @@ IMAGE_PLACEHOLDER = "prism:embedding"
 
 class GenerateRequest(Message):
     """`chat` is the client's OpenAI chat request as the gateway validated it
-    (JSON), each image part's URL replaced by IMAGE_PLACEHOLDER and its pixels
-    by the embeddings here, in order of appearance. The engine reads it with
+    (JSON), each image part's URL replaced by IMAGE_PLACEHOLDER, and `images`
+    the references to their embeddings, in order of appearance. The engine reads it with
     vLLM's own ChatCompletionRequest, so sampling, structured outputs and tools
     mean exactly what they mean on vLLM's server (llm_engine/requests.py)."""
 
     request_id: str
     chat: bytes
     images: list[ImageEmbedding] = []
-    # > 0: this many images' references come from their encoder instead
-    # (ImagesEncoded, sent as it replies to the gateway), and `images` is
-    # empty: the gateway sent this request beside the encoder's, so the engine
-    # reads and tokenizes it while the images are encoded. Waited for up to
-    # `images_wait_s`; then the request fails with 503 `embeddings_unavailable`.
-    images_follow: int = 0
-    images_wait_s: float = 0.0
 
     def unpushed(self) -> "GenerateRequest":
         """This request for an engine no encoder pushed its tokens to (a failover):
@@ -81,15 +73,7 @@ class PushedEmbedding(Message):
     grid_thw: tuple[int, int, int] | None
 
 
-class ImagesEncoded(Message):
-    """From an encoder: the references to a request's images
-    (GenerateRequest.images_follow), sent after the tokens it pushed for them."""
-
-    request_id: str
-    images: list[ImageEmbedding]
-
-
-EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | ImagesEncoded | Hello | StatsRequest
+EngineInbound = GenerateRequest | AbortGenerate | PushedEmbedding | Hello | StatsRequest
 
 
 class FetchedEmbeddings(Message):

@@ -72,7 +72,6 @@ class EncodeResult(Message):
     request_id: str
     images: list[EncodedImage]
     timings: EncoderTimings
-    engine_told: bool = False  # the waiting engine was sent the images (EncodeRequest.engine_waits_as)
 
 
 class EncodeNeedsPixels(Message):
@@ -96,7 +95,6 @@ class EngineReady(Message):
     max_model_len: int
     takes_images: bool = True  # False: a text-only model, served with no encoder
     takes_pushes: bool = False  # its LRU keeps visual tokens an encoder pushes unasked (PushedEmbedding)
-    takes_images_later: bool = False  # takes a request before its images' references (GenerateRequest.images_follow)
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -158,7 +156,7 @@ class GenerateFailed(Message):
 
 
 # GenerateFailed's code when the engine could not fetch an image's visual
-# tokens (llm_engine/fetch.py): the gateway encodes the images again, once.
+# tokens (llm_engine/images.py): the gateway encodes the images again, once.
 EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
 
 

@@ -22,7 +22,7 @@ from typing import Any
 @dataclass
 class Job:
     key: bytes
-    image: Any  # the tower's input (vision_encoder/tower.py TowerImage)
+    image: Any  # the tower's input (vision_encoder/towers/tower.py TowerImage)
     patches: int
     arrived: float
     identity: bytes = b""  # stored with the cached result (collision check)

@@ -10,7 +10,7 @@ from common.config import FrozenConfig, check_redis_url
 from protocol.addresses import ENCODER_ADDRESS
 
 
-SMALLEST_GRAPH_BUCKET = 1024  # patches (vision_encoder/graphs.py)
+SMALLEST_GRAPH_BUCKET = 1024  # patches (vision_encoder/towers/graphs.py)
 
 
 class EncoderConfig(FrozenConfig):
@@ -58,14 +58,14 @@ class EncoderConfig(FrozenConfig):
     max_pixels: int | None = Field(None, ge=1)
     torch_threads: int | None = Field(None, ge=1)
     # How the tower runs. attention: one packed call per layer or transformers'
-    # loop over images and windows; auto picks per device (vision_encoder/attention.py).
+    # loop over images and windows; auto picks per device (vision_encoder/towers/attention.py).
     attention: Literal["auto", "loop", "padded", "varlen", "flash"] = "auto"
     # On a GPU: the image processor runs there, on a stream beside the ViT's.
     preprocess_on_device: bool = True
     # On a GPU: batches of up to this many patches replay CUDA graphs, one per
-    # size bucket, captured at start-up (vision_encoder/graphs.py); 0: none.
+    # size bucket, captured at start-up (vision_encoder/towers/graphs.py); 0: none.
     graph_max_patches: int = Field(4096, ge=0)
-    # torch.compile each ViT block (vision_encoder/tower.py compile_blocks): the
+    # torch.compile each ViT block (vision_encoder/towers/tower.py compile_blocks): the
     # first batches of new shapes wait for compilation (seconds each).
     compile_blocks: bool = False
     # The share of the GPU's memory this process may take (the engine may share
@@ -82,7 +82,7 @@ class EncoderConfig(FrozenConfig):
     stall_restart_s: float = Field(120, gt=0)
     # Test hook: truncate cache keys to this many bytes, to force hash collisions.
     test_key_bytes: int | None = Field(None, ge=1, le=16)
-    # Test hook: a batch of more than this many pixel rows raises out-of-memory (vision_encoder/tower.py).
+    # Test hook: a batch of more than this many pixel rows raises out-of-memory (vision_encoder/towers/tower.py).
     test_oom_above_rows: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")

@@ -37,21 +37,19 @@ from cache.shared import SharedTier
 from protocol.base import Hello
 from protocol.sockets import Pusher, SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
-from protocol.tensors import meta_of, to_frame, to_numpy
+from protocol.tensors import to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
-from protocol.to_engine import FetchedEmbeddings, ImagesEncoded, PushedEmbedding, reference
-from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
+from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
-from vision_encoder.handoff import Handoff
-from vision_encoder.tower import OutOfMemoryAbove, RunOptions, TowerImage, VisionTower
+from vision_encoder.handoff import PUSH_QUEUE_LIMIT, Handoff
+from vision_encoder.towers.tower import OutOfMemoryAbove, RunOptions, TowerImage, VisionTower
 from vision_encoder.towers import load_tower
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, requests_of
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
-PUSH_QUEUE_LIMIT = 16  # pushes queued per engine; past it the engine fetches instead
 
 
 @dataclass
@@ -64,18 +62,13 @@ class EncoderService:
     vit: Lanes  # the main lane's ViT threads (vit_threads)
     express_lane: Lanes  # one thread: both stages of the express lane's batches
     watch: BatchWatch
-    handoff: Handoff
-    pusher: Pusher
+    handoff: Handoff  # how the tokens leave: pushed to their engine, or pinned for its fetch
     shared: SharedTier | None = None
     pending: dict[tuple[bytes, str], PendingRequest] = field(default_factory=dict)
     preprocessor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="preprocess"))
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     encodes: int = 0
     batches: int = 0
-    fetches: int = 0
-    fetch_misses: int = 0
-    pushes: int = 0
-    push_refusals: int = 0
     oom_splits: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
@@ -107,8 +100,7 @@ class EncoderService:
             vit=Lanes(ctx, "vit", config.vit_threads, config.extra_vit_nice),
             express_lane=Lanes(ctx, "express"),
             watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
-            handoff=Handoff(config.handoff_ttl_s),
-            pusher=Pusher(ctx, PUSH_QUEUE_LIMIT),
+            handoff=Handoff(config.handoff_ttl_s, Pusher(ctx, PUSH_QUEUE_LIMIT)),
             shared=shared,
         )
 
@@ -218,19 +210,17 @@ class EncoderService:
             shared_cache=self.shared.stats if self.shared else None,
             state=ServiceState.STALLED if self.watch.stalled else ServiceState.SERVING,
             stalls=self.watch.stalls,
-            fetches=self.fetches,
-            fetch_misses=self.fetch_misses,
-            pushes=self.pushes,
-            push_refusals=self.push_refusals,
+            fetches=self.handoff.fetches,
+            fetch_misses=self.handoff.fetch_misses,
+            pushes=self.handoff.pushes,
+            push_refusals=self.handoff.push_refusals,
             oom_splits=self.oom_splits,
         )
 
     def _fetch(self, peer: bytes, fetch: FetchEmbeddings) -> None:
         """An engine's fetch of tokens handed out by reference (what is gone is None)."""
-        found, frames = self.handoff.answer(fetch, lambda key, identity: self.cache.get(self._cache_key(key), identity, record=False))
-        self.fetches += len(frames)
-        self.fetch_misses += len(found) - len(frames)
-        self._send(peer, FetchedEmbeddings(fetch.fetch_id, found), frames)
+        answer, frames = self.handoff.answer(fetch, lambda key, identity: self.cache.get(self._cache_key(key), identity, record=False))
+        self._send(peer, answer, frames)
 
     def _accept(self, peer: bytes, request: EncodeRequest, frames) -> None:
         arrived = time.monotonic()
@@ -239,8 +229,7 @@ class EncoderService:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
         keys = [content_key(self.tower.fingerprint, image.digest) for image in request.images]
-        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to,
-                               engine_waits_as=request.engine_waits_as)
+        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to)
         misses, lacking = [], []
         for index, key, image, frame in self._look_up(state, request, frames):
             if frame is None:
@@ -372,7 +361,7 @@ class EncoderService:
             self.cache.put(job.key, value)
             if self.shared is not None:
                 self.shared.put(job.key, value)
-            self._push(job, value)
+            self.handoff.push(job, value)  # before anyone is answered: the tokens travel meanwhile
             for state, index in job.waiters:
                 state.results[index] = (value, False)
                 # a request that joined a running batch did not queue before it
@@ -381,37 +370,6 @@ class EncoderService:
         for state in requests_of(batch.jobs):
             state.encode_s += times.busy_s  # once per batch, however many of its images it held
             self._reply_if_done(state)
-
-    def _push(self, job: Job, value: CachedEmbedding) -> None:
-        """Send newly encoded tokens to each engine its waiting requests go to,
-        before anyone is answered: they travel while the gateway makes the request."""
-        by_engine: dict[str, list[tuple[PendingRequest, int]]] = {}
-        for state, index in job.waiters:
-            if state.push_to and not state.cancelled:
-                by_engine.setdefault(state.push_to, []).append((state, index))
-        if not by_engine:
-            return
-        meta, frame = to_frame(value.embeddings)
-        for address, waiters in by_engine.items():
-            state, index = waiters[0]  # one image: every waiter holds the same full key
-            push = PushedEmbedding(state.keys[index], value.identity, meta, value.grid_thw)
-            if not self.pusher.send(address, push, [frame]):
-                self.push_refusals += 1
-                continue
-            self.pushes += 1
-            for state, index in waiters:
-                state.pushed.add(index)
-
-    def _tell_engine(self, state: PendingRequest, images: list[EncodedImage]) -> bool:
-        """The references, straight to the engine the gateway sent the request
-        to ahead of its images (EncodeRequest.engine_waits_as), before the
-        gateway's reply: the way to the first token skips the gateway.
-        False: not asked, or not sent (the gateway then sends the engine its
-        request the usual way)."""
-        if not (state.engine_waits_as and state.push_to):
-            return False
-        refs = [reference(image, state.engine_waits_as) for image in images]
-        return self.pusher.send(state.push_to, ImagesEncoded(state.request_id, refs))
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):
@@ -424,21 +382,14 @@ class EncoderService:
         if state.cancelled or not state.done:
             return
         self.pending.pop((state.peer, state.request_id), None)
-        images = []
-        now = time.monotonic()
-        for index, ((value, hit), key) in enumerate(zip(state.results, state.keys)):
-            pushed = index in state.pushed
-            if not pushed:  # held until an engine fetches it (vision_encoder/handoff.py)
-                self.handoff.hold(key, value, now)
-            images.append(EncodedImage(meta_of(value.embeddings), value.grid_thw, hit, key, value.identity, pushed))
-        timings = EncoderTimings(  # telling the engine is the hop's work: the gateway counts it as embed_transfer
+        images = self.handoff.references(state, time.monotonic())
+        timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
             encode_queue_s=state.encode_queue_s,
             encode_s=state.encode_s,
             total_s=time.monotonic() - state.arrived,
         )
-        engine_told = self._tell_engine(state, images)
-        self._send(state.peer, EncodeResult(state.request_id, images, timings, engine_told))
+        self._send(state.peer, EncodeResult(state.request_id, images, timings))
         hits = sum(hit for _, hit in state.results)
         log.info(
             "encoded %d images (%d cache hits) in %.1f ms", len(images), hits, timings.total_s * 1000,

@@ -32,7 +32,6 @@ class PendingRequest:
     keys: list[bytes]  # each image's full content key, for the engine (EncodedImage.key)
     push_to: str = ""  # the engine to push its newly encoded images to (EncodeRequest.push_to)
     pushed: set[int] = field(default_factory=set)  # indices of its images pushed there
-    engine_waits_as: str = ""  # tell the engine at push_to the images' references, naming this encoder so (EncodeRequest)
     cache_lookup_s: float = 0.0
     encode_queue_s: float = 0.0
     encode_s: float = 0.0

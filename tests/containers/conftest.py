@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
-from prism.stack import free_port
+from testing.stack import free_port
 from tests.containers import build, figures
 from tests.containers.capture import Capture, Packet
 from tests.containers.compose import PROJECT, SERVICES, Compose, volumes

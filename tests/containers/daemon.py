@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from common.config import REPO_ROOT
-from prism.stack import log_tail
+from testing.stack import log_tail
 from tests.integration.helpers import wait_until
 from tests.integration.system import binary
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from prism.scenes import Scene, make_scene
-from prism.stack import scrape
-from prism.synthetic import data_url
+from testing.stack import scrape
+from loadtest.synthetic import data_url
 from tests.containers.build import IMAGE
 from tests.containers.capture import bridge_of, dns_questions, host_address
 from tests.containers.compose import PRISM_SERVICES, PROJECT, SERVICES, leftovers

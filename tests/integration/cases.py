@@ -10,7 +10,7 @@ import base64
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 
 # The pixel budget for the test stack and the reference: small enough that
 # several test images exceed it and are downscaled by the gateway.

@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.stack import LocalStack, log_tail
+from testing.stack import LocalStack, log_tail
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images
 
 MODEL_NAME = "prism-demo"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 
 
 @dataclass(frozen=True)

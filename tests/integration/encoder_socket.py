@@ -15,7 +15,7 @@ from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
 from protocol.base import Hello
 from protocol.sockets import AsyncDealer
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 from protocol.tensors import to_frame, to_torch
 from protocol.to_encoder import EncodeRequest, FetchEmbeddings, ImageInput
 from protocol.to_engine import FetchInbound

@@ -13,10 +13,10 @@ import zmq.asyncio
 from openai import OpenAI
 
 from bench.faults import engine_core as engine_core_of
-from prism.stack import scrape as scrape_metrics
+from testing.stack import scrape as scrape_metrics
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
-from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
+from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding, PushedEmbedding
 from protocol.to_gateway import GatewayInbound, GenerateFailed, TokenDelta
 from tests.integration.cases import CASES
 from tests.integration.conftest import MODEL_NAME
@@ -100,22 +100,35 @@ async def final_reply(socket: AsyncDealer) -> object:
             return message
 
 
-async def send_raw(address: str, request: GenerateRequest, frames) -> object:
-    """Straight to an engine's socket, as a gateway would: its failure or its finishing delta."""
+Push = tuple[PushedEmbedding, memoryview]
+
+
+async def send_raw(address: str, request: GenerateRequest, pushes: list[Push] = ()) -> object:
+    """Straight to an engine's socket, as a gateway would: its failure or its
+    finishing delta. `pushes` go first, on the same socket, as an encoder's
+    would: the engine keeps each in its LRU before it reads the request."""
     ctx = zmq.asyncio.Context()
     socket = AsyncDealer(ctx, address, GatewayInbound)
     try:
-        await socket.send(request, frames)
+        for push, frame in pushes:
+            await socket.send(push, [frame])
+        await socket.send(request)
         return await final_reply(socket)
     finally:
         socket.close()
         ctx.term()
 
 
-def embeddings_request(rid: str, tensor: torch.Tensor, grid) -> tuple[GenerateRequest, list]:
+def embeddings_request(rid: str, tensor: torch.Tensor, grid) -> tuple[GenerateRequest, list[Push]]:
+    """A one-image request for `send_raw` whose tokens, any tensor at all, are
+    pushed to the engine first: the reference names an encoder that is not
+    there, so only the push can bring them (and a tensor the request's shape
+    checks refuse is never looked for)."""
     meta, frame = to_frame(tensor)
+    key, identity = rid.encode(), b"test-" + rid.encode()
     chat = chat_json([{"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "hi"}]}], max_tokens=2, temperature=0)
-    return GenerateRequest(rid, chat, [ImageEmbedding(meta, grid)]), [frame]
+    image = ImageEmbedding(meta, grid, key, "ipc:///nowhere", identity, pushed=True)
+    return GenerateRequest(rid, chat, [image]), [(PushedEmbedding(key, identity, meta, grid), frame)]
 
 
 def by_reference(source: str, image, request_id: str) -> GenerateRequest:

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from prism.redis_server import RedisServer
+from testing.redis_server import RedisServer
 
 
 def binary(name: str) -> str:
@@ -22,5 +22,5 @@ def binary(name: str) -> str:
 
 
 def redis_server(port: int) -> RedisServer:
-    """A throwaway Redis (prism/redis_server.py) from the Debian package."""
+    """A throwaway Redis (testing/redis_server.py) from the Debian package."""
     return RedisServer(port, binary("redis-server"))

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from common.config import REPO_ROOT
-from prism.stack import free_port, serving
+from testing.stack import free_port, serving
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.helpers import wait_until
 

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cache import content_key
 from prism.demo_model import RANDOM_MODEL, write_demo_model
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 from tests.integration.cases import data_url
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save

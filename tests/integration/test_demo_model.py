@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from bench.accuracy import BARS, accuracy, answers, ask, held_out, normalise
 from prism import scenes
 from prism.demo_model import SHAPES_MODEL
-from prism.stack import LocalStack
-from prism.synthetic import data_url
+from testing.stack import LocalStack
+from loadtest.synthetic import data_url
 
 MODEL = "prism-demo"
 

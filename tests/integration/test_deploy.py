@@ -185,7 +185,7 @@ def test_the_health_checks_pass_against_a_live_stack_and_fail_without_one(stack,
 
 
 def test_the_prism_services_have_the_kubernetes_manifests_memory_limits(base):
-    """The gateway keeps to its container's limit (gateway/memory.py): one limit, wherever it runs."""
+    """The gateway keeps to its container's limit (gateway/intake/memory.py): one limit, wherever it runs."""
     docker_units = {"k": 2**10, "m": 2**20, "g": 2**30}  # docker's suffixes are binary
     kubernetes_units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
     manifests = {"gateway": "base/gateway.yaml", "vision-encoder": "model/encoder.yaml", "llm-engine": "model/engine.yaml"}

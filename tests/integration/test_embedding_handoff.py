@@ -1,5 +1,5 @@
 """Visual tokens go from encoder to engine, never through the gateway
-(llm_engine/fetch.py): the gateway carries keys; the encoder pushes a new
+(llm_engine/images.py): the gateway carries keys; the encoder pushes a new
 image's tokens to the request's engine as it encodes them, or the engine
 fetches them from the encoder that holds them; the engine keeps recent ones in
 its own LRU, and a lost tensor costs one re-encode or a 503, never a hang.
@@ -20,22 +20,17 @@ import sys
 import time
 
 import httpx
-import msgspec
 import pytest
-import zmq.asyncio
 
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
-from prism.stack import free_port, wait_for_health
-from prism.synthetic import make_image
-from protocol.sockets import AsyncDealer
-from protocol.stats import EngineStats, StatsRequest
-from protocol.to_engine import AbortGenerate, ImagesEncoded
-from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GatewayInbound, GenerateFailed, TokenDelta
+from testing.stack import free_port, wait_for_health
+from loadtest.synthetic import make_image
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed, TokenDelta
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import encode_directly
-from tests.integration.helpers import by_reference, final_reply, scrape, send_raw, wait_until
+from tests.integration.helpers import by_reference, scrape, send_raw, wait_until
 
 SERVICE = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__DTYPE="float32")
 FETCH_TIMEOUT_S = 5  # engine.embed_fetch_timeout_s, the session stack's default
@@ -126,7 +121,7 @@ def test_the_gateway_carries_references_and_a_repeated_image_moves_no_bytes(stac
     repeated = scrape(stack)
     assert moved(repeated) == moved(after)
     # The gateway sent the reference it kept from the first encode
-    # (gateway/known_tokens.py): no encoder was asked.
+    # (gateway/routing/handoff.py, Delivery.KNOWN): no encoder was asked.
     assert delta(after, repeated, "prism_gateway_images_by_known_reference_total") == 1
     assert delta(after, repeated, "prism_encoder_replica_requests_total", model=MODEL_NAME, replica="0") == 0
 
@@ -164,78 +159,6 @@ def test_new_images_tokens_are_pushed_to_the_engine_and_never_fetched(stack):
     assert delta(before, after, "prism_engine_embeddings_total", source="fetched") == 0
     assert delta(before, after, "prism_engine_fetched_bytes_total") == 0
     assert delta(before, after, "prism_engine_pushed_bytes_total") > 0
-    # Each went to the engine beside its encode, and the encoder told the engine its references.
-    assert delta(before, after, "prism_gateway_requests_sent_ahead_total", outcome="served") == images
-    assert delta(before, after, "prism_gateway_requests_sent_ahead_total", outcome="withdrawn") == 0
-
-
-async def ahead_of_references(engine: str, encoder: str, image, rid: str, references_first: bool) -> object:
-    """A request sent to the engine with its one image to follow, and that
-    image's references sent by hand as its encoder would: before the request,
-    or after it. Its failure or finishing delta."""
-    ctx = zmq.asyncio.Context()
-    gateway = AsyncDealer(ctx, engine, GatewayInbound)
-    encoder_side = AsyncDealer(ctx, engine, GatewayInbound)
-    request = msgspec.structs.replace(by_reference(encoder, image, rid), images=[], images_follow=1, images_wait_s=30)
-    references = ImagesEncoded(rid, [by_reference(encoder, image, rid).images[0]])
-    try:
-        if references_first:
-            await encoder_side.send(references)
-            await asyncio.sleep(0.2)
-        await gateway.send(request)
-        if not references_first:
-            await asyncio.sleep(0.2)
-            await encoder_side.send(references)
-        return await final_reply(gateway)
-    finally:
-        gateway.close()
-        encoder_side.close()
-        ctx.term()
-
-
-def test_a_request_sent_ahead_of_its_images_takes_their_references_whenever_they_come(stack):
-    encoder, engine = stack.encoder_addresses[0], stack.engine_addresses[0]
-    reply = asyncio.run(encode_directly(encoder, ["ahead-a", "ahead-b"]))
-    for image, rid, first in ((reply.images[0], "ahead-after", False), (reply.images[1], "ahead-before", True)):
-        done = asyncio.run(ahead_of_references(engine, encoder, image, rid, references_first=first))
-        assert isinstance(done, TokenDelta) and done.finished and done.prompt_tokens > image.embeddings.shape[0], done
-    # References that never come: the request fails within its wait, as lost tokens do (the gateway then sends it whole).
-    waits = msgspec.structs.replace(by_reference(encoder, reply.images[0], "ahead-never"), images=[], images_follow=1,
-                                    images_wait_s=0.5)
-    started = time.monotonic()
-    failed = asyncio.run(send_raw(engine, waits, []))
-    assert isinstance(failed, GenerateFailed) and (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE), failed
-    assert "did not come from their encoder within 0.5 s" in failed.message and time.monotonic() - started < 10
-    # A count that the messages do not match is refused at once, before any wait.
-    miscounted = msgspec.structs.replace(waits, request_id="ahead-miscounted", images_follow=2, images_wait_s=30)
-    refused = asyncio.run(send_raw(engine, miscounted, []))
-    assert isinstance(refused, GenerateFailed) and refused.status == 400 and "1 image parts" in refused.message, refused
-    # Withdrawn while it waits (the encode failed, or the client hung up): it leaves the engine at once.
-    withdrawn = msgspec.structs.replace(waits, request_id="ahead-withdrawn", images_wait_s=30)
-    assert asyncio.run(withdraw_while_waiting(engine, withdrawn)) == (1, 0)
-
-
-async def withdraw_while_waiting(engine: str, request) -> tuple[int, int]:
-    """The engine's requests in flight while `request` waits for its references, and once it is aborted."""
-    ctx = zmq.asyncio.Context()
-    socket = AsyncDealer(ctx, engine, GatewayInbound)
-
-    async def in_flight() -> int:
-        await socket.send(StatsRequest("test"))
-        while not isinstance(message := (await asyncio.wait_for(socket.recv(), 10))[0], EngineStats):
-            pass
-        return message.in_flight
-
-    try:
-        await socket.send(request)
-        await asyncio.sleep(0.3)
-        waiting = await in_flight()
-        await socket.send(AbortGenerate(request.request_id))
-        await asyncio.sleep(0.3)
-        return waiting, await in_flight()
-    finally:
-        socket.close()
-        ctx.term()
 
 
 def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_not_a_hang(stack, run_dir):
@@ -244,12 +167,12 @@ def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_n
     engine = stack.engine_addresses[0]
     try:
         reply = asyncio.run(encode_directly(address, ["doomed-a", "doomed-b"]))
-        fetched = asyncio.run(send_raw(engine, by_reference(address, reply.images[0], "handoff-alive"), []))
+        fetched = asyncio.run(send_raw(engine, by_reference(address, reply.images[0], "handoff-alive")))
         assert isinstance(fetched, TokenDelta) and fetched.finished, fetched  # the engine fetched it from this encoder
         encoder.send_signal(signal.SIGKILL)
         encoder.wait(10)
         started = time.monotonic()
-        failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead"), []))
+        failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead")))
         assert isinstance(failed, GenerateFailed), failed
         assert (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE) and "engine.embed_fetch_timeout_s" in failed.message
         assert time.monotonic() - started < FETCH_TIMEOUT_S + 10

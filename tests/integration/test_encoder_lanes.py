@@ -17,7 +17,7 @@ import pytest
 import torch
 import zmq.asyncio
 
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput

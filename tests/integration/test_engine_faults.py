@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from prism.stack import LocalStack
+from testing.stack import LocalStack
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.helpers import child_pid, engine_core, log_records, scrape, sse_error, wait_until
 

@@ -24,5 +24,5 @@ def test_three_d_embeddings_are_refused_and_the_engine_lives(stack, client):
 
 def test_sampling_values_vllm_refuses_are_a_400_not_a_500(stack):
     request = GenerateRequest("guard-stop", chat_json([{"role": "user", "content": "hi"}], max_tokens=2, stop=[""]))
-    failed = asyncio.run(send_raw(stack.engine_addresses[0], request, []))
+    failed = asyncio.run(send_raw(stack.engine_addresses[0], request))
     assert isinstance(failed, GenerateFailed) and failed.status == 400 and "sampling" in failed.message

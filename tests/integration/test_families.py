@@ -33,7 +33,7 @@ from openai import OpenAI
 
 from cache import content_key
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.stack import LocalStack
+from testing.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed, TokenDelta
 from vision_encoder.towers import load_tower

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from prism.stack import LocalStack
-from prism.synthetic import make_image
+from testing.stack import LocalStack
+from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.helpers import child_pid, log_records, scrape, wait_until
@@ -247,7 +247,7 @@ def test_abandoned_unique_image_is_not_encoded(faulty):
     dropped_before = metric_total(faulty, "prism_encoder_jobs_dropped_total")
     sent_before = metric_total(faulty, "prism_encoder_replica_requests_total")
 
-    def encoder_requests() -> float:  # one per request: new images go with their pixels at once (pipeline._encode)
+    def encoder_requests() -> float:  # one per request: new images go with their pixels at once (gateway/routing/handoff.py)
         return metric_total(faulty, "prism_encoder_replica_requests_total") - sent_before
 
     # One image per batch (this stack's setting): two requests of eight images

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from prism.stack import free_port
+from testing.stack import free_port
 from tests.integration.conftest import ALLOWED_LOOPBACK, MAX_IMAGE_BYTES, MODEL_NAME
 from tests.integration.corpus import b64, save, scene
 

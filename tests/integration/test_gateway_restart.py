@@ -19,7 +19,7 @@ import pytest
 
 from common.config import DEFAULT_CONFIG, REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.stack import free_port, wait_for_health
+from testing.stack import free_port, wait_for_health
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.helpers import log_records, scrape, wait_until
 

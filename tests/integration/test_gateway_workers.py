@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from common.config import REPO_ROOT
-from prism.stack import free_port, wait_for_health
-from prism.synthetic import make_image
+from testing.stack import free_port, wait_for_health
+from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.helpers import scrape, wait_until

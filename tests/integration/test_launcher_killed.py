@@ -13,7 +13,7 @@ import signal
 import psutil
 
 from bench.faults import engine_core
-from prism.stack import LocalStack
+from testing.stack import LocalStack
 from tests.integration.helpers import alive, child_pid, log_records, wait_until
 
 ENGINE_START_S = 240  # vLLM's start on two busy cores, with room

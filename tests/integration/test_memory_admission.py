@@ -1,4 +1,4 @@
-"""Admission by memory (gateway/memory.py), on gateways of their own that
+"""Admission by memory (gateway/intake/memory.py), on gateways of their own that
 share the session stack's encoder and engine: one told its memory limit by
 config, and one started inside a memory cgroup (as in a container), which
 takes a burst of 4K uploads that would take it past its limit if admitted."""
@@ -18,7 +18,7 @@ import pytest
 from bench.cgroup import MemoryCgroup
 from bench.uploads import Uploads, burst, by_outcome, large_jpeg
 from common.config import REPO_ROOT
-from prism.stack import free_port, scrape, serving
+from testing.stack import free_port, scrape, serving
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.helpers import wait_until
 
@@ -75,7 +75,7 @@ def answer(conn: socket.socket) -> tuple[str, dict[str, str], dict]:
 
 
 def chat_with_image(base_url: str) -> httpx.Response:
-    from prism.synthetic import data_url, make_image
+    from loadtest.synthetic import data_url, make_image
 
     content = [{"type": "image_url", "image_url": {"url": data_url(make_image("memory", (640, 480)))}},
                {"type": "text", "text": "What is it?"}]

@@ -19,8 +19,8 @@ import yaml
 
 from common.config import DEFAULT_CONFIG
 from prism.demo_model import RANDOM_MODEL, write_demo_model
-from prism.stack import LocalStack, free_port
-from prism.synthetic import make_image
+from testing.stack import LocalStack, free_port
+from loadtest.synthetic import make_image
 from tests.integration.corpus import b64, save
 from tests.integration.helpers import child_pid, engine_core, log_records, scrape, wait_until
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.timing import TTFT_STAGES
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.helpers import log_records, scrape, wait_until

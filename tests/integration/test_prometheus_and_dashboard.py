@@ -14,8 +14,8 @@ import pytest
 
 from gateway.timing import TTFT_STAGES
 from common.config import REPO_ROOT
-from prism.stack import free_port
-from prism.synthetic import make_image
+from testing.stack import free_port
+from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
 from tests.integration.system import binary
@@ -71,7 +71,7 @@ def test_prometheus_scrapes_every_stage(stack, prometheus):
         result = query(prometheus, "sum by (stage) (prism_stage_seconds_count)")["data"]["result"]
         found = {r["metric"]["stage"] for r in result if float(r["value"][1]) > 0}
     assert found == set(TTFT_STAGES)
-    # traffic's repeats went to the engine by the references the gateway kept (gateway/known_tokens.py)
+    # traffic's repeats went to the engine by the references the gateway kept (gateway/routing/handoff.py)
     hits = query(prometheus, "prism_gateway_images_by_known_reference_total")["data"]["result"]
     assert hits and float(hits[0]["value"][1]) > 0
 

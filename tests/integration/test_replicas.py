@@ -18,8 +18,8 @@ import pytest
 import torch
 import zmq.asyncio
 
-from prism.stack import LocalStack, free_port
-from prism.synthetic import make_image
+from testing.stack import LocalStack, free_port
+from loadtest.synthetic import make_image
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
@@ -208,7 +208,7 @@ def test_an_engine_fetches_a_dead_encoders_tokens_from_the_shared_tier(replicate
     image, _ = asyncio.run(encode_on(first, "left-behind", digest, pixels))
     wait_until(lambda: in_shared_tier(second, digest), 10, "the tokens written to the shared tier")
     os.kill(child_pid(replicated, "vision_encoder", first), signal.SIGKILL)
-    answer = asyncio.run(send_raw(replicated.engine_addresses[0], by_reference(first, image, "from-redis"), []))
+    answer = asyncio.run(send_raw(replicated.engine_addresses[0], by_reference(first, image, "from-redis")))
     assert isinstance(answer, TokenDelta) and answer.finished, answer
     wait_until(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
 

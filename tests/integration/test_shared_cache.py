@@ -13,7 +13,7 @@ import torch
 
 from cache import CachedEmbedding
 from cache.shared import NAMESPACE, SharedTier
-from prism.stack import free_port
+from testing.stack import free_port
 from tests.integration.system import redis_server as start_redis
 
 RETRY_S = 0.3

@@ -15,7 +15,7 @@ from openai import OpenAI
 
 from gateway.config import GatewayConfig
 from prism.launch import service_children
-from prism.stack import LocalStack
+from testing.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed
 from tests.integration.conftest import STACK_OVERRIDES

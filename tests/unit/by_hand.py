@@ -61,10 +61,9 @@ class EncoderByHand(ByHand):
 class EngineByHand(ByHand):
     inbound = EngineInbound
     takes_pushes = True
-    takes_images_later = True
 
     def ready(self) -> Message:
-        return EngineReady("m", 4096, takes_pushes=self.takes_pushes, takes_images_later=self.takes_images_later)
+        return EngineReady("m", 4096, takes_pushes=self.takes_pushes)
 
     def stats(self) -> Message:
         return EngineStats("boot", 0, 0, 0, 0)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.admission import ConcurrencyLimiter, WorkerSlot
+from gateway.api.admission import ConcurrencyLimiter
+from gateway.ops.workers import WorkerSlot
 from gateway.errors import APIError
 
 

@@ -1,5 +1,5 @@
 """uvicorn reads a whole request body without waiting for the app
-(gateway/parsing.py `buffer_whole_bodies`): a real uvicorn server, real HTTP;
+(gateway/api/parsing.py `buffer_whole_bodies`): a real uvicorn server, real HTTP;
 and `read_body` hands on a body that came in one piece without copying it."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import uvicorn
 from starlette.requests import Request
 from uvicorn.protocols.http import h11_impl, httptools_impl
 
-from gateway.parsing import buffer_whole_bodies, read_body
-from prism.stack import free_port
+from gateway.api.parsing import buffer_whole_bodies, read_body
+from testing.stack import free_port
 
 BODY = b"x" * (2 * 2**20)  # about a 4K JPEG's request, twice over
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from gateway.clients import EngineClient, next_reply
+from gateway.routing.clients import EngineClient, next_reply
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
 from protocol.to_gateway import ChoiceDelta, TokenDelta
@@ -79,7 +79,7 @@ async def _hang_up_mid_stream(client: EngineClient, engine: AsyncRouter, rid: st
 
     async def consume() -> None:
         nonlocal received
-        async for _ in client.generate(request, [], timeout_s=30):
+        async for _ in client.generate(request, timeout_s=30):
             received += 1
             if received == after:
                 first.set()

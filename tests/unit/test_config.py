@@ -36,6 +36,14 @@ def test_unknown_key_is_an_error_not_ignored(tmp_path):
         load_config(EncoderConfig, "encoder", path, env={})
 
 
+def test_a_removed_key_is_an_error_that_says_it_was_removed(tmp_path):
+    path = write(tmp_path, "gateway:\n  send_engine_request_ahead: false\n")
+    with pytest.raises(ConfigError, match=r"gateway: .*send_engine_request_ahead was removed \(.*\); delete it from the config"):
+        load_config(GatewayConfig, "gateway", path, env={})
+    with pytest.raises(ConfigError, match="send_engine_request_ahead was removed"):  # set from the environment too
+        load_config(GatewayConfig, "gateway", write(tmp_path, "gateway: {}\n"), env={"PRISM_GATEWAY__SEND_ENGINE_REQUEST_AHEAD": "true"})
+
+
 def test_environment_overrides_the_file_with_typed_values(tmp_path):
     path = write(tmp_path, "model: m\nengine:\n  max_model_len: 2048\n")
     env = {"PRISM_ENGINE__MAX_MODEL_LEN": "1024", "PRISM_ENGINE__ENFORCE_EAGER": "false", "PRISM_MODEL": "/abs/ckpt"}

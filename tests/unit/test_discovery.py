@@ -15,9 +15,9 @@ import socket
 import pytest
 import zmq.asyncio
 
-from gateway.discovery import replica_addresses, resolve_all
-from gateway.encoder_pool import EncoderPool
-from gateway.engine_pool import EnginePool
+from gateway.routing.discovery import replica_addresses, resolve_all
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
 from protocol.base import Hello
 from protocol.sockets import AsyncRouter
 from protocol.stats import EngineStats, StatsRequest
@@ -117,7 +117,7 @@ class Load:
             request_id = str(next(self.numbers))  # numbered and routed with no await between
             deltas = []
             try:
-                async for delta in self.pool.generate(GenerateRequest(request_id, b"{}"), [], timeout_s=30):
+                async for delta in self.pool.generate(GenerateRequest(request_id, b"{}"), timeout_s=30):
                     deltas.append(delta)
             except Exception as exc:  # noqa: BLE001 - every failure is a lost request: the test reports it
                 self.failures.append(exc)

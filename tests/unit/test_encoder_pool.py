@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from gateway.encoder_pool import EncoderPool, Route
-from gateway.replicas import expand_addresses
+from gateway.routing.encoder_pool import EncoderPool, Route
+from gateway.routing.replicas import expand_addresses
 from gateway.errors import APIError
 
 

@@ -8,7 +8,7 @@ import ipaddress
 import pytest
 
 from gateway.errors import APIError
-from gateway.fetch import AddressGuard, refusal_reason
+from gateway.intake.fetch import AddressGuard, refusal_reason
 
 REFUSED = [
     "127.0.0.1", "127.5.5.5", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1",

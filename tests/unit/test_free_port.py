@@ -3,8 +3,8 @@
 import socket
 from pathlib import Path
 
-from prism import stack
-from prism.stack import _ephemeral_ports, free_port, log_tail
+from testing import stack
+from testing.stack import _ephemeral_ports, free_port, log_tail
 
 
 def test_a_free_port_is_bindable_and_outside_the_ephemeral_range():

@@ -14,9 +14,9 @@ import textwrap
 import zmq.asyncio
 
 from common.config import REPO_ROOT
-from gateway.admission import WorkerSlot
-from gateway.dashboard import DashboardWindow, finished_request
-from gateway.siblings import Siblings
+from gateway.ops.workers import WorkerSlot
+from gateway.ops.dashboard import DashboardWindow, finished_request
+from gateway.ops.siblings import Siblings
 from gateway.timing import RequestTimer
 
 
@@ -50,13 +50,13 @@ def test_each_workers_window_holds_every_workers_requests(tmp_path):
 
 WORKER = textwrap.dedent("""
     import sys
-    from gateway import metrics
+    from gateway.ops import metrics
     metrics.REQUESTS.labels("200", "ok").inc(int(sys.argv[1]))
     metrics.IN_FLIGHT.labels("gateway").set(int(sys.argv[1]))
     metrics.REPLICA_REQUESTS["engine"].labels("m", "0").inc()
 """)
 SCRAPE = textwrap.dedent("""
-    from gateway import metrics
+    from gateway.ops import metrics
     class Polled:
         def collect(self):
             from prometheus_client.core import GaugeMetricFamily

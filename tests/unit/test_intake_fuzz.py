@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from gateway.errors import APIError
-from gateway.intake import ImageLimits, IntakePolicy, decode, decode_data_url, inspect
+from gateway.intake.images import ImageLimits, IntakePolicy, decode, decode_data_url, inspect
 from protocol.to_gateway import ProcessorInfo
 
 POLICY = IntakePolicy(ProcessorInfo(14, 2, 3136, 200704), ImageLimits(2_000_000, 4_000_000, 2, 200))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from gateway.intake import ImageLimits, IntakePolicy, decode, digest_of, inspect
-from prism.synthetic import make_image
+from gateway.intake.images import ImageLimits, IntakePolicy, decode, digest_of, inspect
+from loadtest.synthetic import make_image
 from protocol.to_gateway import ProcessorInfo, TilesInfo
 
 LIMITS = ImageLimits(20 * 2**20, 50_000_000, 2, 200)

@@ -1,8 +1,8 @@
-"""The gateway's references to images' visual tokens (gateway/known_tokens.py)."""
+"""The gateway's references to images' visual tokens (gateway/routing/handoff.py KnownTokens)."""
 
 from __future__ import annotations
 
-from gateway.known_tokens import KnownTokens
+from gateway.routing.handoff import KnownTokens
 from protocol.tensors import ArrayMeta
 from protocol.to_engine import ImageEmbedding
 

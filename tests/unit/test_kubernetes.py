@@ -97,7 +97,7 @@ def pre_stop_sleep_s(container: dict) -> int:
 
 @functools.cache
 def gateway_get_routes() -> frozenset[str]:
-    from gateway.app import create_app
+    from gateway.api.app import create_app
 
     app = create_app(GatewayConfig())
     return frozenset(r.path for r in app.routes if "GET" in getattr(r, "methods", ()))
@@ -305,7 +305,7 @@ def test_the_dashboard_config_map_is_the_file_in_configs(overlay):
 def test_encoder_autoscalers_read_a_metric_the_adapter_serves_from_the_gateway(overlay):
     rules = yaml.safe_load((DEPLOY / "prometheus-adapter" / "values.yaml").read_text())["rules"]["external"]
     served = {rule["name"]["as"]: rule["seriesQuery"].split("{")[0].strip("'") for rule in rules}
-    exported = (REPO_ROOT / "gateway" / "metrics.py").read_text()
+    exported = (REPO_ROOT / "gateway" / "ops" / "metrics.py").read_text()
     objects = render(overlay)
     encoders = {d["metadata"]["name"] for d, _, m in prism_containers(objects) if m == "vision_encoder"}
     autoscalers = of_kind(objects, "HorizontalPodAutoscaler")
@@ -335,8 +335,8 @@ def memory_limit(container: dict) -> int:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_what_each_service_may_hold_fits_its_containers_memory_limit(overlay, tmp_path):
-    from gateway.intake import DECODE_BYTES_PER_PIXEL
-    from gateway.memory import BODY_COPIES, BODY_SHARE, MemoryPlan
+    from gateway.intake.images import DECODE_BYTES_PER_PIXEL
+    from gateway.intake.memory import BODY_COPIES, BODY_SHARE, MemoryPlan
 
     objects = render(overlay)
     for deployment, container, module in prism_containers(objects):

@@ -1,4 +1,4 @@
-"""The gateway's listening socket (gateway/listener.py): its receive buffer,
+"""The gateway's listening socket (gateway/api/listener.py): its receive buffer,
 which accepted connections inherit, lets a client send a whole image body
 before the gateway reads any of it; past what the kernel grants it is left
 to autotuning, with a warning naming the key."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.listener import listening_socket
+from gateway.api.listener import listening_socket
 
 BODY_BYTES = 1_500_000  # a 4K JPEG's request, a little over
 BUFFER = 4 * 2**20

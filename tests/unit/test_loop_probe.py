@@ -3,7 +3,7 @@
 import asyncio
 import time
 
-from gateway.loop_probe import LoopProbe
+from gateway.ops.loop_probe import LoopProbe
 
 
 async def _probed(hold_s: float) -> list[float]:

@@ -1,4 +1,4 @@
-"""The gateway's memory budget (gateway/memory.py) and where its limit comes
+"""The gateway's memory budget (gateway/intake/memory.py) and where its limit comes
 from (common/container.py): cgroup files laid out as the kernel lays them
 out, v1 and v2, inside a container and on a host."""
 
@@ -11,11 +11,12 @@ import pytest
 
 from common.config import ConfigError
 from common.container import cgroup_memory_limit
-from gateway.admission import ConcurrencyLimiter, WorkerSlot
-from gateway.clients import REPLY_BYTES, ReplyQueue
+from gateway.api.admission import ConcurrencyLimiter
+from gateway.ops.workers import WorkerSlot
+from gateway.routing.clients import REPLY_BYTES, ReplyQueue
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.memory import BODY_COPIES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
+from gateway.intake.memory import BODY_COPIES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
 from protocol.to_gateway import ChoiceDelta, TokenDelta
 
 GIB = 2**30
@@ -171,7 +172,7 @@ def test_without_a_plan_nothing_is_refused():
 def test_an_idle_trim_sizes_the_budget_beside_what_the_process_holds_now():
     """The process has grown since start-up (here: it "started" at 1 MiB): the ceiling is kept, the budget shrinks;
     a body the planned budget could take is refused for now (429), not as too large (413)."""
-    from gateway.memory import HeapKeeper, process_rss
+    from gateway.intake.memory import HeapKeeper, process_rss
 
     budget = sized(4 * GIB)
     plan = MemoryPlan(limit=8 * GIB, source="", at_start=MIB, budget=4 * GIB, kept_heap=0)

@@ -2,7 +2,7 @@
 again if it must be (vision_encoder/work.py, encode_splitting): the tokens
 are those of the images encoded apart, and one image that does not fit alone
 fails with the out-of-memory error. The error is the encoder's test hook
-(`encoder.test_oom_above_rows`, vision_encoder/tower.py OutOfMemoryAbove),
+(`encoder.test_oom_above_rows`, vision_encoder/towers/tower.py OutOfMemoryAbove),
 raised as torch raises it on a GPU; bench.gpu_encoder does the same on a
 GPU with the process's memory limited."""
 
@@ -14,7 +14,7 @@ import torch
 
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from vision_encoder.batcher import Job
-from vision_encoder.tower import OutOfMemoryAbove, TowerImage
+from vision_encoder.towers.tower import OutOfMemoryAbove, TowerImage
 from vision_encoder.towers import load_tower
 from vision_encoder.work import StageTimes, encode_splitting
 

@@ -1,7 +1,7 @@
 """Each family's tower as the encoder runs it, against transformers' eager
 path: Qwen's towers with their plan precomputed and attention in one packed
-call per layer (vision_encoder/attention.py, qwen_tower.plan_of), and padded
-to a CUDA graph's bucket (vision_encoder/graphs.py); SigLIP's and
+call per layer (vision_encoder/towers/attention.py, qwen_tower.plan_of), and padded
+to a CUDA graph's bucket (vision_encoder/towers/graphs.py); SigLIP's and
 InternViT's through transformers' own SDPA. On the CPU the packed call is the
 padded one; varlen and flash are CUDA kernels (bench.gpu_encoder checks them
 against this same path there)."""
@@ -14,9 +14,9 @@ import torch
 
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from vision_encoder import attention
-from vision_encoder.graphs import Padding, buckets_up_to
-from vision_encoder.tower import RunOptions, TowerImage
+from vision_encoder.towers import attention
+from vision_encoder.towers.graphs import Padding, buckets_up_to
+from vision_encoder.towers.tower import RunOptions, TowerImage
 from vision_encoder.towers import load_tower
 
 QWEN = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
@@ -121,7 +121,7 @@ def test_auto_attention_is_the_loop_on_a_cpu_and_a_cuda_kernel_by_name_is_refuse
 
 
 def test_compiled_blocks_give_the_same_tokens():
-    """encoder.compile_blocks: every block compiled (vision_encoder/tower.py), the tokens unchanged,
+    """encoder.compile_blocks: every block compiled (vision_encoder/towers/tower.py), the tokens unchanged,
     over two batches of different shapes (the second recompiles with dynamic shapes)."""
     eager = load_tower(checkpoint("qwen2.5-vl"), "float32", "cpu", options=RunOptions(attention="padded"))
     compiled = load_tower(checkpoint("qwen2.5-vl"), "float32", "cpu", options=RunOptions(attention="padded", compile_blocks=True))

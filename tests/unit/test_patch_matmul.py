@@ -1,4 +1,4 @@
-"""Patch embeddings run as one matmul (vision_encoder/patch_matmul.py): the
+"""Patch embeddings run as one matmul (vision_encoder/towers/patch_matmul.py): the
 same numbers as the convolution, and every family's tower gets it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from vision_encoder.patch_matmul import PatchMatmul, patch_convs_as_matmul
+from vision_encoder.towers.patch_matmul import PatchMatmul, patch_convs_as_matmul
 from vision_encoder.towers import load_tower
 
 CPU = torch.device("cpu")

@@ -33,16 +33,17 @@ def chat_bytes(image_parts: int, max_tokens: int | None = 4) -> bytes:
 
 def request_with(tensors, grids, image_parts=None, max_tokens: int | None = 4, keys=None):
     images, frames = [], []
-    for tensor, grid, key in zip(tensors, grids, keys or [b""] * len(tensors)):
+    for i, (tensor, grid) in enumerate(zip(tensors, grids)):
         meta, frame = to_frame(tensor)
-        images.append(ImageEmbedding(meta, grid, key))
+        key = keys[i] if keys else bytes([i]) * 16
+        images.append(ImageEmbedding(meta, grid, key, "ipc:///encoder", b"id-" + key))
         frames.append(frame)
     req = GenerateRequest("r", chat_bytes(len(tensors) if image_parts is None else image_parts, max_tokens), images)
     return req, frames
 
 
 def tensors_of(req, frames) -> list:
-    """The images' tensors as the engine has them once checked and fetched (here: sent inline)."""
+    """The images' tensors as the engine has them once checked and fetched (here: made from the frames)."""
     return [to_torch(image.embeddings, frame) for image, frame in zip(req.images, frames)]
 
 
@@ -60,7 +61,6 @@ def test_valid_images_are_concatenated_flat_with_their_grids():
     prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
     assert prompt.inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
     assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
-    assert "multi_modal_uuids" not in prompt.inputs  # no keys: vLLM hashes the tensors itself
 
 
 def test_vllm_is_given_the_token_ids_it_would_have_made_not_the_text():

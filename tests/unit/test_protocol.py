@@ -43,7 +43,6 @@ from protocol.to_engine import (
     FetchedEmbeddings,
     FetchInbound,
     GenerateRequest,
-    ImagesEncoded,
     ImageEmbedding,
     PushedEmbedding,
 )
@@ -97,7 +96,6 @@ CASES = [
         ],
         retry=True,
         push_to="tcp://engine-0.internal:5556",
-        engine_waits_as="tcp://encoder-a.internal:5555",
     )),
     (EncoderInbound, CancelEncode("chatcmpl-41")),
     (EngineInbound, PushedEmbedding(b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16), QWEN_EMBEDDINGS, (1, 34, 46))),
@@ -107,14 +105,10 @@ CASES = [
         CHAT,
         [
             ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16), True),
-            ImageEmbedding(ArrayMeta("float16", (729, 896)), None),  # inline: a frame of the message
+            ImageEmbedding(ArrayMeta("float16", (729, 896)), None, b"\x08" * 16, "ipc:///run/prism/encoder.sock", bytes(32)),
         ],
     )),
-    (EngineInbound, GenerateRequest("chatcmpl-42", CHAT, images_follow=2, images_wait_s=360.0)),
-    (EngineInbound, ImagesEncoded("chatcmpl-42", [
-        ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16), True),
-        ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x08" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(range(16))),
-    ])),
+    (EngineInbound, GenerateRequest("chatcmpl-42", CHAT)),  # text only
     (FetchInbound, FetchedEmbeddings("fetch-7", [QWEN_EMBEDDINGS, None])),
     (EngineInbound, AbortGenerate("chatcmpl-41")),
     (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056))),
@@ -132,12 +126,11 @@ CASES = [
         [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16), True),
          EncodedImage(ArrayMeta("float16", (729, 896)), None, False, b"\x08" * 16, b"9c1e2f0a77d4" + bytes(range(16)))],
         EncoderTimings(0.0004, 0.0125, 0.0851, 0.1013),
-        engine_told=True,
     )),
     (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "encoder queue is full (512 images waiting)", 429)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "vision encoder is stalled; retry shortly", 503, "encoder_stalled")),
-    (GatewayInbound, EngineReady("Qwen/Qwen2.5-VL-7B-Instruct", 32768, takes_pushes=True, takes_images_later=True)),
+    (GatewayInbound, EngineReady("Qwen/Qwen2.5-VL-7B-Instruct", 32768, takes_pushes=True)),
     (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41", [ChoiceDelta(0, "A red")], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0)

@@ -10,10 +10,10 @@ from PIL import Image
 from transformers import AutoImageProcessor
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as hf_smart_resize
 
-from gateway.intake import ImageLimits, IntakePolicy, decode, inspect
-from gateway.resize import smart_resize
+from gateway.intake.images import ImageLimits, IntakePolicy, decode, inspect
+from gateway.intake.resize import smart_resize
 from prism.demo_model import SHAPES_MODEL
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 from protocol.to_gateway import ProcessorInfo
 
 SIZES = [(1, 1), (24, 32), (224, 224), (480, 640), (700, 300), (1080, 1920), (2160, 3840), (20, 3000), (5000, 30)]

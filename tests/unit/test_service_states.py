@@ -9,7 +9,7 @@ import asyncio
 
 import zmq.asyncio
 
-from gateway.clients import EngineClient
+from gateway.routing.clients import EngineClient
 from protocol.base import Hello
 from protocol.sockets import AsyncRouter
 from protocol.stats import EngineStats, ServiceState, StatsRequest

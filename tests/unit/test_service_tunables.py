@@ -114,7 +114,7 @@ def test_the_image_and_the_deployments_set_the_same_tunables():
 FREED_BELOW_IN_USE = """
 import asyncio, ctypes
 from common.malloc import keep_freed_heap, trim
-from gateway.memory import HeapKeeper, MemoryBudget, MemoryPlan
+from gateway.intake.memory import HeapKeeper, MemoryBudget, MemoryPlan
 keep_freed_heap()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from prism.synthetic import make_image
+from loadtest.synthetic import make_image
 
 
 def pixels(name: str) -> np.ndarray:

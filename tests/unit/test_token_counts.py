@@ -20,13 +20,13 @@ import pytest
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from gateway.intake import IntakePolicy, ImageLimits, PixelBudget
-from gateway.resize import resize_pixels
+from gateway.intake.images import IntakePolicy, ImageLimits, PixelBudget
+from gateway.intake.resize import resize_pixels
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from common.tiles import TileLayout
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import ProcessorInfo
-from vision_encoder.tower import TowerImage
+from vision_encoder.towers.tower import TowerImage
 from vision_encoder.towers import load_tower
 
 CHECKPOINTS = {

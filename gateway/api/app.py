@@ -1,0 +1,310 @@
+"""The FastAPI app: OpenAI routes, health, metrics, the dashboard."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import torch
+import uvicorn
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
+
+from gateway.ops import metrics
+from gateway.api.admission import Authenticator, ConcurrencyLimiter
+from gateway.api.chat import ChatHandler
+from gateway.config import GatewayConfig, ModelRoute
+from gateway.ops.dashboard import DashboardWindow, ServiceSample, finished_request
+from gateway.errors import APIError
+from gateway.intake.fetch import FetchLimits, ImageFetcher
+from gateway.ops.loop_probe import LoopProbe
+from gateway.intake.images import ImageLimits
+from gateway.api.listener import listening_socket
+from gateway.intake.memory import HeapKeeper, MemoryPlan, mib, process_rss
+from gateway.api.models import ServedModel
+from gateway.api.parsing import buffer_whole_bodies, validation_error
+from gateway.api.schemas import ChatCompletionRequest
+from gateway.ops.siblings import Siblings
+from gateway.timing import RequestTimer
+from gateway.ops.workers import WorkerSlot
+from common.config import ConfigError, load_config
+from common.malloc import keep_freed_heap, one_heap
+
+log = logging.getLogger("prism.gateway")
+STATIC = Path(__file__).with_name("static")
+
+
+def image_limits(config: GatewayConfig) -> ImageLimits:
+    return ImageLimits(config.max_image_bytes, config.max_image_pixels, config.min_image_side, config.max_aspect_ratio)
+
+
+def fetch_limits(config: GatewayConfig) -> FetchLimits:
+    return FetchLimits(
+        connect_timeout_s=config.fetch_connect_timeout_s,
+        read_timeout_s=config.fetch_read_timeout_s,
+        total_timeout_s=config.fetch_total_timeout_s,
+        max_redirects=config.fetch_max_redirects,
+        allowed_domains=config.fetch_allowed_domains,
+        allowed_networks=config.fetch_allowed_networks,
+    )
+
+
+class Gateway:
+    """Process-wide state: the served models, admission, the dashboard window.
+    One of `slot.count` worker processes; `run_dir` holds the workers' sockets."""
+
+    def __init__(self, config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
+                 run_dir: Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path  # re-read on reload
+        self.slot = slot
+        self.run_dir = run_dir
+        self.siblings: Siblings | None = None
+        self.ctx = zmq.asyncio.Context()
+        self.models: dict[str, ServedModel] = {}
+        self.retired: list[ServedModel] = []  # draining after a reload; still exported until gone
+        self._sampler: asyncio.Task | None = None
+        self._loop_probe: LoopProbe | None = None
+        self._reloading = asyncio.Lock()
+        self.auth = Authenticator(config.api_keys)
+        self.limiter = ConcurrencyLimiter.for_worker(
+            config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight, slot,
+            config.memory_wait_s,
+        )
+        self.heap: HeapKeeper | None = None  # once the memory is planned
+        self.image_limits = image_limits(config)
+        self.fetcher = ImageFetcher(fetch_limits(config), self.image_limits)
+        self.window = DashboardWindow()
+        self.stats_collector = metrics.ServiceStatsCollector(self)
+
+    async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
+        served = ServedModel.create(name, route, self.ctx, self.config)
+        await served.start(self.config, self.image_limits, self.fetcher)
+        for pool, addresses in ((served.encoder, route.encoder_addresses), (served.engine, route.engine_addresses)):
+            pool.follow_dns(addresses, self.config.discovery_interval_s, join_timeout_s=self.config.startup_timeout_s)
+        return served
+
+    async def start(self) -> None:
+        started = await asyncio.gather(*(self._start_model(n, r) for n, r in self.config.routes().items()))
+        self.models = {served.name: served for served in started}
+        if self.slot.count > 1:
+            self.siblings = Siblings(self.ctx, self.run_dir, self.slot, self.window)
+        self._sampler = asyncio.create_task(self._sample_every(self.config.stats_interval_s))
+        self._loop_probe = LoopProbe(asyncio.get_running_loop(), metrics.LOOP_LAG_SECONDS.observe)
+        self._loop_probe.start()
+        REGISTRY.register(self.stats_collector)
+        log.info("Prism ready: http://%s:%d/v1 (models %s%s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)),
+                 f"; worker {self.slot.index + 1} of {self.slot.count}" if self.slot.count > 1 else "")
+
+    def plan_memory(self) -> MemoryPlan:
+        """Size the memory budget and the kept heap from the limit and this
+        process's memory now that it has started (gateway/intake/memory.py)."""
+        plan = MemoryPlan.size(self.config, self.slot.count, process_rss())
+        self.limiter.memory.size(plan.budget)
+        self.heap = HeapKeeper(plan, self.limiter.memory)
+        metrics.MEMORY_BUDGET.set(plan.budget)
+        log.info("memory: %s (%s); %s at start-up, %s for requests (gateway.memory_use_fraction %g), %s of freed heap kept",
+                 mib(plan.limit), plan.source, mib(plan.at_start), mib(plan.budget), self.config.memory_use_fraction,
+                 mib(plan.kept_heap))
+        return plan
+
+    async def reload(self) -> None:
+        """Re-read the routing map (`models`) from the config file: drain → update → retire.
+        Other settings take effect at the next start."""
+        async with self._reloading:
+            try:
+                routes = load_config(GatewayConfig, "gateway", self.config_path).routes()
+            except ConfigError as exc:
+                log.error("reload refused, the running map stays: %s", exc)
+                return
+            if None in routes and len(self.models) == 1:  # an unnamed model keeps the engine's name
+                routes = {next(iter(self.models)): routes[None]}
+            keep = {name: served for name, served in self.models.items() if routes.get(name) == served.route}
+            try:
+                fresh = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep))
+            except Exception as exc:  # noqa: BLE001 - a model that cannot start leaves the running map as it is
+                log.error("reload failed, the running map stays: %s", exc)
+                return
+            retiring = [served for name, served in self.models.items() if name not in keep]
+            self.models = {**keep, **{served.name: served for served in fresh}}
+            for served in retiring:
+                self.retired.append(served)
+                asyncio.create_task(self._retire(served))
+            log.info("routing map reloaded: %s (%d retiring)", ", ".join(map(repr, self.models)), len(retiring))
+
+    async def _retire(self, served: ServedModel) -> None:
+        await served.retire(self.config.drain_timeout_s)
+        self.retired.remove(served)
+
+    def pools(self):
+        """(model name, encoder pool, engine pool) of every model, retiring ones included."""
+        return [(m.name, m.encoder, m.engine) for m in [*self.models.values(), *self.retired]]
+
+    def service_stats(self) -> tuple[list, list]:
+        """The latest stats polled from every encoder and every engine replica."""
+        pools = self.pools()
+        encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
+        engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
+        return encoders, engines
+
+    def finished(self, timer: RequestTimer, ok: bool) -> None:
+        """A request ended: into the dashboard window, this worker's and the others'."""
+        record = finished_request(timer, ok)
+        self.window.add(record)
+        if self.siblings is not None:
+            self.siblings.finished(record)
+
+    async def _sample_every(self, interval_s: float) -> None:
+        """The dashboard's service samples: the latest polled stats, summed over models and replicas."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if self.heap is not None:
+                await self.heap.check()
+            encoders, engines = self.service_stats()
+            in_flight = self.limiter.in_flight
+            if self.siblings is not None:
+                self.siblings.load(in_flight)
+                in_flight += self.siblings.in_flight_elsewhere
+            self.window.add_sample(ServiceSample(
+                at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
+                engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=in_flight,
+                batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
+            ))
+
+    async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
+        if self._loop_probe is not None:
+            self._loop_probe.stop()
+        with contextlib.suppress(KeyError):
+            REGISTRY.unregister(self.stats_collector)
+        if self.siblings is not None:
+            await self.siblings.close()
+        await self.fetcher.close()
+        for served in [*self.models.values(), *self.retired]:
+            await served.close()
+        self.ctx.term()
+
+
+def create_app(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
+               run_dir: Path | None = None) -> FastAPI:
+    gateway = Gateway(config, config_path, slot, run_dir)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        # Starlette's StreamingResponse runs in an anyio task group, whose first use imports
+        # anyio's asyncio backend: 28 ms here, which the first streamed answer paid in TTFT.
+        await anyio.sleep(0)
+        # What start-up made (torch's modules among it: 219k objects) lives as long as
+        # the process; left to the collector, each full collection scanned it all on the
+        # event loop (127 ms here). Frozen, as vLLM's server does (freeze_gc_heap).
+        gc.collect()
+        gc.freeze()
+        gateway.plan_memory()  # from what the process holds now, started
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload()))
+        yield
+        loop.remove_signal_handler(signal.SIGHUP)
+        await gateway.stop()
+
+    app = FastAPI(title="Prism", lifespan=lifespan)
+    app.state.gateway = gateway
+    app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
+    chat = ChatHandler(gateway)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.get("/health/live")
+    async def live() -> dict:
+        return {"status": "alive"}
+
+    @app.get("/health/ready")
+    @app.get("/health")
+    async def ready() -> JSONResponse:
+        ready = all(served.up for served in gateway.models.values())
+        body = {"status": "ready" if ready else "degraded", "models": {
+            name: {"encoder": ("up" if served.encoder.up else "down") if served.takes_images else "none",
+                   "engine": "up" if served.engine.up else "down",
+                   "replicas": {r.address: "up" if r.up else "down"
+                                for _, r in (*served.encoder.serving(), *served.engine.serving())}}
+            for name, served in gateway.models.items()}}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(gateway.stats_collector), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> FileResponse:
+        return FileResponse(STATIC / "dashboard.html")
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> dict:
+        return gateway.window.snapshot()
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        gateway.auth.identify(request.headers.get("authorization"))
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "prism"} for name in gateway.models]}
+
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}}},
+    )
+    async def chat_completions(request: Request) -> Response:
+        return await chat(request)
+
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema plus the chat request model, which is parsed by hand (to time parsing)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version="1", routes=app.routes)
+        request_schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components.update(request_schema.pop("$defs", {}))
+        components["ChatCompletionRequest"] = request_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
+          run_dir: Path | None = None) -> None:
+    """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
+    One of several workers shares the port with the others (gateway/ops/workers.py)."""
+    # Images are resized with torch on the intake threads (gateway/intake/resize.py), which
+    # are the gateway's parallelism: torch's own thread pool would only contend with them.
+    torch.set_num_threads(1)
+    buffer_whole_bodies(config.max_body_bytes)
+    # A large body's pages are reused by the next, not faulted in afresh (common/malloc.py); how much
+    # freed heap is kept is sized from the memory limit once started (`plan_memory`).
+    keep_freed_heap()
+    one_heap()  # the intake threads' decodes and the event loop's bodies reuse each other's freed memory
+    app = create_app(config, config_path, slot, run_dir)
+    settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                              timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)
+    server = uvicorn.Server(settings)
+    listener = listening_socket(config.host, config.port, reuse_port=slot.count > 1,
+                                receive_buffer_bytes=config.socket_receive_buffer_bytes)
+    server.run(sockets=[listener])

@@ -1,0 +1,92 @@
+"""The models one gateway serves. Each has its own encoder pool, engine pool
+and pipeline (its own processor settings, hence its own intake policy).
+
+The routing map reloads without dropping requests: a model whose route
+changed gets a fresh `ServedModel` that takes new requests at once, while the
+old one drains its in-flight requests and then retires (drain → update →
+retire); a model dropped from the map answers 404 to new requests and
+finishes the ones it has.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from gateway.config import GatewayConfig, ModelRoute
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
+from gateway.intake.fetch import ImageFetcher
+from gateway.intake.images import ImageLimits, IntakePolicy
+from gateway.api.pipeline import ChatPipeline
+from gateway.routing.replicas import expand_addresses
+
+log = logging.getLogger("prism.gateway")
+
+
+@dataclass
+class ServedModel:
+    name: str | None  # None until the engine tells it (single-model configs without a name)
+    route: ModelRoute
+    encoder: EncoderPool
+    engine: EnginePool
+    pipeline: ChatPipeline | None = None
+    in_flight: int = 0
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    def create(cls, name: str | None, route: ModelRoute, ctx: zmq.asyncio.Context, config: GatewayConfig) -> "ServedModel":
+        encoder = EncoderPool(ctx, expand_addresses(route.encoder_addresses), config.heartbeat_timeout_s)
+        engine = EnginePool(ctx, expand_addresses(route.engine_addresses), config.heartbeat_timeout_s)
+        return cls(name, route, encoder, engine)
+
+    async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher) -> None:
+        timeout = config.startup_timeout_s
+        encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
+        self.name = self.name or engine_info.model
+        self.encoder.model = self.engine.model = self.name  # their metrics' label
+        if encoder_info is not None and not engine_info.takes_images:
+            raise RuntimeError(f"model {self.name!r} is text-only, yet encoders are configured for it: "
+                               "list no encoder addresses for a text-only model")
+        policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
+        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
+        self.encoder.start_heartbeat(config.stats_interval_s)
+        self.engine.start_heartbeat(config.stats_interval_s)
+        self._idle.set()
+        log.info("model %r: %d encoder(s), %d engine(s) (%s)", self.name, len(self.encoder.replicas),
+                 len(self.engine.replicas), engine_info.model)
+
+    @property
+    def takes_images(self) -> bool:
+        return bool(self.encoder.replicas)
+
+    @property
+    def up(self) -> bool:
+        return (self.encoder.up or not self.takes_images) and self.engine.up
+
+    def enter(self) -> None:
+        """A request starts using this model (retiring waits until none does)."""
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def retire(self, drain_timeout_s: float) -> None:
+        """Let in-flight requests finish (up to the deadline), then disconnect."""
+        try:
+            async with asyncio.timeout(drain_timeout_s):
+                await self._idle.wait()
+        except asyncio.TimeoutError:
+            log.warning("model %r retired with %d requests still in flight", self.name, self.in_flight)
+        await self.close()
+        log.info("model %r retired", self.name)
+
+    async def close(self) -> None:
+        await self.encoder.close()
+        await self.engine.close()

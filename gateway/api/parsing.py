@@ -1,0 +1,101 @@
+"""The request body: read under a byte cap, validated, errors mapped to
+OpenAI's shape (400 for "Prism does not do this", 422 for bad values)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+
+import pydantic
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+
+from gateway.errors import APIError
+from gateway.intake.memory import BODY_COPIES, MemoryHold
+from gateway.api.schemas import ChatCompletionRequest
+
+log = logging.getLogger("prism.gateway")
+
+# Validation failures that mean "Prism does not do this" rather than "this value is wrong".
+_UNSUPPORTED = {"extra_forbidden", "unsupported", "union_tag_invalid"}
+
+
+def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    # "Prism does not do this" wins over the type mismatches a union reports beside it.
+    first = next((e for e in errors if e["type"] in _UNSUPPORTED), errors[0])
+    param = ".".join(str(p) for p in first["loc"] if p != "body")
+    if first["type"] == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if first["type"] in _UNSUPPORTED:
+        what = "unsupported parameter" if first["type"] == "extra_forbidden" else "unsupported value"
+        return APIError(400, f"{what} '{param}': {first['msg']}", param=param, code="unsupported_parameter")
+    return APIError(422, f"invalid '{param}': {first['msg']}", param=param, code="invalid_value")
+
+
+# uvicorn's HTTP protocols stop reading a connection once this many bytes of
+# its body wait for the app (flow_control.HIGH_WATER_LIMIT, 64 KB), each
+# importing the constant by value.
+_UVICORN_PROTOCOLS = ("uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.h11_impl")
+BUFFERED_BODY_CAP = 16 * 2**20  # bigger bodies are rare; past this a connection waits for the app again
+
+
+def buffer_whole_bodies(limit: int) -> None:
+    """Let uvicorn read a request body up to `limit` bytes (at most
+    BUFFERED_BODY_CAP) without pausing.
+
+    At 64 KB an image request's body (a 4K JPEG is about 1.3 MB of base64)
+    comes in 20 or more pieces, each costing the request two turns of the
+    event loop (the app asks for more, uvicorn resumes reading, the piece
+    arrives). Under load every turn waits behind other requests' work, and
+    `parse` p90 reached 20 ms for 4K and 720p JPEGs at concurrency 8
+    (docs/architecture.md, "Per-hop costs"). The gateway reads every body
+    whole before acting on it (`read_body`, under the same limit), so the
+    buffer holds nothing the request would not hold anyway.
+    """
+    limit = min(limit, BUFFERED_BODY_CAP)
+    for name in _UVICORN_PROTOCOLS:
+        with contextlib.suppress(ImportError):  # h11 or httptools may be absent
+            module = importlib.import_module(name)
+            if not hasattr(module, "HIGH_WATER_LIMIT"):  # tests/unit/test_body_reads.py fails on such an upgrade
+                log.warning("%s has no HIGH_WATER_LIMIT: request bodies are read at uvicorn's own pace", name)
+                continue
+            module.HIGH_WATER_LIMIT = max(limit, module.HIGH_WATER_LIMIT)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None) -> bytes:
+    """The whole body, under `limit` bytes and `timeout_s`. One without a
+    Content-Length was not counted at admission: `memory` counts each piece as
+    it comes (gateway/intake/memory.py), refusing it past the budget."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    counted = memory if memory is not None and not declared.isdigit() else None
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                if not chunk:
+                    continue  # Starlette ends every stream with b"", which would make the join below copy
+                if counted is not None:
+                    counted.admit(BODY_COPIES * len(chunk), "a request body sent without Content-Length")
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s (gateway.body_timeout_s); "
+                       f"{size} bytes arrived", code="body_timeout", headers={"Connection": "close"}) from None
+    return b"".join(chunks)  # a body that came whole is returned as it is, not copied
+
+
+async def parse_request(request: Request, limit: int, timeout_s: float,
+                        memory: MemoryHold | None = None) -> ChatCompletionRequest:
+    body = await read_body(request, limit, timeout_s, memory)
+    try:
+        return ChatCompletionRequest.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc) from None

@@ -1,0 +1,186 @@
+"""One chat request through the system: intake → encoder → engine.
+
+`prepare` does everything that can fail on the user's input before any
+response byte is sent (so errors keep their HTTP status); `generate` then
+streams the engine's token deltas. How the images' tokens reach the engine,
+and what a lost one costs, is the hand-off's (gateway/routing/handoff.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from gateway.intake.fetch import ImageFetcher
+from gateway.routing.handoff import ImageHandoff, RequestImages
+from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
+from gateway.api.record import RequestRecord
+from gateway.api.schemas import ChatCompletionRequest, ImagePart
+from gateway.timing import RequestTimer
+from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
+from protocol.to_gateway import TokenDelta
+
+
+_ROLES = {"developer": "system"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine."""
+
+    request: GenerateRequest
+    images: RequestImages | None  # None: no images
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    where: str  # names the part in errors: messages[1].content[0]
+    url: str
+    detail: str
+
+
+def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
+    """Every image part, in order."""
+    found = []
+    for m, message in enumerate(request.messages):
+        if isinstance(message.content, list):
+            for p, part in enumerate(message.content):
+                if isinstance(part, ImagePart):
+                    found.append(ImageRef(f"messages[{m}].content[{p}]", part.image_url.url, part.image_url.detail))
+    return found
+
+
+_IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
+# Fields the gateway itself acts on, or that change nothing: not forwarded.
+_GATEWAY_ONLY = {"mm_processor_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
+
+
+def engine_chat(request: ChatCompletionRequest) -> bytes:
+    """The request as the engine reads it (vLLM's ChatCompletionRequest): what
+    the client set, each image's URL replaced by a placeholder (its embeddings
+    travel beside, in order; OpenAI's part shape keeps vLLM's validation
+    happy), `developer` as `system` (chat templates know no `developer`)."""
+    body = request.model_dump(mode="json", exclude_unset=True, by_alias=True, exclude=_GATEWAY_ONLY)
+    for message in body["messages"]:
+        message["role"] = _ROLES.get(message["role"], message["role"])
+        if isinstance(message.get("content"), list):
+            message["content"] = [_IMAGE if p["type"] == "image_url" else p for p in message["content"]]
+    return msgspec.json.encode(body)
+
+
+class ChatPipeline:
+    def __init__(
+        self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, policy: IntakePolicy | None,
+        fetcher: ImageFetcher, model_name: str | None = None,
+    ) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.engine = engine
+        self.policy = policy  # None: the model is served text-only
+        self.fetcher = fetcher
+        self.model_name = model_name
+        self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
+        self.handoff = ImageHandoff(config, encoder, engine, self._decode)
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def request_budget(self, request: ChatCompletionRequest) -> PixelBudget:
+        """The deployment budget, narrowed by `mm_processor_kwargs` (never widened)."""
+        default = self.policy.default_budget
+        overrides = request.mm_processor_kwargs
+        if overrides is None:
+            return default
+        if self.policy.tiling is not None:
+            raise APIError(400, "mm_processor_kwargs: a pixel budget applies to Qwen-family models; this model tiles each image its own way", param="mm_processor_kwargs", code="unsupported_parameter")
+        budget = PixelBudget(overrides.min_pixels or default.min_pixels, overrides.max_pixels or default.max_pixels)
+        if not default.min_pixels <= budget.min_pixels <= budget.max_pixels <= default.max_pixels:
+            raise APIError(422, f"mm_processor_kwargs: pixel budget [{budget.min_pixels}, {budget.max_pixels}] must lie within the deployment's [{default.min_pixels}, {default.max_pixels}] with min <= max", param="mm_processor_kwargs", code="invalid_value")
+        return budget
+
+    def image_budget(self, ref: ImageRef, request_budget: PixelBudget) -> PixelBudget:
+        if ref.detail != "low":
+            return request_budget
+        if self.policy.tiling is not None:
+            raise APIError(400, f"{ref.where}.image_url.detail: 'low' is not served for this model, which tiles each image its own way; send 'auto' or 'high'", param=f"{ref.where}.image_url.detail", code="unsupported_parameter")
+        low = min(request_budget.max_pixels, self.config.detail_low_max_pixels)
+        return PixelBudget(min(request_budget.min_pixels, low), low)
+
+    async def _fetch(self, ref: ImageRef) -> bytes:
+        if ref.url.startswith("data:"):  # its bytes were counted with the body's
+            return await self._in_pool(decode_data_url, ref.url, ref.where, self.policy.limits)
+        async with working(BODY_COPIES * self.config.max_image_bytes, f"fetching {ref.where}"):
+            raw = await self.fetcher.fetch(ref.url, ref.where)
+        hold(len(raw))
+        return raw
+
+    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], record: RequestRecord) -> list[Inspected]:
+        """Fetch and judge every image by its header; nothing is decoded yet."""
+        timer = record.timer
+        request_budget = self.request_budget(request)
+        started = time.perf_counter()
+        raws = await asyncio.gather(*(self._fetch(ref) for ref in refs))
+        fetched = time.perf_counter()
+        timer.add("image_fetch", fetched - started)
+        inspected = await asyncio.gather(
+            *(self._in_pool(inspect, raw, ref.where, self.policy, self.image_budget(ref, request_budget)) for raw, ref in zip(raws, refs))
+        )
+        tokens = sum(item.visual_tokens for item in inspected)
+        if tokens > self.config.max_visual_tokens_per_request:
+            raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
+        record.ticket.reserve_visual_tokens(tokens)  # given back when the request ends
+        timer.add("image_preprocess", time.perf_counter() - fetched)
+        timer.image_sizes.extend(item.size for item in inspected)
+        return inspected
+
+    async def _decode(self, items: list[Inspected], timer: RequestTimer) -> list[PreparedImage]:
+        started = time.perf_counter()
+        decoded = await asyncio.gather(*(self._decode_one(item) for item in items))
+        timer.add("image_preprocess", time.perf_counter() - started)
+        return decoded
+
+    async def _decode_one(self, item: Inspected) -> PreparedImage:
+        width, height = item.size
+        async with working(item.decoding_bytes, f"decoding {item.where} ({width}×{height})"):
+            decoding = asyncio.ensure_future(self._in_pool(decode, item, self.policy))
+            try:
+                prepared = await asyncio.shield(decoding)
+            except asyncio.CancelledError:  # the client left; the thread decodes on, and its memory stays counted till then
+                await asyncio.wait({decoding})
+                raise
+        hold(prepared.pixels.nbytes)  # sent to the encoder
+        return prepared
+
+    async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:
+        refs = image_refs(request)
+        if refs and self.policy is None:
+            raise APIError(400, f"{refs[0].where}: model '{self.model_name}' is served text-only and takes no images",
+                           param=refs[0].where, code="images_not_supported")
+        self.engine.require_up()
+        if refs:
+            self.encoder.require_up()
+        if request.n > self.config.max_n:
+            raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
+        if len(refs) > self.config.max_images_per_request:
+            raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
+        chat = engine_chat(request)
+        if not refs:
+            return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
+        inspected = await self._intake(request, refs, record)
+        digests = [digest_of(item, self.policy) for item in inspected]
+        images = await self.handoff.deliver(record.id, inspected, digests, record.timer)
+        return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references), images)
+
+    def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
+        """The engine's deltas (gateway/routing/handoff.py: one re-encode if it finds the tokens nowhere)."""
+        return self.handoff.stream(prepared.request, prepared.images, timer)

@@ -1,0 +1,165 @@
+"""Fetching http(s) image URLs without becoming a proxy into private networks.
+
+Every hop (the URL and each redirect) is parsed, its host resolved, and every
+resolved address checked: loopback, private, link-local, multicast, reserved,
+unspecified and other non-global addresses are refused unless their network
+is explicitly allowed. Checking the resolved address covers every spelling of
+a host (decimal `2130706433`, octal `0177.0.0.1`, IPv4-mapped IPv6
+`[::ffff:127.0.0.1]`). The connection then goes to the address that was
+checked (the URL is rewritten to it, with the Host header and TLS SNI set to
+the original name), so DNS cannot change between check and fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit, urlunsplit
+
+import httpx
+
+from gateway.errors import APIError
+from gateway.intake.images import ImageLimits
+
+_REDIRECTS = {301, 302, 303, 307, 308}
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class FetchLimits:
+    connect_timeout_s: float
+    read_timeout_s: float
+    total_timeout_s: float
+    max_redirects: int
+    allowed_domains: tuple[str, ...] = ()  # empty: any host (that resolves to a public address)
+    allowed_networks: tuple[str, ...] = ()  # explicit opt-in for private/loopback networks
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str  # rewritten to the checked address
+    host_header: str
+    sni_hostname: str | None
+
+
+def refusal_reason(address: IPAddress) -> str | None:
+    """Why an address may not be fetched from by default, or None if it is public."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return refusal_reason(address.ipv4_mapped)
+    for attribute in ("is_unspecified", "is_loopback", "is_link_local", "is_multicast", "is_private", "is_reserved"):
+        if getattr(address, attribute):
+            return attribute.removeprefix("is_").replace("_", "-")
+    if not address.is_global:
+        return "non-global"
+    return None
+
+
+class AddressGuard:
+    def __init__(self, allowed_domains: tuple[str, ...], allowed_networks: tuple[str, ...]) -> None:
+        self.allowed_domains = tuple(d.lower().lstrip(".") for d in allowed_domains)
+        self.allowed_networks = tuple(ipaddress.ip_network(n, strict=False) for n in allowed_networks)
+
+    def _domain_allowed(self, host: str) -> bool:
+        host = host.lower().rstrip(".")
+        return not self.allowed_domains or any(host == d or host.endswith("." + d) for d in self.allowed_domains)
+
+    def _address_allowed(self, address: IPAddress) -> bool:
+        plain = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped else address
+        return any(plain in network for network in self.allowed_networks)
+
+    async def check(self, url: str, where: str) -> Target:
+        parts = urlsplit(url)
+        if parts.scheme not in _DEFAULT_PORTS:
+            raise APIError(400, f"{where}: URL scheme {parts.scheme!r} is not allowed (http, https or data: only)", param=where, code="unsupported_image_url")
+        host = parts.hostname
+        if not host:
+            raise APIError(400, f"{where}: URL has no host", param=where, code="invalid_image_url")
+        if not self._domain_allowed(host):
+            raise APIError(400, f"{where}: host {host!r} is not in the allowed domains", param=where, code="image_url_refused")
+        try:
+            port = parts.port or _DEFAULT_PORTS[parts.scheme]
+        except ValueError:
+            raise APIError(400, f"{where}: URL has an invalid port", param=where, code="invalid_image_url") from None
+        address = await self._resolve_checked(host, port, where)
+        netloc = f"[{address}]" if address.version == 6 else str(address)
+        pinned = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))
+        host_header = host if parts.port is None else f"{host}:{parts.port}"
+        return Target(pinned, host_header, host if parts.scheme == "https" else None)
+
+    async def _resolve_checked(self, host: str, port: int, where: str) -> IPAddress:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError):
+            raise APIError(400, f"{where}: cannot resolve host {host!r}", param=where, code="image_fetch_failed") from None
+        addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        for address in addresses:  # every address must pass: DNS could hand out any of them
+            reason = refusal_reason(address)
+            if reason and not self._address_allowed(address):
+                raise APIError(400, f"{where}: host {host!r} resolves to a {reason} address ({address}); fetching from it is refused", param=where, code="image_url_refused")
+        return addresses[0]
+
+
+class ImageFetcher:
+    def __init__(self, limits: FetchLimits, image_limits: ImageLimits) -> None:
+        self.limits = limits
+        self.image_limits = image_limits  # its byte limit caps every download
+        self.guard = AddressGuard(limits.allowed_domains, limits.allowed_networks)
+        timeout = httpx.Timeout(connect=limits.connect_timeout_s, read=limits.read_timeout_s, write=limits.read_timeout_s, pool=limits.connect_timeout_s)
+        # trust_env=False: no proxy from the environment may route around the guard.
+        # No keep-alive: pooled connections are keyed by the pinned address, so a
+        # TLS connection verified for one host name could be reused for another.
+        self.client = httpx.AsyncClient(
+            timeout=timeout, follow_redirects=False, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+
+    async def fetch(self, url: str, where: str) -> bytes:
+        try:
+            async with asyncio.timeout(self.limits.total_timeout_s):
+                return await self._follow(url, where)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise APIError(504, f"{where}: fetching the image timed out ({_expired(exc, self.limits)})", param=where, code="image_fetch_timeout") from None
+        except httpx.HTTPError as exc:
+            raise APIError(400, f"{where}: fetching the image failed ({type(exc).__name__})", param=where, code="image_fetch_failed") from None
+
+    async def _follow(self, url: str, where: str) -> bytes:
+        for _ in range(self.limits.max_redirects + 1):
+            target = await self.guard.check(url, where)
+            extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
+            request = self.client.build_request("GET", target.url, headers={"Host": target.host_header}, extensions=extensions)
+            response = await self.client.send(request, stream=True)
+            try:
+                if response.status_code in _REDIRECTS and "location" in response.headers:
+                    url = urljoin(url, response.headers["location"])
+                    continue
+                if response.status_code != 200:
+                    raise APIError(400, f"{where}: fetching the image returned HTTP {response.status_code}", param=where, code="image_fetch_failed")
+                return await self._read_capped(response, where)
+            finally:
+                await response.aclose()
+        raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code="image_fetch_failed")
+
+    async def _read_capped(self, response: httpx.Response, where: str) -> bytes:
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit():
+            self.image_limits.check_bytes(int(declared), where)
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            self.image_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
+        return bytes(body)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def _expired(exc: Exception, limits: FetchLimits) -> str:
+    """Which deadline ran out, by its config key."""
+    if isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout):
+        return f"gateway.fetch_connect_timeout_s = {limits.connect_timeout_s:g} s"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"gateway.fetch_read_timeout_s = {limits.read_timeout_s:g} s"
+    return f"gateway.fetch_total_timeout_s = {limits.total_timeout_s:g} s"

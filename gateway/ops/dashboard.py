@@ -1,0 +1,114 @@
+"""The data behind /dashboard: a rolling window of finished requests and of
+service samples, summarised as percentiles per stage and series over time.
+With several gateway workers, each window also holds the other workers'
+requests (gateway/ops/siblings.py), so any worker answers for the whole gateway."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from gateway.timing import TTFT_STAGES, RequestTimer
+from protocol.siblings import FinishedRequest
+
+STAGES = (*TTFT_STAGES, "unaccounted")
+
+
+def finished_request(timer: RequestTimer, ok: bool) -> FinishedRequest:
+    ttft = timer.ttft_s
+    tpot = timer.tpot_s
+    return FinishedRequest(
+        at=time.time(), ok=ok, stages_ms=timer.stages_ms() if ok else {},
+        ttft_ms=None if ttft is None else ttft * 1000, tpot_ms=None if tpot is None else tpot * 1000,
+        cache_hits=timer.cache_hits, cache_misses=timer.cache_misses,
+    )
+
+
+@dataclass(frozen=True)
+class ServiceSample:
+    at: float
+    encoder_queue: int
+    engine_waiting: int
+    gateway_in_flight: int
+    batches: int  # cumulative
+    images_encoded: int  # cumulative
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+class DashboardWindow:
+    def __init__(self, span_s: float = 300, bucket_s: float = 5, max_records: int = 50_000) -> None:
+        self.span_s = span_s
+        self.bucket_s = bucket_s
+        self.records: deque[FinishedRequest] = deque(maxlen=max_records)
+        self.samples: deque[ServiceSample] = deque(maxlen=int(span_s) * 4)
+
+    def add(self, record: FinishedRequest) -> None:
+        self.records.append(record)
+
+    def add_sample(self, sample: ServiceSample) -> None:
+        self.samples.append(sample)
+
+    def _recent(self, now: float) -> list[FinishedRequest]:
+        return [r for r in self.records if r.at >= now - self.span_s]
+
+    def snapshot(self) -> dict:
+        now = time.time()
+        recent = self._recent(now)
+        ok = [r for r in recent if r.ok]
+        hits = sum(r.cache_hits for r in recent)
+        lookups = hits + sum(r.cache_misses for r in recent)
+        return {
+            "window_s": self.span_s,
+            "requests": len(recent),
+            "errors": len(recent) - len(ok),
+            "throughput_rps": _round(len(recent) / self.span_s),
+            "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
+            "stages": {s: {"p50": _round(percentile([r.stages_ms[s] for r in ok], 50)), "p95": _round(percentile([r.stages_ms[s] for r in ok], 95))} for s in STAGES},
+            "ttft": {"p50": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 50)), "p95": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 95))},
+            "series": self._series(now, recent),
+            "services": self._service_series(now),
+        }
+
+    def _series(self, now: float, recent: list[FinishedRequest]) -> list[dict]:
+        buckets: dict[int, list[FinishedRequest]] = {}
+        for record in recent:
+            buckets.setdefault(int((now - record.at) // self.bucket_s), []).append(record)
+        series = []
+        for age in sorted(buckets, reverse=True):
+            rows = buckets[age]
+            ttft = [r.ttft_ms for r in rows if r.ok and r.ttft_ms is not None]
+            tpot = [r.tpot_ms for r in rows if r.ok and r.tpot_ms is not None]
+            hits = sum(r.cache_hits for r in rows)
+            lookups = hits + sum(r.cache_misses for r in rows)
+            series.append({
+                "t": round(now - age * self.bucket_s), "rps": round(len(rows) / self.bucket_s, 3),
+                "ttft_p50": _round(percentile(ttft, 50)), "ttft_p95": _round(percentile(ttft, 95)),
+                "tpot_p50": _round(percentile(tpot, 50)), "tpot_p95": _round(percentile(tpot, 95)),
+                "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
+            })
+        return series
+
+    def _service_series(self, now: float) -> list[dict]:
+        samples = [s for s in self.samples if s.at >= now - self.span_s]
+        out = []
+        for before, after in zip(samples, samples[1:]):
+            batches = after.batches - before.batches
+            out.append({
+                "t": round(after.at, 1), "encoder_queue": after.encoder_queue, "engine_waiting": after.engine_waiting,
+                "gateway_in_flight": after.gateway_in_flight,
+                "batch_size": None if batches <= 0 else round((after.images_encoded - before.images_encoded) / batches, 2),
+            })
+        return out

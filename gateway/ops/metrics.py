@@ -1,0 +1,213 @@
+"""Every Prometheus metric Prism exports, defined in one place.
+
+Units are seconds; labels are few. The encoder and the engine report their
+stages in their replies and their counters in the stats the gateway polls, so
+one scrape of the gateway shows the whole system even across hosts.
+
+With several gateway workers, PROMETHEUS_MULTIPROC_DIR is set (by
+gateway/ops/workers.py) and each worker's metrics live in files there: a scrape,
+whichever worker answers, sums every worker's counters and histograms and the
+live workers' gauges (prometheus-client's multiprocess mode). What the gateway
+polls from the services is the same in every worker and is exported once.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from protocol.stats import HistogramSnapshot, ServiceState
+
+# ms to tens of seconds: CPU demo and GPU deployments both land inside.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+# Original image sizes, by megapixels: thumbnails, ~720p, ~1080p, ~4K, larger.
+IMAGE_SIZE_BUCKETS = ((0.25, "le_0.25mp"), (1.0, "le_1mp"), (2.2, "le_2.2mp"), (8.5, "le_8.5mp"), (float("inf"), "gt_8.5mp"))
+
+REQUESTS = Counter("prism_requests_total", "Chat completion requests by HTTP status and reason", ["status", "reason"])
+STAGE_SECONDS = Histogram("prism_stage_seconds", "Per-stage share of time to first token", ["stage"], buckets=LATENCY_BUCKETS)
+TTFT_SECONDS = Histogram("prism_ttft_seconds", "Request arrival to first token sent", buckets=LATENCY_BUCKETS)
+TPOT_SECONDS = Histogram("prism_tpot_seconds", "Time per output token after the first, per request", buckets=LATENCY_BUCKETS)
+ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive token deltas", buckets=LATENCY_BUCKETS)
+E2E_SECONDS = Histogram("prism_e2e_seconds", "Request arrival to last byte", buckets=LATENCY_BUCKETS)
+VISUAL_TOKENS = Histogram("prism_visual_tokens_per_request", "Visual tokens a request's images became", buckets=TOKEN_BUCKETS)
+IMAGES = Counter("prism_images_total", "Images accepted, by original size", ["size"])
+IN_FLIGHT = Gauge("prism_in_flight_requests", "Requests being served", ["service"], multiprocess_mode="livesum")
+# Per replica, as this gateway's workers see them: what they sent, and what is still open.
+REPLICA_REQUESTS = {
+    "encoder": Counter("prism_encoder_replica_requests", "Encode requests sent to each encoder replica", ["model", "replica"]),
+    "engine": Counter("prism_engine_replica_requests", "Generate requests sent to each engine replica", ["model", "replica"]),
+}
+REPLICA_OUTSTANDING = {
+    "encoder": Gauge("prism_encoder_replica_outstanding", "Requests sent to the encoder replica and not yet answered",
+                     ["model", "replica"], multiprocess_mode="livesum"),
+    "engine": Gauge("prism_engine_replica_outstanding", "Requests generating on each engine replica",
+                    ["model", "replica"], multiprocess_mode="livesum"),
+}
+FAILOVERS = Counter("prism_replica_failovers", "Requests moved to another replica after a 503 or 429", ["service"])
+for _service in REPLICA_REQUESTS:
+    FAILOVERS.labels(_service)  # exported at 0 before the first
+# How long a callback posted from another thread waited for the gateway's event loop (gateway/ops/loop_probe.py).
+LOOP_LAG_SECONDS = Histogram(
+    "prism_gateway_loop_lag_seconds", "How long new work waited for the gateway's event loop (sampled 10 times a second)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
+# Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/routing/handoff.py, Delivery.KNOWN).
+IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
+                                    "Images sent to the engine by a reference kept from an earlier encode, without asking an encoder")
+# The memory budget (gateway/intake/memory.py): what it admits, and what requests hold of it now.
+MEMORY_BUDGET = Gauge("prism_gateway_memory_budget_bytes", "Bytes requests may hold in the gateway (its memory budget)",
+                      multiprocess_mode="livesum")
+MEMORY_HELD = Gauge("prism_gateway_memory_held_bytes",
+                    "Bytes held by requests against the memory budget: bodies, images, decodes, replies waiting",
+                    multiprocess_mode="livesum")
+PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets to encoders and engines (headers and frames)",
+                     ["peer", "direction"])
+
+
+def exposition(service_stats) -> bytes:
+    """One scrape: this process's metrics, or every worker's (multiprocess
+    mode), plus `service_stats` (the polled services) once."""
+    if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return generate_latest(REGISTRY)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(service_stats)
+    return generate_latest(registry)
+
+
+def image_size_bucket(width: int, height: int) -> str:
+    megapixels = width * height / 1e6
+    return next(label for bound, label in IMAGE_SIZE_BUCKETS if megapixels <= bound)
+
+
+def observe(timer) -> None:
+    """Record one successful request's timings."""
+    for stage, seconds in timer.stages.items():
+        STAGE_SECONDS.labels(stage).observe(seconds)
+    if timer.ttft_s is not None:
+        TTFT_SECONDS.observe(timer.ttft_s)
+    if (tpot := timer.tpot_s) is not None:
+        TPOT_SECONDS.observe(tpot)
+    for gap in timer.inter_token_gaps():
+        ITL_SECONDS.observe(gap)
+    if timer.finished_at is not None:
+        E2E_SECONDS.observe(timer.finished_at - timer.arrived)
+    if timer.image_sizes:
+        VISUAL_TOKENS.observe(timer.visual_tokens)
+    for width, height in timer.image_sizes:
+        IMAGES.labels(image_size_bucket(width, height)).inc()
+
+
+class ServiceStatsCollector:
+    """Exports the latest stats the gateway polled from the encoders and engines.
+    Figures are summed over models and replicas; `prism_encoder_replica_*` and
+    `prism_engine_replica_*` show each replica (labelled by model)."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway = gateway
+
+    def collect(self):
+        encoders, engines = self.gateway.service_stats()
+        in_flight = GaugeMetricFamily("prism_service_in_flight_requests", "Requests in flight inside each service", labels=["service"])
+        queue = GaugeMetricFamily("prism_queue_depth", "Work waiting in each service (encoder: images; engine: requests with no token yet)", labels=["service"])
+        if encoders:
+            in_flight.add_metric(["encoder"], sum(e.in_flight for e in encoders))
+            queue.add_metric(["encoder"], sum(e.queue_depth for e in encoders))
+            yield from _encoder_metrics(encoders)
+        if engines:
+            in_flight.add_metric(["engine"], sum(e.in_flight for e in engines))
+            queue.add_metric(["engine"], sum(e.waiting for e in engines))
+            yield CounterMetricFamily("prism_engine_steps", "vLLM engine-core steps seen (the stall watchdog's progress signal)", value=sum(e.steps for e in engines))
+            yield from _handoff_metrics(encoders, engines)
+        stalls = CounterMetricFamily("prism_stalls", "Stalls each service's watchdog declared (engine: no step; encoder: a batch far past its prediction)", labels=["service"])
+        for service, stats in (("encoder", encoders), ("engine", engines)):
+            stalls.add_metric([service], sum(s.stalls for s in stats))
+        yield stalls
+        yield from _replica_metrics(self.gateway.pools())
+        yield in_flight
+        yield queue
+
+
+def _encoder_metrics(encoders: list):
+    def total(field: str) -> int:
+        return sum(getattr(e, field) for e in encoders)
+
+    yield GaugeMetricFamily("prism_cache_bytes", "Visual-token cache bytes in use", value=total("cache_bytes"))
+    yield GaugeMetricFamily("prism_cache_capacity_bytes", "Visual-token cache capacity", value=total("cache_capacity_bytes"))
+    events = CounterMetricFamily("prism_cache_events", "Visual-token cache events (local tier)", labels=["event"])
+    for event, field in (("hit", "cache_hits"), ("miss", "cache_misses"), ("join", "cache_joins"), ("eviction", "cache_evictions"), ("collision", "cache_collisions")):
+        events.add_metric([event], total(field))
+    yield events
+    yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=total("jobs_dropped"))
+    yield CounterMetricFamily("prism_encoder_oom_splits", "Encoder batches split in two for want of device memory", value=total("oom_splits"))
+    yield _histogram("prism_encoder_batch_images", "Images per encoder batch", merge_histograms([e.batch_images for e in encoders]))
+    yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", merge_histograms([e.batch_patches for e in encoders]))
+    shared = [e.shared_cache for e in encoders if e.shared_cache is not None]
+    if shared:
+        shared_events = CounterMetricFamily("prism_shared_cache_events", "Shared (Redis) cache tier events", labels=["event"])
+        for event, field in (("hit", "hits"), ("miss", "misses"), ("corrupt", "corrupt"), ("collision", "collisions"),
+                             ("error", "errors"), ("write", "writes"), ("write_skipped", "writes_skipped"),
+                             ("reattach", "reattaches")):
+            shared_events.add_metric([event], sum(getattr(t, field) for t in shared))
+        yield shared_events
+
+
+def _handoff_metrics(encoders: list, engines: list):
+    """Visual tokens going from encoders to engines by reference (llm_engine/images.py)."""
+    images = CounterMetricFamily("prism_engine_embeddings", "Images' visual tokens an engine needed, by where it found them", labels=["source"])
+    images.add_metric(["engine_cache"], sum(e.embedding_cache_hits for e in engines))
+    images.add_metric(["fetched"], sum(e.embeddings_fetched for e in engines))
+    images.add_metric(["joined"], sum(e.embedding_fetch_joins for e in engines))
+    images.add_metric(["pushed"], sum(e.embeddings_pushed for e in engines))
+    yield images
+    yield CounterMetricFamily("prism_engine_fetched_bytes", "Bytes on the engines' sockets to encoders (headers and tensors)", value=sum(e.fetched_bytes for e in engines))
+    yield CounterMetricFamily("prism_engine_pushed_bytes", "Visual-token bytes encoders pushed to engines unasked", value=sum(e.pushed_bytes for e in engines))
+    pushes = CounterMetricFamily("prism_encoder_pushes", "New images' tokens an encoder sent to its request's engine unasked, by outcome", labels=["outcome"])
+    pushes.add_metric(["sent"], sum(e.pushes for e in encoders))
+    pushes.add_metric(["refused"], sum(e.push_refusals for e in encoders))  # not connected yet, or queue full: fetched
+    yield pushes
+    yield CounterMetricFamily("prism_encoder_fetch_misses", "Fetches of tokens an encoder no longer held (the gateway re-encodes them)", value=sum(e.fetch_misses for e in encoders))
+
+
+def _replica_metrics(pools):
+    labels = ["model", "replica"]
+    families = {
+        "up": GaugeMetricFamily("prism_encoder_replica_up", "1 while the encoder replica answers its heartbeat", labels=labels),
+        "encoded": CounterMetricFamily("prism_encoder_replica_images_encoded", "Images each encoder replica encoded (since its start)", labels=labels),
+        "shared_up": GaugeMetricFamily("prism_shared_cache_up", "1 while the encoder replica reaches the shared cache tier", labels=labels),
+        "engine_up": GaugeMetricFamily("prism_engine_replica_up", "1 while the engine replica answers its heartbeat", labels=labels),
+        "state": GaugeMetricFamily("prism_replica_state", "1 for the state each replica last reported (serving, draining, stalled, dead)", labels=["service", *labels, "state"]),
+    }
+    for model, encoders, engines in pools:
+        for index, replica in encoders.serving():
+            label = [model, str(index)]
+            families["up"].add_metric(label, int(replica.up))
+            if replica.stats is not None:
+                families["encoded"].add_metric(label, replica.stats.images_encoded)
+                if replica.stats.shared_cache is not None:
+                    families["shared_up"].add_metric(label, int(replica.stats.shared_cache.up))
+            _add_state(families["state"], "encoder", label, replica.stats)
+        for index, replica in engines.serving():
+            label = [model, str(index)]
+            families["engine_up"].add_metric(label, int(replica.up))
+            _add_state(families["state"], "engine", label, replica.stats)
+    yield from families.values()
+
+
+def _add_state(family: GaugeMetricFamily, service: str, label: list[str], stats) -> None:
+    if stats is not None:
+        for state in ServiceState:
+            family.add_metric([service, *label, state.name.lower()], int(stats.state == state))
+
+
+def merge_histograms(snapshots: list[HistogramSnapshot]) -> HistogramSnapshot:
+    """One histogram from several with the same buckets (one per replica)."""
+    counts = [sum(column) for column in zip(*(s.counts for s in snapshots))]
+    return HistogramSnapshot(snapshots[0].bounds, tuple(counts), sum(s.total for s in snapshots))
+
+
+def _histogram(name: str, documentation: str, snapshot) -> HistogramMetricFamily:
+    return HistogramMetricFamily(name, documentation, buckets=snapshot.cumulative(), sum_value=snapshot.total)

@@ -1,0 +1,105 @@
+"""Several gateway processes on one port (`gateway.workers` > 1).
+
+`python -m gateway` (and `prism serve`) with more than one worker runs this
+supervisor instead of a gateway. It holds the port, makes a run directory
+(prometheus-client's multiprocess files, the workers' sockets to each other),
+and starts the workers: each is `python -m gateway` with its slot in the
+environment, and listens on the port itself (SO_REUSEPORT), so the kernel
+spreads new connections over them, with no process in the data path.
+
+What stays right across workers, with nothing shared but that directory:
+- admission: each worker admits its share of every limit (gateway/api/admission.py);
+- affinity: each image goes to the same encoder and engine replicas from every
+  worker (rendezvous hashing, gateway/routing/replicas.py);
+- metrics: a scrape sums every worker's (gateway/ops/metrics.py);
+- the dashboard: every worker's window holds every worker's requests
+  (gateway/ops/siblings.py).
+
+A worker that dies is restarted (its gauges leave the sums first); SIGHUP is
+passed on to every worker (each reloads its routing map); SIGTERM drains them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import multiprocess
+
+from common.supervisor import Child, Supervisor
+from gateway.config import GatewayConfig
+
+log = logging.getLogger("prism.gateway")
+
+WORKER_ENV = "PRISM_GATEWAY_WORKER"  # the worker's index; set only in workers
+RUN_DIR_ENV = "PRISM_GATEWAY_RUN_DIR"
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """This process's place among the gateway's worker processes."""
+
+    index: int = 0
+    count: int = 1
+
+    def share(self, limit: int | None) -> int | None:
+        """This worker's part of a gateway-wide limit; the parts add up to it."""
+        if limit is None:
+            return None
+        return limit // self.count + (self.index < limit % self.count)
+
+    @property
+    def label(self) -> str:
+        """Said in refusals, where a limit is a share."""
+        return "" if self.count == 1 else f" (this worker's share: the gateway runs {self.count} workers)"
+
+
+def this_worker(config: GatewayConfig) -> tuple[WorkerSlot, Path | None]:
+    """This process's slot and the run directory; (a lone gateway's, None) outside a worker."""
+    index = os.environ.get(WORKER_ENV)
+    if index is None:
+        return WorkerSlot(), None
+    return WorkerSlot(int(index), config.workers), Path(os.environ[RUN_DIR_ENV])
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to the port (port 0: one the kernel picks) and never
+    listening: it keeps the port for the workers' listening sockets, which
+    alone get connections, across any worker's restart."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    reserved = socket.socket(family, socket.SOCK_STREAM)
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserved.bind((host, port))
+    return reserved
+
+
+def serve_workers(config: GatewayConfig, config_path: Path | None) -> None:
+    """Run `config.workers` gateway workers until SIGTERM or SIGINT."""
+    reserved = reserve_port(config.host, config.port)
+    port = reserved.getsockname()[1]
+    run_dir = Path(tempfile.mkdtemp(prefix="prism-gateway-"))
+    metrics_dir = run_dir / "metrics"
+    metrics_dir.mkdir()
+    shared = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), RUN_DIR_ENV: str(run_dir), "PRISM_GATEWAY__PORT": str(port)}
+    workers = [Child("gateway", config_path, {**shared, WORKER_ENV: str(i)}, f"gateway worker {i}") for i in range(config.workers)]
+    supervisor = Supervisor(workers, on_exit=lambda child: multiprocess.mark_process_dead(child.process.pid, str(metrics_dir)))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, lambda *_: supervisor.signal_all(signal.SIGHUP))
+    supervisor.start()
+    log.info("gateway: %d workers on http://%s:%d/v1", config.workers, config.host, port)
+    try:
+        stop.wait()
+    finally:
+        supervisor.stop(grace_s=config.drain_timeout_s + 5)  # each worker drains for drain_timeout_s
+        reserved.close()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,355 @@
+"""The gateway's side of the encoder and engine sockets.
+
+Each client owns one DEALER socket, one receive task and one heartbeat task.
+The receive task is the only reader: it routes every reply by request id to
+that request's queue, so each request's state has exactly one owner.
+
+The heartbeat asks for stats every interval. A service whose connection drops,
+or that has not answered for `heartbeat_timeout_s`, is marked down: its in-flight requests fail at once
+(503), new ones are refused with 503 + Retry-After, and it is marked up again
+as soon as it answers. A service whose stats say it is not SERVING (draining,
+stalled, dead) gets no new work until they do. A changed boot id means the
+service restarted and lost its in-flight work: those requests fail the same
+way, and the new process is used once it has answered the handshake as its
+predecessor did.
+
+Every wait has a deadline named by its config key, and the error says which.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gateway.ops import metrics
+from gateway.errors import APIError
+from gateway.intake.memory import MemoryHold, current_hold
+from protocol.base import Hello, Message
+from protocol.sockets import AsyncDealer
+from protocol.stats import EncoderStats, EngineStats, ServiceState, StatsRequest
+from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
+from protocol.to_engine import AbortGenerate, GenerateRequest
+from protocol.to_gateway import (
+    EncodeFailed,
+    EncodeNeedsPixels,
+    EncoderReady,
+    EncodeResult,
+    EngineReady,
+    GatewayInbound,
+    GenerateFailed,
+    TokenDelta,
+)
+
+log = logging.getLogger("prism.gateway")
+RETRY_AFTER_S = 2
+SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is not reading
+
+
+class ServiceClient:
+    peer = ""  # the metrics' label for this kind of service
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str, heartbeat_timeout_s: float) -> None:
+        self.name = name
+        self.address = address
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        counters = {direction: metrics.PEER_BYTES.labels(self.peer, direction) for direction in ("sent", "received")}
+        self.socket = AsyncDealer(ctx, address, GatewayInbound, lambda direction, nbytes: counters[direction].inc(nbytes))
+        # Never queue messages for a peer that is not connected: a restarted
+        # service must not receive requests its predecessor was sent.
+        self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)
+        self._monitor = self.socket.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._ready: asyncio.Future | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.info: Any = None
+        self.stats: Any = None  # latest EncoderStats / EngineStats
+        self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
+        self.up = False
+        self.rejoining = False  # a restarted process: up again once it answers the handshake
+
+    async def connect(self, timeout_s: float) -> Any:
+        """Handshake: Hello until the service answers (it may still be loading)."""
+        self._tasks.append(asyncio.create_task(self._receive_loop()))
+        self._tasks.append(asyncio.create_task(self._watch_connection()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            self._ready = loop.create_future()
+            await self._send_quietly(Hello("gateway"))
+            try:
+                async with asyncio.timeout(2.0):
+                    self.info = await asyncio.shield(self._ready)
+                self.up = True
+                self.stats_received_at = loop.time()
+                return self.info
+            except asyncio.TimeoutError:
+                if loop.time() > deadline:
+                    raise RuntimeError(
+                        f"{self.name} at {self.address} did not answer within {timeout_s:.0f} s (gateway.startup_timeout_s)"
+                    ) from None
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message, frames = await self.socket.recv()
+            if isinstance(message, (EncoderReady, EngineReady)):
+                if self._ready is not None and not self._ready.done():
+                    self._ready.set_result(message)
+                elif self.rejoining:
+                    self._rejoin(message)
+            elif isinstance(message, (EncoderStats, EngineStats)):
+                self._heartbeat(message)
+            elif (queue := self._streams.get(message.request_id)) is not None:
+                queue.put_nowait((message, frames))
+            # else: the request was already given up (timeout, disconnect, outage)
+
+    async def _watch_connection(self) -> None:
+        """A dropped connection means the process is gone or unreachable: the
+        requests it holds will never be answered (a reconnect gets a new routing
+        id), so they fail now instead of at the heartbeat timeout."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and (self.up or self._streams):
+                self._mark_down("lost its connection")
+
+    def _mark_down(self, why: str) -> None:
+        self.up = False
+        log.error("%s %s; failing its in-flight requests", self.name, why)
+        self._fail_in_flight(f"{self.name} {why}")
+
+    def _heartbeat(self, stats) -> None:
+        restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
+        self.stats = stats
+        self.stats_received_at = asyncio.get_running_loop().time()
+        if restarted:
+            self.up = False
+            self._fail_in_flight(f"{self.name} restarted; the request was lost with it")
+            log.warning("%s restarted; handshaking with the new process", self.name)
+            self.rejoining = True
+        if self.rejoining:
+            self._in_background(self._send_quietly(Hello("gateway")))
+            return
+        serving = stats.state == ServiceState.SERVING
+        if not serving and self.up:  # draining, stalled or dead: nothing new goes to it
+            log.warning("%s is %s", self.name, stats.state.name.lower())
+            self.up = False
+        elif serving and not self.up:
+            log.warning("%s is back", self.name)
+            self.up = True
+
+    def _rejoin(self, info) -> None:
+        """A restarted process answered the handshake: used again if it serves what its predecessor did."""
+        if info != self.info:
+            log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
+            return
+        self.rejoining = False
+        if self.stats.state == ServiceState.SERVING:
+            log.warning("%s is back", self.name)
+            self.up = True
+
+    def _in_background(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        """Ask for stats every interval; mark the service down when answers stop."""
+
+        async def beat() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                await self._send_quietly(StatsRequest("gateway"))
+                asked_at = loop.time()
+                await asyncio.sleep(interval_s)
+                if loop.time() - asked_at > 2 * interval_s:
+                    # Our own timer woke late: the host stalled this process too
+                    # (on a small machine, a vLLM left spinning between steps
+                    # does that; docs, Known issues). A service's silence
+                    # meanwhile is no evidence: ask again before judging.
+                    continue
+                silent_for = loop.time() - (self.stats_received_at or 0)
+                if self.up and silent_for > self.heartbeat_timeout_s:
+                    self._mark_down(f"stopped answering ({silent_for:.1f} s > gateway.heartbeat_timeout_s)")
+
+        self._tasks.append(asyncio.create_task(beat()))
+
+    def unavailable(self, message: str) -> APIError:
+        return APIError(503, message, code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _fail_in_flight(self, message: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait((self.unavailable(message), []))
+
+    def require_up(self) -> None:
+        if not self.up:
+            raise self.unavailable(f"{self.name} is unavailable; retry shortly")
+
+    async def _send_quietly(self, message: Message) -> bool:
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self.socket.send(message)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
+        """Send a request, or 503 if the service cannot take it now."""
+        self.require_up()
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await self.socket.send(message, frames)
+        except asyncio.TimeoutError:
+            raise self.unavailable(f"{self.name} took no message within {SEND_TIMEOUT_S:g} s; retry shortly") from None
+
+    @property
+    def outstanding(self) -> int:
+        """Requests sent and not yet answered."""
+        return len(self._streams)
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        queue = ReplyQueue(current_hold.get())
+        self._streams[request_id] = queue
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.socket.socket.disable_monitor()
+        self._monitor.close()
+        self.socket.close()
+
+
+# What a reply waiting in a queue holds besides its text: the message, its
+# choices and their strings as Python objects.
+REPLY_BYTES = 512
+
+
+def reply_bytes(item: tuple[Any, list]) -> int:
+    message, frames = item
+    text = sum(len(c.text) + len(c.reasoning) for c in message.choices) if isinstance(message, TokenDelta) else 0
+    return REPLY_BYTES + text + sum(memoryview(frame).nbytes for frame in frames)
+
+
+class ReplyQueue(asyncio.Queue):
+    """One request's replies, counted against the memory budget while they
+    wait for it (gateway/intake/memory.py): a client that reads its stream slowly
+    leaves its tokens here."""
+
+    def __init__(self, memory: MemoryHold | None) -> None:
+        super().__init__()
+        self._memory = memory
+
+    def _put(self, item) -> None:
+        super()._put(item)
+        if self._memory is not None:
+            self._memory.take(reply_bytes(item))
+
+    def _get(self):
+        item = super()._get()
+        if self._memory is not None:
+            self._memory.give(reply_bytes(item))
+        return item
+
+
+async def next_reply(queue: asyncio.Queue, timeout_s: float) -> tuple[Any, list]:
+    """The next reply routed to a request.
+
+    `asyncio.timeout`, never `asyncio.wait_for`, here and wherever the waiting
+    task may be cancelled: on Python 3.11, when a reply lands in the same loop
+    turn as the cancellation, `wait_for` returns the reply and drops the cancel
+    (CPython gh-86296). During a fast token stream that happened often: a
+    client's hang-up went unnoticed and vLLM generated to the end.
+    """
+    async with asyncio.timeout(timeout_s):
+        return await queue.get()
+
+
+def retry_after(status: int) -> dict[str, str] | None:
+    """Refusals a client should retry (full, restarting, stalled) say when."""
+    return {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+
+
+def _raise_if_error(message: Any) -> None:
+    if isinstance(message, APIError):  # put there by the heartbeat on an outage
+        raise message
+
+
+class EncoderClient(ServiceClient):
+    peer = "encoder"
+
+    async def encode(
+        self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
+        push_to: str = "",
+    ) -> EncodeResult | EncodeNeedsPixels:
+        """`push_to`: the engine the encoder pushes the images it encodes to (EncodeRequest.push_to)."""
+        queue = self.open(request_id)
+        answered = False
+        try:
+            await self.send(EncodeRequest(request_id, list(images), retry, push_to), frames)
+            message, _ = await next_reply(queue, timeout_s)  # its replies carry no frames: tokens go by reference
+            answered = True
+        except asyncio.TimeoutError:
+            raise APIError(504, f"vision encoder did not answer within {timeout_s:g} s (gateway.encode_timeout_s)", code="encoder_timeout") from None
+        finally:
+            self.close_stream(request_id)
+            if not answered and self.up:  # timed out, cancelled (client gone) or refused: drop its work
+                await self._send_quietly(CancelEncode(request_id))
+        _raise_if_error(message)
+        if isinstance(message, EncodeFailed):
+            code = message.code or ("encoder_overloaded" if message.status == 429 else "encoder_error")
+            raise APIError(message.status, f"vision encoder: {message.message}", code=code, headers=retry_after(message.status))
+        return message
+
+
+class EngineClient(ServiceClient):
+    peer = "engine"
+
+    async def submit(self, request: GenerateRequest) -> asyncio.Queue:
+        """Send a request now and open its reply queue, to stream (`generate`) or `withdraw`."""
+        queue = self.open(request.request_id)
+        try:
+            await self.send(request)
+        except BaseException:
+            self.close_stream(request.request_id)
+            raise
+        return queue
+
+    async def withdraw(self, request_id: str) -> None:
+        """A request sent and not streamed to its end: aborted in vLLM."""
+        self.close_stream(request_id)
+        if self.up:
+            await self._send_quietly(AbortGenerate(request_id))
+
+    async def generate(
+        self, request: GenerateRequest, timeout_s: float,
+    ) -> AsyncIterator[TokenDelta]:
+        """Token deltas until the finishing one; aborts in vLLM if abandoned."""
+        finished = False
+        try:
+            queue = await self.submit(request)
+            while not finished:
+                message, _ = await next_reply(queue, timeout_s)
+                if isinstance(message, APIError):
+                    finished = True  # the engine is gone: nothing to abort
+                    raise message
+                if isinstance(message, GenerateFailed):
+                    finished = True
+                    code = message.code or ("engine_error" if message.status >= 500 else None)
+                    raise APIError(message.status, message.message, code=code, headers=retry_after(message.status))
+                finished = message.finished
+                yield message
+        except asyncio.TimeoutError:
+            raise APIError(504, f"LLM engine produced no token within {timeout_s:g} s (gateway.generate_timeout_s)", code="engine_timeout") from None
+        finally:
+            if finished:
+                self.close_stream(request.request_id)
+            else:
+                await self.withdraw(request.request_id)

@@ -1,0 +1,298 @@
+"""The gateway's side of the visual-token hand-off: how a request's images'
+tokens reach its engine, and what happens when a step of that fails. The
+encoder's side pushes the tokens or pins them for a fetch
+(vision_encoder/handoff.py); the engine's side finds them
+(llm_engine/images.py). No tensor passes through the gateway: it carries
+references (content key, identity, shape, the encoder that holds them).
+
+How, chosen once per request (`ImageHandoff.choose`), the first that applies:
+
+- KNOWN: every image was encoded through this gateway process before, its
+  reference is kept (`KnownTokens`) and its encoder is up: no encoder round.
+  The engine finds the tokens in its LRU, else fetches them.
+- PUSHED: `gateway.push_embeddings`, and the engine replica picked now (the
+  one the request goes to first) keeps pushes (`EngineReady.takes_pushes`):
+  the encoder sends each image it encodes there as its batch ends, while the
+  gateway makes the engine's request. An image the encoder had cached, or
+  whose push its connection did not take, is fetched.
+- FETCHED: otherwise; the engine fetches each image from the encoder that
+  answered (which pins it until then).
+
+A request's images then go through these stages (`RequestImages.stage`):
+
+    ENCODING ──encoded──> REFERENCED ──first token──> DELIVERED
+    (KNOWN starts at REFERENCED)  │
+                                  └──tokens lost──> REENCODING ──> REFERENCED
+    any stage ──error raised to the client──> FAILED
+
+and every failure path is handled here:
+
+- an encoder refuses (503, 429): the same round on another replica
+  (`EncoderPool.encode`); any other encode error (400, 504, every replica
+  refused) is the client's, and nothing reached an engine;
+- an engine refuses (503, 429) before the first token: `EnginePool.generate`
+  sends the request to another replica, and `request_for` clears `pushed` for
+  any replica but the one pushed to, so that one fetches at once;
+- the tokens are nowhere (503 `embeddings_unavailable`: their encoder went
+  away between the encode and the fetch, or the references expired there):
+  the kept references are forgotten, the images encoded once more (never by a
+  kept reference) and the engine asked again; a second loss is the client's
+  503;
+- after the first token nothing is retried (the client has tokens already).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from gateway.ops import metrics
+from gateway.config import GatewayConfig
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
+from gateway.errors import APIError
+from gateway.intake.images import Inspected, PreparedImage
+from gateway.timing import RequestTimer
+from protocol.tensors import to_frame
+from protocol.to_encoder import ImageInput
+from protocol.to_engine import GenerateRequest, ImageEmbedding, reference
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, TokenDelta
+
+log = logging.getLogger("prism.gateway")
+
+KNOWN_IMAGES = 16384  # references kept, least recently used out first (a few hundred bytes each)
+
+Decode = Callable[[list[Inspected], RequestTimer], Awaitable[list[PreparedImage]]]
+
+
+class Delivery(enum.Enum):
+    """How a request's images' tokens reach its engine (the module's rule)."""
+
+    KNOWN = "known"
+    PUSHED = "pushed"
+    FETCHED = "fetched"
+
+
+class Stage(enum.Enum):
+    ENCODING = "encoding"
+    REFERENCED = "referenced"  # the engine's request can carry the references
+    REENCODING = "reencoding"  # the engine found the tokens nowhere
+    DELIVERED = "delivered"  # the engine had them: its first token came
+    FAILED = "failed"
+
+
+@dataclass
+class RequestImages:
+    """One request's images on their way to its engine."""
+
+    digests: list[bytes]  # also the engine pool's affinity
+    inspected: list[Inspected]  # kept until DELIVERED, for the one re-encode
+    delivery: Delivery = Delivery.FETCHED
+    engine: int | None = None  # PUSHED: the replica the tokens were pushed to
+    references: list[ImageEmbedding] = field(default_factory=list)
+    stage: Stage = Stage.ENCODING
+    reencoded: bool = False
+
+    def request_for(self, request: GenerateRequest, replica: int) -> GenerateRequest:
+        """`request` as sent to `replica`: one the tokens were not pushed to
+        (a failover) fetches them at once instead of waiting for a push."""
+        return request if replica == self.engine else request.unpushed()
+
+
+class KnownTokens:
+    """Each image's reference from its last encode, by digest: a repeat goes to
+    the engine with it at once (docs/architecture.md, step 4)."""
+
+    def __init__(self, capacity: int = KNOWN_IMAGES) -> None:
+        self.capacity = capacity
+        self._refs: OrderedDict[bytes, ImageEmbedding] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def remember(self, digests: Sequence[bytes], refs: Sequence[ImageEmbedding]) -> None:
+        for digest, ref in zip(digests, refs, strict=True):
+            # A push was for the request the image was encoded for; a later one
+            # finds the tokens in the engine's LRU or fetches them.
+            self._refs[digest] = msgspec.structs.replace(ref, pushed=False)
+            self._refs.move_to_end(digest)
+        while len(self._refs) > self.capacity:
+            self._refs.popitem(last=False)
+
+    def recall(self, digests: Sequence[bytes]) -> list[ImageEmbedding] | None:
+        """Every image's reference, in order; None unless all are known."""
+        refs = [self._refs.get(digest) for digest in digests]
+        if None in refs:
+            return None
+        for digest in digests:
+            self._refs.move_to_end(digest)
+        return refs
+
+    def forget(self, digests: Sequence[bytes]) -> None:
+        for digest in digests:
+            self._refs.pop(digest, None)
+
+
+class ImageHandoff:
+    """The gateway's hand-off, one per model: `deliver` before the response
+    starts, `stream` for the engine's deltas. `decode` turns inspected images
+    into pixels (the pipeline's intake threads)."""
+
+    def __init__(self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, decode: Decode) -> None:
+        self.config = config
+        self.encoder = encoder
+        self.engine = engine
+        self.decode = decode
+        self.known = KnownTokens()
+
+    def choose(self, images: RequestImages, allow_known: bool = True) -> None:
+        """Set `images.delivery` by the module's rule (KNOWN also sets the references)."""
+        if allow_known and (refs := self._kept(images.digests)) is not None:
+            images.delivery, images.engine, images.references = Delivery.KNOWN, None, refs
+        elif self.config.push_embeddings and (engine := self._push_target(images.digests)) is not None:
+            images.delivery, images.engine = Delivery.PUSHED, engine
+        else:
+            images.delivery, images.engine = Delivery.FETCHED, None
+
+    def _kept(self, digests: list[bytes]) -> list[ImageEmbedding] | None:
+        refs = self.known.recall(digests)
+        if refs is None or not all(self.encoder.serves_from(ref.source) for ref in refs):
+            return None  # a reference to an encoder that is not up would cost a fetch timeout
+        return refs
+
+    def _push_target(self, digests: list[bytes]) -> int | None:
+        """The replica `EnginePool.generate` will try first, picked and
+        remembered now; None when none is up or it keeps no pushes."""
+        index = self.engine.pick(digests, set())
+        if index is None or not self.engine.replicas[index].info.takes_pushes:  # picked: up, so it answered the handshake
+            return None
+        self.engine.remember(digests, index)
+        return index
+
+    async def deliver(self, request_id: str, inspected: list[Inspected], digests: list[bytes],
+                      timer: RequestTimer) -> RequestImages:
+        """The images' references, REFERENCED: kept, or from an encode now."""
+        images = RequestImages(digests, inspected)
+        self.choose(images)
+        if images.delivery is Delivery.KNOWN:
+            timer.cache_hits += len(images.references)
+            timer.visual_tokens += sum(ref.embeddings.shape[0] for ref in images.references)
+            metrics.IMAGES_BY_KNOWN_REFERENCE.inc(len(images.references))
+            images.stage = Stage.REFERENCED
+            return images
+        try:
+            await self._encode(request_id, images, timer)
+        except BaseException:
+            images.stage = Stage.FAILED
+            raise
+        return images
+
+    async def _encode(self, request_id: str, images: RequestImages, timer: RequestTimer) -> None:
+        """ENCODING (or REENCODING) → REFERENCED, the references kept for repeats."""
+        images.references = await self._rounds(request_id, images, timer)
+        self.known.remember(images.digests, images.references)
+        images.stage = Stage.REFERENCED
+
+    async def _rounds(self, request_id: str, images: RequestImages, timer: RequestTimer) -> list[ImageEmbedding]:
+        """Images this process has sent to an encoder before are asked for by
+        digest first: a cached image is never decoded here. The others are
+        most likely new, so they are decoded at once and go with pixels in
+        the first round, saving a round trip (a wrong guess costs a decode:
+        the encoder still answers from its cache). The images the encoder
+        reports missing are then decoded and sent; a third round (an entry
+        evicted in between) sends every image's pixels."""
+        items, digests = images.inspected, images.digests
+        unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
+        pixels = dict(zip(unseen, await self.decode([items[i] for i in unseen], timer))) if unseen else {}
+        push_to = "" if images.engine is None else self.engine.replicas[images.engine].address
+        with self.encoder.route(digests) as route:
+            for retry, last_round in ((False, False), (True, False), (True, True)):
+                inputs, frames = [], []
+                for index, digest in enumerate(digests):
+                    meta, original = None, None
+                    if index in pixels:
+                        meta, frame = to_frame(pixels[index].pixels)
+                        frames.append(frame)
+                        width, height = pixels[index].original_size
+                        original = (height, width)
+                    inputs.append(ImageInput(digest, meta, original))
+                sent = time.perf_counter()
+                reply = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry,
+                                                  push_to)
+                round_trip = time.perf_counter() - sent
+                if isinstance(reply, EncodeResult):
+                    return self._references(reply, self.encoder.replicas[route.replica].address, round_trip, timer)
+                timer.add("cache_lookup", reply.cache_lookup_s)
+                timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
+                wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
+                for index, prepared in zip(wanted, await self.decode([items[i] for i in wanted], timer)):
+                    pixels[index] = prepared
+        raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
+
+    def _references(self, result: EncodeResult, source: str, round_trip: float, timer: RequestTimer) -> list[ImageEmbedding]:
+        """For the engine to fetch from `source` (the encoder that answered) unless pushed there."""
+        timer.add_encoder(result.timings, round_trip)
+        timer.cache_hits += sum(i.cache_hit for i in result.images)
+        timer.cache_misses += sum(not i.cache_hit for i in result.images)
+        timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
+        return [reference(image, source) for image in result.images]
+
+    async def stream(self, request: GenerateRequest, images: RequestImages | None,
+                     timer: RequestTimer) -> AsyncIterator[TokenDelta]:
+        """The engine's deltas for `request` (its references from `images`;
+        None: a request without images). REFERENCED → DELIVERED, through one
+        REENCODING if the engine finds the tokens nowhere; else FAILED."""
+        try:
+            while True:
+                sent = time.perf_counter()
+                try:
+                    async with contextlib.aclosing(self._deltas(request, images, timer, sent)) as deltas:
+                        async for delta in deltas:
+                            yield delta
+                    return
+                except APIError as error:
+                    if images is None or not await self._reencoded(request.request_id, images, error, timer, sent):
+                        raise
+                request = msgspec.structs.replace(request, images=images.references)
+        finally:
+            if images is not None and images.stage is not Stage.DELIVERED:
+                images.stage = Stage.FAILED
+
+    async def _deltas(self, request: GenerateRequest, images: RequestImages | None, timer: RequestTimer,
+                      sent: float) -> AsyncIterator[TokenDelta]:
+        """One try; `EnginePool.generate` moves to another replica on a refusal."""
+        digests, request_for = (images.digests, images.request_for) if images is not None else ((), None)
+        first = True
+        # closing this closes the engine stream (abort in vLLM) at once
+        async with contextlib.aclosing(self.engine.generate(request, self.config.generate_timeout_s, digests, request_for)) as deltas:
+            async for delta in deltas:
+                if first:
+                    timer.add_engine_first(delta.timings, time.perf_counter() - sent)
+                    if images is not None:
+                        images.stage = Stage.DELIVERED
+                        images.inspected.clear()  # the engine has the tokens: the raw images are not needed again
+                    first = False
+                yield delta
+
+    async def _reencoded(self, request_id: str, images: RequestImages, error: APIError, timer: RequestTimer,
+                         sent: float) -> bool:
+        """After a lost-tokens error: the images encoded once more (True), or
+        not (False: another error, a second loss, or tokens already flowed)."""
+        if error.code != EMBEDDINGS_UNAVAILABLE:
+            return False
+        self.known.forget(images.digests)  # they were nowhere: the references are stale
+        if images.reencoded or images.stage is not Stage.REFERENCED:
+            return False
+        log.warning("%s; encoding the images again", error.message)
+        timer.add("embed_transfer", time.perf_counter() - sent)
+        images.stage, images.reencoded = Stage.REENCODING, True
+        self.choose(images, allow_known=False)
+        await self._encode(request_id, images, timer)
+        return True

@@ -1,0 +1,267 @@
+"""What the encoder and engine pools share: a set of replicas of one service,
+their health, the choice of the least loaded, and a memory of which replica
+last served each image (its caches hold that image's work).
+
+An image this process has not routed yet goes where every gateway process
+(another worker, another pod) would send it too, with no state shared between
+them: rendezvous hashing ranks the replicas by a hash of (image, replica
+address), and the first whose load is within `LOAD_SLACK` of the mean takes
+it (bounded loads: a hot image spills over instead of piling up). So a
+repeated image finds its cache hit, and its engine's prefix cache, whichever
+gateway process it reaches.
+
+The set can change while the gateway runs (gateway/routing/discovery.py): a replica
+keeps its index for as long as anything may refer to it (a request's route,
+its streams). One that leaves is retired: no new requests, closed once idle;
+only then may a newcomer take its index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import socket
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
+
+import xxhash
+import zmq.asyncio
+
+from gateway.ops import metrics
+from gateway.routing.clients import ServiceClient
+from gateway.routing.discovery import Discovery, follows_dns, replica_addresses
+from gateway.errors import APIError
+
+RETRIABLE = (503, 429)  # the replica is gone, draining or full; another may not be
+LAST_SERVED_ENTRIES = 65536  # digests remembered for affinity (~3 MB)
+LOAD_SLACK = 1.25  # an image's own replica takes it up to this many times the mean load
+
+C = TypeVar("C", bound=ServiceClient)
+log = logging.getLogger("prism.gateway")
+
+
+def expand_addresses(addresses: Sequence[str]) -> list[str]:
+    """One address per replica, at start-up: a tcp:// host name becomes one
+    replica per address it resolves to; ipc:// and literal IPs stay. A name
+    with no address yet (a headless Service whose pods are not ready) stays
+    as it is: ZMQ resolves it when it connects, and discovery replaces it by
+    the addresses once the name resolves."""
+    expanded: list[str] = []
+    for address in addresses:
+        try:
+            expanded += replica_addresses(address)
+        except socket.gaierror as exc:
+            log.warning("%s does not resolve yet (%s): connecting by name", address, exc)
+            expanded.append(address)
+    return list(dict.fromkeys(expanded))
+
+
+class ReplicaPool(Generic[C]):
+    kind = "service"  # named in errors and logs: "vision encoder", "LLM engine"
+    service: str  # in metric names and labels: "encoder", "engine"
+    client: type[C]  # the client class of one replica
+    same: str  # the handshake field every replica must agree on
+    optional = False  # may have no replicas at all (encoders, for a text-only model)
+
+    def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
+        if not addresses and not self.optional:
+            raise ValueError(f"at least one {self.kind} address is needed")
+        self.ctx = ctx
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        names = [f"{self.kind} {i}" if len(addresses) > 1 else self.kind for i in range(len(addresses))]
+        self.replicas: list[C] = [self.client(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)]
+        self.model = ""  # the served model's name, a metric label: set once the engine has said it
+        self.info = None  # the handshake answer replicas joining later must match
+        self.retired: set[int] = set()  # left the set: no new requests, closed once idle
+        self._free: set[int] = set()  # retired and closed: a newcomer may take the index
+        self._joining: dict[int, asyncio.Task] = {}  # handshakes of replicas found by discovery
+        self._heartbeat_interval_s: float | None = None
+        self._discovery: asyncio.Task | None = None
+        self._last_served: OrderedDict[bytes, int] = OrderedDict()  # digest → replica (LRU)
+        self._rotation = itertools.count()
+
+    async def connect(self, timeout_s: float):
+        """Handshake with every replica; they must agree on `same`. The first one's answer (None without replicas)."""
+        if not self.replicas:
+            return None
+        infos = await asyncio.gather(*(replica.connect(timeout_s) for replica in self.replicas))
+        if len({getattr(info, self.same) for info in infos}) > 1:
+            raise RuntimeError(f"{self.kind} replicas differ in {self.same}: " + ", ".join(
+                f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
+        self.info = infos[0]
+        return infos[0]
+
+    def serving(self) -> list[tuple[int, C]]:
+        """(index, replica) of every replica not yet closed; a closed index waits for a newcomer."""
+        return [(i, r) for i, r in enumerate(self.replicas) if i not in self._free]
+
+    def start_heartbeat(self, interval_s: float) -> None:
+        self._heartbeat_interval_s = interval_s
+        for replica in self.replicas:
+            replica.start_heartbeat(interval_s)
+
+    def follow_dns(self, addresses: Sequence[str], interval_s: float, join_timeout_s: float, lookup=None) -> None:
+        """Re-resolve the configured addresses every interval (gateway/routing/discovery.py)."""
+        if interval_s > 0 and follows_dns(addresses):
+            discovery = Discovery(addresses, join_timeout_s, self.update, self.kind, lookup)
+            self._discovery = asyncio.create_task(discovery.run(interval_s))
+
+    async def close(self) -> None:
+        for task in (self._discovery, *self._joining.values()):
+            if task is not None:
+                task.cancel()
+        for index, replica in enumerate(self.replicas):
+            if index not in self._free:
+                await replica.close()
+
+    @property
+    def up(self) -> bool:
+        return any(replica.up for i, replica in enumerate(self.replicas) if i not in self.retired)
+
+    def unavailable(self):
+        return self.replicas[0].unavailable(f"{self.kind} is unavailable; retry shortly")
+
+    def require_up(self) -> None:
+        if not self.up:
+            raise self.unavailable()
+
+    def candidates(self, exclude: set[int]) -> list[int]:
+        return [i for i, replica in enumerate(self.replicas) if replica.up and i not in exclude and i not in self.retired]
+
+    def pick(self, digests: Sequence[bytes], exclude: set[int]) -> int | None:
+        """The up replica, not in `exclude`, that last served one of these images,
+        else the first image's own replica (rendezvous, bounded load), else (no
+        images) the least loaded; None when there is none."""
+        candidates = self.candidates(exclude)
+        if not candidates:
+            return None
+        served = self.last_served(digests, candidates)
+        if served is not None:
+            return served
+        return self.by_content(digests[0], candidates) if digests else self.least_outstanding(candidates)
+
+    def by_content(self, digest: bytes, candidates: list[int]) -> int:
+        """The highest-ranked replica for this image (the same in every gateway
+        process) whose load is below LOAD_SLACK × the mean with this request."""
+        bound = math.ceil(LOAD_SLACK * (sum(self.replicas[i].outstanding for i in candidates) + 1) / len(candidates))
+        ranked = sorted(candidates, key=lambda i: xxhash.xxh3_64_intdigest(digest + self.replicas[i].address.encode()), reverse=True)
+        # The least loaded candidate is always below the bound (its load ≤ the mean < bound).
+        return next(i for i in ranked if self.replicas[i].outstanding < bound)
+
+    @contextlib.contextmanager
+    def sending(self, index: int) -> Iterator[None]:
+        """One request on replica `index`: counted as sent, and outstanding until it ends."""
+        labels = (self.model, str(index))
+        metrics.REPLICA_REQUESTS[self.service].labels(*labels).inc()
+        outstanding = metrics.REPLICA_OUTSTANDING[self.service].labels(*labels)
+        outstanding.inc()
+        try:
+            yield
+        finally:
+            outstanding.dec()
+
+    def note_failover(self, refused: APIError, index: int) -> None:
+        metrics.FAILOVERS.labels(self.service).inc()
+        log.warning("%s; trying %s", refused.message, self.replicas[index].name)
+
+    def last_served(self, digests: Iterable[bytes], candidates: list[int]) -> int | None:
+        """The candidate that last served one of these images, if any."""
+        for digest in digests:
+            if (i := self._last_served.get(digest)) in candidates:
+                return i
+        return None
+
+    def least_outstanding(self, candidates: list[int]) -> int:
+        turn = next(self._rotation)  # ties rotate
+        return min(candidates, key=lambda i: (self.replicas[i].outstanding, (i - turn) % len(self.replicas)))
+
+    def routed(self, digest: bytes) -> bool:
+        """This process sent this image to a replica recently (its cache may hold it)."""
+        return digest in self._last_served
+
+    def remember(self, digests: Iterable[bytes], index: int) -> None:
+        for digest in digests:
+            self._last_served[digest] = index
+            self._last_served.move_to_end(digest)
+        while len(self._last_served) > LAST_SERVED_ENTRIES:
+            self._last_served.popitem(last=False)
+
+    # Membership: discovery's answers.
+
+    async def update(self, wanted: Sequence[str], join_timeout_s: float) -> None:
+        """Make the replicas in service those at `wanted`: newcomers join, the missing retire."""
+        if not wanted:
+            return  # never empty a pool: an empty answer is no answer
+        current = {r.address: i for i, r in enumerate(self.replicas) if i not in self._free}
+        for address in wanted:
+            if (index := current.get(address)) is None:
+                self._join(address, join_timeout_s)
+            elif index in self.retired:
+                self.retired.discard(index)  # back before it was closed: still connected
+                log.warning("%s at %s is back in the set", self.replicas[index].name, address)
+        for address, index in current.items():
+            if address not in wanted and index not in self.retired:
+                self._retire(index)
+        await self.close_idle_retired()
+
+    def _join(self, address: str, timeout_s: float) -> None:
+        index = min(self._free) if self._free else len(self.replicas)
+        replica = self.client(self.ctx, address, f"{self.kind} {index}", self.heartbeat_timeout_s)
+        if index < len(self.replicas):
+            self._free.discard(index)
+            self.replicas[index] = replica
+        else:
+            self.replicas.append(replica)
+        self._added(index)
+        log.info("%s at %s found; handshaking", replica.name, address)
+        self._joining[index] = asyncio.create_task(self._handshake(index, timeout_s))
+
+    def _added(self, index: int) -> None:
+        """A subclass's per-replica state for a new index."""
+
+    async def _handshake(self, index: int, timeout_s: float) -> None:
+        """Used once it answers as the others did; else it leaves again (a later answer retries it)."""
+        replica = self.replicas[index]
+        try:
+            info = await replica.connect(timeout_s)
+        except RuntimeError as exc:  # no answer within the timeout
+            log.error("%s; it is left out", exc)
+        else:
+            if self.info is None or getattr(info, self.same) == getattr(self.info, self.same):
+                if self._heartbeat_interval_s is not None:  # else it starts with everyone's
+                    replica.start_heartbeat(self._heartbeat_interval_s)
+                log.warning("%s at %s joined", replica.name, replica.address)
+                self._joining.pop(index, None)
+                return
+            log.error("%s at %s serves %s, not %s: it is left out", replica.name, replica.address, info, self.info)
+        replica.up = False
+        self._joining.pop(index, None)
+        self.retired.add(index)
+        await self.close_idle_retired()
+
+    def _retire(self, index: int) -> None:
+        replica = self.replicas[index]
+        self.retired.add(index)
+        if (handshake := self._joining.pop(index, None)) is not None:
+            handshake.cancel()
+        log.warning("%s at %s left the set: no new requests; %d in flight finish there",
+                    replica.name, replica.address, replica.outstanding)
+
+    def in_use(self, index: int) -> bool:
+        """Something may still send to or wait on this replica."""
+        return self.replicas[index].outstanding > 0
+
+    async def close_idle_retired(self) -> None:
+        for index in sorted(self.retired):
+            if not self.in_use(index):  # checked and closed with no await between: nothing slips in
+                self.retired.discard(index)
+                self._free.add(index)
+                replica = self.replicas[index]
+                replica.up = False
+                replica.stats = None  # its last numbers must not count in the totals (queue depth: the autoscaler's)
+                await replica.close()
+                log.info("%s at %s closed", replica.name, replica.address)

@@ -1,0 +1,254 @@
+"""How a request's images reach its engine, and what happens when a step of
+that fails: through the pipeline's public `prepare` and `generate`, with the
+real pools over real DEALER/ROUTER sockets; the encoders and the two engines
+answer by hand. The real services are tested end to end in
+tests/integration/test_embedding_handoff.py."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+from dataclasses import dataclass
+
+import zmq.asyncio
+from PIL import Image
+
+from bench.intake import qwen_policy
+from gateway.api.admission import ConcurrencyLimiter
+from gateway.config import GatewayConfig
+from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.engine_pool import EnginePool
+from gateway.errors import APIError
+from gateway.routing.handoff import Delivery, RequestImages, Stage
+from gateway.api.pipeline import ChatPipeline
+from gateway.api.record import RequestRecord
+from gateway.api.schemas import ChatCompletionRequest
+from protocol.tensors import ArrayMeta
+from protocol.to_encoder import EncodeRequest
+from protocol.to_engine import GenerateRequest
+from protocol.to_gateway import (
+    EMBEDDINGS_UNAVAILABLE, ChoiceDelta, EncodedImage, EncodeFailed, EncoderTimings, EncodeResult, GenerateFailed,
+    TokenDelta,
+)
+from tests.unit.by_hand import EncoderByHand, EngineByHand
+
+POLICY = qwen_policy(140 * 140)
+
+
+class Encoder(EncoderByHand):
+    """Holds every image it is asked for; pushes, as the real one does, what it encodes new."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        super().__init__(ctx, address)
+        self.fails = False
+        self.asked: list[EncodeRequest] = []
+
+    def answer(self, request: EncodeRequest):
+        self.asked.append(request)
+        if self.fails:
+            return EncodeFailed(request.request_id, "bad pixels", 400)
+        images = [EncodedImage(ArrayMeta("float32", (25, 128)), (1, 10, 10), i.pixels is None, i.digest, i.digest,
+                               pushed=bool(request.push_to) and i.pixels is not None) for i in request.images]
+        return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0))
+
+
+class Engine(EngineByHand):
+    """Serves each request, or answers it from `script` first: 'refuse' (a
+    draining engine's 503) or 'lost' (its tokens were nowhere: 503
+    embeddings_unavailable)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, takes_pushes: bool) -> None:
+        super().__init__(ctx, address)
+        self.takes_pushes = takes_pushes
+        self.script: list[str] = []
+        self.received: list[GenerateRequest] = []
+
+    def answer(self, message):
+        if not isinstance(message, GenerateRequest):
+            return None
+        self.received.append(message)
+        what = self.script.pop(0) if self.script else "serve"
+        if what == "refuse":
+            return GenerateFailed(message.request_id, "engine is draining", 503, "engine_draining")
+        if what == "lost":
+            return GenerateFailed(message.request_id, "the visual tokens are no longer held", 503, EMBEDDINGS_UNAVAILABLE)
+        return TokenDelta(message.request_id, [ChoiceDelta(0, "x")], 1, 1, finished=True)
+
+
+@dataclass
+class Gateway:
+    pipeline: ChatPipeline
+    encoders: list[Encoder]
+    engines: list[Engine]
+    encoder_pool: EncoderPool
+    asked: RequestImages | None = None  # the last request's images, once prepared
+
+    def pushed_to(self) -> int:
+        """The engine the encoder was asked to push the first request's tokens to."""
+        addresses = [replica.address for replica in self.pipeline.engine.replicas]
+        return addresses.index(self.encoders[0].asked[0].push_to)
+
+    def script(self, *answers: str) -> None:
+        """The next answers of whichever engine is asked (one list, shared)."""
+        shared = list(answers)
+        for engine in self.engines:
+            engine.script = shared
+
+    def received(self) -> list[list[GenerateRequest]]:
+        return [engine.received for engine in self.engines]
+
+
+@contextlib.asynccontextmanager
+async def gateway(tmp_path, config: GatewayConfig | None = None, takes_pushes: bool = True, encoders: int = 1):
+    """A pipeline on `encoders` encoders and two engines, all answering by hand."""
+    ctx = zmq.asyncio.Context()
+    encoder_addresses = [f"ipc://{tmp_path}/encoder-{i}.sock" for i in range(encoders)]
+    engine_addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
+    by_hand = [Encoder(ctx, address) for address in encoder_addresses]
+    engines = [Engine(ctx, address, takes_pushes) for address in engine_addresses]
+    encoder_pool = EncoderPool(ctx, encoder_addresses, heartbeat_timeout_s=30)
+    engine_pool = EnginePool(ctx, engine_addresses, heartbeat_timeout_s=30)
+    try:
+        await encoder_pool.connect(timeout_s=5)
+        await engine_pool.connect(timeout_s=5)
+        pipeline = ChatPipeline(config or GatewayConfig(), encoder_pool, engine_pool, POLICY, None)
+        yield Gateway(pipeline, by_hand, engines, encoder_pool)
+    finally:
+        await encoder_pool.close()
+        await engine_pool.close()
+        for service in (*by_hand, *engines):
+            service.stop()
+        ctx.destroy(linger=0)
+
+
+def image_url(color: tuple[int, int, int]) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), color).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+GREEN, RED = image_url((10, 200, 10)), image_url((200, 10, 10))
+
+
+async def ask(gateway: Gateway, url: str, request_id: str = "r") -> list[TokenDelta]:
+    """One request with one image through prepare and generate; its deltas, or the APIError raised."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}]}
+    record = RequestRecord(request_id, request_id, ticket=ConcurrencyLimiter(None, None).admit("key"))
+    prepared = await gateway.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
+    gateway.asked = prepared.images
+    return [delta async for delta in gateway.pipeline.generate(prepared, record.timer)]
+
+
+def pushed(requests: list[GenerateRequest]) -> list[bool]:
+    return [request.images[0].pushed for request in requests]
+
+
+async def _pushed_then_known(tmp_path) -> None:
+    async with gateway(tmp_path) as gw:
+        assert (await ask(gw, GREEN))[-1].finished
+        encoder = gw.encoders[0]
+        # PUSHED: the encoder was told which engine to push to, and that engine got the request, its tokens pushed.
+        first = gw.engines[gw.pushed_to()]
+        assert pushed(first.received) == [True] and gw.received().count([]) == 1
+        assert (gw.asked.delivery, gw.asked.stage, gw.asked.inspected) == (Delivery.PUSHED, Stage.DELIVERED, [])
+        # KNOWN: the same image again goes by the reference kept, asking no encoder; no push is awaited.
+        assert (await ask(gw, GREEN, "again"))[-1].finished
+        assert len(encoder.asked) == 1 and pushed(first.received) == [True, False]
+        assert (gw.asked.delivery, gw.asked.stage) == (Delivery.KNOWN, Stage.DELIVERED)
+
+
+def test_a_new_image_is_pushed_to_its_engine_and_a_repeat_goes_by_the_kept_reference(tmp_path):
+    asyncio.run(_pushed_then_known(tmp_path))
+
+
+async def _fetched(tmp_path, config: GatewayConfig, takes_pushes: bool) -> tuple[list[EncodeRequest], list[list[bool]]]:
+    async with gateway(tmp_path, config, takes_pushes) as gw:
+        assert (await ask(gw, GREEN))[-1].finished
+        assert (gw.asked.delivery, gw.asked.engine) == (Delivery.FETCHED, None)
+        return gw.encoders[0].asked, [pushed(received) for received in gw.received()]
+
+
+def test_with_push_off_or_engines_that_keep_no_pushes_the_engine_fetches(tmp_path):
+    for run, (config, takes_pushes) in enumerate(((GatewayConfig(push_embeddings=False), True), (GatewayConfig(), False))):
+        (tmp_path / str(run)).mkdir()
+        asked, engines = asyncio.run(_fetched(tmp_path / str(run), config, takes_pushes))
+        assert [request.push_to for request in asked] == [""]
+        assert sorted(engines) == [[], [False]]
+
+
+async def _refused(tmp_path) -> None:
+    async with gateway(tmp_path) as gw:
+        gw.script("refuse")  # the engine picked first refuses, as a draining engine does
+        assert (await ask(gw, GREEN))[-1].finished
+        # It got the request as pushed; the one it failed over to is told to fetch.
+        first, other = gw.engines[gw.pushed_to()], gw.engines[1 - gw.pushed_to()]
+        assert (pushed(first.received), pushed(other.received)) == ([True], [False])
+
+
+def test_an_engine_that_refuses_is_replaced_by_the_other_which_fetches(tmp_path):
+    asyncio.run(_refused(tmp_path))
+
+
+async def _failed_encode(tmp_path) -> APIError:
+    async with gateway(tmp_path) as gw:
+        gw.encoders[0].fails = True
+        try:
+            await ask(gw, GREEN)
+        except APIError as error:
+            assert gw.received() == [[], []]  # nothing reached an engine
+            return error
+        raise AssertionError("the failed encode was not the client's error")
+
+
+def test_a_failed_encode_reaches_no_engine(tmp_path):
+    error = asyncio.run(_failed_encode(tmp_path))
+    assert error.status == 400 and "bad pixels" in error.message
+
+
+async def _lost(tmp_path) -> None:
+    async with gateway(tmp_path) as gw:
+        encoder = gw.encoders[0]
+        gw.script("lost")
+        # Lost once (the encoder died, or dropped them, before the fetch): encoded once more, then served.
+        assert (await ask(gw, GREEN))[-1].finished
+        assert len(encoder.asked) == 2 and (gw.asked.stage, gw.asked.reencoded) == (Stage.DELIVERED, True)
+        # A repeat whose kept reference is lost: encoded again, then served.
+        gw.script("lost")
+        assert (await ask(gw, GREEN, "repeat"))[-1].finished
+        assert len(encoder.asked) == 3 and gw.asked.delivery is Delivery.PUSHED  # re-encoded: never by a kept reference
+        # Lost twice: the client's 503, and the references are forgotten.
+        gw.script("lost", "lost")
+        try:
+            await ask(gw, RED, "twice")
+            raise AssertionError("tokens lost twice were served")
+        except APIError as error:
+            assert (error.status, error.code) == (503, EMBEDDINGS_UNAVAILABLE)
+        assert len(encoder.asked) == 5 and gw.asked.stage is Stage.FAILED  # its first encode and the one more
+        assert (await ask(gw, RED, "after"))[-1].finished
+        assert len(encoder.asked) == 6  # not by the forgotten reference: the encoder was asked
+
+
+def test_lost_tokens_are_encoded_once_more_then_a_503_and_their_references_are_forgotten(tmp_path):
+    asyncio.run(_lost(tmp_path))
+
+
+async def _encoder_gone(tmp_path) -> None:
+    async with gateway(tmp_path, encoders=2) as gw:
+        assert (await ask(gw, GREEN))[-1].finished
+        [holder] = [i for i, encoder in enumerate(gw.encoders) if encoder.asked]
+        gw.encoders[holder].stop()  # its connection drops: the pool marks it down
+        for _ in range(500):
+            if not gw.encoder_pool.replicas[holder].up:
+                break
+            await asyncio.sleep(0.01)
+        assert not gw.encoder_pool.replicas[holder].up
+        # The kept reference names an encoder that is not up: the image goes to the other one.
+        assert (await ask(gw, GREEN, "again"))[-1].finished
+        assert len(gw.encoders[1 - holder].asked) == 1 and gw.asked.delivery is Delivery.PUSHED
+
+
+def test_a_kept_reference_whose_encoder_is_gone_is_not_used(tmp_path):
+    asyncio.run(_encoder_gone(tmp_path))

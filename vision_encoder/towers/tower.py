@@ -1,0 +1,217 @@
+"""The vision half of a checkpoint, alone: image processor, ViT and projector,
+no language model. Only the checkpoint's vision weights are read from disk.
+
+This module holds what every family's tower shares: finding the checkpoint,
+reading its vision weights, and the fingerprint that goes into every cache
+key. The families' own towers (qwen_tower.py, anyres_tower.py) say how
+images are preprocessed, run and measured; towers.py picks one by family.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from cache import content_key
+from common.families import Family
+from vision_encoder.towers.device_io import DeviceIO
+from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a tower runs on its device (EncoderConfig's keys of the same names)."""
+
+    attention: str = "auto"  # vision_encoder/towers/attention.py
+    preprocess_on_device: bool = True  # the image processor on the tower's GPU (no effect on a CPU)
+    graph_max_patches: int = 0  # CUDA graphs for batches up to this many patches (0: none; vision_encoder/towers/graphs.py)
+    max_batch_images: int = 16  # the most images a batch holds (sizes the graphs' inputs)
+    compile_blocks: bool = False  # torch.compile each ViT block (compile_blocks below)
+
+
+@dataclass(frozen=True)
+class TowerImage:
+    pixels: np.ndarray  # uint8 (h, w, 3), as the gateway sent it
+    original_size: tuple[int, int]  # (height, width) before the gateway downscaled it
+
+
+def local_checkpoint(model: str) -> Path:
+    """A checkpoint directory, or a hub id fetched (on machines with internet)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
+
+
+def _weight_files(checkpoint: Path) -> list[Path]:
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return sorted(checkpoint / n for n in names)
+    return sorted(checkpoint.glob("*.safetensors"))
+
+
+def _weights_digest(state: dict[str, torch.Tensor]) -> bytes:
+    hasher = xxhash.xxh3_128()
+    for name in sorted(state):
+        hasher.update(name.encode())
+        hasher.update(state[name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    return hasher.digest()
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each block of the ViT (the model's longest ModuleList: Qwen's
+    `blocks`, SigLIP's and InternViT's encoder layers); how many. Eager, a block
+    is some twenty kernels of which the matrix products are half the time and
+    the rest norms, rotary and activations, each a pass over memory; compiled,
+    those fuse. Shapes change with every batch: torch recompiles once with
+    dynamic shapes after the first, and then no more."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    blocks = max(lists, key=len, default=[])
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+class VisionTower:
+    """A family's tower sets `processor` and then calls `_load`; it implements
+    the methods below that raise NotImplementedError."""
+
+    processor: Any
+
+    def __init__(self, model_id: str, config: Any, family: Family, dtype: str, device: str,
+                 options: RunOptions = RunOptions()) -> None:
+        self.model_id = model_id
+        self.family = family
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+        self.options = options
+        self.io = DeviceIO(self.device)
+        self.embedding_width = family.embedding_width(config)
+
+    @property
+    def processor_device(self) -> dict:
+        """The image processor's `device` argument: the tower's GPU when preprocessing runs there."""
+        return {"device": self.device} if self.io.cuda and self.options.preprocess_on_device else {}
+
+    def _vision_code(self, config: Any) -> tuple[Any, type]:
+        """The transformers module and class that hold the family's vision code (common/families.py)."""
+        module, _, name = self.family.towers[config.model_type].partition(":")
+        source = importlib.import_module(module)
+        return source, getattr(source, name)
+
+    @staticmethod
+    def refuse_pixel_budget(family: Family, min_pixels: int | None, max_pixels: int | None, sizing: str) -> None:
+        """`encoder.min_pixels` / `max_pixels` are Qwen's; a family that sizes images otherwise stops at start-up."""
+        if min_pixels or max_pixels:
+            raise ValueError(f"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; {family.name} "
+                             f"{sizing} instead: leave them unset")
+
+    def _load(self, path: Path, config: Any) -> None:
+        state = self._vision_state(_weight_files(path))
+        self.model = self._build(config, state)
+        # Weights revision: the config and the vision weights' own bytes, so a
+        # re-trained checkpoint of the same shapes gets new keys (file sizes
+        # would not change). xxh3 reads a 7B model's 1.3 GB tower in ~0.2 s.
+        config_bytes = (path / "config.json").read_bytes()
+        self.fingerprint = content_key(self.model_id, config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
+
+    def _vision_state(self, files: list[Path]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if (local := self.vision_weight(name)) is not None:
+                        state[local] = f.get_tensor(name)
+        if not state:
+            raise ValueError(f"no {self.family.name} vision weights in {files}")
+        return state
+
+    def _build(self, config: Any, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        model = self._module(config)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        model = model.to(self.device, self.dtype).eval()
+        patch_convs_as_matmul(model, self.device)  # as vLLM's towers run them (patch_matmul.py)
+        if self.options.compile_blocks:
+            compile_blocks(model)
+        return model
+
+    def release_memory(self) -> None:
+        """Hand the allocator's cached device memory back (after an out-of-memory error)."""
+        if self.io.cuda:
+            torch.cuda.empty_cache()
+
+    def vision_weight(self, name: str) -> str | None:
+        """The tower module's name for a checkpoint weight, or None if it is not a vision weight."""
+        raise NotImplementedError
+
+    def _module(self, config: Any) -> torch.nn.Module:
+        raise NotImplementedError
+
+    @property
+    def processor_info(self):
+        """What the gateway needs to size images and count their tokens (the handshake)."""
+        raise NotImplementedError
+
+    def preprocessing_params(self) -> dict:
+        """Every processor parameter that changes the pixels the ViT sees."""
+        p = self.processor
+        return {
+            "class": type(p).__name__,
+            "size": dict(p.size),
+            "resample": int(p.resample),
+            "rescale_factor": float(p.rescale_factor),
+            "image_mean": list(map(float, p.image_mean)),
+            "image_std": list(map(float, p.image_std)),
+            "dtype": str(self.dtype),
+            **self.family_params(),
+        }
+
+    def family_params(self) -> dict:
+        """The family's own parameters beside the common ones above."""
+        raise NotImplementedError
+
+    def num_patches(self, height: int, width: int) -> int:
+        """The ViT's work for an image of this size, in patches (batching and the stall bound)."""
+        raise NotImplementedError
+
+    def preprocess(self, images: list[TowerImage]) -> Any:
+        """The processor's output, pixels already cast to the tower's dtype: the
+        cast runs here on the preprocessing thread, not on the ViT's (the
+        bottleneck thread on a CPU)."""
+        raise NotImplementedError
+
+    def encode(self, batch: Any) -> list[tuple[torch.Tensor, tuple[int, int, int] | None]]:
+        """One forward; each image's (tokens, width) embeddings and its grid, if the family has one."""
+        raise NotImplementedError
+
+
+class OutOfMemoryAbove:
+    """Test hook (encoder.test_oom_above_rows): the tower, except that a batch of
+    more than `rows` rows of pixel values (Qwen: patches; tiled families:
+    tiles) raises the out-of-memory error a GPU would."""
+
+    def __init__(self, tower: VisionTower, rows: int) -> None:
+        self._tower = tower
+        self._rows = rows
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tower, name)
+
+    def encode(self, batch: Any) -> list:
+        if batch.pixel_values.shape[0] > self._rows:
+            raise torch.OutOfMemoryError(f"test hook: a batch of {batch.pixel_values.shape[0]} rows, over {self._rows}")
+        return self._tower.encode(batch)
