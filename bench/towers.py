@@ -165,7 +165,7 @@ def vllm_tower(family: TowerFamily, vision_config, state: dict[str, torch.Tensor
     # parameters, and the rotary table the tower computes with, are made in it
     with set_current_vllm_config(config), set_default_torch_dtype(config.model_config.dtype):
         if not model_parallel_is_initialized():  # once per process
-            from prism.stack import free_port
+            from testing.stack import free_port
 
             port = port or free_port()  # its TCP store: another run of this bench may hold any fixed port
             init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",

@@ -15,9 +15,9 @@ import torch
 
 from bench.towers import FAMILIES, bf16_errors, inputs, transformers_tower, vllm_tower
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from prism.stack import free_port
+from testing.stack import free_port
 from prism.tiny_models import ensure_tiny_model
-from vision_encoder.tower import TowerImage
+from vision_encoder.towers.tower import TowerImage
 from vision_encoder.towers import load_tower
 
 TOLERANCE = 0.01  # relative to vLLM's error
