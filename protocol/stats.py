@@ -94,6 +94,8 @@ class EncoderStats(Message):
     pushes: int = 0  # images pushed to the engine of the request they were encoded for
     push_refusals: int = 0  # pushes not queued (engine not connected yet, or its queue full): fetched instead
     oom_splits: int = 0  # batches (or halves) split in two for want of device memory
+    vit_batches_now: int = 0  # the main lane's batches in their ViT stage now
+    vit_batches_most: int = 0  # the most that ever were at once (at most encoder.vit_threads)
 
 
 class EngineStats(Message):

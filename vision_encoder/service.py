@@ -215,6 +215,8 @@ class EncoderService:
             pushes=self.handoff.pushes,
             push_refusals=self.handoff.push_refusals,
             oom_splits=self.oom_splits,
+            vit_batches_now=self.vit.in_vit.now,
+            vit_batches_most=self.vit.in_vit.most,
         )
 
     def _fetch(self, peer: bytes, fetch: FetchEmbeddings) -> None:
@@ -317,7 +319,7 @@ class EncoderService:
         return [*self.vit.batches, *self.express_lane.batches]
 
     def _start_batch(self, jobs: list[Job]) -> None:
-        preprocess, vit = batch_stages(self.tower, jobs)
+        preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit)
         prepared = self.preprocessor.submit(preprocess)
         self.vit.submit(jobs, lambda: vit(prepared.result()))  # ready by now, unless the ViT was idle
 
@@ -330,7 +332,7 @@ class EncoderService:
         jobs = self.batcher.take(limit)
         if not jobs:
             return
-        preprocess, vit = batch_stages(self.tower, jobs)
+        preprocess, vit = batch_stages(self.tower, jobs, self.express_lane.in_vit)
         self.express_lane.submit(jobs, lambda: vit(preprocess()))
 
     def _finish_batch(self, batch: RunningBatch) -> None:

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,9 +81,32 @@ def requests_of(batch: list[Job]) -> list[PendingRequest]:
     return list({id(state): state for job in batch for state, _ in job.waiters}.values())
 
 
-def batch_stages(tower, jobs: list[Job]):
+class AtOnce:
+    """How many batches are in a lane's ViT stage now, and the most that ever
+    were at the same time: the worker threads go in and out, the loop reads
+    both for its stats (two ViT threads are seen working side by side)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+
+    @contextmanager
+    def inside(self):
+        with self._lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.now -= 1
+
+
+def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
     """A batch's two stages, (preprocess, vit(preprocess's result)), recording
-    when each ran. The main lane runs them on two threads, the express lane on one."""
+    when each ran and counting it `in_vit` during its ViT stage. The main lane
+    runs them on two threads, the express lane on one."""
     times = StageTimes()
 
     def preprocess():
@@ -93,9 +117,10 @@ def batch_stages(tower, jobs: list[Job]):
             times.preprocess_end = time.monotonic()
 
     def vit(inputs):
-        times.vit_start = time.monotonic()
-        encoded = encode_splitting(tower, jobs, inputs, times)
-        times.vit_end = time.monotonic()
+        with in_vit.inside():
+            times.vit_start = time.monotonic()
+            encoded = encode_splitting(tower, jobs, inputs, times)
+            times.vit_end = time.monotonic()
         return encoded, times
 
     return preprocess, vit
@@ -140,6 +165,7 @@ class Lanes:
         self._extra_nice = extra_nice
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=self._init_thread)
         self.batches: list[RunningBatch] = []  # submitted, oldest first
+        self.in_vit = AtOnce()  # its batches in their ViT stage (batch_stages)
 
     def _init_thread(self) -> None:
         if next(self._started) and self._extra_nice:  # Linux: a thread id sets that thread's nice

@@ -12,7 +12,7 @@ import torch
 import zmq.asyncio
 
 from common.config import REPO_ROOT
-from prism.demo_model import RANDOM_MODEL
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from protocol.base import Hello
 from protocol.sockets import AsyncDealer
 from loadtest.synthetic import make_image
@@ -27,6 +27,7 @@ def start_encoder(run_dir, **settings: str):
     """A standalone encoder on the random demo model (float32, 1 MP budget); a
     fixture's generator: yields its address, stops it afterwards."""
     address = f"ipc://{run_dir}/encoder.sock"
+    ensure_demo_model(RANDOM_MODEL)  # a test file run alone may be the first to need it
     env = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__ADDRESS=address,
                PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32", **settings)
     process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
@@ -41,6 +42,20 @@ async def stats_of(socket: AsyncDealer) -> EncoderStats:
     while not isinstance(message := (await asyncio.wait_for(socket.recv(), 10))[0], EncoderStats):
         pass
     return message
+
+
+def encoder_stats(address: str) -> EncoderStats:
+    """One encoder's stats, asked of it: current (an encoder counts an encode
+    before it answers), where the gateway's scrape lags a stats poll behind."""
+    async def ask() -> EncoderStats:
+        ctx = zmq.asyncio.Context()
+        socket = AsyncDealer(ctx, address, GatewayInbound)
+        try:
+            return await stats_of(socket)
+        finally:
+            socket.close()
+            ctx.term()
+    return asyncio.run(ask())
 
 
 async def handshake(socket: AsyncDealer, timeout_s: float = 120) -> EncoderReady:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import msgspec
 import psutil
@@ -20,6 +19,7 @@ from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbeddin
 from protocol.to_gateway import GatewayInbound, GenerateFailed, TokenDelta
 from tests.integration.cases import CASES
 from tests.integration.conftest import MODEL_NAME
+from tests.waiting import wait_until  # noqa: F401 - the integration tests take it from here
 
 
 def ask(client: OpenAI, case_name: str, images, **overrides):
@@ -72,16 +72,6 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def wait_until(predicate, timeout_s: float, what: str, every_s: float = 0.1) -> float:
-    """Seconds until `predicate()` holds; fails the test, naming `what`, past the timeout."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(every_s)
-    return time.monotonic() - started
 
 
 def sse_error(lines: list[str]) -> dict | None:

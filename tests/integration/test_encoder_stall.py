@@ -21,6 +21,7 @@ from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeFailed, EncodeResult, GatewayInbound
 from tests.integration.encoder_socket import handshake, reply_to
+from tests.waiting import wait_until_async
 from vision_encoder.config import EncoderConfig
 from vision_encoder.service import EncoderService
 
@@ -69,6 +70,10 @@ async def stats(socket: AsyncDealer) -> EncoderStats:
     return message
 
 
+async def serving(socket: AsyncDealer) -> bool:
+    return (await stats(socket)).state == ServiceState.SERVING
+
+
 async def stall_then_recover(address: str, held: HeldTower) -> None:
     socket = AsyncDealer(zmq.asyncio.Context.instance(), address, GatewayInbound)
     await handshake(socket)
@@ -86,10 +91,8 @@ async def stall_then_recover(address: str, held: HeldTower) -> None:
     assert isinstance(refused, EncodeFailed) and refused.status == 503
     held.hold.clear()
     held.release.set()  # the batch returns
-    for _ in range(50):
-        if (await stats(socket)).state == ServiceState.SERVING:
-            break
-        await asyncio.sleep(0.1)
+    await wait_until_async(lambda: serving(socket), 10, "the encoder serving once the batch returned", 0.1,
+                           observe=lambda: stats(socket))
     assert isinstance(await ask(socket, "after", 4), EncodeResult)
     socket.close()
 

@@ -122,7 +122,7 @@ def test_a_stopped_engine_core_fails_its_requests_and_serves_again_when_continue
             outcomes = [future.result() for future in futures]
             refused = send(stack, body(stream=False, max_tokens=4))  # while it is stalled
             wait_until(lambda: ready(stack) == 503, 2, "the gateway routes nothing to a stalled engine")
-            time.sleep(max(0.0, stopped_at + 2 * STALL_TIMEOUT_S - time.monotonic()))  # stalled a while, probing
+            time.sleep(max(0.0, stopped_at + 2 * STALL_TIMEOUT_S - time.monotonic()))  # the behaviour: still refused after a stall of twice the timeout, probing
             assert ready(stack) == 503
         finally:
             continued_at = time.monotonic()

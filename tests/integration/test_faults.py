@@ -126,12 +126,12 @@ def test_kill_encoder_then_engine_under_load(faulty):
     load = Load(faulty)
     recovery = {}
     try:
-        time.sleep(3)
+        wait_until(lambda: load.results["ok"] >= 3, 60, "the load under way", observe=lambda: load.results)
         for module in ("vision_encoder", "llm_engine"):
             os.kill(child_pid(faulty, module), signal.SIGKILL)
             noticed = wait_ready(faulty, 503, 10)  # heartbeats: within seconds
             recovery[module] = noticed + wait_ready(faulty, 200, 180)
-            time.sleep(3)
+            time.sleep(3)  # paced: the load runs on the recovered stack a while before the next kill
     finally:
         results = load.stop()
     print(f"\nrecovery after kill -9: {recovery}; outcomes: {dict(results)}")

@@ -54,7 +54,7 @@ class ImageServer(BaseHTTPRequestHandler):
         elif path == "/huge-declared":
             self._send(200, b"\x89PNG", {"Content-Length": str(MAX_IMAGE_BYTES * 10)})
         elif path == "/slow":
-            time.sleep(6)
+            time.sleep(6)  # a slow server is the behaviour under test: past the gateway's fetch timeouts
             self._send(200, PNG)
         else:
             self._send(404, b"not here")

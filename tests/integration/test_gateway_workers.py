@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -27,6 +26,7 @@ from tests.integration.corpus import b64, save
 from tests.integration.helpers import scrape, wait_until
 
 OK = ("prism_requests_total", (("reason", "ok"), ("status", "200")))
+IN_FLIGHT = ("prism_in_flight_requests", (("service", "gateway"),))
 
 
 class Workers:
@@ -132,7 +132,7 @@ def test_sigterm_lets_a_request_in_flight_finish_then_every_worker_exits(workers
     running = workers.pids()
     with ThreadPoolExecutor(1) as pool:
         story = pool.submit(chat, workers.url, "Tell me a story.", ignore_eos=True, max_tokens=300)
-        time.sleep(0.5)  # under way on one worker
+        wait_until(lambda: scrape(workers.url).get(IN_FLIGHT, 0) >= 1, 30, "the story under way on one worker", 0.05)
         workers.supervisor.terminate()
         response = story.result()
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 300, response.text

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -81,6 +80,14 @@ def both_engines_up(stack: LocalStack) -> bool:
     return per_engine(stack, "prism_engine_replica_up") == [1.0, 1.0]
 
 
+def ready(stack: LocalStack) -> int:
+    return httpx.get(f"{stack.base_url}/health/ready", timeout=5).status_code
+
+
+def gateway_in_flight(stack: LocalStack) -> float:
+    return scrape(stack).get(("prism_in_flight_requests", (("service", "gateway"),)), 0.0)
+
+
 def test_each_model_answers_under_its_own_name(routed):
     listed = [m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"]]
     assert sorted(listed) == [MAIN, OTHER]
@@ -122,10 +129,8 @@ def test_stopping_an_engine_under_load_loses_no_request(routed):
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * 36
     assert any(r["message"].startswith("draining:") for r in log_records(routed, "engine"))
-    deadline = time.monotonic() + 180  # the launcher starts it again
-    while httpx.get(f"{routed.base_url}/health/ready", timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "the stopped engine did not come back"
-        time.sleep(0.5)
+    wait_until(lambda: ready(routed) == 200, 180, "the stopped engine back (the launcher starts it again)", 0.5,
+               observe=lambda: ready(routed))
 
 
 def test_requests_waiting_on_a_dead_engine_core_go_to_the_other_engine(routed):
@@ -154,15 +159,12 @@ def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):
         body = {"model": OTHER, "max_tokens": 8, "messages": [{"role": "user", "content": with_image(big)}]}
         pending = pool.submit(httpx.post, f"{routed.base_url}/v1/chat/completions", json=body,
                               headers={"X-Request-Id": "across-reload"}, timeout=120)
-        time.sleep(0.15)
+        wait_until(lambda: gateway_in_flight(routed), 60, "the request in flight at the gateway", 0.02)
         routed.config_path.write_text(yaml.safe_dump(config))
         os.kill(routed.process.pid, signal.SIGHUP)
         response = pending.result()
     assert response.status_code == 200 and response.json()["model"] == OTHER
-    deadline = time.monotonic() + 30
-    while chat(routed, ALIAS, "hi").status_code != 200:
-        assert time.monotonic() < deadline, "the reload did not take effect"
-        time.sleep(0.1)
+    wait_until(lambda: chat(routed, ALIAS, "hi").status_code == 200, 30, "the reload in effect: the new name serving")
     assert chat(routed, OTHER, "hi").status_code == 404
     assert sorted(m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"]) == sorted([ALIAS, MAIN])
     # the order of events in the gateway's log: reloaded, then the old request done, then its model retired

@@ -4,7 +4,7 @@ Server-Timing, and the metrics a scrape of the gateway shows."""
 from __future__ import annotations
 
 import json
-import time
+from functools import partial
 
 import httpx
 import pytest
@@ -63,19 +63,18 @@ def test_server_timing_header_carries_every_stage(stack):
     assert float(entries["ttft"][4:]) == response.json()["prism"]["stages_ms"]["ttft"]
 
 
+def services_logging(stack, request_prefix: str) -> set[str]:
+    return {line["service"] for line in log_records(stack, request_prefix=request_prefix)}
+
+
 def test_client_request_id_is_echoed_and_in_every_services_logs(stack):
     url = b64(save(make_image("trace", (160, 120)), "PNG"))
     response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(url, False), headers={"X-Request-Id": "trace-abc.123"}, timeout=60)
     assert response.headers["x-request-id"] == "trace-abc.123"
-    deadline = time.monotonic() + 10
-    while True:
-        lines = log_records(stack)
-        services = {line["service"] for line in log_records(stack, request_prefix="trace-abc.123-")}
-        if services >= {"gateway", "encoder", "engine"} or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert services == {"gateway", "encoder", "engine"}
-    assert all({"time", "level", "logger", "message"} <= line.keys() for line in lines)
+    logged = partial(services_logging, stack, "trace-abc.123-")
+    wait_until(lambda: logged() >= {"gateway", "encoder", "engine"}, 10, "the request id in every service's log", 0.2, observe=logged)
+    assert logged() == {"gateway", "encoder", "engine"}
+    assert all({"time", "level", "logger", "message"} <= line.keys() for line in log_records(stack))
 
 
 def test_one_scrape_shows_every_service(stack):

@@ -117,7 +117,7 @@ def test_an_idle_keep_alive_connection_outlasts_the_clients_own_expiry(stack):
     with httpx.Client(base_url=stack.base_url, limits=httpx.Limits(keepalive_expiry=60)) as http:
         first = http.get("/health")
         peer = first.extensions["network_stream"].get_extra_info("client_addr")
-        time.sleep(6)
+        time.sleep(6)  # the idle time is the behaviour under test
         second = http.get("/health")
         assert first.status_code == second.status_code == 200
         assert second.extensions["network_stream"].get_extra_info("client_addr") == peer  # the same connection

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -18,6 +17,7 @@ from testing.stack import free_port
 from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
+from tests.integration.helpers import wait_until
 from tests.integration.system import binary
 
 CONFIGS = REPO_ROOT / "configs"
@@ -62,15 +62,15 @@ def query(prometheus: str, promql: str) -> dict:
     return response.json()
 
 
+def stages_scraped(prometheus: str) -> set[str]:
+    result = query(prometheus, "sum by (stage) (prism_stage_seconds_count)")["data"]["result"]
+    return {r["metric"]["stage"] for r in result if float(r["value"][1]) > 0}
+
+
 def test_prometheus_scrapes_every_stage(stack, prometheus):
     traffic(stack)
-    deadline = time.monotonic() + 60
-    found: set[str] = set()
-    while time.monotonic() < deadline and found != set(TTFT_STAGES):
-        time.sleep(1)
-        result = query(prometheus, "sum by (stage) (prism_stage_seconds_count)")["data"]["result"]
-        found = {r["metric"]["stage"] for r in result if float(r["value"][1]) > 0}
-    assert found == set(TTFT_STAGES)
+    wait_until(lambda: stages_scraped(prometheus) == set(TTFT_STAGES), 60, "Prometheus holding every stage", 1,
+               observe=lambda: stages_scraped(prometheus))
     # traffic's repeats went to the engine by the references the gateway kept (gateway/routing/handoff.py)
     hits = query(prometheus, "prism_gateway_images_by_known_reference_total")["data"]["result"]
     assert hits and float(hits[0]["value"][1]) > 0
@@ -86,7 +86,8 @@ def test_every_grafana_panel_query_is_valid_promql(stack, prometheus):
 
 def test_dashboard_renders_real_numbers(stack, tmp_path):
     traffic(stack)
-    time.sleep(2.5)  # two stats polls, so the service panels have a series
+    wait_until(lambda: httpx.get(f"{stack.base_url}/dashboard/data", timeout=10).json()["services"], 30,
+               "a series for the service panels (two stats polls)")
     chromium = binary("chromium")
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
              "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=8000"]

@@ -26,7 +26,7 @@ from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeResult, GatewayInbound, TokenDelta
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.encoder_socket import fetch_tokens, handshake, reply_to
+from tests.integration.encoder_socket import encoder_stats, fetch_tokens, handshake, reply_to
 from tests.integration.helpers import by_reference, child_pid, log_records, scrape, send_raw, wait_until
 from tests.integration.system import redis_server as start_redis
 
@@ -63,16 +63,9 @@ def per_replica(stack: LocalStack, name: str) -> list[float]:
     return [found.get((name, (("model", MODEL_NAME), ("replica", str(i)))), 0.0) for i in range(2)]
 
 
-def total_encoded(stack: LocalStack) -> float:
-    """Images encoded by both replicas, once the polled stats have caught up
-    (two reads a stats interval apart agree)."""
-    previous = None
-    while True:
-        total = sum(per_replica(stack, "prism_encoder_replica_images_encoded_total"))
-        if total == previous:
-            return total
-        previous = total
-        time.sleep(0.6)
+def total_encoded(stack: LocalStack) -> int:
+    """Images encoded by both replicas, asked of each (encoder_stats)."""
+    return sum(encoder_stats(address).images_encoded for address in stack.encoder_addresses)
 
 
 def chat(stack: LocalStack, image: str, max_tokens: int = 4) -> httpx.Response:
@@ -132,15 +125,14 @@ def test_tokens_encoded_on_one_replica_are_a_hit_on_the_other(replicated, redis_
     digest = os.urandom(16)
     image, encoded = asyncio.run(encode_on(first, "on-first", digest, pixels))
     assert not image.cache_hit
-    deadline = time.monotonic() + 5
-    while True:  # the write is asynchronous; ask by digest alone, as the gateway's first round does
-        try:
-            image, shared = asyncio.run(encode_on(second, "on-second", digest, None))
-            break
-        except AssertionError:  # EncodeNeedsPixels: not written yet
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    answers = []
+
+    def found_by_digest():  # the write is asynchronous; ask by digest alone, as the gateway's first round does
+        answers.append(from_shared_tier(second, digest))
+        return answers[-1]
+
+    wait_until(found_by_digest, 5, "the tokens written to the shared tier")
+    image, shared = answers[-1]
     assert image.cache_hit and torch.equal(shared, encoded)
 
 
@@ -206,17 +198,17 @@ def test_an_engine_fetches_a_dead_encoders_tokens_from_the_shared_tier(replicate
     pixels = np.random.default_rng(8).integers(0, 255, (112, 168, 3), dtype=np.uint8)
     digest = os.urandom(16)
     image, _ = asyncio.run(encode_on(first, "left-behind", digest, pixels))
-    wait_until(lambda: in_shared_tier(second, digest), 10, "the tokens written to the shared tier")
+    wait_until(lambda: from_shared_tier(second, digest), 10, "the tokens written to the shared tier")
     os.kill(child_pid(replicated, "vision_encoder", first), signal.SIGKILL)
     answer = asyncio.run(send_raw(replicated.engine_addresses[0], by_reference(first, image, "from-redis")))
     assert isinstance(answer, TokenDelta) and answer.finished, answer
     wait_until(lambda: per_replica(replicated, "prism_encoder_replica_up") == [1.0, 1.0], 60, "the killed replica is back")
 
 
-def in_shared_tier(address: str, digest: bytes) -> bool:
-    """The other replica finds the image by digest alone (its own cache never had it)."""
+def from_shared_tier(address: str, digest: bytes):
+    """What the other replica finds by digest alone (its own cache never had
+    it): the image and its tokens, or None while the write has not landed."""
     try:
-        asyncio.run(encode_on(address, f"lookup-{time.monotonic()}", digest, None))
-        return True
+        return asyncio.run(encode_on(address, f"lookup-{time.monotonic()}", digest, None))
     except AssertionError:  # EncodeNeedsPixels: not written yet
-        return False
+        return None

@@ -15,6 +15,7 @@ from cache import CachedEmbedding
 from cache.shared import NAMESPACE, SharedTier
 from testing.stack import free_port
 from tests.integration.system import redis_server as start_redis
+from tests.waiting import wait_until
 
 RETRY_S = 0.3
 
@@ -102,7 +103,8 @@ def test_an_outage_degrades_to_misses_with_one_warning_and_recovers(tier, server
         assert len(warnings) == 1 and "local cache only" in warnings[0]
 
         server.start()  # empty again: no persistence
-        time.sleep(RETRY_S + 0.1)
+        wait_until(lambda: tier.get_many([b"k1"], [entry.identity]) == [None] and tier.stats.up, 10,
+                   "a lookup past retry_s finding Redis back", every_s=0.05, observe=lambda: tier.stats)
         stored(tier, b"k3", entry)
         assert tier.get_many([b"k3"], [entry.identity])[0] is not None
         assert tier.stats.up

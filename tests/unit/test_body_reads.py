@@ -14,14 +14,18 @@ from uvicorn.protocols.http import h11_impl, httptools_impl
 
 from gateway.api.parsing import buffer_whole_bodies, read_body
 from testing.stack import free_port
+from tests.waiting import wait_until_async
 
 BODY = b"x" * (2 * 2**20)  # about a 4K JPEG's request, twice over
 
 
 async def first_piece(request_scope, receive, send) -> None:
-    """Answers with how much of the body the first `receive` held, once the
-    client has long finished sending."""
-    await asyncio.sleep(0.5)
+    """Answers with how much of the body the first `receive` held, once uvicorn
+    has read all it reads before the app asks: the whole body, or up to where
+    it pauses reading."""
+    cycle = receive.__self__  # uvicorn's RequestResponseCycle: the body it has read and its flow control
+    await wait_until_async(lambda: not cycle.more_body or cycle.flow.read_paused, 10, "uvicorn done reading ahead",
+                           observe=lambda: len(cycle.body))
     message = await receive()
     answer = f"{len(message['body'])} {message['more_body']}".encode()
     while message.get("more_body"):
@@ -34,8 +38,7 @@ async def first_piece_size(http: str) -> tuple[int, bool]:
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(first_piece, port=port, http=http, log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: server.started, 10, "uvicorn serving")
     try:
         async with httpx.AsyncClient() as client:
             response = await client.post(f"http://127.0.0.1:{port}/", content=BODY, timeout=10)

@@ -23,6 +23,7 @@ from protocol.sockets import AsyncRouter
 from protocol.stats import EngineStats, StatsRequest
 from protocol.to_engine import EngineInbound, GenerateRequest
 from protocol.to_gateway import ChoiceDelta, EngineReady, TokenDelta
+from tests.waiting import wait_until_async
 
 NAME = "llm-engine.prism.svc"
 DELTAS = 4  # per generation
@@ -74,7 +75,7 @@ class FakeEngine:
                 self.held += 1
                 await self.hold.wait()
                 self.held -= 1
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # paced: a stream lasts long enough for pods to come and go under it
 
     def stop(self) -> None:
         for task in (self._serving, *self._tasks):
@@ -85,21 +86,22 @@ class FakeEngine:
 async def bind_again(ctx: zmq.asyncio.Context, address: str) -> FakeEngine:
     """A fake engine at an address just closed: ZMQ releases the port in its own
     thread, so the first binds may find it still taken."""
-    async with asyncio.timeout(10):
-        while True:
-            try:
-                return FakeEngine(ctx, address)
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE:
-                    raise
-                await asyncio.sleep(0.05)
+    bound: list[FakeEngine] = []
+
+    def bind() -> bool:
+        try:
+            bound.append(FakeEngine(ctx, address))
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+        return bool(bound)
+
+    await wait_until_async(bind, 10, f"{address} free to bind again", every_s=0.05)
+    return bound[0]
 
 
-async def until(predicate, timeout_s: float = 20) -> None:
-    """Wait for a condition; the timeout only keeps a broken build from hanging."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
+async def until(predicate, what: str) -> None:
+    await wait_until_async(predicate, 20, what)  # the timeout only keeps a broken build from hanging
 
 
 class Load:
@@ -146,26 +148,26 @@ async def replicas_come_and_go() -> None:
         pool.start_heartbeat(0.05)
         pool.follow_dns([f"tcp://{NAME}:{port}"], interval_s=0.02, join_timeout_s=10, lookup=records.lookup)
         load = Load(pool, workers=4)
-        await until(lambda: load.completed >= 5)
+        await until(lambda: load.completed >= 5, "the load under way")
 
         # A pod appears: it joins once its handshake answers and takes requests.
         second = FakeEngine(ctx, b)
         engines.append(second)
         records.ips = ["127.0.0.1", "127.0.0.2"]
-        await until(lambda: len(second.received) >= 3)
+        await until(lambda: len(second.received) >= 3, "the new pod taking requests")
 
         # The first pod leaves the Service with generations still running on it.
         first.hold.clear()
-        await until(lambda: first.held >= 1)
+        await until(lambda: first.held >= 1, "a generation held on the first pod")
         records.ips = ["127.0.0.2"]
         index = [r.address for r in pool.replicas].index(a)
-        await until(lambda: index in pool.retired)
+        await until(lambda: index in pool.retired, "the first pod retired")
         cutoff = next(load.numbers)  # every request numbered later was routed after the retirement
         calls = records.calls
-        await until(lambda: records.calls >= calls + 5)  # several discovery rounds later...
+        await until(lambda: records.calls >= calls + 5, "five more discovery rounds")  # several discovery rounds later...
         assert pool.replicas[index].outstanding >= 1 and index in pool.retired  # ...still open for its own
         first.hold.set()
-        await until(lambda: index in pool._free)  # its generations done, it is closed
+        await until(lambda: index in pool._free, "the retired pod closed")  # its generations done, it is closed
         first.stop()
         assert max(first.received) < cutoff, "a retired replica was sent new requests"
 
@@ -173,11 +175,11 @@ async def replicas_come_and_go() -> None:
         again = await bind_again(ctx, a)
         engines.append(again)
         records.ips = ["127.0.0.1", "127.0.0.2"]
-        await until(lambda: len(again.received) >= 3)
+        await until(lambda: len(again.received) >= 3, "the returned pod taking requests")
         assert [r.address for r in pool.replicas] == [a, b] and not pool.retired
 
         completed = load.completed
-        await until(lambda: load.completed >= completed + 5)
+        await until(lambda: load.completed >= completed + 5, "the load going on")
         await load.stop()
         assert not load.failures, load.failures[:3]
     finally:
@@ -204,10 +206,10 @@ async def lookup_fails_then_answers() -> None:
         pool.start_heartbeat(0.05)
         records.ips = []  # every pod unready for a moment, or DNS unreachable
         pool.follow_dns([f"tcp://{NAME}:{port}"], interval_s=0.02, join_timeout_s=10, lookup=records.lookup)
-        await until(lambda: records.calls >= 6)  # several rounds of failing lookups
+        await until(lambda: records.calls >= 6, "six failing lookups")  # several rounds of failing lookups
         assert pool.candidates(set()) == [0] and not pool.retired
         records.ips = ["127.0.0.2"]  # an answer: the old address is retired and, idle, closed
-        await until(lambda: 0 in pool._free)
+        await until(lambda: 0 in pool._free, "the old address retired and closed")
         assert pool.replicas[0].stats is None  # a closed replica's last stats no longer count
     finally:
         await pool.close()

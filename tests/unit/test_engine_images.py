@@ -18,6 +18,7 @@ from protocol.sockets import AsyncRouter
 from protocol.tensors import meta_of, to_frame
 from protocol.to_encoder import EncoderInbound, FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, GenerateRequest, ImageEmbedding, PushedEmbedding
+from tests.waiting import wait_until_async
 
 TOKENS = torch.randn(6, 128, dtype=torch.bfloat16)
 
@@ -112,7 +113,8 @@ async def _pushes() -> None:
         got = await fetcher.tensors([pushed_reference(b"a", source)])
         assert torch.equal(got[0], TOKENS) and fetcher.pushed == 1 and fetcher.cache.stats.hits == 0
         waiting = asyncio.create_task(fetcher.tensors([pushed_reference(b"b", source)]))
-        await asyncio.sleep(0.05)  # the request first: it waits for the push
+        await wait_until_async(lambda: (b"b", b"id-b") in fetcher._awaited, 5, "the request waiting for its push",
+                               observe=lambda: list(fetcher._awaited))  # the request first
         push(fetcher, b"b", TOKENS * 2)
         assert torch.equal((await waiting)[0], TOKENS * 2) and fetcher.pushed == 2
         assert encoder.asked == [] and fetcher.pushed_bytes == 2 * TOKENS.numel() * 2

@@ -18,6 +18,7 @@ from gateway.ops.workers import WorkerSlot
 from gateway.ops.dashboard import DashboardWindow, finished_request
 from gateway.ops.siblings import Siblings
 from gateway.timing import RequestTimer
+from tests.waiting import wait_until_async
 
 
 def test_each_workers_window_holds_every_workers_requests(tmp_path):
@@ -26,19 +27,21 @@ def test_each_workers_window_holds_every_workers_requests(tmp_path):
         windows = [DashboardWindow() for _ in range(3)]
         workers = [Siblings(ctx, tmp_path, WorkerSlot(i, 3), windows[i]) for i in range(3)]
         try:
-            await asyncio.sleep(0.3)  # subscriptions travel before the first message (PUB drops until then)
+            def every_worker_hears_the_others() -> bool:
+                for index, worker in enumerate(workers):
+                    worker.load(index + 1)  # said again until heard: a PUB drops all until a subscription has arrived
+                return all(len(w.loads) == 2 for w in workers)
+
+            await wait_until_async(every_worker_hears_the_others, 10, "every worker hearing the other two", every_s=0.05,
+                                   observe=lambda: [w.loads for w in workers])
             for index, worker in enumerate(workers):
                 timer = RequestTimer()
                 timer.mark_first_token()
                 record = finished_request(timer, ok=True)
                 windows[index].add(record)  # as Gateway.finished does
                 worker.finished(record)
-                worker.load(index + 1)
-            for _ in range(50):
-                if all(len(w.records) == 3 for w in windows) and all(len(w.loads) == 2 for w in workers):
-                    break
-                await asyncio.sleep(0.05)
-            assert [len(w.records) for w in windows] == [3, 3, 3]
+            await wait_until_async(lambda: all(len(w.records) == 3 for w in windows), 10, "every worker's request in every window",
+                                   observe=lambda: [len(w.records) for w in windows])
             assert [w.in_flight_elsewhere for w in workers] == [5, 4, 3]  # the others' loads: 2+3, 1+3, 1+2
         finally:
             for worker in workers:

@@ -33,6 +33,7 @@ from protocol.to_gateway import (
     TokenDelta,
 )
 from tests.unit.by_hand import EncoderByHand, EngineByHand
+from tests.waiting import wait_until_async
 
 POLICY = qwen_policy(140 * 140)
 
@@ -240,11 +241,7 @@ async def _encoder_gone(tmp_path) -> None:
         assert (await ask(gw, GREEN))[-1].finished
         [holder] = [i for i, encoder in enumerate(gw.encoders) if encoder.asked]
         gw.encoders[holder].stop()  # its connection drops: the pool marks it down
-        for _ in range(500):
-            if not gw.encoder_pool.replicas[holder].up:
-                break
-            await asyncio.sleep(0.01)
-        assert not gw.encoder_pool.replicas[holder].up
+        await wait_until_async(lambda: not gw.encoder_pool.replicas[holder].up, 5, "the pool marking the stopped encoder down")
         # The kept reference names an encoder that is not up: the image goes to the other one.
         assert (await ask(gw, GREEN, "again"))[-1].finished
         assert len(gw.encoders[1 - holder].asked) == 1 and gw.asked.delivery is Delivery.PUSHED

@@ -10,9 +10,9 @@ async def _probed(hold_s: float) -> list[float]:
     seen: list[float] = []
     probe = LoopProbe(asyncio.get_running_loop(), seen.append, interval_s=0.01)
     probe.start()
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # a free loop, probed meanwhile: the behaviour measured, not a wait for a state
     time.sleep(hold_s)  # one callback holding the loop, as a long parse would
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0.1)  # free again: the probe sees the hold end
     probe.stop()
     return seen
 

@@ -115,7 +115,7 @@ def test_a_decode_waits_for_room_and_gives_it_back():
                 started.set()
                 assert budget.in_use == 100 * MIB  # the body's 50 left, and the decode's 50
         task = asyncio.create_task(decode())
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: the decode runs until it blocks
         assert not started.is_set()  # 70 + 50 > 100: it waits
         body.give(20 * MIB)
         await task

@@ -186,6 +186,8 @@ CASES = [
         pushes=655,
         push_refusals=2,
         oom_splits=1,
+        vit_batches_now=1,
+        vit_batches_most=2,
     )),
     (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
     (SiblingInbound, WorkerLoad(3, 17)),

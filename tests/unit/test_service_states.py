@@ -15,25 +15,22 @@ from protocol.sockets import AsyncRouter
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.to_engine import EngineInbound
 from protocol.to_gateway import EngineReady
+from tests.waiting import wait_until_async
 
 
 class FakeEngine:
     def __init__(self, router: AsyncRouter) -> None:
         self.router, self.boot_id, self.state, self.model = router, "boot-1", ServiceState.SERVING, "m"
+        self.handshakes = 0
 
     async def serve(self) -> None:
         while True:
             peer, message, _ = await self.router.recv()
             if isinstance(message, Hello):
+                self.handshakes += 1
                 await self.router.send(peer, EngineReady(self.model, 4096))
             elif isinstance(message, StatsRequest):
                 await self.router.send(peer, EngineStats(self.boot_id, 0, 0, 0, 0, self.state))
-
-
-async def until(predicate, timeout_s: float = 5) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
 
 
 async def follow_states(tmp_path) -> None:
@@ -47,15 +44,17 @@ async def follow_states(tmp_path) -> None:
         client.start_heartbeat(0.05)
         for state in (ServiceState.STALLED, ServiceState.DEAD, ServiceState.DRAINING):
             engine.state = state
-            await until(lambda: not client.up)
+            await wait_until_async(lambda: not client.up, 5, f"the client off a {state.name} engine")
             engine.state = ServiceState.SERVING
-            await until(lambda: client.up)
+            await wait_until_async(lambda: client.up, 5, "the client back on a SERVING engine")
+        handshakes = engine.handshakes
         engine.boot_id, engine.model = "boot-2", "another-model"  # restarted, serving something else
-        await until(lambda: client.stats.boot_id == "boot-2")
-        await asyncio.sleep(0.3)  # several heartbeats and handshakes
-        assert not client.up and client.rejoining
+        await wait_until_async(lambda: client.stats.boot_id == "boot-2", 5, "the restart seen")
+        await wait_until_async(lambda: engine.handshakes >= handshakes + 3, 5, "several handshakes with the restarted engine",
+                               observe=lambda: engine.handshakes - handshakes)
+        assert not client.up and client.rejoining  # each answered with another model: refused
         engine.model = "m"  # the handshake now matches its predecessor's
-        await until(lambda: client.up)
+        await wait_until_async(lambda: client.up, 5, "the restarted engine rejoined")
         assert not client.rejoining
     finally:
         serving.cancel()

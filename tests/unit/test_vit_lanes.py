@@ -1,7 +1,8 @@
 """The encoder's worker threads (vision_encoder/work.py, Lanes): with two ViT
 threads two batches run at once and each is reported as it ends, in whatever
 order; the loop hears of every end through the wake socket; threads after the
-first run at the configured nice value."""
+first run at the configured nice value; the batches in the ViT at once are
+counted for the stats (AtOnce)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 import zmq
 
 from vision_encoder.batcher import Job
-from vision_encoder.work import Lanes
+from vision_encoder.work import AtOnce, Lanes
 
 WAIT_S = 10
 
@@ -72,3 +73,26 @@ def test_threads_after_the_first_run_at_the_extra_nice_value():
 
     batches = [lanes.submit(job(name), own_nice) for name in "ab"]
     assert sorted(batch.future.result(WAIT_S) for batch in batches) == [0, 7]
+
+
+def test_batches_in_the_vit_at_once_are_counted_now_and_at_most():
+    in_vit = AtOnce()
+    both_inside = threading.Barrier(3, timeout=WAIT_S)  # two batches and this test
+    leave = threading.Event()
+
+    def batch():
+        with in_vit.inside():
+            both_inside.wait()
+            assert leave.wait(WAIT_S)
+
+    threads = [threading.Thread(target=batch) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    both_inside.wait()
+    assert (in_vit.now, in_vit.most) == (2, 2)
+    leave.set()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert (in_vit.now, in_vit.most) == (0, 2)  # the most is kept: a stats poll between batches still sees it
+    with in_vit.inside():
+        assert (in_vit.now, in_vit.most) == (1, 2)
