@@ -113,7 +113,7 @@ class VideoIntake:
     """Fetch → inspect → admit memory → decode, for one request's videos."""
 
     def __init__(self, fetcher: ImageFetcher, limits: VideoLimits, pool: Executor) -> None:
-        self.fetcher = fetcher  # one built over `limits` (its byte cap), sharing the image fetcher's FetchLimits
+        self.fetcher = fetcher  # the images' (gateway/fetch.py): the same address guard, timeouts and redirects
         self.limits = limits
         self.pool = pool
 
@@ -128,7 +128,7 @@ class VideoIntake:
                                "send a video file", param=ref.where, code="unsupported_video_format")
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.limits)
         async with working(BODY_COPIES * self.limits.max_bytes, f"fetching {ref.where}"):
-            raw = await self.fetcher.fetch(ref.url, ref.where)
+            raw = await self.fetcher.fetch(ref.url, ref.where, self.limits)
         hold(len(raw))
         return raw
 
