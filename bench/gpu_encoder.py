@@ -318,6 +318,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("/tmp/prism-real-towers"))
     parser.add_argument("--families", default=",".join(real_towers.WRITERS))
     parser.add_argument("--sections", default="env,towers,oom,profile,service,compile")
+    parser.add_argument("--service-settings", default="", help="comma-separated names from bench.gpu_service (all when empty)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--graph-max-patches", type=int, default=32768)
     parser.add_argument("--requests", type=int, default=160)

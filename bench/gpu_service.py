@@ -89,7 +89,10 @@ def run(args, budget, log) -> None:
             "PRISM_ENCODER__MAX_PIXELS": str(real_towers.QWEN_MAX_PIXELS),
             "PRISM_ENCODER__GRAPH_MAX_PATCHES": str(args.graph_max_patches if args.device != "cpu" else 0)}
     with tempfile.TemporaryDirectory(prefix="prism-gpu-service-") as tmp:
+        chosen = set(filter(None, args.service_settings.split(",")))
         for setting in SETTINGS:
+            if chosen and setting.name not in chosen:
+                continue
             if budget.left() < 40:
                 log(section="service", setting=setting.name, skipped=f"{budget.left():.0f} s left")
                 continue

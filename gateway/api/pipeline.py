@@ -27,6 +27,8 @@ from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, Prepared
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
+from gateway.intake.video.intake import VideoIntake
+from gateway.api.videos import judge_then_refuse, video_limits, video_refs
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
 from protocol.to_gateway import TokenDelta
 
@@ -62,7 +64,7 @@ def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
 
 _IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
 # Fields the gateway itself acts on, or that change nothing: not forwarded.
-_GATEWAY_ONLY = {"mm_processor_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
+_GATEWAY_ONLY = {"mm_processor_kwargs", "media_io_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
 
 
 def engine_chat(request: ChatCompletionRequest) -> bytes:
@@ -91,6 +93,7 @@ class ChatPipeline:
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
         self.handoff = ImageHandoff(config, encoder, engine, self._decode)
+        self.videos = VideoIntake(fetcher, video_limits(config), self.pool)  # gateway/intake/video/
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -173,6 +176,8 @@ class ChatPipeline:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
+        if videos := video_refs(request):  # issue 46: the gateway's intake only, until encoder and engine take videos
+            await judge_then_refuse(self.videos, request, videos, record.timer, self.config, self.model_name, self.policy is None)
         chat = engine_chat(request)
         if not refs:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
