@@ -39,6 +39,13 @@ class VideoClip:
     do_sample_frames: bool
     video_backend: str = "opencv"
 
+    @classmethod
+    def from_metadata(cls, frames: np.ndarray, metadata: dict) -> "VideoClip":
+        """From the frames and the metadata dict vLLM's loader yields (the gateway's SampledVideo.hf_metadata())."""
+        return cls(frames, float(metadata["fps"]), int(metadata["total_num_frames"]), float(metadata["duration"]),
+                   tuple(int(i) for i in metadata["frames_indices"]), bool(metadata["do_sample_frames"]),
+                   str(metadata.get("video_backend", "opencv")))
+
     def hf_metadata(self) -> Any:
         from transformers.video_utils import VideoMetadata
 

@@ -23,14 +23,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from llm_engine.videos import VideoEmbeds, video_data
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from tests.video_clips import CLIPS, clip_of, vllm_loaded, write_clip
-from vision_encoder.qwen_video import QwenVideo, VideoSampling
+from tests.video_clips import CLIPS, load_parity_clips
+from vision_encoder.qwen_video import QwenVideo, VideoClip, VideoSampling
+from vision_encoder.tower import TowerImage
 from vision_encoder.towers import load_tower
 
 FAMILIES = {"Qwen2-VL": None, "Qwen2.5-VL": "qwen2.5-vl", "Qwen3-VL": "qwen3-vl"}
@@ -48,13 +50,8 @@ def checkpoint(family: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def clips(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("clips")
-    loaded = {}
-    for seed, (name, spec) in enumerate(CLIPS.items()):
-        data = write_clip(folder / f"{name}.mp4", spec, seed).read_bytes()
-        loaded[name] = vllm_loaded(data, spec.num_frames)
-    return loaded
+def clips():
+    return load_parity_clips()
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -64,15 +61,16 @@ def engine(request):
     from vllm import LLM
 
     path = checkpoint(request.param)
-    llm = LLM(str(path), dtype="float32", max_model_len=4096, limit_mm_per_prompt={"image": 0, "video": 2},
+    llm = LLM(str(path), dtype="float32", max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 2},
               enable_mm_embeds=True, kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, seed=0)
     video = QwenVideo(load_tower(str(path), "float32", "cpu"))
     yield request.param, llm, video
     del llm
 
 
-def prompt_for(llm, videos: int) -> str:
-    content = [{"type": "video"}] * videos + [{"type": "text", "text": "What moves, and what colour is it?"}]
+def prompt_for(llm, videos: int, parts: list[dict] | None = None) -> str:
+    parts = parts or [{"type": "video"}] * videos
+    content = parts + [{"type": "text", "text": "What moves, and what colour is it?"}]
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                    add_generation_prompt=True)
 
@@ -88,21 +86,31 @@ class Answer:
             abs(a - b) < LOGPROB_TOLERANCE for a, b in zip(self.logprobs, other.logprobs))
 
 
-def generate(llm, prompt: str, videos, processor_kwargs: dict | None = None) -> Answer:
-    from vllm import SamplingParams
-
+def generate(llm, prompt: str, videos, processor_kwargs: dict | None = None, image=None) -> Answer:
     request = {"prompt": prompt, "multi_modal_data": {"video": videos}}
+    if image is not None:
+        request["multi_modal_data"]["image"] = image
     if processor_kwargs:
         request["mm_processor_kwargs"] = processor_kwargs
-    output = llm.generate([request],
-                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1), use_tqdm=False)[0]
+    return generate_all(llm, [request])[0]
+
+
+def generate_all(llm, requests: list[dict]) -> list[Answer]:
+    """One engine run: the requests are scheduled together, as concurrent ones are."""
+    from vllm import SamplingParams
+
+    outputs = llm.generate(requests, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1), use_tqdm=False)
+    return [answer_of(output) for output in outputs]
+
+
+def answer_of(output) -> Answer:
     completion = output.outputs[0]
     logprobs = [position[token].logprob for token, position in zip(completion.token_ids, completion.logprobs)]
     return Answer(list(completion.token_ids), len(output.prompt_token_ids), logprobs)
 
 
 def prism_embeds(video: QwenVideo, loaded, sampling: VideoSampling = VideoSampling()) -> VideoEmbeds:
-    tokens = video.encode_clip(clip_of(*loaded), sampling)
+    tokens = video.encode_clip(VideoClip.from_metadata(*loaded), sampling)
     return VideoEmbeds(tokens.tokens, tokens.grid_thw, tokens.second_per_grid_t, tokens.timestamps)
 
 
@@ -111,7 +119,7 @@ def test_one_video_matches_vllm(engine, clips, name):
     family, llm, video = engine
     if name == "one-frame" and family in ONE_FRAME_REFUSED:
         with pytest.raises(ValueError, match="temporal_factor"):
-            video.encode_clip(clip_of(*clips[name]))
+            video.encode_clip(VideoClip.from_metadata(*clips[name]))
         return
     prompt = prompt_for(llm, 1)
     raw = generate(llm, prompt, [clips[name]])
@@ -159,12 +167,39 @@ def test_two_videos_in_one_prompt_match_vllm(engine, clips):
     assert ours.matches(raw), (family, ours, raw)
 
 
+def test_two_videos_and_an_image_in_one_prompt_match_vllm(engine, clips):
+    from PIL import Image
+
+    family, llm, video = engine
+    tower = video.tower
+    picture = np.ascontiguousarray(clips["portrait"][0][3])  # a frame of another clip, as a still
+    ((image_tokens, image_grid),) = tower.encode(tower.preprocess([TowerImage(picture, picture.shape[:2])]))
+    image_embeds = {"image_embeds": image_tokens, "image_grid_thw": torch.tensor([image_grid])}
+    prompt = prompt_for(llm, 2, [{"type": "video"}, {"type": "image"}, {"type": "video"}])
+    raw = generate(llm, prompt, [clips["short"], clips["odd"]], image=[Image.fromarray(picture)])
+    videos = video_data([prism_embeds(video, clips[n]) for n in ("short", "odd")], family)
+    ours = generate(llm, prompt, videos, image=image_embeds)
+    assert ours.matches(raw), (family, ours, raw)
+
+
+def test_eight_concurrent_requests_of_mixed_lengths_match_vllm(engine, clips):
+    family, llm, video = engine
+    names = [n for n in CLIPS if not (n == "one-frame" and family in ONE_FRAME_REFUSED)]
+    names = (names * 2)[:8]
+    prompt = prompt_for(llm, 1)
+    raw = generate_all(llm, [{"prompt": prompt, "multi_modal_data": {"video": [clips[n]]}} for n in names])
+    ours = generate_all(llm, [{"prompt": prompt, "multi_modal_data": {"video": video_data([prism_embeds(video, clips[n])], family)}}
+                              for n in names])
+    assert all(o.matches(r) for o, r in zip(ours, raw)), (family, names, ours, raw)
+    assert len({r.prompt_tokens for r in raw}) > 1  # mixed lengths, so a mix-up would show
+
+
 def test_the_tower_matches_vllm_s_own_tower(engine, clips):
     """Prism's video tokens against vLLM's own `model.visual` on the same frames. vLLM
     (`mm_device_do_normalize`, on by default for Qwen) asks the processor for unscaled
     pixels and rescales and normalises them in the tower: it is handed those here."""
     _, llm, video = engine
-    clip = clip_of(*clips["odd"])
+    clip = VideoClip.from_metadata(*clips["odd"])
     ours = video.encode_clip(clip).tokens
     raw = video.processor(videos=[clip.frames], video_metadata=[clip.hf_metadata()], return_tensors="pt",
                           do_rescale=False, do_normalize=False, **video._kwargs(clip, VideoSampling()))
