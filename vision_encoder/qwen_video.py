@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cache.video_keys import video_key
 from vision_encoder.qwen_tower import Preprocessed, QwenTower, plan_of
 from vision_encoder.tower import local_checkpoint
 
@@ -109,12 +110,17 @@ class QwenVideo:
     def preprocessing_params(self) -> dict:
         """Every video processor default that changes the pixels or the frames the ViT sees (cache keys)."""
         p = self.processor
-        names = ("size", "resample", "rescale_factor", "image_mean", "image_std", "patch_size", "temporal_patch_size",
-                 "merge_size", "do_sample_frames", "fps", "min_frames", "max_frames", "num_frames")
+        names = ("size", "resample", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std",
+                 "do_convert_rgb", "patch_size", "temporal_patch_size", "merge_size", "do_sample_frames", "fps",
+                 "min_frames", "max_frames", "num_frames", "cap_pixels_per_frame", "max_video_tokens")
         values = {name: getattr(p, name, None) for name in names}
         values["size"] = dict(values["size"]) if values["size"] is not None else None
         values["resample"] = int(values["resample"]) if values["resample"] is not None else None
         return {"class": type(p).__name__, "dtype": str(self.tower.dtype), **values}
+
+    def cache_key(self, digest: bytes, sampling: VideoSampling = VideoSampling()) -> bytes:
+        """The key of this clip's tokens: `digest` is the gateway's (source bytes + its loader's sampling)."""
+        return video_key(self.tower.fingerprint, self.preprocessing_params(), sampling.params(), digest)
 
     def _kwargs(self, clip: VideoClip, sampling: VideoSampling) -> dict:
         """The processor's arguments as vLLM passes them for this family (docs/video.md)."""
