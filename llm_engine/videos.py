@@ -40,6 +40,12 @@ class VideoEmbeds:
     timestamps: tuple[float, ...] | None = None  # Qwen3-VL
 
 
+def embeds_of(video, tokens: torch.Tensor) -> VideoEmbeds:
+    """A wire VideoEmbedding (protocol/video.py) and its fetched tensor."""
+    timestamps = None if video.timestamps is None else tuple(video.timestamps)
+    return VideoEmbeds(tokens, tuple(video.grid_thw), video.second_per_grid_t, timestamps)
+
+
 def check_video(video: VideoEmbeds, family: str, width: int, merge_size: int, index: int = 0) -> None:
     """What vLLM's front end lets through and its engine core then dies on, refused here."""
     t, h, w = video.grid_thw

@@ -67,6 +67,11 @@ class VideoSampling:
     min_pixels: int | None = None
     max_pixels: int | None = None
 
+    @classmethod
+    def from_knobs(cls, knobs: Any) -> "VideoSampling":
+        """From the wire's VideoKnobs (protocol/video.py), field for field."""
+        return cls(**{name: getattr(knobs, name) for name in knobs.__struct_fields__})
+
     def params(self) -> dict:
         return {k: v for k, v in vars(self).items() if v is not None}
 
