@@ -176,3 +176,15 @@ class QwenVideo:
 def sampled_fps(clip: VideoClip, indices: list[int]) -> float:
     """transformers' VideoMetadata.sampled_fps: the kept frames per second of source time."""
     return len(indices) / clip.total_num_frames * clip.fps
+
+
+def join(tower: QwenTower, batches: list[Preprocessed]) -> Preprocessed:
+    """Images' and videos' preprocessed inputs as one forward (batching by patch budget):
+    the tower attends within each grid row's temporal patches, so each item's tokens are
+    what it gets alone; `tower.encode` splits them back in this order. The current
+    stream waits for each batch's preprocessing (on a GPU) before joining them."""
+    for batch in batches:
+        tower.io.wait_for(batch.ready, [batch.pixel_values])
+    grid = torch.cat([b.grid_thw for b in batches])
+    pixels = torch.cat([b.pixel_values for b in batches])
+    return Preprocessed(pixels, grid, plan_of(tower.model, grid))
