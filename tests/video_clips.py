@@ -33,12 +33,23 @@ CLIPS = {
 }
 
 
-def vllm_loaded(data: bytes, num_frames: int = 32, **kwargs) -> tuple[np.ndarray, dict]:
-    """vLLM 0.32's video loader on the bytes, as its server calls it (VideoMediaIO)."""
+def vllm_loaded(data: bytes, num_frames: int = 32, backend: str = "opencv", **kwargs) -> tuple[np.ndarray, dict]:
+    """vLLM 0.32's video loader on the bytes, as VideoMediaIO calls it."""
     from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
 
-    return VIDEO_LOADER_REGISTRY.load("opencv").load_bytes(data, num_frames=num_frames, **kwargs)
+    return VIDEO_LOADER_REGISTRY.load(backend).load_bytes(data, num_frames=num_frames, **kwargs)
 
 
-def load_parity_clips() -> dict[str, tuple[np.ndarray, dict]]:
-    return {name: vllm_loaded(make_clip(c.spec), c.loader_frames) for name, c in CLIPS.items()}
+def server_loader(checkpoint: str) -> str:
+    """The loader vLLM's server picks for the checkpoint: by its video processor's class
+    (Qwen2VLVideoProcessor: "qwen2_vl", fps 2; Qwen3VLVideoProcessor: "qwen3_vl"), else opencv."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+    from vllm.transformers_utils.processor import get_video_processor_cls_name_from_config
+
+    return VIDEO_LOADER_REGISTRY.get_backend_for_video_processor(get_video_processor_cls_name_from_config(checkpoint)) or "opencv"
+
+
+def load_parity_clips(backend: str = "opencv") -> dict[str, tuple[np.ndarray, dict]]:
+    """Every clip through the loader; the offline API's one-frame clip only where the loader takes num_frames."""
+    clips = CLIPS if backend == "opencv" else {n: c for n, c in CLIPS.items() if n != "one-frame"}
+    return {name: vllm_loaded(make_clip(c.spec), c.loader_frames, backend) for name, c in clips.items()}

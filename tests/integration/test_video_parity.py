@@ -30,7 +30,7 @@ import torch
 from llm_engine.videos import VideoEmbeds, video_data
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from tests.video_clips import CLIPS, load_parity_clips
+from tests.video_clips import CLIPS, load_parity_clips, server_loader
 from vision_encoder.qwen_video import QwenVideo, VideoClip, VideoSampling
 from vision_encoder.tower import TowerImage
 from vision_encoder.towers import load_tower
@@ -156,6 +156,28 @@ def test_sampling_and_pixel_knobs_match_vllm(engine, clips, knob):
     assert embeds.grid_thw != prism_embeds(video, clip).grid_thw  # the knob changed what the tower saw
     ours = generate(llm, prompt, video_data([embeds], family))
     assert ours.matches(raw), (family, knob, ours, raw)
+
+
+@pytest.mark.parametrize("name", [n for n in CLIPS if n != "one-frame"])
+def test_clips_as_vllm_s_server_loads_them_match_vllm(engine, name):
+    """The frames vLLM's server would sample for this checkpoint (its loader by video
+    processor: Qwen2/2.5-VL's and Qwen3-VL's own, at 2 fps), the gateway's to match."""
+    family, llm, video = engine
+    loaded = server_clips(video)[name]
+    prompt = prompt_for(llm, 1)
+    raw = generate(llm, prompt, [loaded])
+    ours = generate(llm, prompt, video_data([prism_embeds(video, loaded)], family))
+    assert ours.matches(raw), (family, name, ours, raw)
+
+
+_SERVER_CLIPS: dict[str, dict] = {}
+
+
+def server_clips(video: QwenVideo) -> dict:
+    model = video.tower.model_id
+    if model not in _SERVER_CLIPS:
+        _SERVER_CLIPS[model] = load_parity_clips(server_loader(model))
+    return _SERVER_CLIPS[model]
 
 
 def test_two_videos_in_one_prompt_match_vllm(engine, clips):
