@@ -15,7 +15,7 @@ time, written into the prompt as "<t seconds>").
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,17 @@ class VideoClip:
     # True when the loader kept every frame: vLLM then lets the processor sample (Qwen3-VL)
     do_sample_frames: bool
     video_backend: str = "opencv"
+
+    def __post_init__(self) -> None:
+        # A wrong shape fails deep in the processor; a wrong index list gives wrong timestamps silently.
+        f = self.frames
+        if f.dtype != np.uint8 or f.ndim != 4 or f.shape[-1] != 3 or not f.shape[0]:
+            raise ValueError(f"video frames: expected uint8 (T, H, W, 3) with T ≥ 1, got {f.dtype} {f.shape}")
+        if len(self.frames_indices) != f.shape[0]:
+            raise ValueError(f"video metadata: {len(self.frames_indices)} frames_indices for {f.shape[0]} frames")
+        if not (self.fps > 0 and self.total_num_frames >= f.shape[0]):
+            raise ValueError(f"video metadata: fps {self.fps} and total_num_frames {self.total_num_frames} "
+                             f"for {f.shape[0]} frames")
 
     @classmethod
     def from_metadata(cls, frames: np.ndarray, metadata: dict) -> "VideoClip":
@@ -90,7 +101,7 @@ class VideoTokens:
     tokens: torch.Tensor  # (t·h·w / merge², hidden × (1 + DeepStack layers)), on the host
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float | None = None
-    timestamps: tuple[float, ...] | None = field(default=None)
+    timestamps: tuple[float, ...] | None = None
 
 
 def calculate_timestamps(indices: list[int], video_fps: float, temporal_patch: int) -> list[float]:

@@ -3,13 +3,14 @@ before it, naming the video; the dict vLLM takes is built as its parsers read it
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from llm_engine.videos import InvalidVideo, VideoEmbeds, check_video, embeds_of, video_data
 from protocol.tensors import meta_of
 from protocol.video import VideoEmbedding, VideoKnobs
-from vision_encoder.qwen_video import VideoSampling, calculate_timestamps
+from vision_encoder.qwen_video import VideoClip, VideoSampling, calculate_timestamps
 
 
 def test_rows_must_be_the_grid_s_tokens_and_the_width_the_family_s():
@@ -50,3 +51,16 @@ def test_the_wire_s_video_becomes_the_engine_s():
 def test_qwen3_timestamps_are_the_mean_time_of_each_temporal_patch():
     assert calculate_timestamps([0, 5, 10, 15], 10.0, 2) == [0.25, 1.25]
     assert calculate_timestamps([0, 5, 10], 10.0, 2) == [0.25, 1.0]  # the odd tail repeats its last frame
+
+
+@pytest.mark.parametrize("frames,indices,fps,total,message", [
+    (np.zeros((2, 8, 8, 3), np.float32), (0, 1), 5.0, 2, "uint8"),
+    (np.zeros((2, 8, 8), np.uint8), (0, 1), 5.0, 2, "uint8"),
+    (np.zeros((0, 8, 8, 3), np.uint8), (), 5.0, 2, "T ≥ 1"),
+    (np.zeros((2, 8, 8, 3), np.uint8), (0, 1, 2), 5.0, 3, "3 frames_indices for 2 frames"),
+    (np.zeros((2, 8, 8, 3), np.uint8), (0, 1), 0.0, 2, "fps 0.0"),
+    (np.zeros((3, 8, 8, 3), np.uint8), (0, 1, 2), 5.0, 2, "total_num_frames 2"),
+])
+def test_a_clip_that_cannot_be_what_the_loader_gave_is_refused(frames, indices, fps, total, message):
+    with pytest.raises(ValueError, match=message):
+        VideoClip(frames, fps, total, total / 5.0, indices, True)
