@@ -184,6 +184,14 @@ class QwenVideo:
         return self.encode(self.preprocess(clip, sampling))
 
 
+def video_path_of(tower: Any) -> QwenVideo:
+    """The tower's video path; a family Prism does not encode videos for stops here, naming it."""
+    if not isinstance(tower, QwenTower):
+        raise ValueError(f"{tower.family.name} videos are not supported: Prism encodes videos for Qwen2-VL, "
+                         "Qwen2.5-VL and Qwen3-VL")
+    return QwenVideo(tower)
+
+
 def sampled_fps(clip: VideoClip, indices: list[int]) -> float:
     """transformers' VideoMetadata.sampled_fps: the kept frames per second of source time."""
     return len(indices) / clip.total_num_frames * clip.fps

@@ -32,3 +32,11 @@ def test_an_image_and_two_videos_in_one_forward_match_each_alone(family):
                                               tuple(videos[1].batch.grid_thw[0].tolist())]
     for (tokens, _), expected in zip(together, alone):
         torch.testing.assert_close(tokens, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_family_without_a_video_path_is_named():
+    from vision_encoder.qwen_video import video_path_of
+
+    tower = load_tower(str(ensure_tiny_model("llava-onevision")), "float32", "cpu")
+    with pytest.raises(ValueError, match="LLaVA-OneVision videos are not supported"):
+        video_path_of(tower)
