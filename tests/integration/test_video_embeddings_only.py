@@ -54,7 +54,9 @@ def both(request):
     needs_tower = video.tower.family.vllm_needs_tower
     only = LLM(path, enable_mm_embeds=True, limit_mm_per_prompt={"image": 4 if needs_tower else 0, "video": 0},
                skip_mm_profiling=needs_tower, **COMMON)
-    ours = answers(only, [{"prompt": prompt, "multi_modal_data": {"video": video_data([e], video.family)}} for e in embeds])
+    # each video keyed by its cache key, as the engine keys images (vLLM then hashes no tensor)
+    ours = answers(only, [{"prompt": prompt, "multi_modal_data": {"video": video_data([e], video.family)},
+                           "multi_modal_uuids": {"video": [f"video-{n}-{request.param}"]}} for n, e in zip(NAMES, embeds)])
     tower = only.apply_model(lambda model: type(model.visual).__name__)[0]
     yield request.param, raw, ours, tower
     del only
