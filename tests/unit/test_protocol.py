@@ -21,6 +21,7 @@ import torch
 import zmq.asyncio
 
 import protocol
+from tests.unit.test_video_protocol import VIDEO_CASES, VIDEO_SOCKETS
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer, AsyncRouter, pack
 from protocol.stats import (
@@ -194,6 +195,9 @@ CASES = [
 
 SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway", FetchInbound: "fetch",
           SiblingInbound: "siblings"}
+# The video messages (protocol/video.py), each through its socket's union with them added
+CASES += VIDEO_CASES
+SOCKET |= VIDEO_SOCKETS
 
 
 @pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])
