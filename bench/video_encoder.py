@@ -6,7 +6,7 @@ request takes over the same request with Prism's tokens as embeddings
 (max_tokens 1, prefix and processor caches off), i.e. its processor and
 tower for that video. Both in one process, float32, the same torch threads,
 interleaved, median of the repeats. The clip: loadtest/clips.py's scene,
-loaded as vLLM's server loads it for the checkpoint (tests/video_clips.py).
+loaded as vLLM's server loads it for the checkpoint (testing/video_clips.py).
 
 Run: python -m bench.video_encoder [--model DIR] [--seconds 10] [--size 640x360] [--repeats 5]
 Figures go to docs/measurements/video-encoder.md.
@@ -27,8 +27,8 @@ def main() -> None:
     from llm_engine.videos import VideoEmbeds, video_data
     from loadtest.clips import clip
     from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-    from tests.video_clips import server_loader, vllm_loaded
-    from vision_encoder.qwen_video import QwenVideo, VideoClip
+    from testing.video_clips import server_loader, vllm_loaded
+    from vision_encoder.towers.qwen_video import QwenVideo, VideoClip
     from vision_encoder.towers import load_tower
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -14,8 +14,8 @@ import pytest
 from llm_engine.videos import VideoEmbeds, video_data
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from tests.video_clips import load_parity_clips
-from vision_encoder.qwen_video import QwenVideo, VideoClip
+from testing.video_clips import load_parity_clips
+from vision_encoder.towers.qwen_video import QwenVideo, VideoClip
 from vision_encoder.towers import load_tower
 
 CHECKPOINTS = {"Qwen2-VL": None, "Qwen2.5-VL": "qwen2.5-vl", "Qwen3-VL": "qwen3-vl"}

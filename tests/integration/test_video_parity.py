@@ -6,13 +6,13 @@ Both paths start from the frames and metadata vLLM's own video loader
 yields for each clip (its server's defaults: opencv, at most 32 frames), as
 the gateway's intake hands them on. (a) vLLM given them raw: its HF
 processor, its tower, its positions. (b) Prism's encoder
-(vision_encoder/qwen_video.py) on the same frames, its tokens handed over
+(vision_encoder/towers/qwen_video.py) on the same frames, its tokens handed over
 by llm_engine/videos.py. Equal greedy tokens and equal prompt-token counts
 show the tokens, the grid and the time axis (Qwen2.5-VL's
 second_per_grid_ts, Qwen3-VL's timestamps) all arrived; the tower's output
 is also compared with vLLM's own tower (`model.visual`) on the same pixels.
 
-The clips (tests/video_clips.py) span lengths, frame rates, sizes, a
+The clips (testing/video_clips.py) span lengths, frame rates, sizes, a
 portrait one, an odd frame count, one the loader samples down from 60 frames
 to 32, one sampled to a single frame, and two videos in one prompt.
 """
@@ -30,9 +30,9 @@ import torch
 from llm_engine.videos import VideoEmbeds, video_data
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from tests.video_clips import CLIPS, load_parity_clips, server_loader
-from vision_encoder.qwen_video import QwenVideo, VideoClip, VideoSampling
-from vision_encoder.tower import TowerImage
+from testing.video_clips import CLIPS, load_parity_clips, server_loader
+from vision_encoder.towers.qwen_video import QwenVideo, VideoClip, VideoSampling
+from vision_encoder.towers.tower import TowerImage
 from vision_encoder.towers import load_tower
 
 FAMILIES = {"Qwen2-VL": None, "Qwen2.5-VL": "qwen2.5-vl", "Qwen3-VL": "qwen3-vl"}

@@ -10,7 +10,7 @@ import torch
 from llm_engine.videos import InvalidVideo, VideoEmbeds, check_video, embeds_of, video_data
 from protocol.tensors import meta_of
 from protocol.video import VideoEmbedding, VideoKnobs
-from vision_encoder.qwen_video import VideoClip, VideoSampling, calculate_timestamps
+from vision_encoder.towers.qwen_video import VideoClip, VideoSampling, calculate_timestamps
 
 
 def test_rows_must_be_the_grid_s_tokens_and_the_width_the_family_s():

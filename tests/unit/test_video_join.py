@@ -10,9 +10,9 @@ import torch
 from loadtest.clips import ClipSpec, make_clip
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.tiny_models import ensure_tiny_model
-from tests.video_clips import vllm_loaded
-from vision_encoder.qwen_video import QwenVideo, VideoClip, join
-from vision_encoder.tower import TowerImage
+from testing.video_clips import vllm_loaded
+from vision_encoder.towers.qwen_video import QwenVideo, VideoClip, join
+from vision_encoder.towers.tower import TowerImage
 from vision_encoder.towers import load_tower
 
 
@@ -35,7 +35,7 @@ def test_an_image_and_two_videos_in_one_forward_match_each_alone(family):
 
 
 def test_a_family_without_a_video_path_is_named():
-    from vision_encoder.qwen_video import video_path_of
+    from vision_encoder.towers.qwen_video import video_path_of
 
     tower = load_tower(str(ensure_tiny_model("llava-onevision")), "float32", "cpu")
     with pytest.raises(ValueError, match="LLaVA-OneVision videos are not supported"):

@@ -11,7 +11,7 @@ import pytest
 from cache import content_key
 from cache.video_keys import video_key
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from vision_encoder.qwen_video import QwenVideo, VideoSampling
+from vision_encoder.towers.qwen_video import QwenVideo, VideoSampling
 from vision_encoder.towers import load_tower
 
 DIGEST = content_key({"loader": "opencv", "fps": None, "num_frames": None}, b"the clip's bytes")

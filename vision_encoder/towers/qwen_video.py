@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from cache.video_keys import video_key
-from vision_encoder.qwen_tower import Preprocessed, QwenTower, plan_of
-from vision_encoder.tower import local_checkpoint
+from vision_encoder.towers.qwen_tower import Preprocessed, QwenTower, plan_of
+from vision_encoder.towers.tower import local_checkpoint
 
 
 @dataclass(frozen=True)
