@@ -15,7 +15,7 @@ import msgspec
 
 from protocol.base import Message
 from protocol.tensors import ArrayMeta
-from protocol.to_gateway import EncoderTimings
+from protocol.timings import EncoderTimings
 
 
 class LoaderMetadata(msgspec.Struct, array_like=True, frozen=True, gc=False):
