@@ -168,13 +168,19 @@ class QwenVideo:
             grid = out["video_grid_thw"].cpu()
             pixels = out["pixel_values_videos"].to(tower.dtype)
             ready = tower.io.prepared()
-        temporal = self.processor.temporal_patch_size
-        second_per_grid_t = timestamps = None
-        if self.family == "Qwen2.5-VL":
-            second_per_grid_t = temporal / sampled_fps(clip, self.sampled_indices(clip, kwargs))
-        if self.family == "Qwen3-VL":
-            timestamps = tuple(calculate_timestamps(self.sampled_indices(clip, kwargs), clip.fps, temporal))
+        second_per_grid_t, timestamps = self.time_axis(clip, sampling)
         return PreprocessedVideo(Preprocessed(pixels, grid, plan_of(tower.model, grid), ready), second_per_grid_t, timestamps)
+
+    def time_axis(self, clip: VideoClip, sampling: VideoSampling = VideoSampling()) -> tuple[float | None, tuple[float, ...] | None]:
+        """(Qwen2.5-VL's second_per_grid_t, Qwen3-VL's timestamps) for the clip: from its metadata
+        alone, so a cache hit answers them without preprocessing a frame."""
+        kwargs = self._kwargs(clip, sampling)
+        temporal = self.processor.temporal_patch_size
+        if self.family == "Qwen2.5-VL":
+            return temporal / sampled_fps(clip, self.sampled_indices(clip, kwargs)), None
+        if self.family == "Qwen3-VL":
+            return None, tuple(calculate_timestamps(self.sampled_indices(clip, kwargs), clip.fps, temporal))
+        return None, None
 
     def encode(self, video: PreprocessedVideo) -> VideoTokens:
         ((tokens, grid),) = self.tower.encode(video.batch)
