@@ -7,7 +7,8 @@ from gateway.errors import APIError
 from gateway.api.schemas import ChatCompletionRequest, VideoPart
 from gateway.intake.video.intake import VideoRef
 from gateway.intake.video.limits import VideoLimits
-from gateway.intake.video.sampling import LoaderKind, VideoSampling
+from gateway.intake.video.sampling import LoaderKind, SampledVideo, VideoSampling
+from protocol.video import VideoKnobs
 
 
 def video_limits(config: GatewayConfig) -> VideoLimits:
@@ -41,23 +42,20 @@ def check_count(refs: list[VideoRef], config: GatewayConfig) -> None:
                        "(gateway.max_videos_per_request)", param="messages", code="too_many_videos")
 
 
-def not_served_yet(refs: list[VideoRef]) -> APIError:
-    """Until the encoder and engine take videos (issue 46's other half), a video
-    that passed intake is answered with this: never before its checks ran."""
-    return APIError(400, f"{refs[0].where}: video passed the gateway's checks, but this server does not encode "
-                    "videos yet", param=refs[0].where, code="videos_not_supported")
-
-
-async def judge_then_refuse(intake, request: ChatCompletionRequest, refs: list[VideoRef], timer, config: GatewayConfig,
-                            model_name: str | None, text_only: bool) -> None:
-    """Today's video path in the chat pipeline: every video fetched, checked and
-    decoded (a hostile one is refused with its own 4xx), then the request is
-    refused as not served. The loader is Qwen2-VL's (the demo model's family)
-    until the encoder's handshake names the checkpoint's video processor."""
+async def take_videos(intake, request: ChatCompletionRequest, refs: list[VideoRef], timer, config: GatewayConfig,
+                      model_name: str | None, text_only: bool) -> list[SampledVideo]:
+    """Every video fetched, checked and decoded (a hostile one is refused with its own 4xx),
+    sampled by Qwen2-VL's loader (the demo model's family; vLLM's server picks it for
+    Qwen2/2.5-VL checkpoints)."""
     if text_only:
         raise APIError(400, f"{refs[0].where}: model '{model_name}' is served text-only and takes no videos",
                        param=refs[0].where, code="videos_not_supported")
     check_count(refs, config)
     sampling = request_sampling(request, "qwen2_vl")
-    await intake.take_all([(ref, sampling) for ref in refs], timer)
-    raise not_served_yet(refs)
+    return await intake.take_all([(ref, sampling) for ref in refs], timer)
+
+
+def video_knobs(request: ChatCompletionRequest) -> VideoKnobs:
+    """The request's `mm_processor_kwargs` as vLLM hands them to the video processor too (a pixel budget)."""
+    given = request.mm_processor_kwargs
+    return VideoKnobs() if given is None else VideoKnobs(min_pixels=given.min_pixels, max_pixels=given.max_pixels)

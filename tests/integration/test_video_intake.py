@@ -1,8 +1,7 @@
 """Videos through the running stack, with the official openai client: every
-hostile video is refused with its own 4xx naming the part and the limit, a
-valid one passes the gateway's checks (and is then refused as not encoded
-yet), and the service answers the next request. Nothing here reaches the
-encoder or the engine: the video checks run before any model time."""
+hostile video is refused with its own 4xx naming the part and the limit
+before any model time (nothing reaches the encoder or the engine), a valid
+one is answered, and the service answers the next request."""
 
 from __future__ import annotations
 
@@ -85,10 +84,8 @@ def test_hostile_video_gets_its_4xx_naming_the_part_and_the_limit(client, name):
     assert_still_serving(client)
 
 
-def test_a_valid_video_passes_the_checks_then_is_refused_as_not_encoded_yet(client):
-    error = refusal(client, video_then_text(data_url(CLIP)))
-    assert error.status_code == 400 and error.body["code"] == "videos_not_supported"
-    assert "passed the gateway's checks" in error.body["message"]
+def test_a_valid_video_passes_the_checks_and_is_answered(client):
+    assert ask(client, video_then_text(data_url(CLIP))).usage.completion_tokens == 4
 
 
 def test_every_video_of_every_turn_is_checked(client):
@@ -116,8 +113,7 @@ def test_bad_sampling_knobs_name_the_field(client, knobs, field, status):
 def test_sampling_knobs_change_what_is_checked(client):
     """At fps 1 the long clip keeps 10 frames, within the limit that 2 fps (20 frames) exceeds."""
     raw = HOSTILE["too-many-frames"][0]
-    error = refusal(client, video_then_text(data_url(raw)), media_io_kwargs={"video": {"fps": 1}})
-    assert error.body["code"] == "videos_not_supported"
+    assert ask(client, video_then_text(data_url(raw)), media_io_kwargs={"video": {"fps": 1}}).usage.completion_tokens == 4
 
 
 def test_too_many_videos(client):
@@ -147,7 +143,7 @@ def video_server():
 
 
 def test_http_videos_go_through_the_images_fetch_guard(client, video_server):
-    assert refusal(client, video_then_text(f"{video_server}/clip.mp4")).body["code"] == "videos_not_supported"
+    assert ask(client, video_then_text(f"{video_server}/clip.mp4")).usage.completion_tokens == 4
     assert refusal(client, video_then_text(f"{video_server}/still.png")).status_code == 415
     refused = refusal(client, video_then_text("http://127.0.0.1:9/clip.mp4"))
     assert refused.status_code == 400 and "refused" in refused.body["message"]
