@@ -182,6 +182,7 @@ class ChatPipeline:
         if video_parts := video_refs(request):
             videos = await take_videos(self.videos, request, video_parts, record.timer, self.config, self.model_name,
                                        self.policy is None)
+            self.request_budget(request)  # mm_processor_kwargs reach the video processor too: within the deployment's budget
             self.encoder.require_up()
         chat = engine_chat(request)
         if not refs and not videos:

@@ -294,3 +294,21 @@ async def _videos(tmp_path) -> None:
 
 def test_a_video_is_delivered_as_an_image_is_pushed_to_the_same_engine_and_re_encoded_once_if_lost(tmp_path):
     asyncio.run(_videos(tmp_path))
+
+
+async def _video_budget(tmp_path) -> APIError:
+    async with gateway(tmp_path) as gw:
+        body = {"model": "m", "mm_processor_kwargs": {"min_pixels": 10**9}, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": CLIP_URL}}, {"type": "text", "text": "What moves?"}]}]}
+        record = RequestRecord("b", "b", ticket=ConcurrencyLimiter(None, None).admit("key"))
+        try:
+            await gw.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
+        except APIError as error:
+            assert not gw.encoders[0].asked  # refused before any encoder round
+            return error
+        raise AssertionError("a pixel budget past the deployment's reached the video processor")
+
+
+def test_a_video_s_pixel_knobs_stay_within_the_deployment_s_budget(tmp_path):
+    error = asyncio.run(_video_budget(tmp_path))
+    assert error.status == 422 and error.param == "mm_processor_kwargs"
