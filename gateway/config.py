@@ -111,6 +111,15 @@ class GatewayConfig(FrozenConfig):
     max_aspect_ratio: float = Field(200, gt=1)  # Qwen2-VL's own limit
     max_visual_tokens_per_request: int = Field(16384, ge=1)
     detail_low_max_pixels: int = Field(256 * 28 * 28, ge=1)  # `detail: low` budget
+    # Videos (gateway/intake/video/): limits checked on the container's header before
+    # any frame is decoded; a decode's frames (T×H×W×3 bytes) are counted in
+    # the memory budget above, so it bounds what concurrent decodes hold.
+    max_videos_per_request: int = Field(4, ge=0)
+    max_video_bytes: int = Field(64 * 2**20, ge=1)  # encoded size, data: or fetched
+    max_video_frame_pixels: int = Field(3840 * 2160, ge=1)  # one frame's width × height
+    max_video_frames: int = Field(108_000, ge=1)  # frames the header claims (an hour at 30 fps)
+    max_video_duration_s: float = Field(3600, gt=0)  # length the header claims
+    max_video_sampled_frames: int = Field(768, ge=1)  # frames kept per video (Qwen's loaders cap at 768 too)
     intake_workers: int = Field(2, ge=1)  # threads decoding and resizing images
     # Decode JPEGs at a reduced DCT scale (libjpeg's 1/2, 1/4, 1/8) no smaller
     # than the target. Faster; pixels differ from a full decode (vLLM's path).

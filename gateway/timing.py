@@ -16,6 +16,8 @@ TTFT_STAGES = (
     "parse",
     "image_fetch",
     "image_preprocess",
+    "video_fetch",  # gateway/intake/video/intake.py
+    "video_decode",
     "cache_lookup",
     "encode_queue",
     "encode",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_engine.videos import check_video, embeds_of, video_data
 from protocol.to_engine import GenerateRequest
 
 _FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
@@ -30,6 +31,7 @@ class ModelShape:
 
     embedding_width: int  # columns vLLM takes per visual token (the family says: hidden, or more)
     merge_size: int | None  # None: the family's images have no grid (LLaVA, InternVL)
+    family: str = ""  # common/families.py's name: which time axis its videos need (llm_engine/videos.py)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -57,7 +59,19 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def _template_part(part: dict) -> dict:
-    return {"type": "image"} if _is_image(part) else {"type": "text", "text": part.get("text", "")}
+    if _is_image(part):
+        return {"type": "image"}
+    if _is_video(part):
+        return {"type": "video"}
+    return {"type": "text", "text": part.get("text", "")}
+
+
+def _is_video(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "video_url"
+
+
+def video_parts(messages: list[dict]) -> int:
+    return sum(_is_video(part) for m in messages if isinstance(m.get("content"), list) for part in m["content"])
 
 
 def _is_image(part) -> bool:
@@ -78,6 +92,10 @@ def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> No
         raise InvalidPrompt("this model is text-only: it takes no images")
     for index, image in enumerate(request.images):
         _check(index, image, shape)
+    if (parts := video_parts(chat.messages)) != len(request.videos):
+        raise InvalidPrompt(f"{parts} video parts in the messages but {len(request.videos)} videos sent")
+    if request.videos and (shape is None or shape.merge_size is None):
+        raise InvalidPrompt("this model takes no videos")
 
 
 def image_data(request: GenerateRequest, tensors: list, shape: ModelShape | None) -> dict | None:
@@ -136,15 +154,23 @@ def render_prompt(chat, tokenizer, template_kwargs: dict) -> list[int]:
 
 def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,
                  max_model_len: int) -> Prompt:
-    """`token_ids`: render_prompt's; `tensors`: each image's embeddings,
-    checked (check_images) and fetched (llm_engine/images.py)."""
+    """`token_ids`: render_prompt's; `tensors`: each image's embeddings, then
+    each video's, checked (check_images) and fetched (llm_engine/images.py)."""
     inputs: dict = {"prompt_token_ids": token_ids}
     visual_tokens = 0
-    if (images := image_data(request, tensors, shape)) is not None:
+    image_tensors, video_tensors = tensors[:len(request.images)], tensors[len(request.images):]
+    if (images := image_data(request, image_tensors, shape)) is not None:
         inputs["multi_modal_data"] = images
         inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}  # Prism's content keys: vLLM hashes nothing
         # each placeholder becomes the image's rows of tokens
         visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
+    if request.videos:
+        videos = [embeds_of(video, tensor) for video, tensor in zip(request.videos, video_tensors)]
+        for index, video in enumerate(videos):
+            check_video(video, shape.family, shape.embedding_width, shape.merge_size, index)
+        inputs.setdefault("multi_modal_data", {})["video"] = video_data(videos, shape.family)
+        inputs.setdefault("multi_modal_uuids", {})["video"] = [video.key.hex() for video in request.videos]
+        visual_tokens += sum(video.embeddings.shape[0] for video in request.videos) - len(request.videos)
     num_tokens = len(token_ids) + visual_tokens
     requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len))

@@ -116,7 +116,8 @@ def model_shape(family: Family, hf) -> ModelShape | None:
     """What every image's embeddings must look like; None: the model takes no images."""
     if not family.takes_images:
         return None
-    return ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size if family.layout == "qwen" else None)
+    return ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size if family.layout == "qwen" else None,
+                      family.name)
 
 
 def generation_defaults(model_config) -> dict:
@@ -380,8 +381,8 @@ class EngineService:
             chat, kwargs, new_parser = self._read(request)
             token_ids = render_prompt(chat, self.tokenizer, kwargs)
             fetch_started = time.monotonic()
-            tensors = await self.images.tensors(request.images)
-            fetch_s = time.monotonic() - fetch_started if request.images else 0.0
+            tensors = await self.images.tensors([*request.images, *request.videos])  # a video's tokens are found as an image's
+            fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
             prompt, params = self._plan(chat, token_ids, request, tensors)
             tokens = await self._stream(peer, rid, prompt.inputs, params, (received, fetch_s), chat, new_parser)
             if tokens is None:

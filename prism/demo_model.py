@@ -42,7 +42,8 @@ SPECIAL_TOKENS = [
 
 # Qwen2-VL's chat template, trimmed to what the demo needs (system default,
 # string or list content, one <|vision_start|><|image_pad|><|vision_end|> per
-# image), with Qwen2.5's tool calling: the tools listed in the system prompt,
+# image and one <|vision_start|><|video_pad|><|vision_end|> per video), with
+# Qwen2.5's tool calling: the tools listed in the system prompt,
 # calls as <tool_call>{"name": ..., "arguments": ...}</tool_call> (vLLM's
 # hermes parser reads them back), results as <tool_response> in a user turn.
 # Qwen3's `enable_thinking: false` (a chat_template_kwargs switch) opens the
@@ -52,6 +53,7 @@ SPECIAL_TOKENS = [
 CHAT_TEMPLATE = (
     "{% macro render(content) %}{% if content is string %}{{ content }}{% elif content %}{% for part in content %}"
     "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or part['type'] == 'video_url' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
     "{% if tools %}<|im_start|>system\n"
     "{% if messages[0]['role'] == 'system' %}{{ render(messages[0]['content']) }}{% else %}You are a helpful assistant.{% endif %}"

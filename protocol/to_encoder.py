@@ -7,6 +7,7 @@ import msgspec
 from protocol.base import Hello, Message
 from protocol.stats import StatsRequest
 from protocol.tensors import ArrayMeta
+from protocol.video import EncodeVideos
 
 
 class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -45,4 +46,4 @@ class FetchEmbeddings(Message):
     identities: list[bytes]
 
 
-EncoderInbound = EncodeRequest | CancelEncode | FetchEmbeddings | Hello | StatsRequest
+EncoderInbound = EncodeRequest | EncodeVideos | CancelEncode | FetchEmbeddings | Hello | StatsRequest

@@ -8,6 +8,7 @@ import msgspec
 from protocol.base import Hello, Message
 from protocol.stats import StatsRequest
 from protocol.tensors import ArrayMeta
+from protocol.video import VideoEmbedding
 
 
 class ImageEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -49,14 +50,17 @@ class GenerateRequest(Message):
     request_id: str
     chat: bytes
     images: list[ImageEmbedding] = []
+    # each video part's tokens by reference, in order of appearance (found as images' are)
+    videos: list[VideoEmbedding] = []
 
     def unpushed(self) -> "GenerateRequest":
         """This request for an engine no encoder pushed its tokens to (a failover):
         it fetches them at once instead of waiting for pushes that are not coming."""
-        if not any(image.pushed for image in self.images):
+        if not any(item.pushed for item in (*self.images, *self.videos)):
             return self
         images = [msgspec.structs.replace(image, pushed=False) for image in self.images]
-        return msgspec.structs.replace(self, images=images)
+        videos = [msgspec.structs.replace(video, pushed=False) for video in self.videos]
+        return msgspec.structs.replace(self, images=images, videos=videos)
 
 
 class AbortGenerate(Message):

@@ -11,6 +11,8 @@ import msgspec
 from protocol.base import Message
 from protocol.stats import EncoderStats, EngineStats
 from protocol.tensors import ArrayMeta
+from protocol.timings import EncoderTimings
+from protocol.video import VideosEncodeResult
 
 
 class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="qwen"):
@@ -59,13 +61,6 @@ class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
     key: bytes  # the content key (encoder fingerprint + the gateway's digest), never truncated
     identity: bytes  # what the key was hashed from (fingerprint + digest): checked on every fetch
     pushed: bool = False  # sent to the request's engine (EncodeRequest.push_to) already: not held for a fetch
-
-
-class EncoderTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    cache_lookup_s: float
-    encode_queue_s: float
-    encode_s: float
-    total_s: float  # arrival → reply sent; the gateway derives transfer time from it
 
 
 class EncodeResult(Message):
@@ -160,4 +155,4 @@ class GenerateFailed(Message):
 EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
 
 
-GatewayInbound = EncoderReady | EncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats
+GatewayInbound = EncoderReady | EncodeResult | VideosEncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats

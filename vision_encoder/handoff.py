@@ -38,6 +38,7 @@ from protocol.tensors import ArrayMeta, meta_of, to_frame
 from protocol.to_encoder import FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, PushedEmbedding
 from protocol.to_gateway import EncodedImage
+from protocol.video import EncodedVideo
 from vision_encoder.batcher import Job
 from vision_encoder.work import PendingRequest
 
@@ -93,6 +94,12 @@ class Handoff:
                 self.hold(key, value, now)
             images.append(EncodedImage(meta_of(value.embeddings), value.grid_thw, hit, key, value.identity, pushed))
         return images
+
+    def video_references(self, state: PendingRequest, now: float) -> list[EncodedVideo]:
+        """As `references`, for an EncodeVideos request: each with its time axis."""
+        return [EncodedVideo(ref.embeddings, ref.grid_thw, ref.cache_hit, ref.key, ref.identity, second_per_grid_t,
+                             None if timestamps is None else list(timestamps), ref.pushed)
+                for ref, (second_per_grid_t, timestamps) in zip(self.references(state, now), state.axes)]
 
     def hold(self, key: bytes, value: CachedEmbedding, now: float) -> None:
         held = self._held.pop(key, None)

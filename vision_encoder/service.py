@@ -40,11 +40,14 @@ from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStat
 from protocol.tensors import to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
 from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
+from protocol.video import EncodeVideos, VideosEncodeResult
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
 from vision_encoder.handoff import PUSH_QUEUE_LIMIT, Handoff
 from vision_encoder.towers.tower import OutOfMemoryAbove, RunOptions, TowerImage, VisionTower
 from vision_encoder.towers import load_tower
+from vision_encoder.towers.qwen_video import QwenVideo, video_path_of
+from vision_encoder.videos import images_first, video_item
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, requests_of
 
@@ -72,6 +75,7 @@ class EncoderService:
     oom_splits: int = 0
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
+    video: QwenVideo | None = None  # the tower's video path, loaded at the first video
     signals: socket.socket | None = None  # readable once a signal came: wakes the poll (vision_encoder/__main__.py)
 
     @classmethod
@@ -174,10 +178,12 @@ class EncoderService:
             self._handle(peer, message, frames)
 
     def _handle(self, peer: bytes, message, frames) -> None:
-        if isinstance(message, EncodeRequest) and self.watch.stalled:
+        if isinstance(message, (EncodeRequest, EncodeVideos)) and self.watch.stalled:
             self._send(peer, EncodeFailed(message.request_id, "vision encoder is stalled; retry shortly", 503, "encoder_stalled"))
         elif isinstance(message, EncodeRequest):
             self._accept(peer, message, frames)
+        elif isinstance(message, EncodeVideos):
+            self._accept_videos(peer, message, frames)
         elif isinstance(message, FetchEmbeddings):
             self._fetch(peer, message)
         elif isinstance(message, CancelEncode):
@@ -232,12 +238,15 @@ class EncoderService:
             return
         keys = [content_key(self.tower.fingerprint, image.digest) for image in request.images]
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to)
+        frame_of = iter(frames)
+        frame_at = {index: next(frame_of) for index, image in enumerate(request.images) if image.pixels is not None}
+        identities = [self._identity(image.digest) for image in request.images]
         misses, lacking = [], []
-        for index, key, image, frame in self._look_up(state, request, frames):
-            if frame is None:
+        for index in self._look_up(state, identities, record=not request.retry):  # a retry's lookups were counted already
+            if index not in frame_at:
                 lacking.append(index)
             else:
-                misses.append((index, key, image, frame))
+                misses.append((index, self._cache_key(keys[index]), request.images[index], frame_at[index]))
         state.cache_lookup_s = time.monotonic() - arrived
         if lacking:  # the gateway decodes these only now that they are known misses
             self._abandon(state)  # any joins above are re-made when the pixels come
@@ -262,30 +271,60 @@ class EncoderService:
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
-    def _look_up(self, state: PendingRequest, request: EncodeRequest, frames) -> list[tuple]:
-        """Fill `state` from the caches and in-flight encodes; (index, key, image,
-        frame or None) for each image still to encode."""
-        record = not request.retry  # a retry's lookups were counted in its first round
+    def _look_up(self, state: PendingRequest, identities: list[bytes], record: bool) -> list[int]:
+        """Fill `state` from the caches and in-flight encodes (images' and videos'
+        alike); the indices still to encode."""
         unresolved = []
-        frame_of = iter(frames)
-        for index, image in enumerate(request.images):
-            frame = next(frame_of) if image.pixels is not None else None
-            key, identity = self._cache_key(state.keys[index]), self._identity(image.digest)
-            hit = self.cache.get(key, identity, record=record)
+        for index, identity in enumerate(identities):
+            hit = self.cache.get(self._cache_key(state.keys[index]), identity, record=record)
             if hit is not None:
                 state.results[index] = (hit, True)
             elif not self._join_in_flight(identity, (state, index)):  # a join needs no pixels
-                unresolved.append((index, key, image, frame))
+                unresolved.append(index)
         if self.shared is None or not unresolved:
             return unresolved
-        found = self.shared.get_many(
-            [key for _, key, _, _ in unresolved], [self._identity(image.digest) for _, _, image, _ in unresolved], record
-        )
-        for (index, key, _, _), value in zip(unresolved, found):
+        keys = [self._cache_key(state.keys[index]) for index in unresolved]
+        found = self.shared.get_many(keys, [identities[index] for index in unresolved], record)
+        for index, key, value in zip(unresolved, keys, found):
             if value is not None:
                 self.cache.put(key, value)
                 state.results[index] = (value, True)
-        return [item for item, value in zip(unresolved, found) if value is None]
+        return [index for index, value in zip(unresolved, found) if value is None]
+
+    def _accept_videos(self, peer: bytes, request: EncodeVideos, frames) -> None:
+        """A request's videos: looked up, joined or queued beside images (vision_encoder/videos.py)."""
+        arrived = time.monotonic()
+        try:
+            path = self._video_path()
+            if len(frames) != len(request.videos):
+                raise ValueError(f"{len(frames)} frames for {len(request.videos)} videos")
+            items = [video_item(path, self.tower, video, frame, index)
+                     for index, (video, frame) in enumerate(zip(request.videos, frames))]
+        except ValueError as exc:
+            self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
+            return
+        state = PendingRequest(peer, request.request_id, arrived, [None] * len(items), [item.key for item in items],
+                               request.push_to, axes=[item.axis for item in items])
+        misses = self._look_up(state, [item.identity for item in items], record=True)
+        state.cache_lookup_s = time.monotonic() - arrived
+        if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
+            self._abandon(state)
+            self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} items waiting)", 429))
+            return
+        for index in misses:
+            item = items[index]
+            self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity)
+        self.pending[(peer, request.request_id)] = state
+        self._reply_if_done(state)
+
+    def _video_path(self) -> QwenVideo:
+        """The tower's video path, loaded at the first video; ValueError for a model Prism encodes no videos for."""
+        if self.video is None:
+            try:
+                self.video = video_path_of(self.tower)
+            except OSError as exc:  # the checkpoint has no video processor
+                raise ValueError(f"this encoder's model {self.tower.model_id} has no video processor: {exc}") from None
+        return self.video
 
     def _cache_key(self, full_key: bytes) -> bytes:
         """The cache's key: the full content key, or its first `test_key_bytes` (collision tests)."""
@@ -319,6 +358,7 @@ class EncoderService:
         return [*self.vit.batches, *self.express_lane.batches]
 
     def _start_batch(self, jobs: list[Job]) -> None:
+        jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit)
         prepared = self.preprocessor.submit(preprocess)
         self.vit.submit(jobs, lambda: vit(prepared.result()))  # ready by now, unless the ViT was idle
@@ -332,6 +372,7 @@ class EncoderService:
         jobs = self.batcher.take(limit)
         if not jobs:
             return
+        jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.express_lane.in_vit)
         self.express_lane.submit(jobs, lambda: vit(preprocess()))
 
@@ -384,17 +425,22 @@ class EncoderService:
         if state.cancelled or not state.done:
             return
         self.pending.pop((state.peer, state.request_id), None)
-        images = self.handoff.references(state, time.monotonic())
         timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
             encode_queue_s=state.encode_queue_s,
             encode_s=state.encode_s,
             total_s=time.monotonic() - state.arrived,
         )
-        self._send(state.peer, EncodeResult(state.request_id, images, timings))
+        if state.videos:
+            items = self.handoff.video_references(state, time.monotonic())
+            self._send(state.peer, VideosEncodeResult(state.request_id, items, timings))
+        else:
+            items = self.handoff.references(state, time.monotonic())
+            self._send(state.peer, EncodeResult(state.request_id, items, timings))
         hits = sum(hit for _, hit in state.results)
         log.info(
-            "encoded %d images (%d cache hits) in %.1f ms", len(images), hits, timings.total_s * 1000,
+            "encoded %d %s (%d cache hits) in %.1f ms", len(items), "videos" if state.videos else "images", hits,
+            timings.total_s * 1000,
             extra={"request_id": state.request_id},
         )
 

@@ -20,6 +20,7 @@ import zmq
 
 from cache import CachedEmbedding
 from vision_encoder.batcher import Job
+from vision_encoder.videos import TimeAxis, prepare
 
 log = logging.getLogger("prism.encoder")
 
@@ -37,6 +38,11 @@ class PendingRequest:
     encode_queue_s: float = 0.0
     encode_s: float = 0.0
     cancelled: bool = False
+    axes: list[TimeAxis] | None = None  # an EncodeVideos request: each video's time axis; None: images
+
+    @property
+    def videos(self) -> bool:
+        return self.axes is not None
 
     @property
     def done(self) -> bool:
@@ -112,7 +118,7 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
     def preprocess():
         times.preprocess_start = time.monotonic()
         try:
-            return tower.preprocess([job.image for job in jobs])
+            return prepare(tower, jobs)
         finally:
             times.preprocess_end = time.monotonic()
 
@@ -134,7 +140,7 @@ def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
     (OutOfMemoryError)."""
     try:
         if inputs is None:  # on the GPU, preprocessing takes device memory too
-            inputs = tower.preprocess([job.image for job in jobs])
+            inputs = prepare(tower, jobs)
         return tower.encode(inputs)
     except torch.OutOfMemoryError:
         if len(jobs) == 1:

@@ -27,6 +27,8 @@ from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, Prepared
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
+from gateway.intake.video.intake import VideoIntake
+from gateway.api.videos import take_videos, video_knobs, video_limits, video_refs
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
 from protocol.to_gateway import TokenDelta
 
@@ -61,8 +63,10 @@ def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
 
 
 _IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
+_VIDEO = {"type": "video_url", "video_url": {"url": IMAGE_PLACEHOLDER}}  # its tokens travel beside, as an image's
+_PLACEHOLDERS = {"image_url": _IMAGE, "video_url": _VIDEO}
 # Fields the gateway itself acts on, or that change nothing: not forwarded.
-_GATEWAY_ONLY = {"mm_processor_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
+_GATEWAY_ONLY = {"mm_processor_kwargs", "media_io_kwargs", "stream_options", "user", "metadata", "store", "service_tier"}
 
 
 def engine_chat(request: ChatCompletionRequest) -> bytes:
@@ -74,7 +78,7 @@ def engine_chat(request: ChatCompletionRequest) -> bytes:
     for message in body["messages"]:
         message["role"] = _ROLES.get(message["role"], message["role"])
         if isinstance(message.get("content"), list):
-            message["content"] = [_IMAGE if p["type"] == "image_url" else p for p in message["content"]]
+            message["content"] = [_PLACEHOLDERS.get(p["type"], p) for p in message["content"]]
     return msgspec.json.encode(body)
 
 
@@ -91,6 +95,7 @@ class ChatPipeline:
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
         self.handoff = ImageHandoff(config, encoder, engine, self._decode)
+        self.videos = VideoIntake(fetcher, video_limits(config), self.pool)  # gateway/intake/video/
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -173,13 +178,20 @@ class ChatPipeline:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
         if len(refs) > self.config.max_images_per_request:
             raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
+        videos = []
+        if video_parts := video_refs(request):
+            videos = await take_videos(self.videos, request, video_parts, record.timer, self.config, self.model_name,
+                                       self.policy is None)
+            self.request_budget(request)  # mm_processor_kwargs reach the video processor too: within the deployment's budget
+            self.encoder.require_up()
         chat = engine_chat(request)
-        if not refs:
+        if not refs and not videos:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
-        inspected = await self._intake(request, refs, record)
+        inspected = await self._intake(request, refs, record) if refs else []
         digests = [digest_of(item, self.policy) for item in inspected]
-        images = await self.handoff.deliver(record.id, inspected, digests, record.timer)
-        return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references), images)
+        images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request))
+        return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references,
+                                        videos=images.video_references), images)
 
     def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The engine's deltas (gateway/routing/handoff.py: one re-encode if it finds the tokens nowhere)."""

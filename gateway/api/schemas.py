@@ -32,7 +32,16 @@ class ImagePart(_Strict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class VideoURL(_Strict):
+    url: str  # data: (base64) or http(s)
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Strict):
@@ -61,7 +70,7 @@ class Message(_Strict):
             raise ValueError("a tool message needs the tool_call_id it answers")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
-        if self.role == "tool" and isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content):
+        if self.role == "tool" and isinstance(self.content, list) and any(isinstance(p, ImagePart | VideoPart) for p in self.content):
             raise ValueError("a tool message carries text only (chat templates render tool results as text)")
         return self
 
@@ -145,6 +154,29 @@ class PixelOverrides(_Strict):
     max_pixels: int | None = Field(None, ge=1)
 
 
+class VideoSamplingKwargs(_Strict):
+    """vLLM's `media_io_kwargs["video"]`: the arguments of its video loader,
+    which decide the frames kept (gateway/intake/video/sampling.py). Unset: the
+    loader's defaults (fps 2, min_frames 4, max_frames 768 for Qwen)."""
+
+    fps: float | None = Field(None, gt=0, le=240)
+    num_frames: int | None = Field(None, ge=1, le=10_000)  # the uniform loader's; Qwen's loaders sample by fps
+    min_frames: int | None = Field(None, ge=1, le=10_000)
+    max_frames: int | None = Field(None, ge=1, le=10_000)
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "VideoSamplingKwargs":
+        if self.min_frames is not None and self.max_frames is not None and self.min_frames > self.max_frames:
+            raise ValueError(f"min_frames ({self.min_frames}) exceeds max_frames ({self.max_frames})")
+        return self
+
+
+class MediaIOKwargs(_Strict):
+    """vLLM's per-request `media_io_kwargs`, keyed by modality: only video's are taken."""
+
+    video: VideoSamplingKwargs | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
@@ -182,6 +214,7 @@ class ChatCompletionRequest(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: PixelOverrides | None = None
+    media_io_kwargs: MediaIOKwargs | None = None  # video sampling (gateway/intake/video/)
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)

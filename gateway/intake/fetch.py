@@ -116,16 +116,17 @@ class ImageFetcher:
             timeout=timeout, follow_redirects=False, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
         )
 
-    async def fetch(self, url: str, where: str) -> bytes:
+    async def fetch(self, url: str, where: str, byte_limits=None) -> bytes:
+        """`byte_limits`: another cap than the images' (anything with ImageLimits.check_bytes; videos')."""
         try:
             async with asyncio.timeout(self.limits.total_timeout_s):
-                return await self._follow(url, where)
+                return await self._follow(url, where, byte_limits or self.image_limits)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise APIError(504, f"{where}: fetching the image timed out ({_expired(exc, self.limits)})", param=where, code="image_fetch_timeout") from None
         except httpx.HTTPError as exc:
             raise APIError(400, f"{where}: fetching the image failed ({type(exc).__name__})", param=where, code="image_fetch_failed") from None
 
-    async def _follow(self, url: str, where: str) -> bytes:
+    async def _follow(self, url: str, where: str, byte_limits) -> bytes:
         for _ in range(self.limits.max_redirects + 1):
             target = await self.guard.check(url, where)
             extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
@@ -137,19 +138,19 @@ class ImageFetcher:
                     continue
                 if response.status_code != 200:
                     raise APIError(400, f"{where}: fetching the image returned HTTP {response.status_code}", param=where, code="image_fetch_failed")
-                return await self._read_capped(response, where)
+                return await self._read_capped(response, where, byte_limits)
             finally:
                 await response.aclose()
         raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code="image_fetch_failed")
 
-    async def _read_capped(self, response: httpx.Response, where: str) -> bytes:
+    async def _read_capped(self, response: httpx.Response, where: str, byte_limits) -> bytes:
         declared = response.headers.get("content-length", "")
         if declared.isdigit():
-            self.image_limits.check_bytes(int(declared), where)
+            byte_limits.check_bytes(int(declared), where)
         body = bytearray()
         async for chunk in response.aiter_bytes():
             body += chunk
-            self.image_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
+            byte_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
         return bytes(body)
 
     async def close(self) -> None:

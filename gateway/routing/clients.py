@@ -34,6 +34,7 @@ from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer
 from protocol.stats import EncoderStats, EngineStats, ServiceState, StatsRequest
 from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
+from protocol.video import EncodeVideos
 from protocol.to_engine import AbortGenerate, GenerateRequest
 from protocol.to_gateway import (
     EncodeFailed,
@@ -290,10 +291,15 @@ class EncoderClient(ServiceClient):
         push_to: str = "",
     ) -> EncodeResult | EncodeNeedsPixels:
         """`push_to`: the engine the encoder pushes the images it encodes to (EncodeRequest.push_to)."""
+        return await self.ask(EncodeRequest(request_id, list(images), retry, push_to), frames, timeout_s)
+
+    async def ask(self, request: EncodeRequest | EncodeVideos, frames: Sequence[Any], timeout_s: float) -> Any:
+        """One encode round trip (images' or videos'): the encoder's answer, or its refusal raised."""
+        request_id = request.request_id
         queue = self.open(request_id)
         answered = False
         try:
-            await self.send(EncodeRequest(request_id, list(images), retry, push_to), frames)
+            await self.send(request, frames)
             message, _ = await next_reply(queue, timeout_s)  # its replies carry no frames: tokens go by reference
             answered = True
         except asyncio.TimeoutError:

@@ -30,7 +30,8 @@ import zmq.asyncio
 from gateway.routing.clients import EncoderClient
 from gateway.errors import APIError
 from gateway.routing.replicas import RETRIABLE, ReplicaPool
-from protocol.to_encoder import ImageInput
+from protocol.to_encoder import EncodeRequest, ImageInput
+from protocol.video import EncodeVideos
 from protocol.to_gateway import EncodeNeedsPixels, EncodeResult
 
 
@@ -100,6 +101,10 @@ class EncoderPool(ReplicaPool[EncoderClient]):
         retry: bool = False, push_to: str = "",
     ) -> EncodeResult | EncodeNeedsPixels:
         """One round on the route's replica; on a 503 or 429, the same round on another."""
+        return await self.ask(route, EncodeRequest(request_id, list(images), retry, push_to), frames, timeout_s)
+
+    async def ask(self, route: Route, request: EncodeRequest | EncodeVideos, frames: Sequence[Any], timeout_s: float) -> Any:
+        """`encode`'s round for any encoder request (a request's videos too)."""
         refused: APIError | None = None
         while True:
             if route.replica is None and not self._enter(route):
@@ -109,7 +114,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
             replica = self.replicas[route.replica]
             try:
                 with self.sending(route.replica):
-                    return await replica.encode(request_id, images, frames, timeout_s, retry, push_to)
+                    return await replica.ask(request, frames, timeout_s)
             except APIError as error:
                 if error.status not in RETRIABLE:
                     raise

@@ -39,6 +39,13 @@ and every failure path is handled here:
   kept reference) and the engine asked again; a second loss is the client's
   503;
 - after the first token nothing is retried (the client has tokens already).
+
+A request's videos (`RequestImages.videos`) go the same way: one
+`EncodeVideos` round after the images' (`_video_round`), pushed to the same
+engine or pinned for its fetch, in the same stages, re-encoded with the
+images once if lost. Their references are not kept (KNOWN): a video's key
+depends on the request's processor knobs as well as on its digest, so a
+request with videos is PUSHED or FETCHED.
 """
 
 from __future__ import annotations
@@ -60,10 +67,12 @@ from gateway.routing.engine_pool import EnginePool
 from gateway.errors import APIError
 from gateway.intake.images import Inspected, PreparedImage
 from gateway.timing import RequestTimer
+from gateway.intake.video.sampling import SampledVideo
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 from protocol.to_engine import GenerateRequest, ImageEmbedding, reference
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, TokenDelta
+from protocol.video import EncodeVideos, LoaderMetadata, VideoEmbedding, VideoInput, VideoKnobs, video_reference
 
 log = logging.getLogger("prism.gateway")
 
@@ -99,6 +108,18 @@ class RequestImages:
     references: list[ImageEmbedding] = field(default_factory=list)
     stage: Stage = Stage.ENCODING
     reencoded: bool = False
+    videos: list[SampledVideo] = field(default_factory=list)  # kept until DELIVERED, as `inspected`
+    knobs: VideoKnobs = VideoKnobs()  # the request's video processor knobs (one for all its videos)
+    video_references: list[VideoEmbedding] = field(default_factory=list)
+
+    @property
+    def video_digests(self) -> list[bytes]:
+        return [video.digest for video in self.videos]
+
+    @property
+    def affinity(self) -> list[bytes]:
+        """What picks the engine and the encoder: every image's and video's digest."""
+        return [*self.digests, *self.video_digests]
 
     def request_for(self, request: GenerateRequest, replica: int) -> GenerateRequest:
         """`request` as sent to `replica`: one the tokens were not pushed to
@@ -154,9 +175,9 @@ class ImageHandoff:
 
     def choose(self, images: RequestImages, allow_known: bool = True) -> None:
         """Set `images.delivery` by the module's rule (KNOWN also sets the references)."""
-        if allow_known and (refs := self._kept(images.digests)) is not None:
+        if allow_known and not images.videos and (refs := self._kept(images.digests)) is not None:
             images.delivery, images.engine, images.references = Delivery.KNOWN, None, refs
-        elif self.config.push_embeddings and (engine := self._push_target(images.digests)) is not None:
+        elif self.config.push_embeddings and (engine := self._push_target(images.affinity)) is not None:
             images.delivery, images.engine = Delivery.PUSHED, engine
         else:
             images.delivery, images.engine = Delivery.FETCHED, None
@@ -176,10 +197,10 @@ class ImageHandoff:
         self.engine.remember(digests, index)
         return index
 
-    async def deliver(self, request_id: str, inspected: list[Inspected], digests: list[bytes],
-                      timer: RequestTimer) -> RequestImages:
-        """The images' references, REFERENCED: kept, or from an encode now."""
-        images = RequestImages(digests, inspected)
+    async def deliver(self, request_id: str, inspected: list[Inspected], digests: list[bytes], timer: RequestTimer,
+                      videos: Sequence[SampledVideo] = (), knobs: VideoKnobs = VideoKnobs()) -> RequestImages:
+        """The images' (and videos') references, REFERENCED: kept, or from an encode now."""
+        images = RequestImages(digests, inspected, videos=list(videos), knobs=knobs)
         self.choose(images)
         if images.delivery is Delivery.KNOWN:
             timer.cache_hits += len(images.references)
@@ -196,7 +217,9 @@ class ImageHandoff:
 
     async def _encode(self, request_id: str, images: RequestImages, timer: RequestTimer) -> None:
         """ENCODING (or REENCODING) → REFERENCED, the references kept for repeats."""
-        images.references = await self._rounds(request_id, images, timer)
+        images.references = await self._rounds(request_id, images, timer) if images.digests else []
+        if images.videos:
+            images.video_references = await self._video_round(request_id, images, timer)
         self.known.remember(images.digests, images.references)
         images.stage = Stage.REFERENCED
 
@@ -236,6 +259,25 @@ class ImageHandoff:
                     pixels[index] = prepared
         raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
 
+    async def _video_round(self, request_id: str, images: RequestImages, timer: RequestTimer) -> list[VideoEmbedding]:
+        """The videos' references: one EncodeVideos round, every video with its frames (a video
+        is sampled and decoded at intake, before its key is known: nothing to save by asking first)."""
+        inputs, frames = [], []
+        for video in images.videos:
+            meta, frame = to_frame(video.frames)
+            inputs.append(VideoInput(video.digest, LoaderMetadata(**video.hf_metadata()), images.knobs, meta))
+            frames.append(frame)
+        push_to = "" if images.engine is None else self.engine.replicas[images.engine].address
+        with self.encoder.route(images.video_digests) as route:
+            sent = time.perf_counter()
+            reply = await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to), frames, self.config.encode_timeout_s)
+            source = self.encoder.replicas[route.replica].address
+        timer.add_encoder(reply.timings, time.perf_counter() - sent)
+        timer.cache_hits += sum(v.cache_hit for v in reply.videos)
+        timer.cache_misses += sum(not v.cache_hit for v in reply.videos)
+        timer.visual_tokens += sum(v.embeddings.shape[0] for v in reply.videos)
+        return [video_reference(video, source) for video in reply.videos]
+
     def _references(self, result: EncodeResult, source: str, round_trip: float, timer: RequestTimer) -> list[ImageEmbedding]:
         """For the engine to fetch from `source` (the encoder that answered) unless pushed there."""
         timer.add_encoder(result.timings, round_trip)
@@ -260,7 +302,7 @@ class ImageHandoff:
                 except APIError as error:
                     if images is None or not await self._reencoded(request.request_id, images, error, timer, sent):
                         raise
-                request = msgspec.structs.replace(request, images=images.references)
+                request = msgspec.structs.replace(request, images=images.references, videos=images.video_references)
         finally:
             if images is not None and images.stage is not Stage.DELIVERED:
                 images.stage = Stage.FAILED
@@ -268,7 +310,7 @@ class ImageHandoff:
     async def _deltas(self, request: GenerateRequest, images: RequestImages | None, timer: RequestTimer,
                       sent: float) -> AsyncIterator[TokenDelta]:
         """One try; `EnginePool.generate` moves to another replica on a refusal."""
-        digests, request_for = (images.digests, images.request_for) if images is not None else ((), None)
+        digests, request_for = (images.affinity, images.request_for) if images is not None else ((), None)
         first = True
         # closing this closes the engine stream (abort in vLLM) at once
         async with contextlib.aclosing(self.engine.generate(request, self.config.generate_timeout_s, digests, request_for)) as deltas:
@@ -278,6 +320,7 @@ class ImageHandoff:
                     if images is not None:
                         images.stage = Stage.DELIVERED
                         images.inspected.clear()  # the engine has the tokens: the raw images are not needed again
+                        images.videos.clear()
                     first = False
                 yield delta
 

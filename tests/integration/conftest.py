@@ -18,6 +18,9 @@ from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_imag
 MODEL_NAME = "prism-demo"
 MAX_IMAGE_BYTES = 4_000_000
 MAX_BODY_BYTES = 12_000_000
+MAX_VIDEO_BYTES = 1_000_000
+MAX_VIDEO_FRAME_PIXELS = 1_000_000
+MAX_VIDEO_SAMPLED_FRAMES = 16
 ALLOWED_LOOPBACK = "127.0.0.2"  # served by the fetch tests' image server; 127.0.0.1 stays refused
 
 # float32 on both sides for parity; the test budget makes the gateway downscale.
@@ -32,6 +35,10 @@ STACK_OVERRIDES = {
     "PRISM_GATEWAY__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
     "PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST": "1024",
     "PRISM_GATEWAY__DETAIL_LOW_MAX_PIXELS": "50176",
+    # Video limits small enough to test cheaply (tests/integration/test_video_intake.py).
+    "PRISM_GATEWAY__MAX_VIDEO_BYTES": str(MAX_VIDEO_BYTES),
+    "PRISM_GATEWAY__MAX_VIDEO_FRAME_PIXELS": str(MAX_VIDEO_FRAME_PIXELS),
+    "PRISM_GATEWAY__MAX_VIDEO_SAMPLED_FRAMES": str(MAX_VIDEO_SAMPLED_FRAMES),
     # The SSRF guard stays on; one loopback address is opted in for the fetch tests.
     "PRISM_GATEWAY__FETCH_ALLOWED_NETWORKS": f"[{ALLOWED_LOOPBACK}/32]",
     "PRISM_GATEWAY__FETCH_READ_TIMEOUT_S": "2",

@@ -15,9 +15,10 @@ import zmq.asyncio
 
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from protocol.sockets import AsyncRouter
-from protocol.tensors import meta_of, to_frame
+from protocol.tensors import ArrayMeta, meta_of, to_frame
 from protocol.to_encoder import EncoderInbound, FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, GenerateRequest, ImageEmbedding, PushedEmbedding
+from protocol.video import VideoEmbedding
 from tests.waiting import wait_until_async
 
 TOKENS = torch.randn(6, 128, dtype=torch.bfloat16)
@@ -152,3 +153,9 @@ def test_a_request_for_another_engine_than_the_pushed_one_waits_for_no_push():
     assert not any(image.pushed for image in request.unpushed().images)
     plain = GenerateRequest("r", b"{}", [reference(b"b", "tcp://e")])
     assert plain.unpushed() is plain
+
+
+def test_a_failover_request_fetches_its_pushed_videos_too():
+    video = VideoEmbedding(ArrayMeta("float32", (4, 8)), (1, 4, 4), key=b"v", source="tcp://e", identity=b"v", pushed=True)
+    request = GenerateRequest("r", b"{}", [reference(b"b", "tcp://e")], [video])
+    assert not any(item.pushed for item in (*request.unpushed().images, *request.unpushed().videos))

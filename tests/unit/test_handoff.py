@@ -32,6 +32,8 @@ from protocol.to_gateway import (
     EMBEDDINGS_UNAVAILABLE, ChoiceDelta, EncodedImage, EncodeFailed, EncoderTimings, EncodeResult, GenerateFailed,
     TokenDelta,
 )
+from protocol.video import EncodedVideo, EncodeVideos, VideosEncodeResult
+from loadtest.clips import clip
 from tests.unit.by_hand import EncoderByHand, EngineByHand
 from tests.waiting import wait_until_async
 
@@ -46,10 +48,14 @@ class Encoder(EncoderByHand):
         self.fails = False
         self.asked: list[EncodeRequest] = []
 
-    def answer(self, request: EncodeRequest):
+    def answer(self, request: EncodeRequest | EncodeVideos):
         self.asked.append(request)
         if self.fails:
             return EncodeFailed(request.request_id, "bad pixels", 400)
+        if isinstance(request, EncodeVideos):
+            videos = [EncodedVideo(ArrayMeta("float32", (50, 128)), (2, 10, 10), False, v.digest, v.digest,
+                                   pushed=bool(request.push_to)) for v in request.videos]
+            return VideosEncodeResult(request.request_id, videos, EncoderTimings(0.0, 0.0, 0.0, 0.0))
         images = [EncodedImage(ArrayMeta("float32", (25, 128)), (1, 10, 10), i.pixels is None, i.digest, i.digest,
                                pushed=bool(request.push_to) and i.pixels is not None) for i in request.images]
         return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0))
@@ -249,3 +255,57 @@ async def _encoder_gone(tmp_path) -> None:
 
 def test_a_kept_reference_whose_encoder_is_gone_is_not_used(tmp_path):
     asyncio.run(_encoder_gone(tmp_path))
+
+
+CLIP_URL = "data:video/mp4;base64," + base64.b64encode(clip(width=96, height=64, fps=4.0, num_frames=8, seed=46)).decode()
+
+
+async def ask_with_video(gateway: Gateway, request_id: str) -> list[TokenDelta]:
+    """An image and a video in one request, through prepare and generate."""
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": GREEN}}, {"type": "video_url", "video_url": {"url": CLIP_URL}},
+        {"type": "text", "text": "What moves?"}]}]}
+    record = RequestRecord(request_id, request_id, ticket=ConcurrencyLimiter(None, None).admit("key"))
+    prepared = await gateway.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
+    gateway.asked = prepared.images
+    return [delta async for delta in gateway.pipeline.generate(prepared, record.timer)]
+
+
+async def _videos(tmp_path) -> None:
+    async with gateway(tmp_path) as gw:
+        encoder = gw.encoders[0]
+        gw.script("lost")
+        assert (await ask_with_video(gw, "v"))[-1].finished
+        # the images' round, then the videos' to the same engine; lost: both encoded once more
+        assert [type(m) for m in encoder.asked] == [EncodeRequest, EncodeVideos] * 2
+        assert all(m.push_to == encoder.asked[0].push_to != "" for m in encoder.asked[:2])
+        assert (gw.asked.stage, gw.asked.reencoded, gw.asked.delivery) == (Stage.DELIVERED, True, Delivery.PUSHED)
+        sent = [request for requests in gw.received() for request in requests]
+        assert len(sent) == 2 and all(len(r.images) == 1 and len(r.videos) == 1 for r in sent)
+        assert sent[0].videos[0].key == encoder.asked[1].videos[0].digest and sent[0].videos[0].pushed
+        assert encoder.asked[1].videos[0].frames.shape[1:] == (64, 96, 3)
+        # a repeat is never KNOWN: a video's key depends on the request's knobs, not its digest alone
+        assert (await ask_with_video(gw, "again"))[-1].finished
+        assert len(encoder.asked) == 6 and gw.asked.delivery is Delivery.PUSHED
+
+
+def test_a_video_is_delivered_as_an_image_is_pushed_to_the_same_engine_and_re_encoded_once_if_lost(tmp_path):
+    asyncio.run(_videos(tmp_path))
+
+
+async def _video_budget(tmp_path) -> APIError:
+    async with gateway(tmp_path) as gw:
+        body = {"model": "m", "mm_processor_kwargs": {"min_pixels": 10**9}, "messages": [{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": CLIP_URL}}, {"type": "text", "text": "What moves?"}]}]}
+        record = RequestRecord("b", "b", ticket=ConcurrencyLimiter(None, None).admit("key"))
+        try:
+            await gw.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
+        except APIError as error:
+            assert not gw.encoders[0].asked  # refused before any encoder round
+            return error
+        raise AssertionError("a pixel budget past the deployment's reached the video processor")
+
+
+def test_a_video_s_pixel_knobs_stay_within_the_deployment_s_budget(tmp_path):
+    error = asyncio.run(_video_budget(tmp_path))
+    assert error.status == 422 and error.param == "mm_processor_kwargs"

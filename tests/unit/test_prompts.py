@@ -11,9 +11,11 @@ from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build,
 from llm_engine.requests import read_chat
 from protocol.tensors import to_frame, to_torch
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
+from protocol.video import VideoEmbedding
 
 SHAPE = ModelShape(embedding_width=128, merge_size=2)
 NO_GRID = ModelShape(embedding_width=128, merge_size=None)  # LLaVA-OneVision
+QWEN2_VL = ModelShape(embedding_width=128, merge_size=2, family="Qwen2-VL")
 
 
 class FakeTemplate:
@@ -150,3 +152,37 @@ def test_a_message_of_images_alone_counts_every_image():
     chat["messages"][0]["content"] = chat["messages"][0]["content"][:2]
     req = GenerateRequest(req.request_id, msgspec.json.encode(chat), req.images)
     assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).num_tokens == len(["<img>", "<img>"]) + 8 - 2
+
+
+def video_request(video_rows: int, video_parts: int = 1):
+    """An image then a video in one message (the engine finds each tensor as an image's)."""
+    image, image_frame = to_frame(torch.randn(4, 128))
+    video, video_frame = to_frame(torch.randn(video_rows, 128))
+    parts = ([{"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}]
+             + [{"type": "video_url", "video_url": {"url": IMAGE_PLACEHOLDER}}] * video_parts + [{"type": "text", "text": "q"}])
+    chat = msgspec.json.encode({"messages": [{"role": "user", "content": parts}], "max_tokens": 4})
+    req = GenerateRequest("r", chat, [ImageEmbedding(image, (1, 4, 4), b"i" * 16, "ipc:///encoder", b"id")],
+                          [VideoEmbedding(video, (2, 4, 4), key=b"v" * 16, source="ipc:///encoder", identity=b"vid")])
+    return req, [to_torch(image, image_frame), to_torch(video, video_frame)]
+
+
+def test_a_video_goes_to_vllm_beside_the_images_keyed_by_its_content_key():
+    req, tensors = video_request(8)
+    chat = read_chat(req.chat)
+    check_images(chat, req, QWEN2_VL)
+    prompt = build(chat, render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL, 1000)
+    video = prompt.inputs["multi_modal_data"]["video"]
+    assert torch.equal(video["video_embeds"], tensors[1]) and video["video_grid_thw"].tolist() == [[2, 4, 4]]
+    assert prompt.inputs["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert prompt.inputs["multi_modal_uuids"] == {"image": [(b"i" * 16).hex()], "video": [(b"v" * 16).hex()]}
+    assert prompt.num_tokens == 3 + (4 - 1) + (8 - 1)  # image, video, text: the placeholders expanded to their rows
+
+
+def test_a_video_part_without_its_tokens_or_tokens_of_another_grid_are_refused():
+    req, tensors = video_request(8, video_parts=2)
+    with pytest.raises(InvalidPrompt, match="2 video parts in the messages but 1 videos sent"):
+        check_images(read_chat(req.chat), req, QWEN2_VL)
+    req, tensors = video_request(6)
+    chat = read_chat(req.chat)
+    with pytest.raises(ValueError, match=r"videos\[0\]: embeddings of shape \(6, 128\), expected \(8, 128\)"):
+        build(chat, render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL, 1000)

@@ -21,6 +21,7 @@ import torch
 import zmq.asyncio
 
 import protocol
+from tests.unit.test_video_protocol import VIDEO_CASES, VIDEO_SOCKETS
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer, AsyncRouter, pack
 from protocol.stats import (
@@ -35,6 +36,7 @@ from protocol.stats import (
 )
 from protocol.siblings import FinishedRequest, SiblingInbound, WorkerLoad
 from protocol.tensors import ArrayMeta, to_frame, to_numpy, to_torch
+from protocol.video import VideoEmbedding
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings, ImageInput
 from protocol.to_engine import (
     IMAGE_PLACEHOLDER,
@@ -107,6 +109,8 @@ CASES = [
             ImageEmbedding(QWEN_EMBEDDINGS, (1, 34, 46), b"\x07" * 16, "tcp://encoder-a.internal:5555", b"9c1e2f0a77d4" + bytes(16), True),
             ImageEmbedding(ArrayMeta("float16", (729, 896)), None, b"\x08" * 16, "ipc:///run/prism/encoder.sock", bytes(32)),
         ],
+        [VideoEmbedding(ArrayMeta("bfloat16", (240, 3584)), (4, 10, 24), 1.0, None, b"\x09" * 16, "tcp://encoder-a.internal:5555",
+                        b"video" + bytes(16), True)],
     )),
     (EngineInbound, GenerateRequest("chatcmpl-42", CHAT)),  # text only
     (FetchInbound, FetchedEmbeddings("fetch-7", [QWEN_EMBEDDINGS, None])),
@@ -196,6 +200,9 @@ CASES = [
 
 SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway", FetchInbound: "fetch",
           SiblingInbound: "siblings"}
+# The video messages (protocol/video.py), each through its socket's union with them added
+CASES += VIDEO_CASES
+SOCKET |= VIDEO_SOCKETS
 
 
 @pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])

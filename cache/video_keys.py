@@ -1,0 +1,22 @@
+"""The cache key of a video's visual tokens.
+
+A video's tokens depend on the source bytes, on which frames the gateway's
+loader kept (its fps / num_frames / frame limits), on the encoder's model and
+weights, on its video processor's defaults (pixel budget, patch sizes,
+normalisation, its own frame sampling) and on the request's processor knobs
+(fps, num_frames, do_sample_frames, min/max pixels). The gateway's digest
+covers the first two (gateway/video/intake.py: the bytes and the loader's
+sampling); the encoder adds the rest. The "video" tag keeps a video's key
+apart from an image's with the same digest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from cache.keys import content_key
+
+
+def video_key(encoder_fingerprint: str, video_processor: Mapping, request_sampling: Mapping, digest: bytes) -> bytes:
+    """16-byte key: the encoder's identity, its video processor's defaults, the request's knobs, the gateway's digest."""
+    return content_key(encoder_fingerprint, "video", dict(video_processor), dict(request_sampling), digest)

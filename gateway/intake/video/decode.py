@@ -1,0 +1,104 @@
+"""Opening, probing and decoding a video with OpenCV's FFmpeg backend, as vLLM's
+default loader does (vllm/multimodal/video_decoders/opencv.py), so the frames
+are the same bytes. docs/measurements/video-decode.md says why OpenCV and not
+PyAV.
+
+`probe` reads the container's header only (frame count, fps, size), so a file
+that claims hours of frames or huge frames is refused before anything is
+decoded. `read_frames` then decodes up to the last kept frame: `grab()` for
+every frame (a decode without the colour conversion), `retrieve()` and
+BGR→RGB only for the kept ones.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import cv2
+import cv2.videoio_registry as registry
+import numpy as np
+
+from gateway.intake.video.sampling import SourceInfo
+
+
+class Unreadable(Exception):
+    """The bytes are not a video OpenCV can open (the message says how)."""
+
+
+def _stream_backend() -> int | None:
+    # vLLM's OpenCVVideoBackendMixin.get_cv2_video_api: the first stream-buffered backend usable from bytes.
+    for backend in registry.getStreamBufferedBackends():
+        if not registry.hasBackend(backend):
+            continue
+        if not registry.isBackendBuiltIn(backend):
+            _, abi, api = registry.getStreamBufferedBackendPluginVersion(backend)
+            if abi < 1 or (abi == 1 and api < 2):
+                continue
+        return backend
+    return None
+
+
+@dataclass
+class OpenVideo:
+    """A capture over the bytes; close it (or use `with`)."""
+
+    capture: cv2.VideoCapture
+    stream: io.BytesIO  # read by the capture until it is released: must outlive it
+
+    def __enter__(self) -> "OpenVideo":
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.capture.release()
+
+
+def open_video(data: bytes) -> OpenVideo:
+    stream = io.BytesIO(data)
+    capture = cv2.VideoCapture(stream, _stream_backend(), [])
+    if not capture.isOpened():
+        capture.release()
+        raise Unreadable("no decodable video stream in it")
+    return OpenVideo(capture, stream)
+
+
+def probe(video: OpenVideo) -> SourceInfo:
+    """The header's figures, edit-list corrected as vLLM's get_video_metadata does; nothing is decoded
+    but, where the header claims frames, one seek to the end (which reads no frame data)."""
+    cap = video.capture
+    width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
+    total, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
+    return SourceInfo(total, fps, total / fps if fps > 0 else 0, width, height)
+
+
+def visible_frames(video: OpenVideo, claimed: int) -> int:
+    """vLLM's cross-check of the header's count by an end-of-stream seek: an mp4 edit list can
+    hide frames the header counts. Run it only once the claim passed the limits (it grabs one frame)."""
+    cap = video.capture
+    if claimed > 0 and cap.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
+        visible = int(cap.get(cv2.CAP_PROP_POS_FRAMES))
+        at_stream_end = not cap.grab()
+        cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
+        if at_stream_end and 0 < visible < claimed - 1:
+            return visible
+    return claimed
+
+
+def read_frames(video: OpenVideo, indices: list[int], height: int, width: int) -> tuple[np.ndarray, list[int]]:
+    """The kept frames, RGB (T, H, W, 3), and the indices actually read (fewer where the stream
+    breaks off): vLLM's `_read_frames_no_recovery`, frame for frame."""
+    cap = video.capture
+    wanted = set(indices)
+    frames = np.empty((len(wanted), height, width, 3), dtype=np.uint8)
+    read: list[int] = []
+    for index in range(max(indices) + 1):
+        if not cap.grab():
+            continue
+        if index in wanted:
+            ok, frame = cap.retrieve()
+            if ok:
+                if frame.shape[:2] != (height, width):  # vLLM's array assignment would fail the request too
+                    raise Unreadable(f"frame {index} is {frame.shape[1]}×{frame.shape[0]}; the header says {width}×{height}")
+                frames[len(read)] = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
+                read.append(index)
+    return frames[: len(read)], read

@@ -1,0 +1,159 @@
+"""Video intake: fetch, judge by the header, sample and decode, before any model time.
+
+For each `video_url` part, the pipeline calls `VideoIntake.take`:
+1. `video_fetch`: a data: URL's base64 decoded, or an http(s) URL fetched
+   through the image fetcher's address guard (gateway/fetch.py), capped at
+   `VideoLimits.max_bytes`;
+2. `video_decode`, in the intake thread pool: `inspect` sniffs the container,
+   opens it and checks its header (frame size, claimed frames and duration)
+   and the number of frames sampling keeps, all before a frame is decoded;
+   then, with the decode's memory admitted (T×H×W×3 plus the decoder's own,
+   gateway/memory.py), `decode` reads only up to the last kept frame.
+
+The result, `SampledVideo`, holds what vLLM's loader would hand its processor,
+frame for frame. Frames are not resized here: the Qwen video processors size
+frames from the whole clip (Qwen3-VL's budget counts T×H×W), so the encoder's
+processor does it, as in vLLM; the gateway bounds the frames it decodes
+instead (`max_frame_pixels`, `max_sampled_frames`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from cache import content_key
+from gateway.errors import APIError
+from gateway.intake.fetch import ImageFetcher
+from gateway.intake.images import decode_data_url
+from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.timing import RequestTimer
+from gateway.intake.video.decode import Unreadable, open_video, probe, read_frames, visible_frames
+from gateway.intake.video.limits import VideoLimits, decoding_bytes, refused
+from gateway.intake.video.sampling import SampledVideo, SourceInfo, VideoSampling, frame_indices, prepared_source
+from gateway.intake.video.sniff import describe_not_video, is_video_container
+
+VIDEO_INTAKE_VERSION = "video-intake-v1"
+
+
+@dataclass(frozen=True)
+class VideoRef:
+    where: str  # "messages[0].content[1]"
+    url: str
+
+
+@dataclass(frozen=True)
+class InspectedVideo:
+    raw: bytes
+    where: str
+    source: SourceInfo
+    indices: list[int]
+    sampling: VideoSampling
+
+    @property
+    def decoding_bytes(self) -> int:
+        return decoding_bytes(self.source, len(set(self.indices)))
+
+
+def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits) -> InspectedVideo:
+    """Header-only checks and the frames sampling keeps; no frame is decoded."""
+    if not raw:
+        raise refused(where, "is empty (0 bytes)")
+    if not is_video_container(raw):
+        raise refused(where, f"is not a video container ({describe_not_video(raw)}); send mp4, mov, webm, mkv or avi",
+                      415, "unsupported_video_format")
+    try:
+        with open_video(raw) as video:
+            source = probe(video)
+            limits.check_source(source, where)
+            total = visible_frames(video, source.total_frames)
+    except Unreadable as exc:
+        raise refused(where, f"cannot be read: {exc}") from None
+    source = prepared_source(SourceInfo(total, source.fps, total / source.fps if source.fps > 0 else 0,
+                                        source.width, source.height), sampling.loader)
+    indices = _sample(source, sampling, where)
+    limits.check_sample(len(set(indices)), sampling, where)
+    return InspectedVideo(raw, where, source, indices, sampling)
+
+
+def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int]:
+    if sampling.loader == "qwen2_vl":
+        if source.fps <= 0:  # vLLM's loader raises too
+            raise refused(where, "reports no frame rate; this model's sampling needs one")
+        if source.total_frames < 2:  # vLLM's loader divides by zero here (temporal patches of 2)
+            raise refused(where, f"has {source.total_frames} frame; this model needs at least 2")
+    return frame_indices(source, sampling)
+
+
+def decode(item: InspectedVideo) -> SampledVideo:
+    """The kept frames (CPU-bound: run it off the event loop). A stream that breaks off before a
+    kept frame is refused: vLLM would serve the frames it got, but a truncated upload is an error."""
+    source = item.source
+    try:
+        with open_video(item.raw) as video:
+            frames, read = read_frames(video, item.indices, source.height, source.width)
+    except Unreadable as exc:
+        raise refused(item.where, f"cannot be decoded: {exc}") from None
+    missing = sorted(set(item.indices) - set(read))
+    if missing:
+        raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
+                      f"frames could not be decoded (first: frame {missing[0]} of {source.total_frames} claimed)")
+    return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
+                        digest=digest_of(item))
+
+
+def digest_of(item: InspectedVideo) -> bytes:
+    """The video's part of the cache key: its bytes and what decided the frames kept."""
+    return content_key({"version": VIDEO_INTAKE_VERSION, **item.sampling.key_part()}, item.raw)
+
+
+class VideoIntake:
+    """Fetch → inspect → admit memory → decode, for one request's videos."""
+
+    def __init__(self, fetcher: ImageFetcher, limits: VideoLimits, pool: Executor) -> None:
+        self.fetcher = fetcher  # the images' (gateway/fetch.py): the same address guard, timeouts and redirects
+        self.limits = limits
+        self.pool = pool
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def fetch(self, ref: VideoRef) -> bytes:
+        if ref.url.startswith("data:"):  # counted with the body's bytes
+            media_type = ref.url[5:].split(";", 1)[0].split(",", 1)[0].lower()
+            if media_type == "video/jpeg":
+                raise APIError(400, f"{ref.where}: video_url: a list of JPEG frames (video/jpeg) is not served; "
+                               "send a video file", param=ref.where, code="unsupported_video_format")
+            return await self._in_pool(decode_data_url, ref.url, ref.where, self.limits)
+        async with working(BODY_COPIES * self.limits.max_bytes, f"fetching {ref.where}"):
+            raw = await self.fetcher.fetch(ref.url, ref.where, self.limits)
+        hold(len(raw))
+        return raw
+
+    async def decode(self, item: InspectedVideo) -> SampledVideo:
+        s = item.source
+        async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
+                                                f"{s.width}×{s.height})"):
+            decoding = asyncio.ensure_future(self._in_pool(decode, item))
+            try:
+                video = await asyncio.shield(decoding)
+            except asyncio.CancelledError:  # the thread decodes on; its memory stays counted till it ends
+                await asyncio.wait({decoding})
+                raise
+        hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
+        return video
+
+    async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer) -> list[SampledVideo]:
+        """Every video of a request: all fetched and inspected before any is decoded, so a hostile
+        one refuses the request before any decode's time or memory is spent."""
+        started = time.perf_counter()
+        raws = await asyncio.gather(*(self.fetch(ref) for ref, _ in refs))
+        fetched = time.perf_counter()
+        timer.add("video_fetch", fetched - started)
+        inspected = await asyncio.gather(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits)
+                                           for raw, (ref, sampling) in zip(raws, refs)))
+        videos = await asyncio.gather(*(self.decode(item) for item in inspected))
+        timer.add("video_decode", time.perf_counter() - fetched)
+        return list(videos)

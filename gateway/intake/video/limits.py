@@ -1,0 +1,66 @@
+"""What a video may be: every limit checked on the container's header before a
+frame is decoded, each refusal a 4xx naming the part and the limit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.errors import APIError
+from gateway.intake.video.sampling import SourceInfo, VideoSampling
+
+# What a decode holds at its peak beyond the kept frames (T×H×W×3): the
+# decoder's own frames in flight (FFmpeg's threads keep a few references),
+# one BGR frame before its conversion; counted as this many frames more.
+DECODER_FRAMES_IN_FLIGHT = 8
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    max_bytes: int  # encoded size (data: URL or fetched)
+    max_frame_pixels: int  # width × height of one frame, as the header declares it
+    max_total_frames: int  # the frames the header claims
+    max_duration_s: float  # the duration the header claims
+    max_sampled_frames: int  # frames kept after sampling (what the encoder would see)
+
+    def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
+        """The image limits' interface (gateway/intake.py ImageLimits), so the fetcher caps video downloads too."""
+        if size > self.max_bytes:
+            size_text = f"{qualifier} {size}" if qualifier else str(size)
+            raise APIError(413, f"{where}: video is {size_text} bytes; the limit is {self.max_bytes} bytes",
+                           param=where, code="video_too_large")
+
+    def check_source(self, source: SourceInfo, where: str) -> None:
+        """Header checks: a stream with frames of a sane size, count and length."""
+        if source.width <= 0 or source.height <= 0:
+            raise refused(where, "has no video stream (no frame size in its header)")
+        pixels = source.width * source.height
+        if pixels > self.max_frame_pixels:
+            raise refused(where, f"frames are {source.width}×{source.height} = {pixels} pixels; "
+                          f"the limit is {self.max_frame_pixels}", 413, "video_too_large")
+        if source.total_frames <= 0:
+            raise refused(where, "declares no frames (its header has no frame count)")
+        if source.total_frames > self.max_total_frames:
+            raise refused(where, f"claims {source.total_frames} frames; the limit is {self.max_total_frames}",
+                          413, "video_too_long")
+        if source.duration_s > self.max_duration_s:
+            raise refused(where, f"claims {source.duration_s:.1f} s; the limit is {self.max_duration_s:g} s",
+                          413, "video_too_long")
+
+    def check_sample(self, kept: int, sampling: VideoSampling, where: str) -> None:
+        if kept > self.max_sampled_frames:
+            raise refused(where, f"sampling keeps {kept} frames ({describe(sampling)}); the limit is "
+                          f"{self.max_sampled_frames} frames per video", 413, "too_many_frames")
+
+
+def decoding_bytes(source: SourceInfo, kept: int) -> int:
+    """Gateway memory a decode takes at its peak: the kept frames plus the decoder's own."""
+    return (kept + DECODER_FRAMES_IN_FLIGHT) * source.width * source.height * 3
+
+
+def describe(sampling: VideoSampling) -> str:
+    given = {k: v for k, v in sampling.key_part().items() if k != "loader" and v is not None}
+    return ", ".join(f"{k}={v}" for k, v in given.items()) or "the model's defaults"
+
+
+def refused(where: str, message: str, status: int = 400, code: str = "invalid_video") -> APIError:
+    return APIError(status, f"{where}: video {message}", param=where, code=code)

@@ -1,0 +1,55 @@
+"""The video parity clips (loadtest/clips.py's synthetic scenes, small enough
+for two cores) and vLLM's own video loader's view of them: the frames and
+metadata its server hands the model (VideoMediaIO's default: opencv, at most
+32 frames), which is what the gateway's intake yields (SampledVideo)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from loadtest.clips import ClipSpec, make_clip
+
+
+@dataclass(frozen=True)
+class ParityClip:
+    spec: ClipSpec
+    loader_frames: int = 32  # the loader's num_frames (vLLM's server default: 32)
+
+
+# lengths, frame rates, sizes, portrait, an odd frame count, one the loader samples down, one frame
+CLIPS = {
+    "short": ParityClip(ClipSpec(160, 120, 4.0, 8, seed=1)),
+    "odd": ParityClip(ClipSpec(128, 96, 5.0, 7, seed=2)),
+    # vLLM's opencv loader reads no frame of a one-frame file (its probe seeks to the end
+    # and back, and the frame is lost; docs/video.md): a one-frame video here is a clip
+    # the loader samples down to one frame
+    "one-frame": ParityClip(ClipSpec(112, 112, 5.0, 5, seed=3), loader_frames=1),
+    "portrait": ParityClip(ClipSpec(96, 176, 10.0, 10, seed=4)),
+    "long": ParityClip(ClipSpec(176, 144, 24.0, 60, seed=5)),  # the loader keeps 32 of 60
+    "slow": ParityClip(ClipSpec(144, 112, 1.0, 6, seed=6)),
+    "six-seconds": ParityClip(ClipSpec(128, 96, 5.0, 30, seed=7)),  # kept whole, long enough for every sampling knob to bite
+}
+
+
+def vllm_loaded(data: bytes, num_frames: int = 32, backend: str = "opencv", **kwargs) -> tuple[np.ndarray, dict]:
+    """vLLM 0.32's video loader on the bytes, as VideoMediaIO calls it."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    return VIDEO_LOADER_REGISTRY.load(backend).load_bytes(data, num_frames=num_frames, **kwargs)
+
+
+def server_loader(checkpoint: str) -> str:
+    """The loader vLLM's server picks for the checkpoint: by its video processor's class
+    (Qwen2VLVideoProcessor: "qwen2_vl", fps 2; Qwen3VLVideoProcessor: "qwen3_vl"), else opencv."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+    from vllm.transformers_utils.processor import get_video_processor_cls_name_from_config
+
+    return VIDEO_LOADER_REGISTRY.get_backend_for_video_processor(get_video_processor_cls_name_from_config(checkpoint)) or "opencv"
+
+
+def load_parity_clips(backend: str = "opencv") -> dict[str, tuple[np.ndarray, dict]]:
+    """Every clip through the loader; the offline API's one-frame clip only where the loader takes num_frames."""
+    clips = CLIPS if backend == "opencv" else {n: c for n, c in CLIPS.items() if n != "one-frame"}
+    return {name: vllm_loaded(make_clip(c.spec), c.loader_frames, backend) for name, c in clips.items()}

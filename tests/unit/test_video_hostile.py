@@ -1,0 +1,140 @@
+"""Hostile videos are refused by the intake with a 4xx naming the part and
+the limit, and the header checks run before a frame is decoded. The files are
+made here: truncated, random, images, a stream relabelled as audio, headers
+patched to claim millions of frames or hours."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.timing import RequestTimer
+from gateway.intake.video import intake as video_intake
+from gateway.intake.video.intake import VideoIntake, VideoRef, decode, inspect
+from gateway.intake.video.limits import VideoLimits
+from gateway.intake.video.sampling import VideoSampling
+from loadtest.clips import clip, named_clip
+from loadtest.synthetic import encode, make_image
+
+LIMITS = VideoLimits(max_bytes=4 * 2**20, max_frame_pixels=2_000_000, max_total_frames=20_000, max_duration_s=600,
+                     max_sampled_frames=64)
+WHERE = "messages[0].content[1]"
+
+
+def refusal(raw: bytes, sampling: VideoSampling = VideoSampling(), limits: VideoLimits = LIMITS) -> APIError:
+    with pytest.raises(APIError) as caught:
+        decode(inspect(raw, WHERE, sampling, limits))
+    error = caught.value
+    assert 400 <= error.status < 500 and error.param == WHERE and WHERE in error.message
+    return error
+
+
+def patched(data: bytes, box: bytes, offset: int, value: bytes) -> bytes:
+    """`value` written `offset` bytes after the first `box` name."""
+    at = data.index(box) + offset
+    return data[:at] + value + data[at + len(value):]
+
+
+@pytest.fixture(scope="module")
+def clip12() -> bytes:
+    return clip(num_frames=12, fps=10.0)
+
+
+def test_empty(clip12):
+    assert "empty" in refusal(b"").message
+
+
+def test_random_bytes():
+    error = refusal(os.urandom(5000))
+    assert error.status == 415 and "not a video container" in error.message
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_an_image_is_not_a_video(fmt):
+    error = refusal(encode(make_image("still", (64, 48)), fmt))
+    assert error.status == 415 and f"a {fmt} image" in error.message
+
+
+def test_an_iso_still_image_brand_is_not_a_video():
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + os.urandom(200)
+    assert refusal(heic).status == 415
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.5, 0.95])
+def test_truncated_stream(clip12, keep):
+    assert refusal(clip12[: int(len(clip12) * keep)]).status == 400
+
+
+def test_random_bytes_behind_an_mp4_signature(clip12):
+    assert refusal(clip12[:32] + os.urandom(4000)).status == 400
+
+
+def test_a_stream_relabelled_as_audio_has_no_video_stream(clip12):
+    audio_only = patched(clip12, b"hdlr", 12, b"soun")
+    assert "no decodable video stream" in refusal(audio_only).message
+
+
+def test_a_header_claiming_millions_of_frames_is_refused_before_decoding(clip12, monkeypatch):
+    claims = patched(clip12, b"stts", 12, struct.pack(">I", 50_000_000))
+    monkeypatch.setattr(video_intake, "read_frames", lambda *a: pytest.fail("decoded a refused video"))
+    error = refusal(claims)
+    assert error.status == 413 and "claims 50000000 frames; the limit is 20000" in error.message
+
+
+def test_a_header_claiming_hours_is_refused(clip12):
+    long = LIMITS.__class__(**{**LIMITS.__dict__, "max_total_frames": 10**9})
+    claims = patched(clip12, b"stts", 12, struct.pack(">I", 50_000_000))  # 5e6 s at 10 fps
+    error = refusal(claims, limits=long)
+    assert error.status == 413 and "the limit is 600 s" in error.message
+
+
+def test_frames_over_the_pixel_limit():
+    error = refusal(named_clip("hd"), limits=LIMITS.__class__(**{**LIMITS.__dict__, "max_frame_pixels": 640 * 480}))
+    assert error.status == 413 and "1280×720 = 921600 pixels; the limit is 307200" in error.message
+
+
+def test_more_sampled_frames_than_allowed():
+    error = refusal(named_clip("long"), VideoSampling("opencv", num_frames=100))
+    assert error.status == 413 and "keeps 100 frames (num_frames=100); the limit is 64" in error.message
+
+
+def test_a_header_claiming_more_frames_than_the_stream_has_is_sampled_over_the_frames_it_has(clip12):
+    """Within the limits, the claim is checked by a seek to the end, as vLLM does."""
+    claims = patched(clip12, b"stts", 12, struct.pack(">I", 1000))
+    video = decode(inspect(claims, WHERE, VideoSampling("opencv"), LIMITS))
+    assert video.total_frames == 12 and video.frame_indices == tuple(range(12))
+
+
+def _intake() -> VideoIntake:
+    return VideoIntake(fetcher=None, limits=LIMITS, pool=ThreadPoolExecutor(1))
+
+
+def test_a_data_url_over_the_byte_limit_is_refused_before_base64_decoding():
+    url = "data:video/mp4;base64," + "A" * (6 * 2**20)
+    with pytest.raises(APIError) as caught:
+        asyncio.run(_intake().fetch(VideoRef(WHERE, url)))
+    assert caught.value.status == 413 and f"the limit is {LIMITS.max_bytes} bytes" in caught.value.message
+
+
+def test_jpeg_frame_lists_are_refused_by_name():
+    with pytest.raises(APIError, match="video/jpeg"):
+        asyncio.run(_intake().fetch(VideoRef(WHERE, "data:video/jpeg;base64,AAAA,AAAA")))
+
+
+def test_take_all_times_both_stages_and_refuses_the_request_before_any_decode(clip12, monkeypatch):
+    timer = RequestTimer()
+    good = VideoRef("messages[0].content[0]", "data:video/mp4;base64," + base64.b64encode(clip12).decode())
+    videos = asyncio.run(_intake().take_all([(good, VideoSampling()), (good, VideoSampling("qwen3_vl"))], timer))
+    assert [v.num_frames for v in videos] == [4, 4] and videos[0].digest != videos[1].digest
+    assert timer.stages["video_fetch"] > 0 and timer.stages["video_decode"] > 0
+    bad = VideoRef(WHERE, "data:image/png;base64," + base64.b64encode(encode(make_image("x", (32, 32)), "PNG")).decode())
+    monkeypatch.setattr(video_intake, "read_frames", lambda *a: pytest.fail("decoded before every video was judged"))
+    with pytest.raises(APIError) as caught:
+        asyncio.run(_intake().take_all([(good, VideoSampling()), (bad, VideoSampling())], RequestTimer()))
+    assert caught.value.param == WHERE and caught.value.status == 415

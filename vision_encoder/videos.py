@@ -1,0 +1,78 @@
+"""The encoder's videos (issue 46): each `EncodeVideos` entry becomes a job in
+the same batcher as images, keyed by cache/video_keys.py, so a video rides a
+batch by the patch budget beside images (one tower forward: qwen_video.join),
+is cached and deduplicated in flight as an image is, and its tokens leave by
+the same hand-off (vision_encoder/handoff.py). Only the time axis
+(second_per_grid_t, timestamps) is a video's own: it comes from the clip's
+metadata, so a cache hit answers it without preprocessing a frame."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protocol.tensors import to_numpy
+from protocol.video import VideoInput
+from vision_encoder.towers.qwen_video import QwenVideo, VideoClip, VideoSampling, join
+
+TimeAxis = tuple[float | None, tuple[float, ...] | None]  # (second_per_grid_t, timestamps)
+
+
+@dataclass(frozen=True)
+class VideoJob:
+    """A video's work as the batcher holds it (Job.image)."""
+
+    path: QwenVideo
+    clip: VideoClip
+    sampling: VideoSampling
+
+    def preprocess(self):
+        return self.path.preprocess(self.clip, self.sampling).batch
+
+
+@dataclass(frozen=True)
+class VideoItem:
+    """One video of a request, checked: its job, full key, identity, time axis and patch estimate."""
+
+    job: VideoJob
+    key: bytes
+    identity: bytes
+    axis: TimeAxis
+    patches: int
+
+
+def video_item(path: QwenVideo, tower, video: VideoInput, frame, index: int) -> VideoItem:
+    """ValueError (the request's 400) for frames or metadata no loader yields, or knobs the processor refuses."""
+    if video.frames is None or frame is None:
+        raise ValueError(f"video {index}: no frames sent")
+    try:
+        clip = VideoClip.from_metadata(to_numpy(video.frames, frame), video.metadata.as_dict())
+        sampling = VideoSampling.from_knobs(video.knobs)
+        axis = path.time_axis(clip, sampling)
+    except (ValueError, IndexError, TypeError) as exc:
+        raise ValueError(f"video {index}: {exc}") from None
+    key = path.cache_key(video.digest, sampling)
+    frames, height, width = clip.frames.shape[:3]
+    temporal = path.processor.temporal_patch_size
+    # the batcher's budget: an estimate (the video processor's pixel budget may shrink frames more than images')
+    patches = math.ceil(frames / temporal) * tower.num_patches(height, width)
+    return VideoItem(VideoJob(path, clip, sampling), key, b"video" + key, axis, patches)
+
+
+def is_video(job) -> bool:
+    return isinstance(job.image, VideoJob)
+
+
+def images_first(jobs: list) -> list:
+    """A batch's jobs in the order of its one forward's outputs (`prepare`)."""
+    return sorted(jobs, key=is_video)
+
+
+def prepare(tower, jobs: list):
+    """The batch's preprocessed input: its images as one, then each video's, joined into one forward.
+    `jobs` ordered by `images_first`."""
+    images = [job.image for job in jobs if not is_video(job)]
+    videos = [job.image for job in jobs if is_video(job)]
+    if not videos:
+        return tower.preprocess(images)
+    return join(tower, ([tower.preprocess(images)] if images else []) + [video.preprocess() for video in videos])
