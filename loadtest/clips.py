@@ -18,15 +18,10 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from prism.scenes import COLOURS as RGB_COLOURS  # the demo model's colour names
+
 # BGR, as OpenCV draws; names are what a question about the clip would use.
-COLOURS = {
-    "red": (40, 40, 220),
-    "green": (60, 180, 60),
-    "blue": (210, 90, 30),
-    "yellow": (40, 210, 230),
-    "white": (245, 245, 245),
-    "purple": (160, 50, 140),
-}
+COLOURS = {name: (b, g, r) for name, (r, g, b) in RGB_COLOURS.items()}
 
 
 @dataclass(frozen=True)

@@ -138,3 +138,26 @@ def test_take_all_times_both_stages_and_refuses_the_request_before_any_decode(cl
     with pytest.raises(APIError) as caught:
         asyncio.run(_intake().take_all([(good, VideoSampling()), (bad, VideoSampling())], RequestTimer()))
     assert caught.value.param == WHERE and caught.value.status == 415
+
+
+def test_a_decode_is_admitted_by_its_frames_bytes_in_the_memory_budget(clip12):
+    """(kept + decoder frames) × H × W × 3 counted: past the whole budget a 413, within it counted while
+    it runs and the kept frames held by the request afterwards."""
+    from gateway.memory import MemoryBudget, MemoryHold, current_hold
+
+    item = inspect(clip12, WHERE, VideoSampling(), LIMITS)
+    assert item.decoding_bytes == (4 + 12) * 320 * 240 * 3
+
+    async def decode_within(capacity: int):
+        budget = MemoryBudget(wait_s=0.5)
+        budget.size(capacity)
+        hold = MemoryHold(budget)
+        current_hold.set(hold)
+        video = await _intake().decode(item)
+        return video, hold.held, budget.working
+
+    with pytest.raises(APIError) as caught:
+        asyncio.run(decode_within(item.decoding_bytes - 1))
+    assert caught.value.status == 413 and "more than its whole budget" in caught.value.message
+    video, held, working = asyncio.run(decode_within(item.decoding_bytes))
+    assert held == video.frames.nbytes == 4 * 320 * 240 * 3 and working == 0

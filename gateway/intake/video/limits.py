@@ -10,8 +10,9 @@ from gateway.intake.video.sampling import SourceInfo, VideoSampling
 
 # What a decode holds at its peak beyond the kept frames (T×H×W×3): the
 # decoder's own frames in flight (FFmpeg's threads keep a few references),
-# one BGR frame before its conversion; counted as this many frames more.
-DECODER_FRAMES_IN_FLIGHT = 8
+# one BGR frame before its conversion; counted as this many frames more
+# (measured about 10: docs/measurements/video-decode.md).
+DECODER_FRAMES_IN_FLIGHT = 12
 
 
 @dataclass(frozen=True)
