@@ -1,5 +1,5 @@
 """Decoding and sampling a 10 s clip at 2 fps: OpenCV (vLLM's default loader,
-and the gateway's: gateway/video/decode.py) against PyAV read sequentially
+and the gateway's: gateway/intake/video/decode.py) against PyAV read sequentially
 and PyAV seeking to the keyframe before each kept frame. Figures go to
 docs/measurements/video-decode.md.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gateway.video.sampling import SourceInfo, VideoSampling, frame_indices
+from gateway.intake.video.sampling import SourceInfo, VideoSampling, frame_indices
 
 METHODS = ("cv2", "av-sequential", "av-seek")
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
@@ -42,7 +42,7 @@ def _indices(total: int, fps: float) -> list[int]:
 
 
 def _cv2(data: bytes) -> np.ndarray:
-    from gateway.video.decode import open_video, probe, read_frames, visible_frames
+    from gateway.intake.video.decode import open_video, probe, read_frames, visible_frames
 
     with open_video(data) as video:
         source = probe(video)
@@ -88,7 +88,7 @@ def run_one(method: str, clip: Path, out: Path) -> dict:
     decode = {"cv2": _cv2, "av-sequential": _av_sequential, "av-seek": _av_seek}[method]
     import av  # noqa: F401  (every library imported before the clock and the memory baseline)
 
-    import gateway.video.decode  # noqa: F401
+    import gateway.intake.video.decode  # noqa: F401
     base = _rss_mb()
     peak, done = [base], threading.Event()
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from prism.scenes import COLOURS as RGB_COLOURS  # the demo model's colour names
+from loadtest.colours import COLOURS as RGB_COLOURS  # the demo model's colour names
 
 # BGR, as OpenCV draws; names are what a question about the clip would use.
 COLOURS = {name: (b, g, r) for name, (r, g, b) in RGB_COLOURS.items()}

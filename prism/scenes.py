@@ -17,15 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from loadtest.colours import COLOURS
+
 SHAPES = ("circle", "square", "triangle")
-COLOURS = {
-    "red": (215, 35, 35),
-    "green": (35, 160, 60),
-    "blue": (40, 80, 220),
-    "yellow": (240, 210, 40),
-    "orange": (245, 135, 25),
-    "purple": (145, 55, 185),
-}
 COUNT_WORDS = ("zero", "one", "two", "three")
 BACKGROUNDS = ("plain", "noise", "stripes", "checks")
 SQUARE_HALF = 0.9  # a square's half side, in units of its radius: it looks as big as the circle
