@@ -5,7 +5,7 @@ loader kept (its fps / num_frames / frame limits), on the encoder's model and
 weights, on its video processor's defaults (pixel budget, patch sizes,
 normalisation, its own frame sampling) and on the request's processor knobs
 (fps, num_frames, do_sample_frames, min/max pixels). The gateway's digest
-covers the first two (gateway/video/intake.py: the bytes and the loader's
+covers the first two (gateway/intake/video/intake.py: the bytes and the loader's
 sampling); the encoder adds the rest. The "video" tag keeps a video's key
 apart from an image's with the same digest.
 """
