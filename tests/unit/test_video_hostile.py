@@ -143,7 +143,7 @@ def test_take_all_times_both_stages_and_refuses_the_request_before_any_decode(cl
 def test_a_decode_is_admitted_by_its_frames_bytes_in_the_memory_budget(clip12):
     """(kept + decoder frames) × H × W × 3 counted: past the whole budget a 413, within it counted while
     it runs and the kept frames held by the request afterwards."""
-    from gateway.memory import MemoryBudget, MemoryHold, current_hold
+    from gateway.intake.memory import MemoryBudget, MemoryHold, current_hold
 
     item = inspect(clip12, WHERE, VideoSampling(), LIMITS)
     assert item.decoding_bytes == (4 + 12) * 320 * 240 * 3
