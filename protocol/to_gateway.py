@@ -23,6 +23,9 @@ class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
     merge_size: int
     min_pixels: int
     max_pixels: int
+    # The checkpoint's video processor class: vLLM's server picks the video
+    # loader (which frames are kept) by it, so the gateway samples as it would.
+    video_processor: str = ""
 
 
 class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="anyres"):

@@ -181,7 +181,7 @@ class ChatPipeline:
         videos = []
         if video_parts := video_refs(request):
             videos = await take_videos(self.videos, request, video_parts, record.timer, self.config, self.model_name,
-                                       self.policy is None)
+                                       None if self.policy is None else self.policy.processor)
             self.request_budget(request)  # mm_processor_kwargs reach the video processor too: within the deployment's budget
             self.encoder.require_up()
         chat = engine_chat(request)

@@ -7,7 +7,8 @@ from gateway.errors import APIError
 from gateway.api.schemas import ChatCompletionRequest, VideoPart
 from gateway.intake.video.intake import VideoRef
 from gateway.intake.video.limits import VideoLimits
-from gateway.intake.video.sampling import LoaderKind, SampledVideo, VideoSampling
+from gateway.intake.video.sampling import LOADER_OF_PROCESSOR, LoaderKind, SampledVideo, VideoSampling
+from protocol.to_gateway import ProcessorInfo
 from protocol.video import VideoKnobs
 
 
@@ -42,16 +43,25 @@ def check_count(refs: list[VideoRef], config: GatewayConfig) -> None:
                        "(gateway.max_videos_per_request)", param="messages", code="too_many_videos")
 
 
+def video_loader(processor, model_name: str | None, where: str) -> LoaderKind:
+    """The loader vLLM's server samples this model's videos with, chosen by the
+    encoder's video processor (its handshake); a model with none takes no videos."""
+    name = processor.video_processor if isinstance(processor, ProcessorInfo) else ""
+    if name not in LOADER_OF_PROCESSOR:
+        why = "is served text-only" if processor is None else "has no video path in Prism (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)"
+        raise APIError(400, f"{where}: model '{model_name}' {why} and takes no videos", param=where,
+                       code="videos_not_supported")
+    return LOADER_OF_PROCESSOR[name]
+
+
 async def take_videos(intake, request: ChatCompletionRequest, refs: list[VideoRef], timer, config: GatewayConfig,
-                      model_name: str | None, text_only: bool) -> list[SampledVideo]:
+                      model_name: str | None, processor) -> list[SampledVideo]:
     """Every video fetched, checked and decoded (a hostile one is refused with its own 4xx),
-    sampled by Qwen2-VL's loader (the demo model's family; vLLM's server picks it for
-    Qwen2/2.5-VL checkpoints)."""
-    if text_only:
-        raise APIError(400, f"{refs[0].where}: model '{model_name}' is served text-only and takes no videos",
-                       param=refs[0].where, code="videos_not_supported")
+    sampled by the loader vLLM's server would pick for the model (`processor`: the encoder's
+    handshake, None for a text-only model)."""
+    loader = video_loader(processor, model_name, refs[0].where)
     check_count(refs, config)
-    sampling = request_sampling(request, "qwen2_vl")
+    sampling = request_sampling(request, loader)
     return await intake.take_all([(ref, sampling) for ref in refs], timer)
 
 

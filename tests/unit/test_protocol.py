@@ -115,7 +115,7 @@ CASES = [
     (EngineInbound, GenerateRequest("chatcmpl-42", CHAT)),  # text only
     (FetchInbound, FetchedEmbeddings("fetch-7", [QWEN_EMBEDDINGS, None])),
     (EngineInbound, AbortGenerate("chatcmpl-41")),
-    (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056))),
+    (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056, "Qwen2VLVideoProcessor"))),
     (GatewayInbound, EncoderReady(
         "llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
         "41bd0e6a3f02",

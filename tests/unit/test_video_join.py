@@ -40,3 +40,13 @@ def test_a_family_without_a_video_path_is_named():
     tower = load_tower(str(ensure_tiny_model("llava-onevision")), "float32", "cpu")
     with pytest.raises(ValueError, match="LLaVA-OneVision videos are not supported"):
         video_path_of(tower)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_the_encoders_handshake_leads_the_gateway_to_the_loader_vllms_server_picks(family):
+    from gateway.api.videos import video_loader
+    from testing.video_clips import server_loader
+
+    path = ensure_demo_model(RANDOM_MODEL) if family == "qwen2-vl" else ensure_tiny_model(family)
+    info = load_tower(str(path), "float32", "cpu").processor_info
+    assert video_loader(info, "m", "messages[0].content[0]") == server_loader(str(path))

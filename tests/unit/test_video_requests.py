@@ -94,3 +94,18 @@ def test_too_many_videos_names_the_setting():
     refs = video_refs(request(messages=[{"role": "user", "content": [VIDEO] * 3}]))
     with pytest.raises(APIError, match="gateway.max_videos_per_request"):
         check_count(refs, GatewayConfig(max_videos_per_request=2))
+
+
+def test_a_model_without_a_video_path_refuses_videos_naming_the_part():
+    from gateway.api.videos import video_loader
+    from protocol.to_gateway import AnyresInfo, ProcessorInfo
+
+    where = "messages[0].content[1]"
+    assert video_loader(ProcessorInfo(14, 2, 3136, 65536, "Qwen3VLVideoProcessor"), "m", where) == "qwen3_vl"
+    assert video_loader(ProcessorInfo(14, 2, 3136, 65536, "Qwen2VLVideoProcessor"), "m", where) == "qwen2_vl"
+    for processor, why in ((None, "text-only"), (ProcessorInfo(14, 2, 3136, 65536), "no video path"),
+                           (AnyresInfo(336, 14, ((336, 672),), None), "no video path")):
+        with pytest.raises(APIError) as caught:
+            video_loader(processor, "m", where)
+        assert (caught.value.status, caught.value.param, caught.value.code) == (400, where, "videos_not_supported")
+        assert why in caught.value.message

@@ -111,6 +111,7 @@ class QwenTower(VisionTower):
             merge_size=self.processor.merge_size,
             min_pixels=int(size["shortest_edge"]),
             max_pixels=int(size["longest_edge"]),
+            video_processor="Qwen3VLVideoProcessor" if self.family.name == "Qwen3-VL" else "Qwen2VLVideoProcessor",
         )
 
     def family_params(self) -> dict:
