@@ -33,7 +33,7 @@ BUDGETS = {"1 MP": 1024 * 1024, "140×140 (demo)": 140 * 140}
 
 def qwen_policy(max_pixels: int, jpeg_draft: bool = False) -> IntakePolicy:
     """The gateway's intake for a Qwen pixel budget, with the default image limits."""
-    return IntakePolicy(ProcessorInfo(14, 2, 56 * 56, max_pixels), ImageLimits(20 * 2**20, 50_000_000, 2, 200), jpeg_draft)
+    return IntakePolicy(ProcessorInfo(14, 2, 56 * 56, max_pixels, "Qwen2VLVideoProcessor"), ImageLimits(20 * 2**20, 50_000_000, 2, 200), jpeg_draft)
 
 
 def intake_one(url: str, policy: IntakePolicy) -> None:

@@ -55,7 +55,7 @@ class EncoderByHand(ByHand):
     inbound = EncoderInbound
 
     def ready(self) -> Message:
-        return EncoderReady("m", "fingerprint", ProcessorInfo(14, 2, 56 * 56, 140 * 140))
+        return EncoderReady("m", "fingerprint", ProcessorInfo(14, 2, 56 * 56, 140 * 140, "Qwen2VLVideoProcessor"))
 
 
 class EngineByHand(ByHand):
