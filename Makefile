@@ -31,7 +31,7 @@ bench: install
 demo-model: install
 	$(PY) -m prism demo-model
 
-# Re-train the demo model from scratch (about 20 minutes on two cores; README, "The demo model").
+# Re-train the demo model from scratch (docs/demo-model.md).
 train-demo: install
 	$(PY) -m prism.train_demo --out models/prism-shapes
 

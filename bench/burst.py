@@ -2,9 +2,9 @@
 
 The gateway runs alone in a memory cgroup of its own (bench/cgroup.py) with
 the limit its Kubernetes Deployment declares (deploy/kubernetes/base/
-gateway.yaml), beside an encoder and an engine started separately, as README
-"Running services separately" shows. Then bursts of unique 4K JPEG uploads
-(bench/uploads.py), all at once, and a burst of slow uploads. For each burst:
+gateway.yaml), beside an encoder and an engine started separately, as
+docs/operations.md, "Running the services separately", shows. Then bursts
+of unique 4K JPEG uploads (bench/uploads.py), all at once, and a burst of slow uploads. For each burst:
 the answers by status (a failed request by its error), the time until the
 last answer (drain), the gateway's peak RSS (the kernel's high-water mark,
 reset before each burst) and the cgroup's peak usage against the limit, the

@@ -12,7 +12,8 @@ image is 25 visual tokens and the model's own work takes milliseconds):
    - tower: the encoder tower's own time for one image at its target size
      (processor + ViT + merger), back to back and with each image 1.1 s after
      the last (`REST_S`), as requests at concurrency 1 come: `encode` is
-     judged against the second (a pause made it 4.5-4.7 ms against 2.8);
+     judged against the second (a pause makes the same work slower on these
+     machines: docs/measurements/floor.md);
    - transfer: a ZMQ round trip over ipc to another process carrying one
      image's visual tokens, with blocking sockets and no Python work on
      either end, back to back, and after 20 ms idle (as a request's hops
@@ -208,8 +209,8 @@ def zmq_floor(payload_bytes: int, rounds: int = 200, pause_s: float = 0.0) -> fl
     are still awake; after an idle moment, as every hop of a request comes,
     waking them costs more. Each end has its own ZMQ I/O thread, as each
     service does: with one process answering from a thread, both ends shared
-    one I/O thread, and the round trip after idle was 0.23-0.53 ms against
-    0.40-0.56 ms between two (docs/architecture.md, "What a crossing costs")."""
+    one I/O thread, which made the floor lower than any crossing between
+    services can be (docs/measurements/crossing.md)."""
     with tempfile.TemporaryDirectory() as directory:
         return zmq_round_trip_ms(f"ipc://{directory}/floor.sock", payload_bytes, rounds, pause_s, across_processes=True)
 
@@ -250,7 +251,7 @@ class EngineFloor:
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}], tokenize=False, add_generation_prompt=True,
         )
         # As many tokens as the requests through the servers ask for: a request that ends at its
-        # first token takes vLLM's output path 0.3-0.5 ms sooner here than one that goes on.
+        # first token leaves vLLM's output path sooner than one that goes on, which would flatter the floor.
         self._params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, output_kind=RequestOutputKind.DELTA)
         self._thread.start()
         self._trial()  # warms up; not counted

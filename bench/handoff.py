@@ -26,9 +26,9 @@ carrying a new image's pixels (3.14 MB) and one carrying its tokens (9.56
 MB), and writing 9.56 MB into a buffer this process already owns; each back
 to back and after `--pause` seconds idle, about one new image's request at
 these widths. On some machines memory turns slow after a pause (seen on this
-project's virtual machines: writing 9.56 MB took 0.4 ms back to back and 13
-ms after 2 s idle, the CPU itself no slower), and every hop of a new image
-comes after one: `embed_transfer` is judged against the floor after a pause.
+project's virtual machines, the CPU itself no slower:
+docs/measurements/handoff.md), and every hop of a new image comes after one:
+`embed_transfer` is judged against the floor after a pause.
 
 Run: .venv/bin/python -m bench.handoff [--images 6] [--modes push fetch] [--pause 2.5]
 (a commit from before references: its engine figures show as 0.)

@@ -6,9 +6,9 @@ next such block comes from the heap, whose top is handed back to the kernel
 (trimmed) once more than twice that is free. Either way, a process that
 allocates and frees blocks of megabytes over and over, as every service does
 per request (a request body, visual tokens, pixel values), faults the same
-pages in again each time: 5-15 µs a page on this project's VMs, more than
-the work on those bytes. With blocks of up to 32 MB taken from the heap
-(`mmap_threshold`, where glibc's own threshold stops) and up to 1 GiB of free
+pages in again each time, which on this project's VMs costs more than the
+work on those bytes (docs/measurements/handoff.md, profiling.md). With
+blocks of up to 32 MB taken from the heap (`mmap_threshold`, where glibc's own threshold stops) and up to 1 GiB of free
 heap kept (`trim_threshold`), freed pages are reused. The cost: a process
 keeps what it freed after a burst, up to that much, for the next one.
 

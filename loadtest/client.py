@@ -15,8 +15,10 @@ from loadtest.stats import RequestResult
 from loadtest.workload import RequestSpec
 
 # The client's own event loop serialises each body while other requests'
-# uploads and streams wait on it: the standard library's json took 2.5-4.5 ms
-# for a 4K JPEG's 1.3 MB data URL, msgspec 0.32 ms.
+# uploads and streams wait on it, so the encoder is msgspec's, several times
+# faster than the standard library's json on a megabyte data URL: a slow
+# client would count its own serialising as the server's TTFT
+# (docs/measurements/floor.md).
 _ENCODE_JSON = msgspec.json.Encoder().encode
 
 

@@ -3,7 +3,7 @@
 The checkpoint has the real Qwen2-VL architecture, a byte-level BPE tokenizer
 with the Qwen special tokens and chat template, and the image/video processor
 configs, so every service loads it exactly like a hub checkpoint — with no hub
-access. Sizes follow what vLLM's CPU backend accepts (see docs/architecture.md):
+access. Sizes follow what vLLM's CPU backend accepts (see docs/demo-model.md):
 text head size 64, mrope_section summing to head_dim / 2.
 
 Run: python -m prism.demo_model --out models/prism-demo-qwen2vl

@@ -40,19 +40,19 @@ def takes_images(checkpoint: str) -> bool:
 
 
 # glibc's malloc settings for the services `prism serve` starts, so that memory a service has freed is reused
-# rather than mapped afresh: every fresh page costs a fault, 5-15 us on this project's VMs. A GLIBC_TUNABLES of the
-# user's own is kept as it is. docs/architecture.md, "Page faults where the tokens land" and "Page faults in the
-# encoder's batches".
+# rather than mapped afresh: every fresh page costs a fault, which for blocks of megabytes per image costs more than
+# the work done on them. A GLIBC_TUNABLES of the user's own is kept as it is. docs/architecture.md, "Memory and
+# malloc"; the runs: docs/measurements/handoff.md and docs/measurements/profiling.md.
 # The engine (and vLLM's processes): blocks of up to 32 MB come from the heap (mmap_threshold), and the heap is kept
-# when they are freed (trim_threshold). Every new image's visual tokens then land in reused pages (at Qwen2.5-VL-7B
-# widths, 2,334 faults per 9.56 MB received otherwise).
+# when they are freed (trim_threshold). Every new image's visual tokens then land in reused pages, where otherwise
+# each of their pages would be faulted in afresh.
 # The gateway, in this process, sets the same at start-up (common/malloc.py).
 ENGINE_TUNABLES = HEAP_KEPT_TUNABLES
 # The encoder: blocks of any size. A batch's pixel values are 25 MB of float32 per megapixel image, stacked and then
 # concatenated, and the ViT's activations for a batch are as big: with the engine's setting every block over 32 MB
-# was mapped afresh and faulted in (3,200-5,700 faults per 1080p image under load, up to 70 ms of system time per
-# request). mmap_max=0: no block gets a mapping of its own; arena_max=1: one heap for every thread, since a thread's
-# own heap holds at most 64 MB and a bigger block would be mapped anyway.
+# was mapped afresh and faulted in, page by page, for every batch. mmap_max=0: no block gets a mapping of its own;
+# arena_max=1: one heap for every thread, since a thread's own heap holds at most 64 MB and a bigger block would be
+# mapped anyway.
 ENCODER_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=1073741824"
 
 

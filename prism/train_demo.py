@@ -4,23 +4,22 @@ Every batch is drawn fresh from a seeded generator (prism/scenes.py) and
 passed through the same image processor the encoder service loads. Three
 phases, deterministic for a given seed and thread count, CPU only:
 
-1. The vision tower alone learns to read scenes (2000 steps, ~7 min): a small
+1. The vision tower alone learns to read scenes (2000 steps): a small
    probe on its visual tokens (SceneHeads, thrown away afterwards) must say,
    for each shape kind, whether it is there and in which colour, and every
    token which shape and colour it belongs to. The language model is not run.
-2. The merger and the language model on the answers (3000 steps, ~11 min;
+2. The merger and the language model on the answers (3000 steps;
    loss on the answer tokens only), the tower's blocks frozen, the probe's
    loss kept beside.
-3. JSON answers about one-shape scenes (400 steps, ~2 min): the language model
+3. JSON answers about one-shape scenes (400 steps): the language model
    alone, at a low rate, with plain questions in every batch (`teach_json`).
 
-Why, from measurements: answers alone teach a from-scratch tower slowly
-(shape at chance after 400 steps), and so does a per-token label alone; the
-ViT needs a few hundred steps of direct signal before shape emerges at all
-(single shapes: chance until step 250, 88 % by step 325). With the tower
-still training in phase 2, colour questions stalled at 75 % (the model named
-another shape's colour in scenes of three); frozen, they reach 99 %, and a
-step costs half as much.
+Why (the runs: docs/measurements/accuracy.md): answers alone teach a
+from-scratch tower slowly, and so does a per-token label alone; the ViT needs
+a few hundred steps of direct signal before shape emerges at all. With the
+tower still training in phase 2, colour questions stalled (the model named
+another shape's colour in scenes of three); frozen, they pass their bar, and
+a step costs half as much.
 
 Run: python -m prism.train_demo --out models/prism-shapes
 """
@@ -308,9 +307,9 @@ def teach_json(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None:
     """Phase 3: JSON answers (`{"shape":"circle","colour":"blue"}` about a
     one-shape scene), taught to the finished model at a low rate with plain
     questions in every batch; the vision tower, merger included, is frozen.
-    Why a phase of its own, from measurements: a fifth question kind mixed
-    into phase 2 answered JSON right 99-100 % of the time but cost shape
-    questions their bar (84 %, then 65 %, in two re-trains)."""
+    Why a phase of its own: a fifth question kind mixed into phase 2 answered
+    JSON well but cost shape questions their bar in two re-trains
+    (docs/measurements/accuracy.md)."""
     held_out = held_out_batches(batcher, recipe, (*scenes.KINDS, "json"))
     for name, param in model.named_parameters():
         param.requires_grad_(not name.startswith("model.visual."))

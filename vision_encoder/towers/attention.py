@@ -117,9 +117,9 @@ def available(backend: str, device: torch.device) -> bool:
 def choose(requested: str, device: torch.device) -> str:
     """The backend to run. "auto": on a CPU, transformers' loop (a padded call
     measured slower there: padding costs more than the loop's calls); on CUDA,
-    flash_attn's kernel, else torch's varlen, else one padded call (each 2-3x
-    the loop's images/s on batches, docs/gpu.md). A backend asked for by name
-    that this device lacks stops the encoder at start-up."""
+    flash_attn's kernel, else torch's varlen, else one padded call (each well
+    ahead of the loop on batches: docs/measurements/gpu-encoder.md). A
+    backend asked for by name that this device lacks stops the encoder at start-up."""
     if requested == "auto":
         if device.type != "cuda":
             return "loop"

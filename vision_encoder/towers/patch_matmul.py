@@ -3,10 +3,10 @@
 Every tower here starts with a convolution whose kernel equals its stride
 (Qwen's Conv3d over 2×14×14 patches; CLIP's, SigLIP's and InternViT's Conv2d
 over 14×14): each output is one patch times the weight matrix. transformers
-runs it as a convolution, which on CPUs in bfloat16 has no fast kernel: on
-the demo tower a 1 MP image's Conv3d took 64 ms of a 183 ms forward, the
-same product as a matmul 1.6 ms. vLLM's own towers (`Conv2dLayer`,
-`Conv3dLayer` in vllm/model_executor/layers/conv.py) run this exact matmul
+runs it as a convolution, which on CPUs in bfloat16 has no fast kernel, so
+it took a third of the tower's forward where the same product as a matmul is
+a rounding error (docs/measurements/towers.md). vLLM's own towers
+(`Conv2dLayer`, `Conv3dLayer` in vllm/model_executor/layers/conv.py) run this exact matmul
 on CPUs, and on CUDA for Conv3d from torch 2.9 (where cuDNN's Conv3d
 regressed); we follow the same rule, so the encoder computes what vLLM's
 server does. vLLM's classes themselves cannot be used here: they are custom
