@@ -7,9 +7,10 @@ and the open PRs #52814, #52848 that would make it configurable). During a
 generation that loop never ends: it holds a core from the first token to the
 last. On a GPU host with cores to spare that buys a few microseconds a step.
 On a small CPU machine it takes the core the gateway, the encoder and every
-client need: on the 2-core machines here, a process waiting for a socket or a
-timer was not run for 1.6-35 s during a long decode, so a client's hang-up or
-a new request was seen only when the generation ended (docs, Known issues).
+client need: on a 2-core machine a process waiting for a socket or a timer
+was not run for seconds during a long decode, so a client's hang-up or a new
+request was seen only when the generation ended (docs/architecture.md, Known
+issues).
 
 With `engine.shm_wait_sleep_us` > 0, each of those checks sleeps instead: the
 kernel gets the core back between checks. The setting reaches vLLM's spawned

@@ -204,11 +204,11 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
     async def lifespan(app: FastAPI):
         await gateway.start()
         # Starlette's StreamingResponse runs in an anyio task group, whose first use imports
-        # anyio's asyncio backend: 28 ms here, which the first streamed answer paid in TTFT.
+        # anyio's asyncio backend, which the first streamed answer would pay in TTFT.
         await anyio.sleep(0)
         # What start-up made (torch's modules among it: 219k objects) lives as long as
         # the process; left to the collector, each full collection scanned it all on the
-        # event loop (127 ms here). Frozen, as vLLM's server does (freeze_gc_heap).
+        # event loop, stalling every request. Frozen, as vLLM's server does (freeze_gc_heap).
         gc.collect()
         gc.freeze()
         gateway.plan_memory()  # from what the process holds now, started

@@ -10,8 +10,8 @@ Why a large receive buffer: an image request's body is 0.3-1.3 MB of base64.
 With the kernel's starting buffer (net.ipv4.tcp_rmem's middle figure, 128 KB
 here) the client may send only a window's worth before the gateway reads, so
 under load the body trickles in as the gateway finds turns to drain it, and
-`parse` grows by every turn it waits (docs/architecture.md, "Where `parse`
-waits"). With room for the whole body the client finishes at once and the
+`parse` grows by every turn it waits (docs/measurements/floor.md, "Where
+`parse` waits"). With room for the whole body the client finishes at once and the
 gateway reads it in one piece. The kernel allocates the buffer only as data
 arrives, so an idle connection costs nothing; all of them together stay under
 net.ipv4.tcp_mem.

@@ -50,8 +50,7 @@ def buffer_whole_bodies(limit: int) -> None:
     comes in 20 or more pieces, each costing the request two turns of the
     event loop (the app asks for more, uvicorn resumes reading, the piece
     arrives). Under load every turn waits behind other requests' work, and
-    `parse` p90 reached 20 ms for 4K and 720p JPEGs at concurrency 8
-    (docs/architecture.md, "Per-hop costs"). The gateway reads every body
+    `parse` grew with every piece (docs/measurements/floor.md). The gateway reads every body
     whole before acting on it (`read_body`, under the same limit), so the
     buffer holds nothing the request would not hold anyway.
     """
