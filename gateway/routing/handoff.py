@@ -234,7 +234,7 @@ class ImageHandoff:
         items, digests = images.inspected, images.digests
         unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
         pixels = dict(zip(unseen, await self.decode([items[i] for i in unseen], timer))) if unseen else {}
-        push_to = "" if images.engine is None else self.engine.replicas[images.engine].address
+        push_to = self._push_address(images)
         with self.encoder.route(digests) as route:
             for retry, last_round in ((False, False), (True, False), (True, True)):
                 inputs, frames = [], []
@@ -267,24 +267,22 @@ class ImageHandoff:
             meta, frame = to_frame(video.frames)
             inputs.append(VideoInput(video.digest, LoaderMetadata(**video.hf_metadata()), images.knobs, meta))
             frames.append(frame)
-        push_to = "" if images.engine is None else self.engine.replicas[images.engine].address
+        push_to = self._push_address(images)
         with self.encoder.route(images.video_digests) as route:
             sent = time.perf_counter()
             reply = await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to), frames, self.config.encode_timeout_s)
             source = self.encoder.replicas[route.replica].address
-        timer.add_encoder(reply.timings, time.perf_counter() - sent)
-        timer.cache_hits += sum(v.cache_hit for v in reply.videos)
-        timer.cache_misses += sum(not v.cache_hit for v in reply.videos)
-        timer.visual_tokens += sum(v.embeddings.shape[0] for v in reply.videos)
+        _count(reply.timings, reply.videos, time.perf_counter() - sent, timer)
         return [video_reference(video, source) for video in reply.videos]
 
     def _references(self, result: EncodeResult, source: str, round_trip: float, timer: RequestTimer) -> list[ImageEmbedding]:
         """For the engine to fetch from `source` (the encoder that answered) unless pushed there."""
-        timer.add_encoder(result.timings, round_trip)
-        timer.cache_hits += sum(i.cache_hit for i in result.images)
-        timer.cache_misses += sum(not i.cache_hit for i in result.images)
-        timer.visual_tokens += sum(i.embeddings.shape[0] for i in result.images)
+        _count(result.timings, result.images, round_trip, timer)
         return [reference(image, source) for image in result.images]
+
+    def _push_address(self, images: RequestImages) -> str:
+        """The engine the encoder pushes this request's tokens to; "" when they are fetched."""
+        return "" if images.engine is None else self.engine.replicas[images.engine].address
 
     async def stream(self, request: GenerateRequest, images: RequestImages | None,
                      timer: RequestTimer) -> AsyncIterator[TokenDelta]:
@@ -339,3 +337,12 @@ class ImageHandoff:
         self.choose(images, allow_known=False)
         await self._encode(request_id, images, timer)
         return True
+
+
+def _count(timings, encoded, round_trip: float, timer: RequestTimer) -> None:
+    """An encoder reply's timings, cache hits and visual tokens, into the request's timer
+    (images' and videos' replies alike)."""
+    timer.add_encoder(timings, round_trip)
+    timer.cache_hits += sum(item.cache_hit for item in encoded)
+    timer.cache_misses += sum(not item.cache_hit for item in encoded)
+    timer.visual_tokens += sum(item.embeddings.shape[0] for item in encoded)
