@@ -6,8 +6,9 @@ bench/compare.py), runs every scenario against it, stops it; then the same
 for the Prism stack; then Prism once more with a smaller gateway memory
 limit, for (d) only. One system runs at a time; both get the same seeded
 clips, images and questions, and are asked to sample alike per request
-(`media_io_kwargs.video.fps`, `mm_processor_kwargs.max_pixels`, both of which
-vLLM's server takes per request). Every clip's prompt-token count must be the
+(`media_io_kwargs.video.fps`, `mm_processor_kwargs.max_pixels`, which vLLM
+0.32's server takes per request only when started with
+`--trust-request-mm-kwargs`; it answers 400 otherwise). Every clip's prompt-token count must be the
 same on both systems, or the run fails: a different count would mean the two
 did not sample or size the clip alike, and their times could not be compared.
 
@@ -34,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -46,6 +48,8 @@ from bench.servers import vllm_server
 from bench.video_memory import PeakRss, budget_of
 from bench.video_report import markdown, prompt_token_mismatches, record
 from common.config import REPO_ROOT
+from gateway.intake.video.limits import decoding_bytes
+from gateway.intake.video.sampling import SourceInfo
 from loadtest.bench import build_report
 from loadtest.client import Target, send
 from loadtest.runner import Arrival, image_urls, run
@@ -63,6 +67,8 @@ QUESTIONS = ("What moves in this clip?", "Which shape changes colour, and when?"
 # Decodes that wait for room in a small budget must not time out while the 8 clips take turns.
 MEMORY_WAIT_S = 300
 WARMUP = 2  # (c)'s requests sent first and left out
+SMALL_BUDGET_CLIPS = 3.5  # (d)'s smaller budget: room for this many decodes at once
+MEMORY_USE_FRACTION = 0.8  # configs/cpu-demo.yaml's gateway.memory_use_fraction
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,14 @@ def long_clips(target: Target, sizes: Sizes, pid: int, budget: int | None) -> di
             "kept_frame_bytes": _kept_frame_bytes(sizes)}
 
 
+def small_memory_limit(gateway_rss: int, sizes: Sizes) -> str:
+    """A gateway.memory_limit_bytes whose budget holds about SMALL_BUDGET_CLIPS of (d)'s decodes: under
+    one, every clip would be refused (413) and the run would show only that; at 8, nothing would wait."""
+    width, height = sizes.long_clip[:2]
+    one_decode = decoding_bytes(SourceInfo(0, 0.0, 0.0, width, height), int(sizes.long_clip[3] * SAMPLE_FPS))
+    return f"{math.ceil((gateway_rss + SMALL_BUDGET_CLIPS * one_decode) / MEMORY_USE_FRACTION / 2**20)}MiB"
+
+
 def _kept_frame_bytes(sizes: Sizes) -> int:
     width, height, _, seconds = sizes.long_clip
     return int(seconds * SAMPLE_FPS) * width * height * 3
@@ -175,6 +189,8 @@ def scenarios(base_url: str, sizes: Sizes) -> dict:
     """(a), (b) and (c) against one server."""
     target = Target(base_url, SERVED_NAME)
     out = first_and_second(target, sizes)
+    if not out["a"]["summary"]["completed"]:  # nothing to compare: stop before the long scenarios
+        raise RuntimeError(f"{base_url} answered none of (a)'s clips: {out['a']['summary']['errors']}")
     print(f"  (a) new clip TTFT p50 {out['a']['summary']['median_ttft_ms']:.0f} ms, "
           f"(b) second question {out['b']['summary']['median_ttft_ms']:.0f} ms", flush=True)
     out["c"] = mixed(target, sizes)
@@ -212,7 +228,8 @@ def prism(run_dir: Path, sizes: Sizes, memory_limit: str | None = None, with_sce
 
 
 def vllm(run_dir: Path, sizes: Sizes) -> dict:
-    with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, run_dir / "vllm.log", max_videos=1) as base_url:
+    trusted = ("--trust-request-mm-kwargs",)  # per-request sampling, as Prism takes it
+    with vllm_server(MODEL, SERVED_NAME, MAX_PIXELS, run_dir / "vllm.log", max_videos=1, extra=trusted) as base_url:
         out = scenarios(base_url, sizes)
         out["d"] = memory(base_url, sizes, api_server_pid(base_url), None)
     return out
@@ -221,7 +238,9 @@ def vllm(run_dir: Path, sizes: Sizes) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply (a)/(b)'s clips and (c)'s requests")
-    parser.add_argument("--small-memory-limit", default="1GiB", help="(d)'s second Prism run: gateway.memory_limit_bytes")
+    parser.add_argument("--small-memory-limit", default=None,
+                        help="(d)'s second Prism run: gateway.memory_limit_bytes (default: room for about "
+                             f"{SMALL_BUDGET_CLIPS:g} clips' decodes beside the gateway's own memory)")
     parser.add_argument("--note", default="", help="said in the measurements entry (the machine's state, the branch)")
     parser.add_argument("--no-record", action="store_true", help="leave docs/measurements/video-compare.md alone")
     args = parser.parse_args()
@@ -233,8 +252,9 @@ def main() -> int:
         results["vllm"] = vllm(Path(tmp), sizes)
         print("Prism:", flush=True)
         results["prism"] = prism(Path(tmp) / "prism", sizes)
-        print(f"Prism, gateway.memory_limit_bytes {args.small_memory_limit}:", flush=True)
-        results["prism_small"] = prism(Path(tmp) / "prism-small", sizes, args.small_memory_limit, with_scenarios=False)
+        small = args.small_memory_limit or small_memory_limit(results["prism"]["d"]["rss_before"], sizes)
+        print(f"Prism, gateway.memory_limit_bytes {small}:", flush=True)
+        results["prism_small"] = prism(Path(tmp) / "prism-small", sizes, small, with_scenarios=False)
     mismatches = prompt_token_mismatches(results)
     command = ("python -m bench.video_compare " + " ".join(sys.argv[1:])).strip()
     text = markdown(results, sizes, command, mismatches)

@@ -81,6 +81,7 @@ def memory_table(results: dict, sizes) -> list[str]:
              "vLLM: its API server process (where its loader decodes); Prism: the gateway process.", "",
              "| system | memory setting | budget | RSS before | peak RSS | growth | growth / budget | answered | TTFT p50 ms |",
              "|---|---|---|---|---|---|---|---|---|"]
+    errors = []
     for name, key in (("vLLM server", "vllm"), ("Prism", "prism"), ("Prism, smaller limit", "prism_small")):
         if key not in results:
             continue
@@ -91,7 +92,20 @@ def memory_table(results: dict, sizes) -> list[str]:
         lines.append(f"| {name} | {setting} | {_mib(d.get('budget'))} | {_mib(d['rss_before'])} | {_mib(d['peak_rss'])} | "
                      f"{_mib(growth)} | {share} | {d['summary']['completed']} of {sizes.long_clips} | "
                      f"{d['summary']['median_ttft_ms']:.0f} |")
-    return lines
+        if d["summary"]["errors"]:
+            errors.append(f"{name}: " + ", ".join(f"{kind} × {n}" for kind, n in d["summary"]["errors"].items()))
+    return lines + ([""] + [f"Refused in (d): {line}." for line in errors] if errors else [])
+
+
+def mixed_stages_table(prism: dict) -> list[str]:
+    """Where Prism's TTFT went in (c), per kind: the stage that grows under load."""
+    stages = prism["c"].get("stages") or {}
+    if not stages:
+        return []
+    names = [n for n in next(iter(stages.values())) if any(s.get(n, 0.0) >= 1 for s in stages.values())]
+    return ["", "Prism's stages in (c), median ms per kind:", "", "| kind | " + " | ".join(names) + " |",
+            "|---" * (len(names) + 1) + "|", *[f"| {k} | " + " | ".join(f"{s.get(n, 0.0):.0f}" for n in names) + " |"
+                                               for k, s in stages.items()]]
 
 
 def stages_line(prism: dict) -> list[str]:
@@ -110,7 +124,8 @@ def markdown(results: dict, sizes, command: str, mismatches: list[str]) -> str:
              f"sampled at 2 fps, {sizes.max_tokens} output tokens, streaming. (c): {sizes.mixed_requests} requests, "
              f"{sizes.mixed_in_flight} in flight, images {sizes.mixed_images}, clips {sizes.mixed_lengths} at "
              f"{sizes.mixed_clip_size[0]}×{sizes.mixed_clip_size[1]}.", "", *goals_table(vllm, prism), "",
-             "(c) TTFT by kind of request:", "", *kinds_table(vllm, prism), "", *memory_table(results, sizes), ""]
+             "(c) TTFT by kind of request:", "", *kinds_table(vllm, prism), *mixed_stages_table(prism), "",
+             *memory_table(results, sizes), ""]
     lines += stages_line(prism)
     failed = {f"{system} ({key})": r["summary"]["failed"] for system in ("vllm", "prism", "prism_small")
               for key, r in results.get(system, {}).items() if r["summary"]["failed"]}
