@@ -235,6 +235,18 @@ def vllm(run_dir: Path, sizes: Sizes) -> dict:
     return out
 
 
+def _options(argv: list[str]) -> list[str]:
+    """The command line as the report shows it: the note is the entry's own paragraph."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip or arg == "--note":
+            skip = not skip and arg == "--note"
+            continue
+        if not arg.startswith("--note="):
+            shown.append(arg)
+    return shown
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply (a)/(b)'s clips and (c)'s requests")
@@ -256,7 +268,7 @@ def main() -> int:
         print(f"Prism, gateway.memory_limit_bytes {small}:", flush=True)
         results["prism_small"] = prism(Path(tmp) / "prism-small", sizes, small, with_scenarios=False)
     mismatches = prompt_token_mismatches(results)
-    command = ("python -m bench.video_compare " + " ".join(sys.argv[1:])).strip()
+    command = " ".join(["python -m bench.video_compare", *_options(sys.argv[1:])])
     text = markdown(results, sizes, command, mismatches)
     out_dir = REPO_ROOT / "bench" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
