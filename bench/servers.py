@@ -21,23 +21,24 @@ KV_CACHE_BYTES = 1024 * 2**20
 
 
 def vllm_server_command(model: Path, served_name: str, max_pixels: int, port: int, max_images: int = 1,
-                        dtype: str = "bfloat16", extra: tuple[str, ...] = ()) -> list[str]:
+                        dtype: str = "bfloat16", extra: tuple[str, ...] = (), max_videos: int = 0) -> list[str]:
     return [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
         "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager", "--enable-prefix-caching", "--seed", "0",
-        "--max-num-seqs", "32", "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": 0}),
+        "--max-num-seqs", "32", "--limit-mm-per-prompt", json.dumps({"image": max_images, "video": max_videos}),
         "--mm-processor-kwargs", json.dumps({"max_pixels": max_pixels}), *extra,
     ]
 
 
 @contextlib.contextmanager
 def vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, max_images: int = 1,
-                dtype: str = "bfloat16", extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[str]:
+                dtype: str = "bfloat16", extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                max_videos: int = 0) -> Iterator[str]:
     """vLLM's own OpenAI server; yields its base URL once /health answers."""
     port = free_port()
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(vllm_server_command(model, served_name, max_pixels, port, max_images, dtype, extra),
+        process = subprocess.Popen(vllm_server_command(model, served_name, max_pixels, port, max_images, dtype, extra, max_videos),
                                    cwd=REPO_ROOT, env={**os.environ, **(env or {})},
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"

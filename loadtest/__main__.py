@@ -3,6 +3,7 @@
   python -m loadtest --base-url http://127.0.0.1:8000 --model prism-demo \\
       --buckets 256x256=1,720p=1,1080p=1,4k=1 --concurrency 8 --requests 64
   python -m loadtest ... --sweep-rate 1,2,4,8 --slo-ttft-ms 1000
+  python -m loadtest ... --videos short=3,long=1 --video-fraction 0.5 --video-repeat-ratio 0.5 --video-fps 2
 (`prism bench ...` is the same command.)
 """
 
@@ -19,6 +20,7 @@ from loadtest.bench import Plan, load_test, sweep
 from loadtest.client import Target
 from loadtest.runner import Arrival
 from loadtest.stats import SLO
+from loadtest.videos import VideoMix, parse_lengths
 from loadtest.workload import WorkloadSpec, parse_buckets, parse_distribution
 
 
@@ -47,6 +49,16 @@ def parser() -> argparse.ArgumentParser:
     work.add_argument("--max-tokens", type=int, default=16)
     work.add_argument("--system-prompts", choices=("none", "fixed", "unique"), default="none")
     work.add_argument("--seed", type=int, default=0)
+    video = p.add_argument_group("videos (a share of the requests carry one clip instead of images)")
+    video.add_argument("--videos", default=None,
+                       help="clip lengths with weights: short (4 s), long (30 s) or <seconds>s, e.g. short=3,long=1,60s=1")
+    video.add_argument("--video-fraction", type=float, default=0.5, help="share of requests with a clip")
+    video.add_argument("--video-repeat-ratio", type=float, default=0.0, help="share of video requests resending a recent clip")
+    video.add_argument("--video-pool-size", type=int, default=8, help="how many recent new clips repeats draw from")
+    video.add_argument("--video-size", default="320x240", help="clips' WxH")
+    video.add_argument("--video-source-fps", type=float, default=10.0, help="the clips' own frame rate")
+    video.add_argument("--video-fps", type=float, default=None, help="sampling rate asked for (media_io_kwargs.video.fps)")
+    video.add_argument("--video-max-pixels", type=int, default=None, help="pixel budget per frame (mm_processor_kwargs.max_pixels)")
     load = p.add_argument_group("load")
     arrival = load.add_mutually_exclusive_group()
     arrival.add_argument("--concurrency", type=int, help="closed loop (default 1)")
@@ -71,11 +83,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def video_mix(args) -> VideoMix | None:
+    if not args.videos:
+        return None
+    try:
+        width, height = (int(v) for v in args.video_size.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--video-size {args.video_size!r}: use WxH, e.g. 640x360") from None
+    return VideoMix(parse_lengths(args.videos), args.video_fraction, args.video_repeat_ratio, args.video_pool_size,
+                    width, height, args.video_source_fps, args.video_fps, args.video_max_pixels)
+
+
 def workload(args) -> WorkloadSpec:
     return WorkloadSpec(
         buckets=parse_buckets(args.buckets), images_per_request=parse_distribution(args.images_per_request),
         png_fraction=args.png_fraction, repeat_ratio=args.repeat_ratio, pool_size=args.pool_size,
         prompt_words=args.prompt_words, max_tokens=args.max_tokens, system_prompts=args.system_prompts, seed=args.seed,
+        videos=video_mix(args),
     )
 
 

@@ -39,8 +39,12 @@ class Target:
         return headers
 
 
-def chat_body(target: Target, request: RequestSpec, image_urls: list[str]) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+def chat_body(target: Target, request: RequestSpec, urls: list[str]) -> dict:
+    """`urls`: one per item of `request.media` (images, then clips)."""
+    parts = [item.part for item in request.media]
+    if len(parts) != len(urls):
+        raise ValueError(f"request {request.index} has {len(parts)} images and clips, given {len(urls)} URLs")
+    content = [{"type": part, part: {"url": url}} for part, url in zip(parts, urls)]
     content.append({"type": "text", "text": request.question})
     messages = [{"role": "system", "content": request.system}] if request.system else []
     messages.append({"role": "user", "content": content})
@@ -49,12 +53,16 @@ def chat_body(target: Target, request: RequestSpec, image_urls: list[str]) -> di
         body["stream_options"] = {"include_usage": True}
     if target.ignore_eos:
         body["ignore_eos"] = True
+    if request.video_fps is not None:  # vLLM's per-request loader arguments, which Prism takes too
+        body["media_io_kwargs"] = {"video": {"fps": request.video_fps}}
+    if request.video_max_pixels is not None:
+        body["mm_processor_kwargs"] = {"max_pixels": request.video_max_pixels}
     return body
 
 
-async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, image_urls: list[str]) -> RequestResult:
-    result = RequestResult(request.bucket, time.perf_counter())
-    body = _ENCODE_JSON(chat_body(target, request, image_urls))
+async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, urls: list[str]) -> RequestResult:
+    result = RequestResult(request.bucket, time.perf_counter(), index=request.index)
+    body = _ENCODE_JSON(chat_body(target, request, urls))
     try:
         async with client.stream("POST", f"{target.base_url}/v1/chat/completions", content=body, headers=target.headers,
                                  timeout=target.timeout_s) as response:

@@ -1,4 +1,5 @@
-"""A load test's report: terminal table, JSON, Markdown, PNG plots."""
+"""A load test's report: terminal table, JSON, Markdown, PNG plots; a row per
+request kind (an image resolution bucket, or a clip length, new or repeated)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _rows(report: dict) -> list[tuple[str, dict]]:
 def terminal(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=f"{report['target']} — {report['arrival']}")
-    table.add_column("bucket")
+    table.add_column("kind")
     for _, title, _ in HEADLINE:
         table.add_column(title, justify="right")
     for name, summary in _rows(report):
@@ -37,17 +38,17 @@ def terminal(report: dict, console: Console | None = None) -> None:
     if report["stages"]:
         stages = Table(title="Prism stages, median ms")
         names = list(next(iter(report["stages"].values())))
-        stages.add_column("bucket")
+        stages.add_column("kind")
         for name in names:
             stages.add_column(name, justify="right")
         for bucket, values in report["stages"].items():
-            stages.add_row(bucket, *(f"{values[n]:.1f}" for n in names))
+            stages.add_row(bucket, *(f"{values.get(n, 0.0):.1f}" for n in names))
         console.print(stages)
 
 
 def markdown(report: dict) -> str:
     lines = [f"### {report['target']} — {report['arrival']}", ""]
-    lines.append("| bucket | " + " | ".join(title for _, title, _ in HEADLINE) + " |")
+    lines.append("| kind | " + " | ".join(title for _, title, _ in HEADLINE) + " |")
     lines.append("|---" * (len(HEADLINE) + 1) + "|")
     for name, summary in _rows(report):
         lines.append(f"| {name} | " + " | ".join(fmt.format(summary[key]) for key, _, fmt in HEADLINE) + " |")
@@ -55,9 +56,9 @@ def markdown(report: dict) -> str:
         lines += ["", "errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items())]
     if report["stages"]:
         names = list(next(iter(report["stages"].values())))
-        lines += ["", "Prism stages, median ms:", "", "| bucket | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += ["", "Prism stages, median ms:", "", "| kind | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for bucket, values in report["stages"].items():
-            lines.append(f"| {bucket} | " + " | ".join(f"{values[n]:.1f}" for n in names) + " |")
+            lines.append(f"| {bucket} | " + " | ".join(f"{values.get(n, 0.0):.1f}" for n in names) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,11 +116,11 @@ def plot_stages(report: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4))
     bottoms = [0.0] * len(buckets)
     for name in names:
-        heights = [report["stages"][b][name] for b in buckets]
+        heights = [report["stages"][b].get(name, 0.0) for b in buckets]
         ax.bar(buckets, heights, bottom=bottoms, label=name)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_ylabel("median ms")
-    ax.set_title("Where TTFT goes, per resolution")
+    ax.set_title("Where TTFT goes, per kind of request")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

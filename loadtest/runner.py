@@ -19,7 +19,7 @@ import httpx
 
 from loadtest.client import Target, send
 from loadtest.stats import RequestResult
-from loadtest.workload import ImageSpec, RequestSpec, data_url, render
+from loadtest.workload import RequestSpec, data_url, render
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,10 @@ class RunResult:
 
 
 class ImageServer:
-    """Rendered images over HTTP on loopback, for targets that fetch URLs."""
+    """Rendered images and clips over HTTP on loopback, for targets that fetch URLs."""
 
-    def __init__(self, images: dict[ImageSpec, bytes], host: str = "127.0.0.1") -> None:
-        self.paths = {image: f"/{image.seed}.{'png' if image.fmt == 'PNG' else 'jpg'}" for image in images}
-        by_path = {self.paths[image]: (data, "image/png" if image.fmt == "PNG" else "image/jpeg") for image, data in images.items()}
+    def __init__(self, media: dict, host: str = "127.0.0.1") -> None:
+        by_path = {item.path: (data, item.mime) for item, data in media.items()}
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
@@ -71,8 +70,8 @@ class ImageServer:
         self.server = ThreadingHTTPServer((host, 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def url(self, image: ImageSpec) -> str:
-        return f"http://{self.host}:{self.server.server_port}{self.paths[image]}"
+    def url(self, item) -> str:
+        return f"http://{self.host}:{self.server.server_port}{item.path}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -80,15 +79,15 @@ class ImageServer:
 
 @contextlib.contextmanager
 def image_urls(requests: list[RequestSpec], transport: str, host: str = "127.0.0.1") -> Iterator[Callable[[RequestSpec], list[str]]]:
-    """request → its image URLs; everything rendered up front."""
+    """request → the URLs of its images and clips (`RequestSpec.media`); everything rendered up front."""
     rendered = render(requests)
     if transport == "data":
-        urls = {image: data_url(image, data) for image, data in rendered.items()}
-        yield lambda request: [urls[image] for image in request.images]
+        urls = {item: data_url(item, data) for item, data in rendered.items()}
+        yield lambda request: [urls[item] for item in request.media]
         return
     server = ImageServer(rendered, host)
     try:
-        yield lambda request: [server.url(image) for image in request.images]
+        yield lambda request: [server.url(item) for item in request.media]
     finally:
         server.close()
 

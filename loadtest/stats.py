@@ -24,6 +24,7 @@ class RequestResult:
     prompt_tokens: int = 0
     output_tokens: int = 0
     stages_ms: dict[str, float] | None = None  # Prism's per-stage breakdown, when the target is Prism
+    index: int | None = None  # the RequestSpec's, to pair a result with what was sent
 
     @property
     def tpot_s(self) -> float | None:

@@ -5,7 +5,10 @@ or PNG; with probability `repeat_ratio` an image slot reuses an image already
 sent (from a pool of the last `pool_size` new ones), so caches see repeats at
 a known rate. Questions and optional system prompts vary per request (the
 same image with different questions and system prompts is `pool_size=1,
-repeat_ratio=1`). Images are rendered once, before any clock starts.
+repeat_ratio=1`). With a video mix (`VideoMix`, loadtest/videos.py), a share
+of the requests carry one clip instead of images: its length drawn from
+weighted lengths, new or a repeat of a recent clip. Images and clips are
+rendered once, before any clock starts.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import random
 from dataclasses import dataclass, field
 
 from loadtest.synthetic import encode, make_image
+from loadtest.videos import VideoMix, VideoSpec, pick_video
 
 # Named resolutions (width, height): the issue's mix plus strips.
 RESOLUTIONS = {
@@ -48,6 +52,19 @@ class ImageSpec:
     fmt: str  # "JPEG" or "PNG"
     seed: int  # distinct images have distinct seeds; a repeat is the same spec
 
+    part = "image_url"  # the chat content part that carries it
+
+    @property
+    def mime(self) -> str:
+        return "image/png" if self.fmt == "PNG" else "image/jpeg"
+
+    @property
+    def path(self) -> str:
+        return f"/{self.seed}.{'png' if self.fmt == 'PNG' else 'jpg'}"
+
+    def render(self) -> bytes:
+        return encode(make_image(f"load-{self.seed}", (self.width, self.height)), self.fmt)
+
 
 @dataclass(frozen=True)
 class RequestSpec:
@@ -56,11 +73,22 @@ class RequestSpec:
     question: str
     system: str | None
     max_tokens: int
+    videos: tuple[VideoSpec, ...] = ()
+    video_repeat: bool = False  # its clip was sent before (a cache can answer it)
+    video_fps: float | None = None  # media_io_kwargs.video.fps
+    video_max_pixels: int | None = None  # mm_processor_kwargs.max_pixels
 
     @property
     def bucket(self) -> str:
-        """The request's resolution class: its first image's bucket, or "text"."""
+        """The request's kind: "video-<length>-new|repeat", its first image's bucket, or "text"."""
+        if self.videos:
+            return f"video-{self.videos[0].length}-{'repeat' if self.video_repeat else 'new'}"
         return self.images[0].bucket if self.images else "text"
+
+    @property
+    def media(self) -> tuple:
+        """Images, then videos: the content parts before the question."""
+        return (*self.images, *self.videos)
 
 
 @dataclass(frozen=True)
@@ -77,6 +105,7 @@ class WorkloadSpec:
     # Mixed into every image's seed: the same sizes, formats and repeats in the
     # same order with other pixels (two loads side by side on one cache).
     image_salt: int = 0
+    videos: VideoMix | None = None  # None: images only
 
     def __post_init__(self) -> None:
         if not self.buckets or any(b.weight < 0 for b in self.buckets) or sum(b.weight for b in self.buckets) <= 0:
@@ -124,41 +153,50 @@ class _Pool:
         del self.images[: -self.size]
 
 
-def generate(spec: WorkloadSpec, count: int, first_index: int = 0) -> list[RequestSpec]:
-    """`count` requests, the same for the same spec and seed."""
-    rng = random.Random(spec.seed)
-    pool = _Pool(spec.pool_size)
+def _images(spec: WorkloadSpec, rng: random.Random, pool: _Pool) -> tuple[ImageSpec, ...]:
     counts, count_weights = zip(*spec.images_per_request)
+    images = []
+    for _ in range(rng.choices(counts, count_weights)[0]):
+        if pool.images and rng.random() < spec.repeat_ratio:
+            images.append(rng.choice(pool.images))
+            continue
+        bucket = rng.choices(spec.buckets, [b.weight for b in spec.buckets])[0]
+        fmt = "PNG" if rng.random() < spec.png_fraction else "JPEG"
+        image = ImageSpec(bucket.name, bucket.width, bucket.height, fmt, rng.getrandbits(48) ^ spec.image_salt)
+        pool.add(image)
+        images.append(image)
+    return tuple(images)
+
+
+def generate(spec: WorkloadSpec, count: int, first_index: int = 0) -> list[RequestSpec]:
+    """`count` requests, the same for the same spec and seed (a spec without
+    videos draws exactly what it drew before videos existed)."""
+    rng = random.Random(spec.seed)
+    pool, clips = _Pool(spec.pool_size), []
     requests = []
     for index in range(first_index, first_index + count):
-        images = []
-        for _ in range(rng.choices(counts, count_weights)[0]):
-            if pool.images and rng.random() < spec.repeat_ratio:
-                images.append(rng.choice(pool.images))
-                continue
-            bucket = rng.choices(spec.buckets, [b.weight for b in spec.buckets])[0]
-            fmt = "PNG" if rng.random() < spec.png_fraction else "JPEG"
-            image = ImageSpec(bucket.name, bucket.width, bucket.height, fmt, rng.getrandbits(48) ^ spec.image_salt)
-            pool.add(image)
-            images.append(image)
+        video, repeat = None, False
+        if spec.videos and rng.random() < spec.videos.fraction:
+            video, repeat = pick_video(spec.videos, rng, clips, spec.image_salt)
+        images = () if video else _images(spec, rng, pool)
         question = rng.choice(QUESTIONS)
         if spec.prompt_words:
             question += " " + " ".join(rng.choice(FILLER) for _ in range(spec.prompt_words))
         system = {"none": None, "fixed": "You are a helpful assistant.", "unique": f"You are assistant number {index}; answer briefly."}[spec.system_prompts]
-        requests.append(RequestSpec(index, tuple(images), question, system, spec.max_tokens))
+        sampling = (spec.videos.sample_fps, spec.videos.max_pixels) if video else (None, None)
+        requests.append(RequestSpec(index, images, question, system, spec.max_tokens, (video,) if video else (), repeat, *sampling))
     return requests
 
 
-def render(requests: list[RequestSpec]) -> dict[ImageSpec, bytes]:
-    """Every distinct image's encoded bytes (done once, before timing)."""
+def render(requests: list[RequestSpec]) -> dict:
+    """Every distinct image's and clip's encoded bytes (done once, before timing)."""
     rendered = {}
     for request in requests:
-        for image in request.images:
-            if image not in rendered:
-                rendered[image] = encode(make_image(f"load-{image.seed}", (image.width, image.height)), image.fmt)
+        for media in request.media:
+            if media not in rendered:
+                rendered[media] = media.render()
     return rendered
 
 
-def data_url(image: ImageSpec, data: bytes) -> str:
-    mime = "image/png" if image.fmt == "PNG" else "image/jpeg"
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+def data_url(media, data: bytes) -> str:
+    return f"data:{media.mime};base64,{base64.b64encode(data).decode()}"

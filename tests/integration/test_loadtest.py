@@ -1,8 +1,10 @@
 """The load tester end to end against the session's Prism stack: a short mixed
-run over data URLs (streaming) and over fetched URLs (not streaming)."""
+run over data URLs (streaming) and over fetched URLs (not streaming), and a
+tiny mix of clips (short and long, new and repeated) with images."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -10,9 +12,10 @@ import pytest
 from loadtest import report
 from loadtest.bench import Plan, load_test, sweep
 from loadtest.client import Target
-from loadtest.runner import Arrival
-from loadtest.stats import SLO
-from loadtest.workload import WorkloadSpec, parse_buckets
+from loadtest.runner import Arrival, image_urls, run
+from loadtest.stats import SLO, by_bucket
+from loadtest.videos import VideoMix, parse_lengths
+from loadtest.workload import WorkloadSpec, generate, parse_buckets
 from tests.integration.conftest import ALLOWED_LOOPBACK, MODEL_NAME
 
 SPEC = WorkloadSpec(parse_buckets("224x224=1,448x336=1,640x160=1"), repeat_ratio=0.5, pool_size=4, png_fraction=0.3,
@@ -47,3 +50,28 @@ def test_fetched_urls_without_streaming_and_a_tiny_sweep(stack, tmp_path):
     # a target with nothing listening: every request fails, counted by kind
     dead = load_test(Target("http://127.0.0.1:9", MODEL_NAME, timeout_s=5), SPEC, Arrival(rate=20), Plan(requests=3, warmup=0, progress=False))
     assert dead["summary"]["completed"] == 0 and sum(dead["summary"]["errors"].values()) == 3
+
+
+VIDEO_SPEC = WorkloadSpec(parse_buckets("224x224=1"), max_tokens=4, seed=20,  # a seed that sends every kind, and one clip twice with one question
+                          videos=VideoMix(parse_lengths("2s=1,3s=1"), fraction=0.6, repeat_ratio=0.5, pool_size=2,
+                                          width=96, height=64, source_fps=4.0, sample_fps=2.0))
+
+
+def test_a_video_mix_reports_ttft_per_kind_and_a_repeated_clip_costs_the_same_tokens(stack):
+    target = Target(stack.base_url, MODEL_NAME)
+    requests = generate(VIDEO_SPEC, 10)
+    with image_urls(requests, "data") as urls_of:
+        outcome = asyncio.run(run(target, requests, urls_of, Arrival(concurrency=2)))
+    assert all(r.ok for r in outcome.results), [r.error for r in outcome.results]
+    sent = {request.index: request for request in requests}
+    tokens_of_ask: dict = {}  # (clip, question) → prompt-token counts: a repeat costs what the first did
+    for result in outcome.results:
+        for clip in sent[result.index].videos:
+            tokens_of_ask.setdefault((clip, sent[result.index].question), []).append(result.prompt_tokens)
+    assert any(len(tokens) > 1 for tokens in tokens_of_ask.values())
+    assert all(len(set(tokens)) == 1 for tokens in tokens_of_ask.values()), tokens_of_ask
+    kinds = by_bucket(outcome.results, outcome.duration_s)
+    assert set(kinds) == {"224x224", "video-2s-new", "video-2s-repeat", "video-3s-new", "video-3s-repeat"}
+    assert all(kinds[k]["median_ttft_ms"] > 0 for k in kinds)
+    decoded = [r.stages_ms["video_decode"] for r in outcome.results if sent[r.index].videos and not sent[r.index].video_repeat]
+    assert decoded and all(ms > 0 for ms in decoded)  # a new clip is decoded by the gateway, in the breakdown

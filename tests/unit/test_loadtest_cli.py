@@ -29,3 +29,15 @@ def test_a_sweep_writes_its_table_and_plot(tmp_path):
 def test_bad_workloads_are_refused_with_a_message(capsys):
     assert main([*DEAD, "--buckets", "8k=1"]) == 2
     assert "unknown resolution" in capsys.readouterr().err
+
+
+def test_a_video_mix_is_taken_by_flags_and_bad_ones_are_refused(tmp_path, capsys):
+    assert main([*DEAD, "--videos", "forever=1"]) == 2
+    assert "unknown video length" in capsys.readouterr().err
+    assert main([*DEAD, "--videos", "short", "--video-size", "wide"]) == 2
+    assert "--video-size" in capsys.readouterr().err
+    argv = [*DEAD, "--requests", "4", "--videos", "2s=1", "--video-fraction", "1", "--video-size", "64x48",
+            "--video-fps", "2", "--out-dir", str(tmp_path)]
+    assert main(argv) == 1  # nothing listens: every request fails, by kind
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["workload"]["videos"]["sample_fps"] == 2 and set(result["by_bucket"]) == {"video-2s-new"}

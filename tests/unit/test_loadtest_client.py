@@ -9,7 +9,7 @@ import json
 import httpx
 
 from loadtest.client import Target, chat_body, send
-from loadtest.workload import RequestSpec
+from loadtest.workload import ImageSpec, RequestSpec
 
 URL = "data:image/jpeg;base64," + "A" * 300_000 + "é\"\\"  # long, and with characters JSON escapes
 
@@ -22,7 +22,7 @@ def test_the_body_is_the_chat_request_as_json() -> None:
         return httpx.Response(200, json={"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
 
     target = Target("http://prism.test", "demo", api_key="secret", stream=False)
-    request = RequestSpec(0, (), "What is this?", None, 4)
+    request = RequestSpec(0, (ImageSpec("small", 32, 32, "JPEG", 1),), "What is this?", None, 4)
 
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as client:

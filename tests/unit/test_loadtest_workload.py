@@ -1,4 +1,4 @@
-"""The load tester's workload generator: weights, repeats and seeds honoured."""
+"""The load tester's workload generator: weights, repeats and seeds honoured, for images and clips."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ from collections import Counter
 
 import pytest
 
-from loadtest.workload import Bucket, ImageSpec, RequestSpec, WorkloadSpec, generate, parse_buckets, parse_distribution, render
+from loadtest.client import Target, chat_body
+from loadtest.videos import LENGTHS, VideoMix, parse_lengths
+from loadtest.workload import (Bucket, ImageSpec, RequestSpec, WorkloadSpec, data_url, generate, parse_buckets,
+                               parse_distribution, render)
 
 TWO_BUCKETS = (Bucket("big", 64, 48, 3.0), Bucket("small", 32, 32, 1.0))
 
@@ -103,3 +106,67 @@ def test_an_image_salt_keeps_the_sizes_and_repeats_and_changes_every_image():
 
     assert shape(plain) == shape(salted)
     assert not {i.seed for r in plain for i in r.images} & {i.seed for r in salted for i in r.images}
+
+
+VIDEO_MIX = VideoMix(parse_lengths("short=3,10s=1"), fraction=0.5, repeat_ratio=0.4, pool_size=4, width=64, height=48,
+                     source_fps=4.0, sample_fps=2.0, max_pixels=50_176)
+
+
+def test_a_video_mix_sends_its_share_of_clips_with_their_lengths_and_repeats():
+    requests = generate(WorkloadSpec(TWO_BUCKETS, videos=VIDEO_MIX, seed=12), 4000)
+    with_video = [r for r in requests if r.videos]
+    assert len(with_video) / 4000 == pytest.approx(0.5, abs=0.03)
+    assert all(not r.images and len(r.videos) == 1 for r in with_video)
+    assert all(r.images and r.video_fps is None and r.video_max_pixels is None for r in requests if not r.videos)
+    new = [r.videos[0] for r in with_video if not r.video_repeat]
+    assert sum(v.length == "short" for v in new) / len(new) == pytest.approx(0.75, abs=0.04)
+    assert {(v.length, v.duration_s) for v in new} == {("short", LENGTHS["short"]), ("10s", 10.0)}
+    assert sum(r.video_repeat for r in with_video) / len(with_video) == pytest.approx(0.4, abs=0.03)
+
+
+def test_a_repeated_clip_is_a_recent_one_and_a_new_clip_is_new():
+    requests = generate(WorkloadSpec(TWO_BUCKETS, videos=VIDEO_MIX, seed=13), 600)
+    recent: list = []
+    for request in (r for r in requests if r.videos):
+        (video,) = request.videos
+        if request.video_repeat:
+            assert video in recent, "a repeat is one of the last pool_size new clips"
+        else:
+            assert video not in recent
+            recent = (recent + [video])[-4:]
+
+
+def test_video_requests_are_named_by_length_and_newness_and_carry_the_sampling():
+    requests = generate(WorkloadSpec(TWO_BUCKETS, videos=VIDEO_MIX, seed=14), 300)
+    kinds = Counter(r.bucket for r in requests)
+    assert {"video-short-new", "video-short-repeat", "video-10s-new", "big", "small"} <= set(kinds)
+    video = next(r for r in requests if r.videos)
+    assert (video.video_fps, video.video_max_pixels) == (2.0, 50_176)
+    body = chat_body(Target("http://x", "m"), video, ["data:video/mp4;base64,AAAA"])
+    assert body["messages"][-1]["content"][0] == {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    assert body["media_io_kwargs"] == {"video": {"fps": 2.0}} and body["mm_processor_kwargs"] == {"max_pixels": 50_176}
+
+
+def test_a_spec_without_videos_draws_what_it_drew_before_and_videos_render_as_mp4():
+    # seeds drawn by the generator before videos existed: benchmarks re-run on old seeds send the same images
+    plain = generate(WorkloadSpec(TWO_BUCKETS, repeat_ratio=0.3, seed=15), 100)
+    assert [r.images[0].seed for r in plain[:3]] + [plain[-1].images[0].seed] == [
+        256990046815618, 103384156992748, 64348678957463, 221647654418455]
+    request = next(r for r in generate(WorkloadSpec(TWO_BUCKETS, videos=VIDEO_MIX, seed=16), 50) if r.videos)
+    data = render([request])[request.videos[0]]
+    assert data[4:8] == b"ftyp"  # an mp4
+    assert data_url(request.videos[0], data).startswith("data:video/mp4;base64,")
+
+
+def test_video_lengths_and_mixes_are_checked():
+    assert [(v.name, v.duration_s, v.weight) for v in parse_lengths("long, 60s=2, 2.5s=0.5")] == [
+        ("long", LENGTHS["long"], 1.0), ("60s", 60.0, 2.0), ("2.5s", 2.5, 0.5)]
+    for bad in ("forever=1", "0s=1", "-3s", "tens"):
+        with pytest.raises(ValueError, match="unknown video length"):
+            parse_lengths(bad)
+    with pytest.raises(ValueError):
+        VideoMix(parse_lengths("short=0"))
+    with pytest.raises(ValueError):
+        dataclasses.replace(VIDEO_MIX, repeat_ratio=2)
+    with pytest.raises(ValueError):
+        dataclasses.replace(VIDEO_MIX, width=8)
