@@ -16,8 +16,8 @@ TTFT_STAGES = (
     "parse",
     "image_fetch",
     "image_preprocess",
-    "video_fetch",  # gateway/intake/video/intake.py
-    "video_decode",
+    "video_fetch",  # and the header inspect (gateway/intake/video/intake.py)
+    "video_decode",  # only videos the encoder needs frames of: none on a repeat it holds
     "cache_lookup",
     "encode_queue",
     "encode",

@@ -73,7 +73,7 @@ class EncodeResult(Message):
 
 
 class EncodeNeedsPixels(Message):
-    """Some images sent without pixels were not in the cache: send these again with pixels."""
+    """Some images (or videos: EncodeVideos) sent without pixels were not in the cache: send these again with pixels."""
 
     request_id: str
     indices: list[int]

@@ -48,7 +48,8 @@ class VideoInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     digest: bytes
     metadata: LoaderMetadata
     knobs: VideoKnobs = VideoKnobs()
-    # uint8 (T, H, W, 3), RGB, one frame of the message; None: "look it up only"
+    # uint8 (T, H, W, 3), RGB, one frame of the message; None: "look it up only" (a miss is
+    # answered EncodeNeedsPixels, as an image's)
     frames: ArrayMeta | None = None
 
 

@@ -296,10 +296,12 @@ class EncoderService:
         arrived = time.monotonic()
         try:
             path = self._video_path()
-            if len(frames) != len(request.videos):
-                raise ValueError(f"{len(frames)} frames for {len(request.videos)} videos")
-            items = [video_item(path, self.tower, video, frame, index)
-                     for index, (video, frame) in enumerate(zip(request.videos, frames))]
+            with_frames = sum(video.frames is not None for video in request.videos)
+            if len(frames) != with_frames:
+                raise ValueError(f"{len(frames)} frames for {with_frames} videos with frames")
+            frame_of = iter(frames)
+            items = [video_item(path, self.tower, video, None if video.frames is None else next(frame_of), index)
+                     for index, video in enumerate(request.videos)]
         except ValueError as exc:
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
@@ -307,6 +309,10 @@ class EncoderService:
                                request.push_to, axes=[item.axis for item in items])
         misses = self._look_up(state, [item.identity for item in items], record=True)
         state.cache_lookup_s = time.monotonic() - arrived
+        if lacking := [index for index in misses if items[index].job is None]:  # the gateway decodes these now
+            self._abandon(state)
+            self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, time.monotonic() - arrived))
+            return
         if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
             self._abandon(state)
             self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} items waiting)", 429))

@@ -94,8 +94,8 @@ class ChatPipeline:
         self.fetcher = fetcher
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
-        self.handoff = ImageHandoff(config, encoder, engine, self._decode)
         self.videos = VideoIntake(fetcher, video_limits(config), self.pool)  # gateway/intake/video/
+        self.handoff = ImageHandoff(config, encoder, engine, self._decode, self.videos.decode_all)
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -141,12 +141,28 @@ class ChatPipeline:
             *(self._in_pool(inspect, raw, ref.where, self.policy, self.image_budget(ref, request_budget)) for raw, ref in zip(raws, refs))
         )
         tokens = sum(item.visual_tokens for item in inspected)
-        if tokens > self.config.max_visual_tokens_per_request:
-            raise APIError(413, f"the images would take {tokens} visual tokens; the limit per request is {self.config.max_visual_tokens_per_request}", param="messages", code="too_many_visual_tokens")
+        self._check_visual_tokens(tokens, "the images would take")
         record.ticket.reserve_visual_tokens(tokens)  # given back when the request ends
         timer.add("image_preprocess", time.perf_counter() - fetched)
         timer.image_sizes.extend(item.size for item in inspected)
         return inspected
+
+    def _check_visual_tokens(self, tokens: int, what: str) -> None:
+        if tokens > self.config.max_visual_tokens_per_request:
+            raise APIError(413, f"{what} {tokens} visual tokens; the limit per request is "
+                           f"{self.config.max_visual_tokens_per_request} (gateway.max_visual_tokens_per_request)",
+                           param="messages", code="too_many_visual_tokens")
+
+    def _count_videos(self, images: RequestImages, record: RequestRecord) -> None:
+        """The videos' tokens, against the same limit as the images' and reserved as theirs. Counted
+        from the encoder's answer (or the kept references), before the engine is asked: the Qwen video
+        processors' frame size and count (Qwen3-VL's whole-clip budget, its own frame sampling) are
+        the encoder's video processor's, which the handshake does not carry."""
+        videos = sum(ref.embeddings.shape[0] for ref in images.video_references)
+        if videos:
+            image_tokens = sum(ref.embeddings.shape[0] for ref in images.references)
+            self._check_visual_tokens(image_tokens + videos, "the images and videos take")
+            record.ticket.reserve_visual_tokens(videos)
 
     async def _decode(self, items: list[Inspected], timer: RequestTimer) -> list[PreparedImage]:
         started = time.perf_counter()
@@ -190,6 +206,7 @@ class ChatPipeline:
         inspected = await self._intake(request, refs, record) if refs else []
         digests = [digest_of(item, self.policy) for item in inspected]
         images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request))
+        self._count_videos(images, record)
         return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references,
                                         videos=images.video_references), images)
 

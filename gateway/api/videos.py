@@ -5,9 +5,9 @@ from __future__ import annotations
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.api.schemas import ChatCompletionRequest, VideoPart
-from gateway.intake.video.intake import VideoRef
+from gateway.intake.video.intake import InspectedVideo, VideoRef
 from gateway.intake.video.limits import VideoLimits
-from gateway.intake.video.sampling import LOADER_OF_PROCESSOR, LoaderKind, SampledVideo, VideoSampling
+from gateway.intake.video.sampling import LOADER_OF_PROCESSOR, LoaderKind, VideoSampling
 from protocol.to_gateway import ProcessorInfo
 from protocol.video import VideoKnobs
 
@@ -55,8 +55,8 @@ def video_loader(processor, model_name: str | None, where: str) -> LoaderKind:
 
 
 async def take_videos(intake, request: ChatCompletionRequest, refs: list[VideoRef], timer, config: GatewayConfig,
-                      model_name: str | None, processor) -> list[SampledVideo]:
-    """Every video fetched, checked and decoded (a hostile one is refused with its own 4xx),
+                      model_name: str | None, processor) -> list[InspectedVideo]:
+    """Every video fetched and checked, not yet decoded (a hostile one is refused with its own 4xx),
     sampled by the loader vLLM's server would pick for the model (`processor`: the encoder's
     handshake, None for a text-only model)."""
     loader = video_loader(processor, model_name, refs[0].where)

@@ -57,6 +57,8 @@ LOOP_LAG_SECONDS = Histogram(
 # Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/routing/handoff.py, Delivery.KNOWN).
 IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
                                     "Images sent to the engine by a reference kept from an earlier encode, without asking an encoder")
+VIDEOS_BY_KNOWN_REFERENCE = Counter("prism_gateway_videos_by_known_reference",
+                                    "Videos sent to the engine by a reference kept from an earlier encode: no decode, no encoder round")
 # The memory budget (gateway/intake/memory.py): what it admits, and what requests hold of it now.
 MEMORY_BUDGET = Gauge("prism_gateway_memory_budget_bytes", "Bytes requests may hold in the gateway (its memory budget)",
                       multiprocess_mode="livesum")

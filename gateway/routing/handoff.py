@@ -7,9 +7,11 @@ references (content key, identity, shape, the encoder that holds them).
 
 How, chosen once per request (`ImageHandoff.choose`), the first that applies:
 
-- KNOWN: every image was encoded through this gateway process before, its
-  reference is kept (`KnownTokens`) and its encoder is up: no encoder round.
-  The engine finds the tokens in its LRU, else fetches them.
+- KNOWN: every image and video was encoded through this gateway process
+  before, its reference is kept (`KnownTokens`: an image's by its digest, a
+  video's by its digest and the request's processor knobs, which its tokens
+  depend on too) and its encoder is up: no encoder round, and no decode. The
+  engine finds the tokens in its LRU, else fetches them.
 - PUSHED: `gateway.push_embeddings`, and the engine replica picked now (the
   one the request goes to first) keeps pushes (`EngineReady.takes_pushes`):
   the encoder sends each image it encodes there as its batch ends, while the
@@ -40,12 +42,16 @@ and every failure path is handled here:
   503;
 - after the first token nothing is retried (the client has tokens already).
 
-A request's videos (`RequestImages.videos`) go the same way: one
-`EncodeVideos` round after the images' (`_video_round`), pushed to the same
-engine or pinned for its fetch, in the same stages, re-encoded with the
-images once if lost. Their references are not kept (KNOWN): a video's key
-depends on the request's processor knobs as well as on its digest, so a
-request with videos is PUSHED or FETCHED.
+A request's videos (`RequestImages.videos`, fetched and inspected, not
+decoded) go the same way: `EncodeVideos` rounds after the images'
+(`_video_rounds`), pushed to the same engine or pinned for its fetch, in the
+same stages, re-encoded with the images once if lost (their bytes are kept
+until DELIVERED to decode them again). Images and videos alike are decoded
+only when the encoder needs them (`_rounds`): one this process has routed
+before is asked for by key alone first, and only those the encoder reports
+missing are decoded and sent; a new one is decoded at once and goes with its
+frames in the first round. A repeated video thus costs its fetch and header
+inspect here, a cache lookup at the encoder, or nothing (KNOWN) there.
 """
 
 from __future__ import annotations
@@ -55,30 +61,35 @@ import enum
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from gateway.ops import metrics
 from gateway.config import GatewayConfig
-from gateway.routing.encoder_pool import EncoderPool
+from gateway.routing.encoder_pool import EncoderPool, Route
 from gateway.routing.engine_pool import EnginePool
 from gateway.errors import APIError
 from gateway.intake.images import Inspected, PreparedImage
 from gateway.timing import RequestTimer
+from gateway.intake.video.intake import InspectedVideo
 from gateway.intake.video.sampling import SampledVideo
 from protocol.tensors import to_frame
 from protocol.to_encoder import ImageInput
 from protocol.to_engine import GenerateRequest, ImageEmbedding, reference
-from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeResult, TokenDelta
-from protocol.video import EncodeVideos, LoaderMetadata, VideoEmbedding, VideoInput, VideoKnobs, video_reference
+from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, EncodeNeedsPixels, EncodeResult, TokenDelta
+from protocol.video import (EncodeVideos, LoaderMetadata, VideoEmbedding, VideoInput, VideoKnobs, VideosEncodeResult,
+                            video_reference)
 
 log = logging.getLogger("prism.gateway")
 
 KNOWN_IMAGES = 16384  # references kept, least recently used out first (a few hundred bytes each)
 
 Decode = Callable[[list[Inspected], RequestTimer], Awaitable[list[PreparedImage]]]
+DecodeVideos = Callable[[list[InspectedVideo], RequestTimer], Awaitable[list[SampledVideo]]]
+Reply = EncodeResult | VideosEncodeResult
+Ask = Callable[[Route, dict, bool], Awaitable[Reply | EncodeNeedsPixels]]  # one round: (route, decoded by index, retry)
 
 
 class Delivery(enum.Enum):
@@ -108,13 +119,18 @@ class RequestImages:
     references: list[ImageEmbedding] = field(default_factory=list)
     stage: Stage = Stage.ENCODING
     reencoded: bool = False
-    videos: list[SampledVideo] = field(default_factory=list)  # kept until DELIVERED, as `inspected`
+    videos: list[InspectedVideo] = field(default_factory=list)  # kept until DELIVERED, as `inspected`
     knobs: VideoKnobs = VideoKnobs()  # the request's video processor knobs (one for all its videos)
     video_references: list[VideoEmbedding] = field(default_factory=list)
 
     @property
     def video_digests(self) -> list[bytes]:
         return [video.digest for video in self.videos]
+
+    @property
+    def video_keys(self) -> list[tuple[bytes, VideoKnobs]]:
+        """What a video's kept reference is known by: its tokens depend on the knobs too."""
+        return [(video.digest, self.knobs) for video in self.videos]
 
     @property
     def affinity(self) -> list[bytes]:
@@ -128,17 +144,18 @@ class RequestImages:
 
 
 class KnownTokens:
-    """Each image's reference from its last encode, by digest: a repeat goes to
-    the engine with it at once (docs/architecture.md, step 4)."""
+    """Each image's reference from its last encode, by digest (a video's by
+    `RequestImages.video_keys`): a repeat goes to the engine with it at once
+    (docs/architecture.md, step 4)."""
 
     def __init__(self, capacity: int = KNOWN_IMAGES) -> None:
         self.capacity = capacity
-        self._refs: OrderedDict[bytes, ImageEmbedding] = OrderedDict()
+        self._refs: OrderedDict[Hashable, ImageEmbedding | VideoEmbedding] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._refs)
 
-    def remember(self, digests: Sequence[bytes], refs: Sequence[ImageEmbedding]) -> None:
+    def remember(self, digests: Sequence[Hashable], refs: Sequence[ImageEmbedding | VideoEmbedding]) -> None:
         for digest, ref in zip(digests, refs, strict=True):
             # A push was for the request the image was encoded for; a later one
             # finds the tokens in the engine's LRU or fetches them.
@@ -147,7 +164,7 @@ class KnownTokens:
         while len(self._refs) > self.capacity:
             self._refs.popitem(last=False)
 
-    def recall(self, digests: Sequence[bytes]) -> list[ImageEmbedding] | None:
+    def recall(self, digests: Sequence[Hashable]) -> list | None:
         """Every image's reference, in order; None unless all are known."""
         refs = [self._refs.get(digest) for digest in digests]
         if None in refs:
@@ -156,7 +173,7 @@ class KnownTokens:
             self._refs.move_to_end(digest)
         return refs
 
-    def forget(self, digests: Sequence[bytes]) -> None:
+    def forget(self, digests: Sequence[Hashable]) -> None:
         for digest in digests:
             self._refs.pop(digest, None)
 
@@ -164,25 +181,29 @@ class KnownTokens:
 class ImageHandoff:
     """The gateway's hand-off, one per model: `deliver` before the response
     starts, `stream` for the engine's deltas. `decode` turns inspected images
-    into pixels (the pipeline's intake threads)."""
+    into pixels (the pipeline's intake threads), `decode_videos` inspected
+    videos into frames."""
 
-    def __init__(self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, decode: Decode) -> None:
+    def __init__(self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, decode: Decode,
+                 decode_videos: DecodeVideos) -> None:
         self.config = config
         self.encoder = encoder
         self.engine = engine
         self.decode = decode
+        self.decode_videos = decode_videos
         self.known = KnownTokens()
 
     def choose(self, images: RequestImages, allow_known: bool = True) -> None:
         """Set `images.delivery` by the module's rule (KNOWN also sets the references)."""
-        if allow_known and not images.videos and (refs := self._kept(images.digests)) is not None:
-            images.delivery, images.engine, images.references = Delivery.KNOWN, None, refs
+        if (allow_known and (refs := self._kept(images.digests)) is not None
+                and (video_refs := self._kept(images.video_keys)) is not None):
+            images.delivery, images.engine, images.references, images.video_references = Delivery.KNOWN, None, refs, video_refs
         elif self.config.push_embeddings and (engine := self._push_target(images.affinity)) is not None:
             images.delivery, images.engine = Delivery.PUSHED, engine
         else:
             images.delivery, images.engine = Delivery.FETCHED, None
 
-    def _kept(self, digests: list[bytes]) -> list[ImageEmbedding] | None:
+    def _kept(self, digests: list[Hashable]) -> list | None:
         refs = self.known.recall(digests)
         if refs is None or not all(self.encoder.serves_from(ref.source) for ref in refs):
             return None  # a reference to an encoder that is not up would cost a fetch timeout
@@ -203,9 +224,11 @@ class ImageHandoff:
         images = RequestImages(digests, inspected, videos=list(videos), knobs=knobs)
         self.choose(images)
         if images.delivery is Delivery.KNOWN:
-            timer.cache_hits += len(images.references)
-            timer.visual_tokens += sum(ref.embeddings.shape[0] for ref in images.references)
+            refs = [*images.references, *images.video_references]
+            timer.cache_hits += len(refs)
+            timer.visual_tokens += sum(ref.embeddings.shape[0] for ref in refs)
             metrics.IMAGES_BY_KNOWN_REFERENCE.inc(len(images.references))
+            metrics.VIDEOS_BY_KNOWN_REFERENCE.inc(len(images.video_references))
             images.stage = Stage.REFERENCED
             return images
         try:
@@ -217,69 +240,83 @@ class ImageHandoff:
 
     async def _encode(self, request_id: str, images: RequestImages, timer: RequestTimer) -> None:
         """ENCODING (or REENCODING) → REFERENCED, the references kept for repeats."""
-        images.references = await self._rounds(request_id, images, timer) if images.digests else []
-        if images.videos:
-            images.video_references = await self._video_round(request_id, images, timer)
+        images.references = await self._image_rounds(request_id, images, timer) if images.digests else []
+        images.video_references = await self._video_rounds(request_id, images, timer) if images.videos else []
         self.known.remember(images.digests, images.references)
+        self.known.remember(images.video_keys, images.video_references)
         images.stage = Stage.REFERENCED
 
-    async def _rounds(self, request_id: str, images: RequestImages, timer: RequestTimer) -> list[ImageEmbedding]:
-        """Images this process has sent to an encoder before are asked for by
-        digest first: a cached image is never decoded here. The others are
-        most likely new, so they are decoded at once and go with pixels in
-        the first round, saving a round trip (a wrong guess costs a decode:
-        the encoder still answers from its cache). The images the encoder
+    async def _rounds(self, digests: list[bytes], decode: Callable[[list[int]], Awaitable[list]], ask: Ask,
+                      timer: RequestTimer) -> tuple[Reply, str]:
+        """Images (or videos) this process has sent to an encoder before are
+        asked for by digest first: a cached one is never decoded here. The
+        others are most likely new, so they are decoded at once and go with
+        pixels in the first round, saving a round trip (a wrong guess costs a
+        decode: the encoder still answers from its cache). Those the encoder
         reports missing are then decoded and sent; a third round (an entry
-        evicted in between) sends every image's pixels."""
-        items, digests = images.inspected, images.digests
+        evicted in between) sends every one's pixels. `decode(indices)`: those
+        items decoded, in order; `ask(route, decoded by index, retry)`: one
+        round. The encoder's reply, counted into `timer`, and its address."""
         unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
-        pixels = dict(zip(unseen, await self.decode([items[i] for i in unseen], timer))) if unseen else {}
-        push_to = self._push_address(images)
+        decoded = dict(zip(unseen, await decode(unseen))) if unseen else {}
         with self.encoder.route(digests) as route:
             for retry, last_round in ((False, False), (True, False), (True, True)):
-                inputs, frames = [], []
-                for index, digest in enumerate(digests):
-                    meta, original = None, None
-                    if index in pixels:
-                        meta, frame = to_frame(pixels[index].pixels)
-                        frames.append(frame)
-                        width, height = pixels[index].original_size
-                        original = (height, width)
-                    inputs.append(ImageInput(digest, meta, original))
                 sent = time.perf_counter()
-                reply = await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry,
-                                                  push_to)
+                reply = await ask(route, decoded, retry)
                 round_trip = time.perf_counter() - sent
-                if isinstance(reply, EncodeResult):
-                    return self._references(reply, self.encoder.replicas[route.replica].address, round_trip, timer)
+                if not isinstance(reply, EncodeNeedsPixels):
+                    _count(reply.timings, reply.images if isinstance(reply, EncodeResult) else reply.videos, round_trip,
+                           timer)
+                    return reply, self.encoder.replicas[route.replica].address
                 timer.add("cache_lookup", reply.cache_lookup_s)
                 timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
-                wanted = [i for i in range(len(items)) if i not in pixels] if last_round else reply.indices
-                for index, prepared in zip(wanted, await self.decode([items[i] for i in wanted], timer)):
-                    pixels[index] = prepared
+                wanted = [i for i in range(len(digests)) if i not in decoded] if last_round else reply.indices
+                decoded.update(zip(wanted, await decode(wanted)))
         raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
 
-    async def _video_round(self, request_id: str, images: RequestImages, timer: RequestTimer) -> list[VideoEmbedding]:
-        """The videos' references: one EncodeVideos round, every video with its frames (a video
-        is sampled and decoded at intake, before its key is known: nothing to save by asking first)."""
-        inputs, frames = [], []
-        for video in images.videos:
-            meta, frame = to_frame(video.frames)
-            inputs.append(VideoInput(video.digest, LoaderMetadata(**video.hf_metadata()), images.knobs, meta))
-            frames.append(frame)
-        push_to = self._push_address(images)
-        with self.encoder.route(images.video_digests) as route:
-            sent = time.perf_counter()
-            reply = await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to), frames, self.config.encode_timeout_s)
-            source = self.encoder.replicas[route.replica].address
-        _count(reply.timings, reply.videos, time.perf_counter() - sent, timer)
+    async def _image_rounds(self, request_id: str, images: RequestImages, timer: RequestTimer) -> list[ImageEmbedding]:
+        """The images' references, from `_rounds` of EncodeRequests."""
+        items, push_to = images.inspected, self._push_address(images)
+
+        async def decode(indices: list[int]) -> list[PreparedImage]:
+            return await self.decode([items[i] for i in indices], timer)
+
+        async def ask(route: Route, pixels: dict[int, PreparedImage], retry: bool) -> EncodeResult | EncodeNeedsPixels:
+            inputs, frames = [], []
+            for index, digest in enumerate(images.digests):
+                meta, original = None, None
+                if index in pixels:
+                    meta, frame = to_frame(pixels[index].pixels)
+                    frames.append(frame)
+                    width, height = pixels[index].original_size
+                    original = (height, width)
+                inputs.append(ImageInput(digest, meta, original))
+            return await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry, push_to)
+
+        reply, source = await self._rounds(images.digests, decode, ask, timer)
+        return [reference(image, source) for image in reply.images]
+
+    async def _video_rounds(self, request_id: str, images: RequestImages, timer: RequestTimer) -> list[VideoEmbedding]:
+        """The videos' references, from `_rounds` of EncodeVideos: a video without
+        frames is looked up by its digest, metadata and the request's knobs."""
+        videos, push_to = images.videos, self._push_address(images)
+
+        async def decode(indices: list[int]) -> list[SampledVideo]:
+            return await self.decode_videos([videos[i] for i in indices], timer)
+
+        async def ask(route: Route, decoded: dict[int, SampledVideo], retry: bool) -> VideosEncodeResult | EncodeNeedsPixels:
+            inputs, frames = [], []
+            for index, video in enumerate(videos):
+                meta = None
+                if index in decoded:
+                    meta, frame = to_frame(decoded[index].frames)
+                    frames.append(frame)
+                inputs.append(VideoInput(video.digest, LoaderMetadata(**video.hf_metadata()), images.knobs, meta))
+            return await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to), frames,
+                                          self.config.encode_timeout_s)
+
+        reply, source = await self._rounds(images.video_digests, decode, ask, timer)
         return [video_reference(video, source) for video in reply.videos]
-
-    def _references(self, result: EncodeResult, source: str, round_trip: float, timer: RequestTimer) -> list[ImageEmbedding]:
-        """For the engine to fetch from `source` (the encoder that answered) unless pushed there."""
-        _count(result.timings, result.images, round_trip, timer)
-        return [reference(image, source) for image in result.images]
-
     def _push_address(self, images: RequestImages) -> str:
         """The engine the encoder pushes this request's tokens to; "" when they are fetched."""
         return "" if images.engine is None else self.engine.replicas[images.engine].address
@@ -328,7 +365,7 @@ class ImageHandoff:
         not (False: another error, a second loss, or tokens already flowed)."""
         if error.code != EMBEDDINGS_UNAVAILABLE:
             return False
-        self.known.forget(images.digests)  # they were nowhere: the references are stale
+        self.known.forget([*images.digests, *images.video_keys])  # they were nowhere: the references are stale
         if images.reencoded or images.stage is not Stage.REFERENCED:
             return False
         log.warning("%s; encoding the images again", error.message)

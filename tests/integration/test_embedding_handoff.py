@@ -13,6 +13,7 @@ reference names.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import pytest
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL
 from testing.stack import free_port, wait_for_health
+from loadtest.clips import clip
 from loadtest.synthetic import make_image
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed, TokenDelta
 from tests.integration.conftest import MODEL_NAME
@@ -200,3 +202,17 @@ def test_tokens_lost_before_the_fetch_are_encoded_once_more_then_503(forgetful):
     assert metric(scrape(forgetful), "prism_gateway_images_by_known_reference_total") == known
     text = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{forgetful}/v1/chat/completions", json=text, timeout=60).status_code == 200
+
+
+def test_a_video_s_lost_tokens_are_decoded_and_encoded_once_more_then_503(forgetful):
+    """The re-encode of a video decodes it again from the bytes the request kept: asked by key first
+    (this gateway routed it), missing (the encoder keeps nothing), then its frames."""
+    body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip(seed=4603)).decode()}},
+        {"type": "text", "text": "What moves?"}]}]}
+    before = encodes(forgetful)
+    response = httpx.post(f"{forgetful}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == EMBEDDINGS_UNAVAILABLE
+    wait_until(lambda: encodes(forgetful) - before == 2, 10, "the video encoded twice: once more after the lost fetch")
+    assert encodes(forgetful) - before == 2

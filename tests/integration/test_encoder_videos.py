@@ -2,13 +2,15 @@
 checkpoint, a real ZMQ socket, the gateway's wire messages): a video's
 tokens equal its video path's own encode, a repeat is a cache hit, two
 requests for one new clip at once encode it once, and a video and an image
-sent together ride one batch (qwen_video.join) with each its own tokens."""
+sent together ride one batch (qwen_video.join) with each its own tokens, and
+a video sent without frames is answered from the cache or asked for."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -21,9 +23,9 @@ from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, FetchEmbeddings, ImageInput
 from protocol.to_engine import FetchInbound
-from protocol.to_gateway import EncodeFailed, EncodeResult, GatewayInbound
+from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncodeResult, GatewayInbound
 from protocol.tensors import to_torch
-from protocol.video import EncodeVideos, LoaderMetadata, VideoInput, VideosEncodeResult
+from protocol.video import EncodeVideos, LoaderMetadata, VideoInput, VideoKnobs, VideosEncodeResult
 from testing.video_clips import vllm_loaded
 from tests.integration.encoder_socket import handshake, reply_to, stats_of
 from vision_encoder.config import EncoderConfig
@@ -87,6 +89,33 @@ async def encode_twice(address: str, path) -> None:
 
 def test_a_video_s_tokens_are_its_own_encode_and_a_repeat_is_a_cache_hit(encoder):
     asyncio.run(encode_twice(*encoder))
+
+
+def lookup_only(request_id: str, loaded: tuple[np.ndarray, dict], digest: bytes, knobs: VideoKnobs = VideoKnobs()):
+    """The gateway's ask for a repeat it has not decoded: the digest and metadata, no frames."""
+    return EncodeVideos(request_id, [VideoInput(digest, LoaderMetadata(**loaded[1]), knobs)]), []
+
+
+async def looked_up(address: str) -> None:
+    socket = await connect(address)
+    loaded = clip(4)
+    await socket.send(*lookup_only("l1", loaded, b"\x04" * 16))
+    missing, _ = await reply_to(socket, "l1", timeout_s=120)
+    assert isinstance(missing, EncodeNeedsPixels) and missing.indices == [0]  # never encoded: frames wanted
+    await socket.send(*video_request("l2", loaded, b"\x04" * 16))
+    encoded, _ = await reply_to(socket, "l2", timeout_s=120)
+    await socket.send(*lookup_only("l3", loaded, b"\x04" * 16))
+    hit, _ = await reply_to(socket, "l3", timeout_s=120)
+    assert isinstance(hit, VideosEncodeResult) and hit.videos[0].cache_hit
+    assert hit.videos[0] == msgspec.structs.replace(encoded.videos[0], cache_hit=True)  # key, grid, time axis
+    await socket.send(*lookup_only("l4", loaded, b"\x04" * 16, VideoKnobs(max_pixels=160 * 120)))
+    other_knobs, _ = await reply_to(socket, "l4", timeout_s=120)
+    assert isinstance(other_knobs, EncodeNeedsPixels)  # another key: not a false hit
+    socket.close()
+
+
+def test_a_video_sent_without_frames_is_answered_from_the_cache_or_asked_for(encoder):
+    asyncio.run(looked_up(encoder[0]))
 
 
 async def same_clip_at_once(address: str) -> None:

@@ -3,8 +3,10 @@ tokens by reference through the images' hand-off), with the official openai
 client: the same greedy answer and prompt-token count as vLLM's own raw-video
 path on the demo model (tests/integration/reference_video_vllm.py, run once
 for this module beside the stack), a repeat is an encoder cache hit with the
-same answer, two videos and an image in one request, and the video stages in
-the response's breakdown and in Prometheus."""
+same answer with no decode at the gateway (it goes by the kept reference),
+other processor knobs are not a false hit, a video's tokens count against the
+request's visual-token limit, two videos and an image in one request, and the
+video stages in the response's breakdown and in Prometheus."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
+from openai import OpenAI
 
 from common.config import REPO_ROOT
-from loadtest.clips import make_clip
+from loadtest.clips import clip, make_clip
 from prism.demo_model import RANDOM_MODEL
-from testing.stack import log_tail
+from testing.stack import free_port, log_tail, serving
 from testing.video_clips import CLIPS
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save, scene
@@ -40,14 +44,33 @@ def reference(tmp_path_factory, stack) -> dict:
     return json.loads(out.read_text())
 
 
-def video_part(name: str) -> dict:
-    raw = make_clip(CLIPS[name].spec)
+VISUAL_TOKEN_LIMIT = 16  # the small-limit gateway's: fewer than the clip asked for takes
+
+
+@pytest.fixture(scope="module")
+def small_limit(stack, tmp_path_factory):
+    """A second gateway on the stack's encoder and engine, whose requests may take VISUAL_TOKEN_LIMIT visual tokens."""
+    port = free_port()
+    env = dict(stack.environment(), PRISM_GATEWAY__PORT=str(port),
+               PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST=str(VISUAL_TOKEN_LIMIT))
+    log = open(tmp_path_factory.mktemp("small-limit") / "gateway.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    with serving(process, f"http://127.0.0.1:{port}", 120) as base_url:
+        yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def data_url(raw: bytes) -> dict:
     return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(raw).decode()}}
 
 
-def ask(client, content: list[dict], max_tokens: int = MAX_TOKENS):
+def video_part(name: str) -> dict:
+    return data_url(make_clip(CLIPS[name].spec))
+
+
+def ask(client, content: list[dict], max_tokens: int = MAX_TOKENS, **extra):
     return client.chat.completions.create(model=MODEL_NAME, max_tokens=max_tokens, temperature=0,
-                                          messages=[{"role": "user", "content": content}])
+                                          messages=[{"role": "user", "content": content}], extra_body=extra or None)
 
 
 @pytest.mark.parametrize("name", CLIP_NAMES)
@@ -61,6 +84,29 @@ def test_a_video_is_answered_as_vllm_answers_it_and_a_repeat_is_a_cache_hit(clie
     assert first.model_extra["prism"]["cache"] == {"hits": 0, "misses": 1}
     assert again.model_extra["prism"]["cache"] == {"hits": 1, "misses": 0}
     assert again.choices[0].message.content == expected["text"] and again.usage.prompt_tokens == expected["prompt_tokens"]
+    # the repeat went by the kept reference: fetched and inspected, never decoded
+    assert first.model_extra["prism"]["stages_ms"]["video_decode"] > 0
+    assert again.model_extra["prism"]["stages_ms"].get("video_decode", 0) == 0
+
+
+def test_a_repeat_with_other_processor_knobs_is_not_a_false_hit(client):
+    content = [data_url(clip(320, 240, 10.0, num_frames=20, seed=4601)), {"type": "text", "text": QUESTION}]
+    default, again = ask(client, content, max_tokens=2), ask(client, content, max_tokens=2)
+    smaller = ask(client, content, max_tokens=2, mm_processor_kwargs={"max_pixels": 100 * 100})
+    assert again.model_extra["prism"]["cache"] == {"hits": 1, "misses": 0}
+    assert smaller.model_extra["prism"]["cache"] == {"hits": 0, "misses": 1}
+    assert smaller.usage.prompt_tokens < default.usage.prompt_tokens  # its own, smaller frames' tokens
+    assert smaller.model_extra["prism"]["stages_ms"]["video_decode"] > 0  # asked by key, missing: decoded then
+
+
+def test_a_video_over_the_visual_token_limit_is_refused_naming_the_limit(small_limit):
+    with pytest.raises(openai.APIStatusError) as refused:
+        ask(small_limit, [video_part("short"), {"type": "text", "text": QUESTION}], max_tokens=2)
+    error = refused.value
+    assert error.status_code == 413 and error.body["code"] == "too_many_visual_tokens"
+    assert "gateway.max_visual_tokens_per_request" in error.body["message"] and str(VISUAL_TOKEN_LIMIT) in error.body["message"]
+    text = ask(small_limit, [{"type": "text", "text": QUESTION}], max_tokens=2)
+    assert text.usage.completion_tokens == 2  # the gateway serves on
 
 
 def test_the_clips_answers_differ(reference):
@@ -79,7 +125,8 @@ def test_two_videos_and_an_image_in_one_request(client):
 
 
 def test_the_video_stages_are_in_the_breakdown_and_in_prometheus(client, stack):
-    reply = ask(client, [video_part("odd"), {"type": "text", "text": QUESTION}], max_tokens=2)
+    new = data_url(clip(160, 120, 6.0, num_frames=9, seed=4602))  # never sent: a repeat is not decoded
+    reply = ask(client, [new, {"type": "text", "text": QUESTION}], max_tokens=2)
     stages = reply.model_extra["prism"]["stages_ms"]
     assert stages["video_fetch"] >= 0 and stages["video_decode"] > 0 and stages["encode"] >= 0
     samples = scrape(stack)

@@ -25,11 +25,13 @@ from gateway.routing.handoff import Delivery, RequestImages, Stage
 from gateway.api.pipeline import ChatPipeline
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest
+from gateway.timing import RequestTimer
 from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest
 from protocol.to_engine import GenerateRequest
 from protocol.to_gateway import (
-    EMBEDDINGS_UNAVAILABLE, ChoiceDelta, EncodedImage, EncodeFailed, EncoderTimings, EncodeResult, GenerateFailed,
+    EMBEDDINGS_UNAVAILABLE, ChoiceDelta, EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderTimings, EncodeResult,
+    GenerateFailed,
     TokenDelta,
 )
 from protocol.video import EncodedVideo, EncodeVideos, VideosEncodeResult
@@ -41,24 +43,34 @@ POLICY = qwen_policy(140 * 140)
 
 
 class Encoder(EncoderByHand):
-    """Holds every image it is asked for; pushes, as the real one does, what it encodes new."""
+    """Holds every image it is asked for, and every video sent with frames (by its digest and
+    knobs, as the real key); pushes, as the real one does, what it encodes new."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
         super().__init__(ctx, address)
         self.fails = False
         self.asked: list[EncodeRequest] = []
+        self.videos_held: set[tuple] = set()
 
     def answer(self, request: EncodeRequest | EncodeVideos):
         self.asked.append(request)
         if self.fails:
             return EncodeFailed(request.request_id, "bad pixels", 400)
         if isinstance(request, EncodeVideos):
-            videos = [EncodedVideo(ArrayMeta("float32", (50, 128)), (2, 10, 10), False, v.digest, v.digest,
-                                   pushed=bool(request.push_to)) for v in request.videos]
-            return VideosEncodeResult(request.request_id, videos, EncoderTimings(0.0, 0.0, 0.0, 0.0))
+            return self.answer_videos(request)
         images = [EncodedImage(ArrayMeta("float32", (25, 128)), (1, 10, 10), i.pixels is None, i.digest, i.digest,
                                pushed=bool(request.push_to) and i.pixels is not None) for i in request.images]
         return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0))
+
+    def answer_videos(self, request: EncodeVideos):
+        keys = [(v.digest, v.knobs) for v in request.videos]
+        missing = [i for i, (v, key) in enumerate(zip(request.videos, keys)) if v.frames is None and key not in self.videos_held]
+        if missing:
+            return EncodeNeedsPixels(request.request_id, missing, 0.0, 0.0)
+        videos = [EncodedVideo(ArrayMeta("float32", (50, 128)), (2, 10, 10), v.frames is None, v.digest, v.digest,
+                               pushed=bool(request.push_to) and v.frames is not None) for v in request.videos]
+        self.videos_held.update(keys)
+        return VideosEncodeResult(request.request_id, videos, EncoderTimings(0.0, 0.0, 0.0, 0.0))
 
 
 class Engine(EngineByHand):
@@ -91,6 +103,7 @@ class Gateway:
     engines: list[Engine]
     encoder_pool: EncoderPool
     asked: RequestImages | None = None  # the last request's images, once prepared
+    timer: RequestTimer | None = None  # the last video request's
 
     def pushed_to(self) -> int:
         """The engine the encoder was asked to push the first request's tokens to."""
@@ -260,15 +273,23 @@ def test_a_kept_reference_whose_encoder_is_gone_is_not_used(tmp_path):
 CLIP_URL = "data:video/mp4;base64," + base64.b64encode(clip(width=96, height=64, fps=4.0, num_frames=8, seed=46)).decode()
 
 
-async def ask_with_video(gateway: Gateway, request_id: str) -> list[TokenDelta]:
-    """An image and a video in one request, through prepare and generate."""
+async def ask_with_video(gateway: Gateway, request_id: str, knobs: dict | None = None) -> list[TokenDelta]:
+    """An image and a video in one request, through prepare and generate (`knobs`: its mm_processor_kwargs)."""
     body = {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": GREEN}}, {"type": "video_url", "video_url": {"url": CLIP_URL}},
         {"type": "text", "text": "What moves?"}]}]}
+    if knobs:
+        body["mm_processor_kwargs"] = knobs
     record = RequestRecord(request_id, request_id, ticket=ConcurrencyLimiter(None, None).admit("key"))
     prepared = await gateway.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
     gateway.asked = prepared.images
+    gateway.timer = record.timer
     return [delta async for delta in gateway.pipeline.generate(prepared, record.timer)]
+
+
+def video_rounds(encoder: Encoder) -> list[bool]:
+    """Per EncodeVideos round the encoder was asked: did its video come with frames."""
+    return [m.videos[0].frames is not None for m in encoder.asked if isinstance(m, EncodeVideos)]
 
 
 async def _videos(tmp_path) -> None:
@@ -283,14 +304,43 @@ async def _videos(tmp_path) -> None:
         sent = [request for requests in gw.received() for request in requests]
         assert len(sent) == 2 and all(len(r.images) == 1 and len(r.videos) == 1 for r in sent)
         assert sent[0].videos[0].key == encoder.asked[1].videos[0].digest and sent[0].videos[0].pushed
+        # new: decoded at once, frames in the first round; the re-encode asks by key (the encoder holds it)
         assert encoder.asked[1].videos[0].frames.shape[1:] == (64, 96, 3)
-        # a repeat is never KNOWN: a video's key depends on the request's knobs, not its digest alone
+        assert video_rounds(encoder) == [True, False]
+        # a repeat with the same knobs goes by the kept references: no encoder round, nothing decoded
         assert (await ask_with_video(gw, "again"))[-1].finished
-        assert len(encoder.asked) == 6 and gw.asked.delivery is Delivery.PUSHED
+        assert len(encoder.asked) == 4 and gw.asked.delivery is Delivery.KNOWN
+        assert gw.timer.stages["video_decode"] == 0 and gw.timer.cache_hits == 2
+        repeat = next(r for requests in gw.received() for r in requests if r.request_id == "again")
+        assert repeat.videos[0].key == sent[0].videos[0].key and not repeat.videos[0].pushed
+        # other knobs: another key, not a false hit; asked by key, missing, then decoded and sent
+        assert (await ask_with_video(gw, "knobs", {"max_pixels": 10_000}))[-1].finished
+        assert gw.asked.delivery is Delivery.PUSHED and video_rounds(encoder) == [True, False, False, True]
+        assert gw.timer.stages["video_decode"] > 0
+        # a repeat whose kept reference is lost: asked by key again (the encoder still holds it), then served
+        gw.script("lost")
+        assert (await ask_with_video(gw, "lost again"))[-1].finished
+        assert gw.asked.reencoded and video_rounds(encoder) == [True, False, False, True, False]
 
 
 def test_a_video_is_delivered_as_an_image_is_pushed_to_the_same_engine_and_re_encoded_once_if_lost(tmp_path):
     asyncio.run(_videos(tmp_path))
+
+
+async def _video_tokens(tmp_path) -> APIError:
+    # the image's 25 tokens fit; with the video's 50 (the encoder's answer) they do not
+    async with gateway(tmp_path, GatewayConfig(max_visual_tokens_per_request=60)) as gw:
+        try:
+            await ask_with_video(gw, "too many")
+        except APIError as error:
+            assert not any(gw.received())  # refused before the engine was asked
+            return error
+        raise AssertionError("a video past the visual-token limit reached the engine")
+
+
+def test_a_video_s_tokens_count_against_the_request_s_visual_token_limit(tmp_path):
+    error = asyncio.run(_video_tokens(tmp_path))
+    assert (error.status, error.code) == (413, "too_many_visual_tokens") and "gateway.max_visual_tokens_per_request" in error.message
 
 
 async def _video_budget(tmp_path) -> APIError:

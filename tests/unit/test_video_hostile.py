@@ -127,12 +127,18 @@ def test_jpeg_frame_lists_are_refused_by_name():
         asyncio.run(_intake().fetch(VideoRef(WHERE, "data:video/jpeg;base64,AAAA,AAAA")))
 
 
-def test_take_all_times_both_stages_and_refuses_the_request_before_any_decode(clip12, monkeypatch):
+def test_take_all_decodes_nothing_and_refuses_the_request_before_any_decode(clip12, monkeypatch):
+    """take_all fetches and inspects (video_fetch); the hand-off decodes only what its encoder needs
+    (decode_all, video_decode), the frames and metadata the inspect promised."""
     timer = RequestTimer()
     good = VideoRef("messages[0].content[0]", "data:video/mp4;base64," + base64.b64encode(clip12).decode())
-    videos = asyncio.run(_intake().take_all([(good, VideoSampling()), (good, VideoSampling("qwen3_vl"))], timer))
-    assert [v.num_frames for v in videos] == [4, 4] and videos[0].digest != videos[1].digest
-    assert timer.stages["video_fetch"] > 0 and timer.stages["video_decode"] > 0
+    inspected = asyncio.run(_intake().take_all([(good, VideoSampling()), (good, VideoSampling("qwen3_vl"))], timer))
+    assert inspected[0].digest != inspected[1].digest
+    assert timer.stages["video_fetch"] > 0 and timer.stages["video_decode"] == 0
+    videos = asyncio.run(_intake().decode_all(inspected, timer))
+    assert [v.num_frames for v in videos] == [4, 4] and [v.digest for v in videos] == [v.digest for v in inspected]
+    assert [v.hf_metadata() for v in videos] == [v.hf_metadata() for v in inspected]
+    assert timer.stages["video_decode"] > 0
     bad = VideoRef(WHERE, "data:image/png;base64," + base64.b64encode(encode(make_image("x", (32, 32)), "PNG")).decode())
     monkeypatch.setattr(video_intake, "read_frames", lambda *a: pytest.fail("decoded before every video was judged"))
     with pytest.raises(APIError) as caught:

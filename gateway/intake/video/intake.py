@@ -1,16 +1,20 @@
 """Video intake: fetch, judge by the header, sample and decode, before any model time.
 
-For each `video_url` part, the pipeline calls `VideoIntake.take`:
+For a request's `video_url` parts, the pipeline calls `VideoIntake.take_all`:
 1. `video_fetch`: a data: URL's base64 decoded, or an http(s) URL fetched
    through the image fetcher's address guard (gateway/fetch.py), capped at
-   `VideoLimits.max_bytes`;
-2. `video_decode`, in the intake thread pool: `inspect` sniffs the container,
-   opens it and checks its header (frame size, claimed frames and duration)
-   and the number of frames sampling keeps, all before a frame is decoded;
-   then, with the decode's memory admitted (T×H×W×3 plus the decoder's own,
-   gateway/memory.py), `decode` reads only up to the last kept frame.
+   `VideoLimits.max_bytes`; then, still in `video_fetch`, in the intake thread pool, `inspect` sniffs
+   the container, opens it and checks its header (frame size, claimed frames
+   and duration) and the number of frames sampling keeps, all before a frame
+   is decoded. The result, `InspectedVideo`, knows the video's `digest` and
+   its loader metadata: enough for the encoder to answer a repeat from its
+   cache.
+2. `video_decode`, only for a video the encoder needs frames of (the hand-off,
+   gateway/routing/handoff.py, calls `decode_all`): with the decode's memory
+   admitted (T×H×W×3 plus the decoder's own, gateway/memory.py), `decode`
+   reads only up to the last kept frame.
 
-The result, `SampledVideo`, holds what vLLM's loader would hand its processor,
+The decoded `SampledVideo` holds what vLLM's loader would hand its processor,
 frame for frame. Frames are not resized here: the Qwen video processors size
 frames from the whole clip (Qwen3-VL's budget counts T×H×W), so the encoder's
 processor does it, as in vLLM; the gateway bounds the frames it decodes
@@ -20,7 +24,9 @@ instead (`max_frame_pixels`, `max_sampled_frames`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from operator import attrgetter
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -32,7 +38,8 @@ from gateway.intake.memory import BODY_COPIES, hold, working
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Unreadable, open_video, probe, read_frames, visible_frames
 from gateway.intake.video.limits import VideoLimits, decoding_bytes, refused
-from gateway.intake.video.sampling import SampledVideo, SourceInfo, VideoSampling, frame_indices, prepared_source
+from gateway.intake.video.sampling import (SampledVideo, SourceInfo, VideoSampling, frame_indices, loader_metadata,
+                                           prepared_source)
 from gateway.intake.video.sniff import describe_not_video, is_video_container
 
 VIDEO_INTAKE_VERSION = "video-intake-v1"
@@ -55,6 +62,16 @@ class InspectedVideo:
     @property
     def decoding_bytes(self) -> int:
         return decoding_bytes(self.source, len(set(self.indices)))
+
+    @functools.cached_property
+    def digest(self) -> bytes:
+        return digest_of(self)
+
+    def hf_metadata(self) -> dict:
+        """The metadata its decode will carry (`read_frames` keeps each index once, in order): a
+        video the encoder answers from its cache travels with it, undecoded."""
+        s = self.source
+        return loader_metadata(s.fps, s.total_frames, s.duration_s, sorted(set(self.indices)))
 
 
 def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits) -> InspectedVideo:
@@ -101,7 +118,7 @@ def decode(item: InspectedVideo) -> SampledVideo:
         raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
                       f"frames could not be decoded (first: frame {missing[0]} of {source.total_frames} claimed)")
     return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
-                        digest=digest_of(item))
+                        digest=item.digest)
 
 
 def digest_of(item: InspectedVideo) -> bytes:
@@ -110,7 +127,8 @@ def digest_of(item: InspectedVideo) -> bytes:
 
 
 class VideoIntake:
-    """Fetch → inspect → admit memory → decode, for one request's videos."""
+    """Fetch → inspect for one request's videos (`take_all`); admit memory → decode for
+    those the encoder needs frames of (`decode_all`)."""
 
     def __init__(self, fetcher: ImageFetcher, limits: VideoLimits, pool: Executor) -> None:
         self.fetcher = fetcher  # the images' (gateway/fetch.py): the same address guard, timeouts and redirects
@@ -145,15 +163,20 @@ class VideoIntake:
         hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
         return video
 
-    async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer) -> list[SampledVideo]:
-        """Every video of a request: all fetched and inspected before any is decoded, so a hostile
-        one refuses the request before any decode's time or memory is spent."""
+    async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer) -> list[InspectedVideo]:
+        """Every video of a request fetched and inspected, none decoded: a hostile one refuses the
+        request before any decode's time or memory is spent, and a repeat may need no decode."""
         started = time.perf_counter()
         raws = await asyncio.gather(*(self.fetch(ref) for ref, _ in refs))
-        fetched = time.perf_counter()
-        timer.add("video_fetch", fetched - started)
         inspected = await asyncio.gather(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits)
                                            for raw, (ref, sampling) in zip(raws, refs)))
-        videos = await asyncio.gather(*(self.decode(item) for item in inspected))
-        timer.add("video_decode", time.perf_counter() - fetched)
+        await asyncio.gather(*(self._in_pool(attrgetter("digest"), item) for item in inspected))  # hashed off the loop
+        timer.add("video_fetch", time.perf_counter() - started)
+        return list(inspected)
+
+    async def decode_all(self, items: list[InspectedVideo], timer: RequestTimer) -> list[SampledVideo]:
+        """The videos' frames, in order (the hand-off's, for the videos its encoder needs)."""
+        started = time.perf_counter()
+        videos = await asyncio.gather(*(self.decode(item) for item in items))
+        timer.add("video_decode", time.perf_counter() - started)
         return list(videos)

@@ -110,14 +110,21 @@ class SampledVideo:
         return len(self.frame_indices) == self.total_frames
 
     def hf_metadata(self) -> dict:
-        return {
-            "total_num_frames": self.total_frames,
-            "fps": self.source_fps,
-            "duration": self.duration_s,
-            "video_backend": self.loader_backend,
-            "frames_indices": list(self.frame_indices),
-            "do_sample_frames": self.do_sample_frames,
-        }
+        return loader_metadata(self.source_fps, self.total_frames, self.duration_s, self.frame_indices, self.loader_backend)
+
+
+def loader_metadata(fps: float, total_frames: int, duration_s: float, frame_indices, backend: str = "opencv") -> dict:
+    """vLLM's loader's metadata dict for the kept frames, key for key (a decoded video's, or an
+    inspected one's before its decode: the same)."""
+    return {
+        "total_num_frames": total_frames,
+        "fps": fps,
+        "duration": duration_s,
+        "video_backend": backend,
+        "frames_indices": list(frame_indices),
+        # vLLM's create_hf_metadata: True only when every frame was kept.
+        "do_sample_frames": len(frame_indices) == total_frames,
+    }
 
 
 def prepared_source(source: SourceInfo, loader: LoaderKind) -> SourceInfo:
