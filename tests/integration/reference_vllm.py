@@ -6,7 +6,11 @@ one request at a time. Writes {case name: {text, token_ids, prompt_tokens,
 prefixes, margins}}: the text after each token, and how far the chosen token's
 log-probability was above the runner-up's (cases.matches_reference).
 
-Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json
+With `--videos` (the Qwen families' stacks, tests/integration/test_families.py)
+the same engine also answers the video cases (reference_video_vllm.py
+`family_video_references`), under the same pixel budget.
+
+Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json [--videos]
 """
 
 from __future__ import annotations
@@ -45,6 +49,20 @@ def top_two_gap(position: dict) -> float:
     return best - second
 
 
+def record(output, tokenizer) -> dict:
+    """One greedy answer as the tests compare it (cases.matches_reference)."""
+    completion = output.outputs[0]
+    token_ids = list(completion.token_ids)
+    return {
+        "text": completion.text,
+        "token_ids": token_ids,
+        "prompt_tokens": len(output.prompt_token_ids),
+        "finish_reason": completion.finish_reason,
+        "prefixes": [tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True) for k in range(len(token_ids))],
+        "margins": [top_two_gap(position) for position in completion.logprobs],
+    }
+
+
 def main() -> None:
     # The engine core in this process, not a child: the answers are the same
     # (token for token), and the run takes 17 s of CPU instead of 43. vLLM's
@@ -55,11 +73,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, image_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    videos = "--videos" in sys.argv[4:]
     llm = LLM(
         model,
         dtype="float32",
         max_model_len=4096,
-        limit_mm_per_prompt={"image": 4, "video": 0},
+        limit_mm_per_prompt={"image": 4, "video": 2 if videos else 0},
         mm_processor_kwargs=pixel_budget(model),
         kv_cache_memory_bytes=256 * 2**20,
         enforce_eager=True,
@@ -74,17 +93,11 @@ def main() -> None:
             images = [Image.open(image_dir / f"{n}.png").convert("RGB") for n in names]
             request["multi_modal_data"] = {"image": images}
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, logprobs=2)
-        output = llm.generate([request], params, use_tqdm=False)[0]
-        completion = output.outputs[0]
-        token_ids = list(completion.token_ids)
-        results[name] = {
-            "text": completion.text,
-            "token_ids": token_ids,
-            "prompt_tokens": len(output.prompt_token_ids),
-            "finish_reason": completion.finish_reason,
-            "prefixes": [tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True) for k in range(len(token_ids))],
-            "margins": [top_two_gap(position) for position in completion.logprobs],
-        }
+        results[name] = record(llm.generate([request], params, use_tqdm=False)[0], tokenizer)
+    if videos:
+        from tests.integration.reference_video_vllm import family_video_references
+
+        results.update(family_video_references(llm, model, image_dir))
     out.write_text(json.dumps(results, indent=1))
 
 
