@@ -26,19 +26,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadtest.clips import ClipSpec, make_clip  # noqa: E402
-from testing.video_clips import (CLIPS, CONCURRENT_CLIPS, ONE_FRAME_FILE, OVER_BUDGET, load_parity_clips,  # noqa: E402
-                                 server_loader, vllm_loaded)
+from testing.video_clips import CLIPS, CONCURRENT_CLIPS, ONE_FRAME_FILE, OVER_BUDGET, server_loader, vllm_loaded  # noqa: E402
 from tests.integration.reference_vllm import pixel_budget, record  # noqa: E402
 
-CLIP_NAMES = ("short", "portrait", "slow")
+CLIP_NAMES = ("short", "portrait", "slow", "over-budget")
 QUESTION = "What moves in this clip?"
 MAX_TOKENS = 8
 
-# The families' cases: every clip a server loader takes one per request (the one-frame
-# clip is a file of one frame, which vLLM's loaders refuse), eight at once, and a mix
-FAMILY_SPECS: dict[str, ClipSpec] = {**{n: c.spec for n, c in CLIPS.items() if n != "one-frame"},
+# Every clip the stack tests send, by name: those a server loader takes (the one-frame case
+# is a file of one frame instead, which vLLM's loaders refuse), one over the budget, the concurrent ones
+SERVED_CLIPS: dict[str, ClipSpec] = {**{n: c.spec for n, c in CLIPS.items() if n != "one-frame"},
                                      "over-budget": OVER_BUDGET.spec, **{n: c.spec for n, c in CONCURRENT_CLIPS.items()}}
-FAMILY_CLIPS = [n for n in FAMILY_SPECS if n not in CONCURRENT_CLIPS]
+FAMILY_CLIPS = [n for n in SERVED_CLIPS if n not in CONCURRENT_CLIPS]  # the families' one-per-request cases
 MIXED_VIDEOS = ("odd", "six-seconds")
 MIXED_IMAGE = "landscape"  # over the budget as well (tests/integration/cases.py)
 
@@ -60,7 +59,7 @@ def family_video_references(llm, model: str, image_dir: Path) -> dict:
     one = video_prompt(tokenizer, [{"type": "video"}])
 
     def request(name: str, **extra) -> dict:
-        return {"prompt": one, "multi_modal_data": {"video": [vllm_loaded(make_clip(FAMILY_SPECS[name]), backend=loader)]}, **extra}
+        return {"prompt": one, "multi_modal_data": {"video": [vllm_loaded(make_clip(SERVED_CLIPS[name]), backend=loader)]}, **extra}
 
     def answer(requests: list[dict]) -> list[dict]:
         return [record(output, tokenizer) for output in llm.generate(requests, params, use_tqdm=False)]
@@ -98,10 +97,10 @@ def main() -> None:
     llm = LLM(model, dtype="float32", max_model_len=4096, limit_mm_per_prompt={"image": 0, "video": 1},
               mm_processor_kwargs=pixel_budget(model), kv_cache_memory_bytes=256 * 2**20, enforce_eager=True, seed=0)
     prompt = video_prompt(llm.get_tokenizer(), [{"type": "video"}])
-    clips = load_parity_clips(server_loader(model))
     results = {}
     for name in CLIP_NAMES:
-        request = {"prompt": prompt, "multi_modal_data": {"video": [clips[name]]}}
+        clip = vllm_loaded(make_clip(SERVED_CLIPS[name]), backend=server_loader(model))
+        request = {"prompt": prompt, "multi_modal_data": {"video": [clip]}}
         output = llm.generate([request], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)[0]
         results[name] = {"text": output.outputs[0].text, "token_ids": list(output.outputs[0].token_ids),
                          "prompt_tokens": len(output.prompt_token_ids)}

@@ -50,7 +50,7 @@ from testing.video_clips import CONCURRENT_CLIPS, ONE_FRAME_FILE
 from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
 from tests.integration.conftest import MODEL_NAME, STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
-from tests.integration.reference_video_vllm import FAMILY_CLIPS, FAMILY_SPECS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
+from tests.integration.reference_video_vllm import FAMILY_CLIPS, SERVED_CLIPS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
 
 FAMILIES = ["qwen2.5-vl", "qwen3-vl", "llava-onevision", "llava-next", "internvl3"]
 # The encoder's pixel budget is Qwen's; the families that tile images their own way refuse one at start-up.
@@ -169,7 +169,7 @@ def assert_answers_as(response, expected: dict) -> None:
 def test_a_video_matches_vllm_s_raw_video_path(video_family, name):
     """Lengths, frame rates, sizes, portrait, an odd frame count, one over the pixel budget."""
     client, reference, _, _ = video_family
-    assert_answers_as(ask_about(client, [video_part(FAMILY_SPECS[name])]), reference[f"video-{name}"])
+    assert_answers_as(ask_about(client, [video_part(SERVED_CLIPS[name])]), reference[f"video-{name}"])
 
 
 def test_the_pixel_budget_shrinks_a_video_as_vllm_s_does(video_family):
@@ -190,7 +190,7 @@ def test_a_one_frame_video_is_refused_as_vllm_refuses_it(video_family):
 def test_two_videos_and_an_image_in_one_request_match_vllm(video_family, images):
     client, reference, _, _ = video_family
     image = {"type": "image_url", "image_url": {"url": data_url(images[MIXED_IMAGE])}}
-    first, second = (video_part(FAMILY_SPECS[n]) for n in MIXED_VIDEOS)
+    first, second = (video_part(SERVED_CLIPS[n]) for n in MIXED_VIDEOS)
     assert_answers_as(ask_about(client, [first, image, second]), reference["two-videos-and-an-image"])
 
 
@@ -198,7 +198,7 @@ def test_eight_concurrent_videos_of_mixed_lengths_each_match_vllm(video_family):
     client, reference, _, _ = video_family
     names = list(CONCURRENT_CLIPS)
     with ThreadPoolExecutor(len(names)) as pool:
-        got = list(pool.map(lambda n: ask_about(client, [video_part(FAMILY_SPECS[n])]), names))
+        got = list(pool.map(lambda n: ask_about(client, [video_part(SERVED_CLIPS[n])]), names))
     for name, response in zip(names, got):
         assert_answers_as(response, reference[f"video-{name}"])
     assert len({reference[f"video-{n}"]["prompt_tokens"] for n in names}) == len(names)  # mixed lengths: a mix-up would show

@@ -2,7 +2,8 @@
 tokens by reference through the images' hand-off), with the official openai
 client: the same greedy answer and prompt-token count as vLLM's own raw-video
 path on the demo model (tests/integration/reference_video_vllm.py, run once
-for this module beside the stack), a repeat is an encoder cache hit with the
+for this module beside the stack; one clip's frames are over the stack's pixel
+budget, which both sides apply to videos), a repeat is an encoder cache hit with the
 same answer, two videos and an image in one request, and the video stages in
 the response's breakdown and in Prometheus."""
 
@@ -20,11 +21,10 @@ from common.config import REPO_ROOT
 from loadtest.clips import make_clip
 from prism.demo_model import RANDOM_MODEL
 from testing.stack import log_tail
-from testing.video_clips import CLIPS
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save, scene
 from tests.integration.helpers import scrape
-from tests.integration.reference_video_vllm import CLIP_NAMES, MAX_TOKENS, QUESTION
+from tests.integration.reference_video_vllm import CLIP_NAMES, SERVED_CLIPS, MAX_TOKENS, QUESTION
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def reference(tmp_path_factory, stack) -> dict:
 
 
 def video_part(name: str) -> dict:
-    raw = make_clip(CLIPS[name].spec)
+    raw = make_clip(SERVED_CLIPS[name])
     return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(raw).decode()}}
 
 
