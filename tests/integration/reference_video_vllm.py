@@ -4,7 +4,7 @@ Each clip goes through the loader vLLM's server picks for the checkpoint
 (testing/video_clips.server_loader: qwen2_vl at 2 fps for Qwen2-VL and
 Qwen2.5-VL, qwen3_vl for Qwen3-VL), then the full checkpoint's processor
 and tower, under the test stack's pixel budget as `mm_processor_kwargs`
-(reference_vllm.pixel_budget): vLLM hands it to the video processor too.
+(reference_records.pixel_budget): vLLM hands it to the video processor too.
 
 - `main`: the demo model, in a child process beside the stack
   (tests/integration/test_video_serving.py). Writes {clip name: {text,
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from loadtest.clips import ClipSpec, make_clip  # noqa: E402
 from testing.video_clips import CLIPS, CONCURRENT_CLIPS, ONE_FRAME_FILE, OVER_BUDGET, server_loader, vllm_loaded  # noqa: E402
-from tests.integration.reference_vllm import pixel_budget, record  # noqa: E402
+from tests.integration.reference_records import pixel_budget, record  # noqa: E402
 
 CLIP_NAMES = ("short", "portrait", "slow", "over-budget")
 QUESTION = "What moves in this clip?"

@@ -22,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.cases import CASES, TEST_MAX_PIXELS, TEST_MIN_PIXELS  # noqa: E402
+from tests.integration.cases import CASES  # noqa: E402
+from tests.integration.reference_records import pixel_budget, record  # noqa: E402
+from tests.integration.reference_video_vllm import family_video_references  # noqa: E402
 
 
 def chat_template_messages(case) -> list[dict]:
@@ -30,37 +32,6 @@ def chat_template_messages(case) -> list[dict]:
         return {"type": "image"} if p["type"] == "image" else p
 
     return [{**m, "content": m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]} for m in case.messages]
-
-
-def pixel_budget(model: str) -> dict | None:
-    """The test budget for Qwen's families; LLaVA-OneVision tiles at its grid pinpoints and has none."""
-    from transformers import AutoConfig
-
-    from common.families import family_of
-
-    if family_of(AutoConfig.from_pretrained(model)).layout != "qwen":
-        return None
-    return {"max_pixels": TEST_MAX_PIXELS, "min_pixels": TEST_MIN_PIXELS}
-
-
-def top_two_gap(position: dict) -> float:
-    """The chosen token's log-probability less the runner-up's (logprobs=2)."""
-    best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
-    return best - second
-
-
-def record(output, tokenizer) -> dict:
-    """One greedy answer as the tests compare it (cases.matches_reference)."""
-    completion = output.outputs[0]
-    token_ids = list(completion.token_ids)
-    return {
-        "text": completion.text,
-        "token_ids": token_ids,
-        "prompt_tokens": len(output.prompt_token_ids),
-        "finish_reason": completion.finish_reason,
-        "prefixes": [tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True) for k in range(len(token_ids))],
-        "margins": [top_two_gap(position) for position in completion.logprobs],
-    }
 
 
 def main() -> None:
@@ -95,8 +66,6 @@ def main() -> None:
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, logprobs=2)
         results[name] = record(llm.generate([request], params, use_tqdm=False)[0], tokenizer)
     if videos:
-        from tests.integration.reference_video_vllm import family_video_references
-
         results.update(family_video_references(llm, model, image_dir))
     out.write_text(json.dumps(results, indent=1))
 
