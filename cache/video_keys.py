@@ -2,7 +2,8 @@
 
 A video's tokens depend on the source bytes, on which frames the gateway's
 loader kept (its fps / num_frames / frame limits), on the encoder's model and
-weights, on its video processor's defaults (pixel budget, patch sizes,
+weights, on its video processor's defaults (pixel budget, with the
+deployment's `encoder.min_pixels`/`max_pixels` over it, patch sizes,
 normalisation, its own frame sampling) and on the request's processor knobs
 (fps, num_frames, do_sample_frames, min/max pixels). The gateway's digest
 covers the first two (gateway/intake/video/intake.py: the bytes and the loader's

@@ -32,6 +32,16 @@ CLIPS = {
     "six-seconds": ParityClip(ClipSpec(128, 96, 5.0, 30, seed=7)),  # kept whole, long enough for every sampling knob to bite
 }
 
+# A clip with a single frame: vLLM's server loaders refuse it (qwen2_vl divides by zero, opencv
+# reads no frame of it), and Qwen3-VL's processor would refuse one frame anyway (temporal patch 2)
+ONE_FRAME_FILE = ClipSpec(96, 64, 5.0, 1, seed=8)
+# Frames over the test stack's pixel budget (tests/integration/cases.py: 200704 pixels a frame for
+# Qwen2/2.5-VL, over all frames for Qwen3-VL), so the encoder's budget shrinks them as vLLM's does
+OVER_BUDGET = ParityClip(ClipSpec(560, 400, 4.0, 4, seed=9))
+# Eight clips of 1 to 8 seconds (4 to 16 frames at the server loaders' 2 fps) and as many sizes,
+# new to the encoder's cache when sent at once
+CONCURRENT_CLIPS = {f"c{i}": ParityClip(ClipSpec(96 + 16 * i, 160 - 8 * i, 4.0, 4 + 4 * i, seed=20 + i)) for i in range(8)}
+
 
 def vllm_loaded(data: bytes, num_frames: int = 32, backend: str = "opencv", **kwargs) -> tuple[np.ndarray, dict]:
     """vLLM 0.32's video loader on the bytes, as VideoMediaIO calls it."""

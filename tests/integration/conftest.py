@@ -51,11 +51,12 @@ STACK_OVERRIDES = {
 class Reference:
     """The vLLM reference outputs, computed in a child process beside the stack."""
 
-    def __init__(self, out: Path, images: Path, log: Path, model: Path = RANDOM_MODEL) -> None:
+    def __init__(self, out: Path, images: Path, log: Path, model: Path = RANDOM_MODEL, videos: bool = False) -> None:
         self.out = out
         self.log = log
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(model), str(images), str(out)],
+            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(model), str(images), str(out)]
+            + (["--videos"] if videos else []),
             cwd=REPO_ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         )
         self._results: dict | None = None

@@ -6,7 +6,11 @@ one request at a time. Writes {case name: {text, token_ids, prompt_tokens,
 prefixes, margins}}: the text after each token, and how far the chosen token's
 log-probability was above the runner-up's (cases.matches_reference).
 
-Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json
+With `--videos` (the Qwen families' stacks, tests/integration/test_families.py)
+the same engine also answers the video cases (reference_video_vllm.py
+`family_video_references`), under the same pixel budget.
+
+Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json [--videos]
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.integration.cases import CASES, TEST_MAX_PIXELS, TEST_MIN_PIXELS  # noqa: E402
+from tests.integration.cases import CASES  # noqa: E402
+from tests.integration.reference_records import pixel_budget, record  # noqa: E402
+from tests.integration.reference_video_vllm import family_video_references  # noqa: E402
 
 
 def chat_template_messages(case) -> list[dict]:
@@ -26,23 +32,6 @@ def chat_template_messages(case) -> list[dict]:
         return {"type": "image"} if p["type"] == "image" else p
 
     return [{**m, "content": m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]} for m in case.messages]
-
-
-def pixel_budget(model: str) -> dict | None:
-    """The test budget for Qwen's families; LLaVA-OneVision tiles at its grid pinpoints and has none."""
-    from transformers import AutoConfig
-
-    from common.families import family_of
-
-    if family_of(AutoConfig.from_pretrained(model)).layout != "qwen":
-        return None
-    return {"max_pixels": TEST_MAX_PIXELS, "min_pixels": TEST_MIN_PIXELS}
-
-
-def top_two_gap(position: dict) -> float:
-    """The chosen token's log-probability less the runner-up's (logprobs=2)."""
-    best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
-    return best - second
 
 
 def main() -> None:
@@ -55,11 +44,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, image_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    videos = "--videos" in sys.argv[4:]
     llm = LLM(
         model,
         dtype="float32",
         max_model_len=4096,
-        limit_mm_per_prompt={"image": 4, "video": 0},
+        limit_mm_per_prompt={"image": 4, "video": 2 if videos else 0},
         mm_processor_kwargs=pixel_budget(model),
         kv_cache_memory_bytes=256 * 2**20,
         enforce_eager=True,
@@ -74,17 +64,9 @@ def main() -> None:
             images = [Image.open(image_dir / f"{n}.png").convert("RGB") for n in names]
             request["multi_modal_data"] = {"image": images}
         params = SamplingParams(max_tokens=case.max_tokens, temperature=0.0, logprobs=2)
-        output = llm.generate([request], params, use_tqdm=False)[0]
-        completion = output.outputs[0]
-        token_ids = list(completion.token_ids)
-        results[name] = {
-            "text": completion.text,
-            "token_ids": token_ids,
-            "prompt_tokens": len(output.prompt_token_ids),
-            "finish_reason": completion.finish_reason,
-            "prefixes": [tokenizer.decode(token_ids[: k + 1], skip_special_tokens=True) for k in range(len(token_ids))],
-            "margins": [top_two_gap(position) for position in completion.logprobs],
-        }
+        results[name] = record(llm.generate([request], params, use_tqdm=False)[0], tokenizer)
+    if videos:
+        results.update(family_video_references(llm, model, image_dir))
     out.write_text(json.dumps(results, indent=1))
 
 

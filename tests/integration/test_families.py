@@ -20,32 +20,44 @@ test batches different sizes together.
 InternVL3: the grid of tiles closest to the image's aspect ratio, plus a
 thumbnail; the gateway sends the image no larger than covers that canvas and
 the encoder holds the processor to the original's tile count.
+
+Videos (Qwen2.5-VL and Qwen3-VL; the demo model's Qwen2-VL in
+test_video_serving.py): the same stack against vLLM's raw-video path as its
+server runs it (each family's loader, the test pixel budget as
+`mm_processor_kwargs`, which vLLM applies to videos too), answered by the
+image reference's engine (reference_video_vllm.family_video_references).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 from openai import OpenAI
 
 from cache import content_key
+from loadtest.clips import make_clip
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from testing.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed, TokenDelta
 from vision_encoder.towers import load_tower
-from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, matches_reference
-from tests.integration.conftest import STACK_OVERRIDES, Reference
+from testing.video_clips import CONCURRENT_CLIPS, ONE_FRAME_FILE
+from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
+from tests.integration.conftest import MODEL_NAME, STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
+from tests.integration.reference_video_vllm import FAMILY_CLIPS, SERVED_CLIPS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
 
 FAMILIES = ["qwen2.5-vl", "qwen3-vl", "llava-onevision", "llava-next", "internvl3"]
 # The encoder's pixel budget is Qwen's; the families that tile images their own way refuse one at start-up.
 NO_PIXEL_BUDGET = {k: v for k, v in STACK_OVERRIDES.items() if k not in ("PRISM_ENCODER__MAX_PIXELS", "PRISM_ENCODER__MIN_PIXELS")}
 OVERRIDES = {"qwen2.5-vl": STACK_OVERRIDES, "qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET, "internvl3": NO_PIXEL_BUDGET}
 # (width the family's embeddings must have, a wrong one, the grid sent with them)
+VIDEO_FAMILIES = {"qwen2.5-vl", "qwen3-vl"}
 WIDTHS = {"qwen2.5-vl": (128, 64, (1, 4, 4)), "qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None), "internvl3": (128, 64, None)}
 
 
@@ -53,7 +65,8 @@ WIDTHS = {"qwen2.5-vl": (128, 64, (1, 4, 4)), "qwen3-vl": (384, 128, (1, 4, 4)),
 def family(request, tmp_path_factory, images):
     checkpoint = ensure_tiny_model(request.param)
     run_dir = tmp_path_factory.mktemp(request.param)
-    reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint)
+    reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint,
+                          videos=request.param in VIDEO_FAMILIES)
     try:
         with LocalStack(run_dir, OVERRIDES[request.param], model=checkpoint) as stack:
             client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -126,3 +139,66 @@ def test_embeddings_of_the_wrong_width_are_refused_and_the_engine_lives(family):
     assert isinstance(bad, GenerateFailed) and bad.status == 400 and f"expected (4, {width})" in bad.message
     good = asyncio.run(send_raw(address, *embeddings_request("right-width", torch.randn(4, width), grid)))
     assert isinstance(good, TokenDelta) and good.completion_tokens == 2
+
+
+@pytest.fixture
+def video_family(family):
+    if family[3] not in VIDEO_FAMILIES:
+        pytest.skip(f"{family[3]} takes no videos (the Qwen families do)")
+    return family
+
+
+def video_part(spec) -> dict:
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(make_clip(spec)).decode()}}
+
+
+def ask_about(client: OpenAI, parts: list[dict]):
+    return client.chat.completions.create(model=MODEL_NAME, max_tokens=MAX_TOKENS, temperature=0,
+                                          messages=[{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}])
+
+
+def assert_answers_as(response, expected: dict) -> None:
+    text = response.choices[0].message.content
+    assert matches_reference(text, expected), (text, expected["text"])
+    assert response.usage.prompt_tokens == expected["prompt_tokens"]  # the same visual tokens, by grid and time axis
+    if text == expected["text"]:
+        assert response.usage.completion_tokens == len(expected["token_ids"])
+
+
+@pytest.mark.parametrize("name", FAMILY_CLIPS)
+def test_a_video_matches_vllm_s_raw_video_path(video_family, name):
+    """Lengths, frame rates, sizes, portrait, an odd frame count, one over the pixel budget."""
+    client, reference, _, _ = video_family
+    assert_answers_as(ask_about(client, [video_part(SERVED_CLIPS[name])]), reference[f"video-{name}"])
+
+
+def test_the_pixel_budget_shrinks_a_video_as_vllm_s_does(video_family):
+    """The over-budget clip has fewer prompt tokens under the budget than at the video
+    processor's own size, in vLLM; Prism's count is the budgeted one (the test above)."""
+    _, reference, _, _ = video_family
+    assert reference["video-over-budget"]["prompt_tokens"] < reference["video-over-budget-unbudgeted"]["prompt_tokens"]
+
+
+def test_a_one_frame_video_is_refused_as_vllm_refuses_it(video_family):
+    client, reference, _, name = video_family
+    assert reference["video-one-frame-file"]["refused"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask_about(client, [video_part(ONE_FRAME_FILE)])
+    assert "frame" in refused.value.message, refused.value.message
+
+
+def test_two_videos_and_an_image_in_one_request_match_vllm(video_family, images):
+    client, reference, _, _ = video_family
+    image = {"type": "image_url", "image_url": {"url": data_url(images[MIXED_IMAGE])}}
+    first, second = (video_part(SERVED_CLIPS[n]) for n in MIXED_VIDEOS)
+    assert_answers_as(ask_about(client, [first, image, second]), reference["two-videos-and-an-image"])
+
+
+def test_eight_concurrent_videos_of_mixed_lengths_each_match_vllm(video_family):
+    client, reference, _, _ = video_family
+    names = list(CONCURRENT_CLIPS)
+    with ThreadPoolExecutor(len(names)) as pool:
+        got = list(pool.map(lambda n: ask_about(client, [video_part(SERVED_CLIPS[n])]), names))
+    for name, response in zip(names, got):
+        assert_answers_as(response, reference[f"video-{name}"])
+    assert len({reference[f"video-{n}"]["prompt_tokens"] for n in names}) == len(names)  # mixed lengths: a mix-up would show

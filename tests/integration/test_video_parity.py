@@ -123,6 +123,8 @@ def test_one_video_matches_vllm(engine, clips, name):
             generate(llm, prompt, [clips[name]])
         with pytest.raises(ValueError, match="temporal_factor"):
             video.encode_clip(VideoClip.from_metadata(*clips[name]))
+        with pytest.raises(ValueError, match="temporal_factor"):  # the encoder's check, before a batch would fail
+            video.time_axis(VideoClip.from_metadata(*clips[name]))
         return
     raw = generate(llm, prompt, [clips[name]])
     embeds = prism_embeds(video, clips[name])

@@ -2,7 +2,8 @@
 tokens by reference through the images' hand-off), with the official openai
 client: the same greedy answer and prompt-token count as vLLM's own raw-video
 path on the demo model (tests/integration/reference_video_vllm.py, run once
-for this module beside the stack), a repeat is an encoder cache hit with the
+for this module beside the stack; one clip's frames are over the stack's pixel
+budget, which both sides apply to videos), a repeat is an encoder cache hit with the
 same answer with no decode at the gateway (it goes by the kept reference),
 other processor knobs are not a false hit, a video's tokens count against the
 request's visual-token limit, two videos and an image in one request, and the
@@ -24,11 +25,10 @@ from common.config import REPO_ROOT
 from loadtest.clips import clip, make_clip
 from prism.demo_model import RANDOM_MODEL
 from testing.stack import free_port, log_tail, serving
-from testing.video_clips import CLIPS
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save, scene
 from tests.integration.helpers import scrape
-from tests.integration.reference_video_vllm import CLIP_NAMES, MAX_TOKENS, QUESTION
+from tests.integration.reference_video_vllm import CLIP_NAMES, SERVED_CLIPS, MAX_TOKENS, QUESTION
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def data_url(raw: bytes) -> dict:
 
 
 def video_part(name: str) -> dict:
-    return data_url(make_clip(CLIPS[name].spec))
+    return data_url(make_clip(SERVED_CLIPS[name]))
 
 
 def ask(client, content: list[dict], max_tokens: int = MAX_TOKENS, **extra):

@@ -69,3 +69,12 @@ def test_the_checkpoint_s_video_processor_defaults_are_in_the_key(video, tmp_pat
 
 def test_the_key_is_the_documented_hash(video):
     assert video.cache_key(DIGEST) == video_key(video.tower.fingerprint, video.preprocessing_params(), {}, DIGEST)
+
+
+def test_the_deployment_s_pixel_budget_is_in_the_key_and_the_processor(video):
+    """encoder.max_pixels/min_pixels reach the video processor as vLLM's `mm_processor_kwargs` do:
+    a clip keys apart under another budget, and the budget is the processor's size."""
+    budgeted = QwenVideo(load_tower(str(ensure_demo_model(RANDOM_MODEL)), "float32", "cpu", min_pixels=3136, max_pixels=200_704))
+    assert (budgeted.processor.size.shortest_edge, budgeted.processor.size.longest_edge) == (3136, 200_704)
+    assert budgeted.cache_key(DIGEST) != video.cache_key(DIGEST)
+    assert budgeted.preprocessing_params()["size"] != video.preprocessing_params()["size"]

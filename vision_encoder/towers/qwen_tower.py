@@ -74,6 +74,8 @@ class QwenTower(VisionTower):
         super().__init__(model_id, config, family, dtype, device, options)
         self.merge_size = config.vision_config.spatial_merge_size
         overrides = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+        # The deployment's budget, which vLLM's `mm_processor_kwargs` applies to videos too (qwen_video.py)
+        self.pixel_budget = dict(overrides)
         if overrides:
             # Qwen processors read both spellings; `size` is the one they resize by.
             overrides["size"] = {"shortest_edge": overrides.get("min_pixels"), "longest_edge": overrides.get("max_pixels")}

@@ -104,6 +104,14 @@ class VideoTokens:
     timestamps: tuple[float, ...] | None = None
 
 
+def budget_size(size: Any, min_pixels: int | None = None, max_pixels: int | None = None) -> dict:
+    """A video processor's `size` with a pixel budget's edges over it, as vLLM resolves
+    min/max_pixels against the processor's defaults (Qwen2VLProcessingInfo._get_vision_size)."""
+    edges = {k: v for k, v in dict(size).items() if v is not None}
+    edges.update({k: v for k, v in (("shortest_edge", min_pixels), ("longest_edge", max_pixels)) if v})
+    return edges
+
+
 def calculate_timestamps(indices: list[int], video_fps: float, temporal_patch: int) -> list[float]:
     """Qwen3-VL: each temporal patch's time, the mean of its first and last frame's
     (Qwen3VLProcessingInfo._calculate_timestamps; an odd tail repeats its last frame)."""
@@ -120,7 +128,15 @@ class QwenVideo:
         from transformers import AutoVideoProcessor
 
         self.tower = tower
-        self.processor = AutoVideoProcessor.from_pretrained(local_checkpoint(tower.model_id))
+        path = local_checkpoint(tower.model_id)
+        self.processor = AutoVideoProcessor.from_pretrained(path)
+        if tower.pixel_budget:
+            # vLLM routes a processor-level min/max_pixels to the video processor as well as the
+            # image processor (its kwargs scopes), over the video processor's own size defaults.
+            # Both spellings: Qwen2-VL's reads a config's min/max_pixels over `size`.
+            size = budget_size(self.processor.size, **tower.pixel_budget)
+            self.processor = AutoVideoProcessor.from_pretrained(
+                path, size=size, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
         self.family = tower.family.name
 
     def preprocessing_params(self) -> dict:
@@ -142,9 +158,7 @@ class QwenVideo:
         """The processor's arguments as vLLM passes them for this family (docs/video.md)."""
         kwargs = {k: v for k, v in sampling.params().items() if k not in ("min_pixels", "max_pixels")}
         if sampling.min_pixels or sampling.max_pixels:
-            size = dict(self.processor.size)
-            size.update({k: v for k, v in (("shortest_edge", sampling.min_pixels), ("longest_edge", sampling.max_pixels)) if v})
-            kwargs["size"] = size
+            kwargs["size"] = budget_size(self.processor.size, sampling.min_pixels, sampling.max_pixels)
         if self.family == "Qwen3-VL":
             kwargs.setdefault("do_sample_frames", clip.do_sample_frames)
             if "num_frames" in kwargs and "fps" not in kwargs:
@@ -179,7 +193,11 @@ class QwenVideo:
         if self.family == "Qwen2.5-VL":
             return temporal / sampled_fps(clip, self.sampled_indices(clip, kwargs)), None
         if self.family == "Qwen3-VL":
-            return None, tuple(calculate_timestamps(self.sampled_indices(clip, kwargs), clip.fps, temporal))
+            indices = self.sampled_indices(clip, kwargs)
+            if len(indices) < temporal:  # the processor's refusal, before the clip joins a batch and fails it
+                raise ValueError(f"{len(indices)} frame kept; Qwen3-VL needs at least {temporal} (its video processor's "
+                                 "temporal_factor)")
+            return None, tuple(calculate_timestamps(indices, clip.fps, temporal))
         return None, None
 
     def encode(self, video: PreprocessedVideo) -> VideoTokens:
