@@ -1,8 +1,9 @@
 """Train the demo model that sees: a tiny Qwen2-VL on synthetic shape scenes.
 
-Every batch is drawn fresh from a seeded generator (prism/scenes.py) and
-passed through the same image processor the encoder service loads. Three
-phases, deterministic for a given seed and thread count, CPU only:
+Every batch is drawn fresh from a seeded generator (prism/scenes.py,
+prism/scene_clips.py) and passed through the same image and video processors
+the encoder service loads. Four phases, deterministic for a given seed and
+thread count, CPU only:
 
 1. The vision tower alone learns to read scenes (2000 steps): a small
    probe on its visual tokens (SceneHeads, thrown away afterwards) must say,
@@ -13,6 +14,11 @@ phases, deterministic for a given seed and thread count, CPU only:
    loss kept beside.
 3. JSON answers about one-shape scenes (400 steps): the language model
    alone, at a low rate, with plain questions in every batch (`teach_json`).
+4. "What colour does the square turn?" about short clips in which one shape
+   changes colour half-way (240 steps): the language model alone again, the
+   clips as mp4 bytes through vLLM's own loader and the checkpoint's video
+   processor, so it learns on the frames the served path hands it; image and
+   JSON questions in every batch (`teach_video`).
 
 Why (the runs: docs/measurements/accuracy.md): answers alone teach a
 from-scratch tower slowly, and so does a per-token label alone; the ViT needs
@@ -22,6 +28,7 @@ another shape's colour in scenes of three); frozen, they pass their bar, and
 a step costs half as much.
 
 Run: python -m prism.train_demo --out models/prism-shapes
+     python -m prism.train_demo --json-from models/prism-shapes   # phase 4 alone, on the committed weights
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prism import scenes
+from prism import scene_clips, scenes
 from prism.demo_model import build_config, build_tokenizer, save_checkpoint, write_processor_configs
 
 MAX_PIXELS = 140 * 140  # every image is resized to at most this (5×5 visual tokens) before the ViT
@@ -68,6 +75,12 @@ class Recipe:
     json_steps: int = 400  # phase 3: JSON answers taught to the finished model
     json_lr: float = 5e-4
     json_share: int = 12  # phase 3: JSON samples per batch, the rest plain questions so none is forgotten
+    video_steps: int = 240  # phase 4: a video question taught to the finished model
+    video_lr: float = 1e-3
+    video_warmup: int = 20
+    video_batch_size: int = 16  # phase 4's batches are smaller: a clip costs twice an image's tokens
+    video_share: int = 6  # phase 4: clips per batch
+    video_json_share: int = 1  # phase 4: JSON samples per batch beside them; the rest plain questions
 
 
 def _corpus_lines() -> list[str]:
@@ -90,49 +103,76 @@ def build(recipe: Recipe):
     return Qwen2VLForConditionalGeneration(config), tokenizer
 
 
-def image_processor(workdir: Path):
-    """The processor exactly as the encoder service will load it from the checkpoint."""
-    from transformers import AutoImageProcessor
+def processors(workdir: Path):
+    """The image and video processors exactly as the encoder service will load them from the checkpoint."""
+    from transformers import AutoImageProcessor, AutoVideoProcessor
 
     workdir.mkdir(parents=True, exist_ok=True)
     write_processor_configs(workdir, MAX_PIXELS, MIN_PIXELS)
-    return AutoImageProcessor.from_pretrained(workdir)
+    return AutoImageProcessor.from_pretrained(workdir), AutoVideoProcessor.from_pretrained(workdir)
+
+
+def is_clip(media) -> bool:
+    """A sample's media: a PIL image, or a clip's served frames (uint8 (T, H, W, 3))."""
+    return isinstance(media, np.ndarray)
+
+
+# Per medium: the chat part, its placeholder token, and its mm_token_type_ids value (M-RoPE's).
+MEDIA = {False: ("image", "<|image_pad|>", 1), True: ("video", "<|video_pad|>", 2)}
 
 
 class Batcher:
-    """Turns (image, question, answer) triples into model inputs with answer-only labels."""
+    """Turns (image or clip, question, answer, scene) samples into model inputs with answer-only labels."""
 
-    def __init__(self, tokenizer, processor):
+    def __init__(self, tokenizer, processor, video_processor=None):
         self.tokenizer = tokenizer
         self.processor = processor
-        self.pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.video_processor = video_processor
+        self.type_of = {tokenizer.convert_tokens_to_ids(pad): value for _, pad, value in MEDIA.values()}
         self.merge = processor.merge_size**2
 
-    def prompt_ids(self, question: str, tokens: int) -> list[int]:
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    def prompt_ids(self, question: str, tokens: int, clip: bool = False) -> list[int]:
+        part, pad, _ = MEDIA[clip]
+        messages = [{"role": "user", "content": [{"type": part}, {"type": "text", "text": question}]}]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        text = text.replace("<|image_pad|>", "<|image_pad|>" * tokens)
+        text = text.replace(pad, pad * tokens)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _visual_inputs(self, samples: list[tuple]) -> tuple[dict, list[int]]:
+        """The processors' outputs, and each sample's count of visual tokens (images and clips in their order)."""
+        images = [media for media, *_ in samples if not is_clip(media)]
+        clips = [media for media, *_ in samples if is_clip(media)]
+        inputs, tokens = {}, {False: iter(()), True: iter(())}
+        if images:
+            vision = self.processor(images=images, return_tensors="pt")
+            inputs |= {"pixel_values": vision["pixel_values"], "image_grid_thw": vision["image_grid_thw"]}
+            tokens[False] = iter((vision["image_grid_thw"].prod(-1) // self.merge).tolist())
+        if clips:
+            video = self.video_processor(videos=clips, return_tensors="pt")
+            inputs |= {"pixel_values_videos": video["pixel_values_videos"], "video_grid_thw": video["video_grid_thw"]}
+            tokens[True] = iter((video["video_grid_thw"].prod(-1) // self.merge).tolist())
+        return inputs, [next(tokens[is_clip(media)]) for media, *_ in samples]
+
     def __call__(self, samples: list[tuple]) -> dict[str, torch.Tensor]:
-        vision = self.processor(images=[image for image, *_ in samples], return_tensors="pt")
-        tokens = (vision["image_grid_thw"].prod(-1) // self.merge).tolist()
+        visual, tokens = self._visual_inputs(samples)
         rows, labels = [], []
-        for (_, question, answer, _), n in zip(samples, tokens):
-            prompt = self.prompt_ids(question, n)
+        for (media, question, answer, _), n in zip(samples, tokens):
+            prompt = self.prompt_ids(question, n, is_clip(media))
             target = self.tokenizer(answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
             rows.append(prompt + target)
             labels.append([-100] * len(prompt) + target)
         width = max(map(len, rows))
         pad_id = self.tokenizer.pad_token_id
         input_ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
+        token_types = torch.zeros_like(input_ids)  # M-RoPE's: 0 text, 1 image, 2 video
+        for pad, value in self.type_of.items():
+            token_types[input_ids == pad] = value
         return {
             "input_ids": input_ids,
-            "mm_token_type_ids": (input_ids == self.pad).long(),  # 1 marks image tokens, for M-RoPE
+            "mm_token_type_ids": token_types,
             "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
             "labels": torch.tensor([l + [-100] * (width - len(l)) for l in labels]),
-            "pixel_values": vision["pixel_values"],
-            "image_grid_thw": vision["image_grid_thw"],
+            **visual,
         }
 
 
@@ -213,6 +253,16 @@ def draw_samples(rng: random.Random, n: int, recipe: Recipe, kind: str | None = 
     return samples
 
 
+def draw_clips(rng: random.Random, n: int, recipe: Recipe) -> list[tuple]:
+    """Clip samples as the served path sees them: mp4 bytes, then the frames vLLM's loader keeps."""
+    samples = []
+    for _ in range(n):
+        clip = scene_clips.make_clip(rng)
+        question = clip.question(rng)
+        samples.append((scene_clips.served_frames(clip.mp4()), question.text, question.answer, clip.before))
+    return samples
+
+
 @torch.no_grad()
 def exact_match(model, batch: dict) -> float:
     """Share of samples whose every answer token is the argmax: what greedy decoding would say."""
@@ -233,16 +283,21 @@ def update(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], loss: t
     optimizer.step()
 
 
-def lr_at(step: int, steps: int, recipe: Recipe, peak: float | None = None) -> float:
+def lr_at(step: int, steps: int, recipe: Recipe, peak: float | None = None, warmup: int | None = None) -> float:
     peak = recipe.lr if peak is None else peak
-    if step < recipe.warmup:
-        return peak * (step + 1) / recipe.warmup
-    progress = (step - recipe.warmup) / max(1, steps - recipe.warmup)
+    warmup = recipe.warmup if warmup is None else warmup
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def held_out_batches(batcher: Batcher, recipe: Recipe, kinds: tuple[str, ...]) -> dict[str, dict]:
-    return {kind: batcher(draw_samples(random.Random(f"held-out-{kind}"), 48, recipe, kind)) for kind in kinds}
+    def draw(kind: str) -> list[tuple]:
+        rng = random.Random(f"held-out-{kind}")
+        return draw_clips(rng, 48, recipe) if kind == scene_clips.KIND else draw_samples(rng, 48, recipe, kind)
+
+    return {kind: batcher(draw(kind)) for kind in kinds}
 
 
 def log_held_out(phase: str, step: int, loss: float, model, held_out: dict[str, dict], extra: str = "") -> None:
@@ -327,6 +382,33 @@ def teach_json(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None:
             log_held_out("json", step, loss.item(), model, held_out)
 
 
+def teach_video(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None:
+    """Phase 4: "What colour does the <shape> turn?" about clips in which one
+    shape changes colour half-way, taught to the finished model as phase 3
+    taught JSON: the vision tower frozen (a clip's two temporal patches each
+    hold one still picture, which it already reads), the language model at a
+    low rate, with JSON and plain questions in every batch so none is
+    forgotten. It learns which temporal patch comes last from M-RoPE's time
+    axis, and the answer is the named shape's colour there."""
+    held_out = held_out_batches(batcher, recipe, (*scenes.KINDS, "json", scene_clips.KIND))
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith("model.visual."))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=recipe.video_lr, weight_decay=recipe.weight_decay)
+    rng = random.Random(f"{recipe.seed}-video")
+    plain = recipe.video_batch_size - recipe.video_share - recipe.video_json_share
+    for step in range(recipe.video_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, recipe.video_steps, recipe, recipe.video_lr, recipe.video_warmup)
+        samples = draw_clips(rng, recipe.video_share, recipe)
+        samples += draw_samples(rng, recipe.video_json_share, recipe, "json")
+        samples += draw_samples(rng, plain, recipe)
+        loss = model(**batcher(samples)).loss
+        update(optimizer, params, loss)
+        if step % log_every == 0 or step == recipe.video_steps - 1:
+            log_held_out("video", step, loss.item(), model, held_out)
+
+
 def _answers_state(path: Path) -> dict[str, torch.Tensor]:
     """Phase 2's result: a --save-answers file, or a saved checkpoint (such as
     the committed demo model), read in float32."""
@@ -338,17 +420,18 @@ def _answers_state(path: Path) -> dict[str, torch.Tensor]:
 
 
 def train(recipe: Recipe, out: Path, log_every: int = 50, vision_from: Path | None = None, save_vision: Path | None = None,
-          answers_from: Path | None = None, save_answers: Path | None = None) -> Path:
+          answers_from: Path | None = None, save_answers: Path | None = None, json_from: Path | None = None) -> Path:
     torch.set_num_threads(recipe.threads)
     started = time.monotonic()
     model, tokenizer = build(recipe)
-    processor = image_processor(out)
     heads = SceneHeads(model.config.text_config.hidden_size)
+    # Shortcuts: an earlier phase's result from a run of the same recipe (read before `out` is written to).
+    start_state = _answers_state(json_from or answers_from) if json_from or answers_from else None
+    processor, video_processor = processors(out)
     model.train()
-    batcher = Batcher(tokenizer, processor)
-    # Development shortcuts: an earlier phase's result from a run of the same recipe.
-    if answers_from:
-        model.load_state_dict(_answers_state(answers_from))
+    batcher = Batcher(tokenizer, processor, video_processor)
+    if start_state is not None:
+        model.load_state_dict(start_state)
     else:
         if vision_from:
             state = torch.load(vision_from)
@@ -361,7 +444,9 @@ def train(recipe: Recipe, out: Path, log_every: int = 50, vision_from: Path | No
         train_end_to_end(model, heads, batcher, recipe, log_every)
         if save_answers:
             torch.save(model.state_dict(), save_answers)
-    teach_json(model, batcher, recipe, log_every)
+    if not json_from:
+        teach_json(model, batcher, recipe, log_every)
+    teach_video(model, batcher, recipe, log_every)
     about = {"kind": "trained", "recipe": asdict(recipe), "train_seconds": round(time.monotonic() - started)}
     print(f"trained in {about['train_seconds']} s")
     return save_checkpoint(out, model.to(torch.bfloat16), tokenizer, MAX_PIXELS, MIN_PIXELS, about)
@@ -375,11 +460,12 @@ def main() -> None:
     parser.add_argument("--vision-from", type=Path, help="skip phase 1: start from a --save-vision file")
     parser.add_argument("--save-answers", type=Path, help="keep phase 2's model here")
     parser.add_argument("--answers-from", type=Path, help="skip phases 1 and 2: start from a --save-answers file or a checkpoint")
+    parser.add_argument("--json-from", type=Path, help="skip phases 1 to 3: start from a checkpoint that answers JSON")
     for name, value in asdict(Recipe()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = vars(parser.parse_args())
     out, log_every = args.pop("out"), args.pop("log_every")
-    shortcuts = {name: args.pop(name) for name in ("vision_from", "save_vision", "answers_from", "save_answers")}
+    shortcuts = {name: args.pop(name) for name in ("vision_from", "save_vision", "answers_from", "save_answers", "json_from")}
     recipe = Recipe(**args)
     print(json.dumps(asdict(recipe)))
     print(train(recipe, out, log_every, **shortcuts))

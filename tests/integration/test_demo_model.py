@@ -1,6 +1,7 @@
 """The trained demo model, served by a stack of its own exactly as `make serve`
 runs it: it answers about the image each request sent, at any resolution, and
-its held-out accuracy through gateway → encoder → engine stays above the bar."""
+its held-out accuracy through gateway → encoder → engine stays above the bar;
+about a clip, it names the colour a shape turns."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from bench.accuracy import BARS, accuracy, answers, ask, held_out, normalise
-from prism import scenes
+from bench.accuracy import BARS, accuracy, answers, ask, ask_about, held_out, normalise, video_part
+from prism import scene_clips, scenes
 from prism.demo_model import SHAPES_MODEL
 from testing.stack import LocalStack
 from loadtest.synthetic import data_url
 
 MODEL = "prism-demo"
+CLIP_SEED = "clip-test-2"  # a two-shape clip the committed model answers right both ways, by a margin
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +110,15 @@ def test_ignore_eos_and_min_tokens_are_honoured(shapes_client):
     assert usage(ignore_eos=True) == (12, "length")
     tokens, _ = usage(min_tokens=6)
     assert tokens >= 6
+
+
+def test_a_clip_is_answered_with_the_colour_its_shape_turns_played_either_way(shapes_client):
+    # A held-out clip (not from training's generator) in which one shape turns
+    # another colour half-way, and the same clip played backwards: the two
+    # answers differ, so both are right only if the clip's frames reach the
+    # model, in order, as its later temporal patch.
+    clip = scene_clips.make_clip(random.Random(CLIP_SEED))
+    question = clip.question(random.Random(CLIP_SEED))
+    for played in (clip, clip.reversed()):
+        reply = ask_about(shapes_client, MODEL, video_part(played.mp4()), question.text)
+        assert normalise(reply) == played.colour, (question.text, played.colour, reply)
