@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import cv2
@@ -95,15 +96,21 @@ def render_frame(spec: ClipSpec, scene: _Scene, index: int) -> np.ndarray:
 def make_clip(spec: ClipSpec) -> bytes:
     """The clip encoded as mp4 (mpeg4 video, no audio)."""
     scene = _scene(spec)
+    return write_mp4((render_frame(spec, scene, index) for index in range(spec.num_frames)), spec.fps,
+                     (spec.width, spec.height))
+
+
+def write_mp4(frames_bgr: Iterable[np.ndarray], fps: float, size: tuple[int, int]) -> bytes:
+    """BGR uint8 frames of `size` (width, height) as mp4 bytes (OpenCV's MPEG-4 Part 2, "mp4v")."""
     fd, path = tempfile.mkstemp(suffix=".mp4")
     os.close(fd)
     try:
-        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), spec.fps, (spec.width, spec.height))
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
         if not writer.isOpened():
-            raise RuntimeError(f"OpenCV could not open an mp4 writer for {spec}")
+            raise RuntimeError(f"OpenCV could not open an mp4 writer for {size[0]}×{size[1]} at {fps} fps")
         try:
-            for index in range(spec.num_frames):
-                writer.write(render_frame(spec, scene, index))
+            for frame in frames_bgr:
+                writer.write(frame)
         finally:
             writer.release()
         with open(path, "rb") as f:

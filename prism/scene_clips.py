@@ -15,20 +15,17 @@ second, at least 4, an even count. Training looks at exactly those frames.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import tempfile
 from dataclasses import dataclass
 
-import cv2
 import numpy as np
 
+from loadtest.clips import write_mp4
 from loadtest.colours import COLOURS
 from prism import scenes
 
 TEMPLATES = ("What colour does the {shape} turn?", "What color does the {shape} turn?")
 KIND = "turns"  # the question kind's name in training logs and bench/accuracy.py
-MP4_FOURCC = "mp4v"
 
 
 @dataclass(frozen=True)
@@ -47,21 +44,7 @@ class TurningClip:
         return [first if i < self.num_frames // 2 else second for i in range(self.num_frames)]
 
     def mp4(self) -> bytes:
-        fd, path = tempfile.mkstemp(suffix=".mp4")
-        os.close(fd)
-        try:
-            writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*MP4_FOURCC), self.fps, self.size)
-            if not writer.isOpened():
-                raise RuntimeError(f"OpenCV could not open an mp4 writer for a {self.size} clip")
-            try:
-                for frame in self.frames():
-                    writer.write(np.ascontiguousarray(frame[:, :, ::-1]))  # OpenCV writes BGR
-            finally:
-                writer.release()
-            with open(path, "rb") as f:
-                return f.read()
-        finally:
-            os.unlink(path)
+        return write_mp4((np.ascontiguousarray(f[:, :, ::-1]) for f in self.frames()), self.fps, self.size)  # BGR
 
     def reversed(self) -> "TurningClip":
         """The clip played backwards: the shape turns from its second colour back to its first."""
