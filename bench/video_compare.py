@@ -77,6 +77,7 @@ class Sizes:
 
     new_clips: int = 6  # (a) and (b): each clip asked twice
     clip: tuple[int, int, float, float] = (640, 360, 10.0, 10.0)  # width, height, source fps, seconds
+    clip_max_pixels: int | None = None  # (a)/(b)'s mm_processor_kwargs.max_pixels; None: the checkpoint's budget
     mixed_requests: int = 32  # (c)
     mixed_in_flight: int = 8
     mixed_clip_size: tuple[int, int] = (480, 270)
@@ -99,7 +100,8 @@ def clip_requests(sizes: Sizes, seed: int) -> list[RequestSpec]:
     for n in range(sizes.new_clips + 1):
         video = VideoSpec(f"{seconds:g}s", width, height, fps, seconds, seed + n)
         for repeat, question in enumerate(QUESTIONS):
-            requests.append(RequestSpec(len(requests), (), question, None, sizes.max_tokens, (video,), bool(repeat), SAMPLE_FPS))
+            requests.append(RequestSpec(len(requests), (), question, None, sizes.max_tokens, (video,), bool(repeat), SAMPLE_FPS,
+                                        sizes.clip_max_pixels))
     return requests
 
 
@@ -253,11 +255,19 @@ def main() -> int:
     parser.add_argument("--small-memory-limit", default=None,
                         help="(d)'s second Prism run: gateway.memory_limit_bytes (default: room for about "
                              f"{SMALL_BUDGET_CLIPS:g} clips' decodes beside the gateway's own memory)")
+    parser.add_argument("--clip", default=None, metavar="WxH",
+                        help="(a)/(b)'s clip size (default 640x360; a larger one costs a decode more, and more tokens)")
+    parser.add_argument("--clip-max-pixels", type=int, default=None,
+                        help="(a)/(b)'s mm_processor_kwargs.max_pixels (keeps a large clip within the model's context)")
     parser.add_argument("--note", default="", help="said in the measurements entry (the machine's state, the branch)")
     parser.add_argument("--no-record", action="store_true", help="leave docs/measurements/video-compare.md alone")
     args = parser.parse_args()
     ensure_demo_model(MODEL)
     sizes = Sizes().scaled(args.scale)
+    if args.clip:
+        width, height = (int(side) for side in args.clip.lower().split("x"))
+        sizes = replace(sizes, clip=(width, height, *sizes.clip[2:]))
+    sizes = replace(sizes, clip_max_pixels=args.clip_max_pixels)
     results: dict = {"sizes": sizes.__dict__}
     with tempfile.TemporaryDirectory(prefix="prism-video-compare-") as tmp:
         print("vLLM's own server:", flush=True)

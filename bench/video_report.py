@@ -69,6 +69,10 @@ def kinds_table(vllm: dict, prism: dict) -> list[str]:
     return lines
 
 
+def _budget(max_pixels: int | None) -> str:
+    return "" if max_pixels is None else f" (mm_processor_kwargs.max_pixels {max_pixels:,})"
+
+
 def _mib(value: int | None) -> str:
     return "—" if value is None else f"{value / MIB:,.0f} MiB"
 
@@ -120,7 +124,8 @@ def stages_line(prism: dict) -> list[str]:
 def markdown(results: dict, sizes, command: str, mismatches: list[str]) -> str:
     vllm, prism = results["vllm"], results["prism"]
     width, height, fps, seconds = sizes.clip
-    lines = [f"Command: `{command}`. (a)/(b): {sizes.new_clips} clips of {seconds:g} s, {width}×{height} at {fps:g} fps, "
+    lines = [f"Command: `{command}`. (a)/(b): {sizes.new_clips} clips of {seconds:g} s, {width}×{height} at {fps:g} fps"
+             f"{_budget(sizes.clip_max_pixels)}, "
              f"sampled at 2 fps, {sizes.max_tokens} output tokens, streaming. (c): {sizes.mixed_requests} requests, "
              f"{sizes.mixed_in_flight} in flight, images {sizes.mixed_images}, clips {sizes.mixed_lengths} at "
              f"{sizes.mixed_clip_size[0]}×{sizes.mixed_clip_size[1]}.", "", *goals_table(vllm, prism), "",
