@@ -365,21 +365,13 @@ def teach_json(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None:
     Why a phase of its own: a fifth question kind mixed into phase 2 answered
     JSON well but cost shape questions their bar in two re-trains
     (docs/measurements/accuracy.md)."""
-    held_out = held_out_batches(batcher, recipe, (*scenes.KINDS, "json"))
-    for name, param in model.named_parameters():
-        param.requires_grad_(not name.startswith("model.visual."))
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.json_lr, weight_decay=recipe.weight_decay)
-    rng = random.Random(f"{recipe.seed}-json")
-    for step in range(recipe.json_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe.json_steps, recipe, recipe.json_lr)
+
+    def draw(rng: random.Random) -> list[tuple]:
         samples = draw_samples(rng, recipe.json_share, recipe, "json")
-        samples += draw_samples(rng, recipe.batch_size - recipe.json_share, recipe)
-        loss = model(**batcher(samples)).loss
-        update(optimizer, params, loss)
-        if step % log_every == 0 or step == recipe.json_steps - 1:
-            log_held_out("json", step, loss.item(), model, held_out)
+        return samples + draw_samples(rng, recipe.batch_size - recipe.json_share, recipe)
+
+    _tune_language(model, batcher, recipe, log_every, "json", (*scenes.KINDS, "json"), recipe.json_steps,
+                   recipe.json_lr, recipe.warmup, draw)
 
 
 def teach_video(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None:
@@ -390,23 +382,34 @@ def teach_video(model, batcher: Batcher, recipe: Recipe, log_every: int) -> None
     low rate, with JSON and plain questions in every batch so none is
     forgotten. It learns which temporal patch comes last from M-RoPE's time
     axis, and the answer is the named shape's colour there."""
-    held_out = held_out_batches(batcher, recipe, (*scenes.KINDS, "json", scene_clips.KIND))
+    plain = recipe.video_batch_size - recipe.video_share - recipe.video_json_share
+
+    def draw(rng: random.Random) -> list[tuple]:
+        samples = draw_clips(rng, recipe.video_share, recipe)
+        samples += draw_samples(rng, recipe.video_json_share, recipe, "json")
+        return samples + draw_samples(rng, plain, recipe)
+
+    _tune_language(model, batcher, recipe, log_every, "video", (*scenes.KINDS, "json", scene_clips.KIND),
+                   recipe.video_steps, recipe.video_lr, recipe.video_warmup, draw)
+
+
+def _tune_language(model, batcher: Batcher, recipe: Recipe, log_every: int, phase: str, held_out_kinds: tuple[str, ...],
+                   steps: int, peak_lr: float, warmup: int, draw) -> None:
+    """Phases 3 and 4: the finished model's language side taught at `peak_lr`, the vision
+    tower (merger included) frozen, each batch `draw(rng)` from the phase's own seeded rng."""
+    held_out = held_out_batches(batcher, recipe, held_out_kinds)
     for name, param in model.named_parameters():
         param.requires_grad_(not name.startswith("model.visual."))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.video_lr, weight_decay=recipe.weight_decay)
-    rng = random.Random(f"{recipe.seed}-video")
-    plain = recipe.video_batch_size - recipe.video_share - recipe.video_json_share
-    for step in range(recipe.video_steps):
+    optimizer = torch.optim.AdamW(params, lr=peak_lr, weight_decay=recipe.weight_decay)
+    rng = random.Random(f"{recipe.seed}-{phase}")
+    for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe.video_steps, recipe, recipe.video_lr, recipe.video_warmup)
-        samples = draw_clips(rng, recipe.video_share, recipe)
-        samples += draw_samples(rng, recipe.video_json_share, recipe, "json")
-        samples += draw_samples(rng, plain, recipe)
-        loss = model(**batcher(samples)).loss
+            group["lr"] = lr_at(step, steps, recipe, peak_lr, warmup)
+        loss = model(**batcher(draw(rng))).loss
         update(optimizer, params, loss)
-        if step % log_every == 0 or step == recipe.video_steps - 1:
-            log_held_out("video", step, loss.item(), model, held_out)
+        if step % log_every == 0 or step == steps - 1:
+            log_held_out(phase, step, loss.item(), model, held_out)
 
 
 def _answers_state(path: Path) -> dict[str, torch.Tensor]:
