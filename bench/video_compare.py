@@ -53,7 +53,7 @@ from gateway.intake.video.sampling import SourceInfo
 from loadtest.bench import build_report
 from loadtest.client import Target, send
 from loadtest.runner import Arrival, image_urls, run
-from loadtest.stats import SLO, summarize
+from loadtest.stats import SLO, stage_medians, summarize
 from loadtest.videos import VideoMix, VideoSpec, parse_lengths
 from loadtest.workload import RequestSpec, WorkloadSpec, generate, parse_buckets, render
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
@@ -134,7 +134,7 @@ def first_and_second(target: Target, sizes: Sizes) -> dict:
     for key, repeat in (("a", False), ("b", True)):
         chosen = [r for r in results if r.bucket.endswith("-repeat") == repeat]
         out[key] = {"summary": summarize(chosen, sum(r.e2e_s for r in chosen)), "prompt_tokens": _tokens(chosen),
-                    "stages": _stage_medians(chosen)}
+                    "stages": next(iter(stage_medians(chosen).values()), {})}  # one kind each
     return out
 
 
@@ -178,13 +178,6 @@ def _kept_frame_bytes(sizes: Sizes) -> int:
 
 def _tokens(results) -> dict[int, int]:
     return {r.index: r.prompt_tokens for r in results if r.ok}
-
-
-def _stage_medians(results) -> dict[str, float]:
-    staged = [r.stages_ms for r in results if r.ok and r.stages_ms]
-    if not staged:
-        return {}
-    return {name: sorted(s.get(name, 0.0) for s in staged)[len(staged) // 2] for name in staged[0] if name not in ("ttft", "e2e")}
 
 
 def scenarios(base_url: str, sizes: Sizes) -> dict:
