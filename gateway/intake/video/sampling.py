@@ -104,11 +104,6 @@ class SampledVideo:
         span = (self.frame_indices[-1] - self.frame_indices[0]) / self.source_fps
         return (self.num_frames - 1) / span if span > 0 else self.sampling.target_fps
 
-    @property
-    def do_sample_frames(self) -> bool:
-        # vLLM's create_hf_metadata: True only when every frame was kept.
-        return len(self.frame_indices) == self.total_frames
-
     def hf_metadata(self) -> dict:
         return loader_metadata(self.source_fps, self.total_frames, self.duration_s, self.frame_indices, self.loader_backend)
 
