@@ -48,6 +48,7 @@ from bench.servers import vllm_server
 from bench.video_memory import PeakRss, budget_of
 from bench.video_report import markdown, prompt_token_mismatches, record
 from common.config import REPO_ROOT
+from gateway.intake.resize import smart_resize
 from gateway.intake.video.limits import decoding_bytes
 from gateway.intake.video.sampling import SourceInfo
 from loadtest.bench import build_report
@@ -69,6 +70,7 @@ MEMORY_WAIT_S = 300
 WARMUP = 2  # (c)'s requests sent first and left out
 SMALL_BUDGET_CLIPS = 3.5  # (d)'s smaller budget: room for this many decodes at once
 MEMORY_USE_FRACTION = 0.8  # configs/cpu-demo.yaml's gateway.memory_use_fraction
+DEMO_FACTOR, DEMO_MIN_PIXELS = 28, 3136  # the demo model's video processor: patch × merge, size["shortest_edge"]
 
 
 @dataclass(frozen=True)
@@ -166,9 +168,15 @@ def long_clips(target: Target, sizes: Sizes, pid: int, budget: int | None) -> di
 def small_memory_limit(gateway_rss: int, sizes: Sizes) -> str:
     """A gateway.memory_limit_bytes whose budget holds about SMALL_BUDGET_CLIPS of (d)'s decodes: under
     one, every clip would be refused (413) and the run would show only that; at 8, nothing would wait."""
-    width, height = sizes.long_clip[:2]
-    one_decode = decoding_bytes(SourceInfo(0, 0.0, 0.0, width, height), int(sizes.long_clip[3] * SAMPLE_FPS))
-    return f"{math.ceil((gateway_rss + SMALL_BUDGET_CLIPS * one_decode) / MEMORY_USE_FRACTION / 2**20)}MiB"
+    return f"{math.ceil((gateway_rss + SMALL_BUDGET_CLIPS * long_clip_decode(sizes)) / MEMORY_USE_FRACTION / 2**20)}MiB"
+
+
+def long_clip_decode(sizes: Sizes) -> int:
+    """What the gateway admits for one of (d)'s decodes: its frames resized to the budget as they are
+    read (gateway/intake/video/sizing.py, the demo model's Qwen2-VL sizing) and the decoder's own."""
+    width, height, _, seconds = sizes.long_clip
+    kept_size = smart_resize(height, width, DEMO_FACTOR, DEMO_MIN_PIXELS, sizes.long_max_pixels)
+    return decoding_bytes(SourceInfo(0, 0.0, 0.0, width, height), int(seconds * SAMPLE_FPS), kept_size)
 
 
 def _kept_frame_bytes(sizes: Sizes) -> int:

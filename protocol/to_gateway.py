@@ -15,6 +15,24 @@ from protocol.timings import EncoderTimings
 from protocol.video import VideosEncodeResult
 
 
+class VideoSizing(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """How the encoder's video processor sizes a clip's frames (Qwen's families),
+    so the gateway sends frames already at that size (the processor's resize is
+    then a no-op) and counts a video's tokens before it is decoded."""
+
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int  # the processor's size["shortest_edge"], the deployment's budget applied
+    max_pixels: int  # its size["longest_edge"]: per frame, or over the clip where `budget_over_frames`
+    budget_over_frames: bool  # Qwen3-VL's smart_resize counts T × H × W
+    cap_pixels_per_frame: bool  # transformers' per-frame share of `max_video_tokens`
+    max_video_tokens: int
+    # The processor samples again a clip whose every frame was kept (Qwen3-VL,
+    # as vLLM calls it): its frame count, and so its size, is its own then.
+    resamples_whole_clips: bool
+
+
 class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="qwen"):
     """What the gateway needs to downscale exactly as the encoder's processor
     would (Qwen's families: a pixel budget, sides a multiple of patch × merge)."""
@@ -26,6 +44,7 @@ class ProcessorInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
     # The checkpoint's video processor class: vLLM's server picks the video
     # loader (which frames are kept) by it, so the gateway samples as it would.
     video_processor: str = ""
+    video_sizing: VideoSizing | None = None  # None: frames travel as decoded, their tokens counted from the encoder's answer
 
 
 class AnyresInfo(msgspec.Struct, array_like=True, frozen=True, gc=False, tag="anyres"):

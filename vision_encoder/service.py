@@ -29,6 +29,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
@@ -39,7 +40,7 @@ from protocol.sockets import Pusher, SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
 from protocol.tensors import to_numpy
 from protocol.to_encoder import CancelEncode, EncodeRequest, EncoderInbound, FetchEmbeddings
-from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings
+from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncoderReady, EncodeResult, EncoderTimings, ProcessorInfo
 from protocol.video import EncodeVideos, VideosEncodeResult
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.config import EncoderConfig
@@ -191,8 +192,19 @@ class EncoderService:
         elif isinstance(message, StatsRequest):
             self._send(peer, self.stats())
         elif isinstance(message, Hello):
-            ready = EncoderReady(self.tower.model_id, self.tower.fingerprint, self.tower.processor_info)
+            ready = EncoderReady(self.tower.model_id, self.tower.fingerprint, self._processor_info())
             self._send(peer, ready)
+
+    def _processor_info(self):
+        """The handshake's processor: the tower's, with its video path's frame sizing (Qwen's towers)."""
+        info = self.tower.processor_info
+        if not isinstance(info, ProcessorInfo):
+            return info
+        try:
+            video = self._video_path()
+        except ValueError:  # no video processor: videos are refused when they come
+            return info
+        return msgspec.structs.replace(info, video_sizing=video.sizing())
 
     def stats(self) -> EncoderStats:
         cache = self.cache.stats

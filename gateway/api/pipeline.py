@@ -27,7 +27,7 @@ from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, Prepared
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
-from gateway.intake.video.intake import VideoIntake
+from gateway.intake.video.intake import InspectedVideo, VideoIntake
 from gateway.api.videos import take_videos, video_knobs, video_limits, video_refs
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
 from protocol.to_gateway import TokenDelta
@@ -153,11 +153,18 @@ class ChatPipeline:
                            f"{self.config.max_visual_tokens_per_request} (gateway.max_visual_tokens_per_request)",
                            param="messages", code="too_many_visual_tokens")
 
+    def _check_planned_videos(self, images: list[Inspected], videos: list[InspectedVideo]) -> None:
+        """Videos whose tokens the gateway knows (their frame plan) against the request's limit with the
+        images', before any is decoded or encoded."""
+        planned = sum(video.visual_tokens or 0 for video in videos)
+        if planned:
+            self._check_visual_tokens(sum(item.visual_tokens for item in images) + planned,
+                                      "the images and videos would take at least")
+
     def _count_videos(self, images: RequestImages, record: RequestRecord) -> None:
         """The videos' tokens, against the same limit as the images' and reserved as theirs. Counted
-        from the encoder's answer (or the kept references), before the engine is asked: the Qwen video
-        processors' frame size and count (Qwen3-VL's whole-clip budget, its own frame sampling) are
-        the encoder's video processor's, which the handshake does not carry."""
+        from the encoder's answer (or the kept references), before the engine is asked: exact for
+        every video, including those the gateway could not plan (sizing.plan_frames)."""
         videos = sum(ref.embeddings.shape[0] for ref in images.video_references)
         if videos:
             image_tokens = sum(ref.embeddings.shape[0] for ref in images.references)
@@ -204,6 +211,7 @@ class ChatPipeline:
         if not refs and not videos:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
         inspected = await self._intake(request, refs, record) if refs else []
+        self._check_planned_videos(inspected, videos)
         digests = [digest_of(item, self.policy) for item in inspected]
         images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request))
         self._count_videos(images, record)

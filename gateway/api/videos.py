@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.api.schemas import ChatCompletionRequest, VideoPart
 from gateway.intake.video.intake import InspectedVideo, VideoRef
 from gateway.intake.video.limits import VideoLimits
 from gateway.intake.video.sampling import LOADER_OF_PROCESSOR, LoaderKind, VideoSampling
+from gateway.intake.video.sizing import plan_frames
 from protocol.to_gateway import ProcessorInfo
 from protocol.video import VideoKnobs
 
@@ -57,12 +60,13 @@ def video_loader(processor, model_name: str | None, where: str) -> LoaderKind:
 async def take_videos(intake, request: ChatCompletionRequest, refs: list[VideoRef], timer, config: GatewayConfig,
                       model_name: str | None, processor) -> list[InspectedVideo]:
     """Every video fetched and checked, not yet decoded (a hostile one is refused with its own 4xx),
-    sampled by the loader vLLM's server would pick for the model (`processor`: the encoder's
-    handshake, None for a text-only model)."""
+    sampled by the loader vLLM's server would pick for the model and its frames' size planned
+    (`processor`: the encoder's handshake, None for a text-only model)."""
     loader = video_loader(processor, model_name, refs[0].where)
     check_count(refs, config)
     sampling = request_sampling(request, loader)
-    return await intake.take_all([(ref, sampling) for ref in refs], timer)
+    planner = functools.partial(plan_frames, processor.video_sizing, video_knobs(request))
+    return await intake.take_all([(ref, sampling) for ref in refs], timer, planner)
 
 
 def video_knobs(request: ChatCompletionRequest) -> VideoKnobs:

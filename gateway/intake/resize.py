@@ -37,8 +37,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def resize_pixels(image: Image.Image, width: int, height: int) -> np.ndarray:
-    """uint8 (height, width, 3) pixels of an RGB image, as `tvF.resize(...,
+def resize_pixels(image: Image.Image | np.ndarray, width: int, height: int) -> np.ndarray:
+    """uint8 (height, width, 3) pixels of an RGB image (or its (h, w, 3) array), as `tvF.resize(...,
     BICUBIC, antialias=True)` makes them: torchvision calls exactly this
     `interpolate` for uint8 on a CPU. On a channels-last view (the decoded
     (h, w, 3) array, no copy) it takes torch's vectorised uint8 path, several

@@ -100,11 +100,13 @@ def test_a_repeat_with_other_processor_knobs_is_not_a_false_hit(client):
 
 
 def test_a_video_over_the_visual_token_limit_is_refused_naming_the_limit(small_limit):
+    """Refused as planned from the encoder's handshake ("would take"), before its decode or encode."""
     with pytest.raises(openai.APIStatusError) as refused:
         ask(small_limit, [video_part("short"), {"type": "text", "text": QUESTION}], max_tokens=2)
     error = refused.value
     assert error.status_code == 413 and error.body["code"] == "too_many_visual_tokens"
     assert "gateway.max_visual_tokens_per_request" in error.body["message"] and str(VISUAL_TOKEN_LIMIT) in error.body["message"]
+    assert "would take at least" in error.body["message"]
     text = ask(small_limit, [{"type": "text", "text": QUESTION}], max_tokens=2)
     assert text.usage.completion_tokens == 2  # the gateway serves on
 

@@ -54,8 +54,8 @@ from protocol.to_gateway import (
     EncodedImage,
     EncodeFailed,
     EncodeNeedsPixels,
-    EncoderReady,
     EncodeResult,
+    EncoderReady,
     EncoderTimings,
     EngineReady,
     EngineTimings,
@@ -67,6 +67,7 @@ from protocol.to_gateway import (
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
+    VideoSizing,
 )
 
 
@@ -116,6 +117,8 @@ CASES = [
     (FetchInbound, FetchedEmbeddings("fetch-7", [QWEN_EMBEDDINGS, None])),
     (EngineInbound, AbortGenerate("chatcmpl-41")),
     (GatewayInbound, EncoderReady("Qwen/Qwen2.5-VL-7B-Instruct", "9c1e2f0a77d4", ProcessorInfo(14, 2, 3136, 12845056, "Qwen2VLVideoProcessor"))),
+    (GatewayInbound, EncoderReady("Qwen/Qwen3-VL-8B-Instruct", "5e0b7c1d2a93", ProcessorInfo(
+        16, 2, 65536, 16777216, "Qwen3VLVideoProcessor", VideoSizing(16, 2, 2, 4096, 25165824, True, True, 768, True)))),
     (GatewayInbound, EncoderReady(
         "llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
         "41bd0e6a3f02",

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from pydantic import ByteSize, TypeAdapter
 
-from bench.video_compare import MEMORY_USE_FRACTION, SAMPLE_FPS, Sizes, _options, small_memory_limit
-from gateway.intake.video.limits import decoding_bytes
-from gateway.intake.video.sampling import SourceInfo
+from bench.video_compare import MEMORY_USE_FRACTION, Sizes, _options, long_clip_decode, small_memory_limit
 
 
 def test_the_smaller_limit_holds_a_few_long_clips_decodes_beside_the_gateway():
     sizes = Sizes()
-    width, height, _, seconds = sizes.long_clip
-    one = decoding_bytes(SourceInfo(0, 0.0, 0.0, width, height), int(seconds * SAMPLE_FPS))
+    one = long_clip_decode(sizes)
     for gateway_rss in (500 * 2**20, 800 * 2**20):
         limit = TypeAdapter(ByteSize).validate_python(small_memory_limit(gateway_rss, sizes))  # as the gateway reads it
         room = int(limit * MEMORY_USE_FRACTION) - gateway_rss

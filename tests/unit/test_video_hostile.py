@@ -18,7 +18,9 @@ from gateway.timing import RequestTimer
 from gateway.intake.video import intake as video_intake
 from gateway.intake.video.intake import VideoIntake, VideoRef, decode, inspect
 from gateway.intake.video.limits import VideoLimits
+from gateway.intake.resize import resize_pixels
 from gateway.intake.video.sampling import VideoSampling
+from gateway.intake.video.sizing import FramePlan
 from loadtest.clips import clip, named_clip
 from loadtest.synthetic import encode, make_image
 
@@ -167,3 +169,34 @@ def test_a_decode_is_admitted_by_its_frames_bytes_in_the_memory_budget(clip12):
     assert caught.value.status == 413 and "more than its whole budget" in caught.value.message
     video, held, working = asyncio.run(decode_within(item.decoding_bytes))
     assert held == video.frames.nbytes == 4 * 320 * 240 * 3 and working == 0
+
+
+def test_a_header_checked_before_is_not_read_again(clip12, monkeypatch):
+    """A repeat (same bytes, same sampling) skips opening its container; other sampling, or other
+    bytes, read theirs; a refused header is never kept."""
+    intake, timer = _intake(), RequestTimer()
+    url = "data:video/mp4;base64," + base64.b64encode(clip12).decode()
+    first = asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling())], timer))[0]
+    reads = []
+    real = video_intake._read_header
+    monkeypatch.setattr(video_intake, "_read_header", lambda *a: reads.append(a[0]) or real(*a))
+    again = asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling())], timer))[0]
+    assert reads == [] and (again.source, again.indices, again.digest) == (first.source, first.indices, first.digest)
+    asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling("qwen3_vl"))], timer))
+    assert len(reads) == 1
+    tight = VideoIntake(fetcher=None, limits=VideoLimits(4 * 2**20, 1000, 20_000, 600, 64), pool=ThreadPoolExecutor(1))
+    for _ in range(2):
+        with pytest.raises(APIError):
+            asyncio.run(tight.take_all([(VideoRef(WHERE, url), VideoSampling())], timer))
+    assert len(reads) == 3
+
+
+def test_a_planned_decode_keeps_frames_at_the_planned_size(clip12):
+    """Frames resized as they are read: the memory admitted and held is the planned size's."""
+    item = inspect(clip12, WHERE, VideoSampling(), LIMITS, planner=lambda kept, whole, h, w: FramePlan((56, 84), 24))
+    assert item.frame_size == (56, 84) and item.visual_tokens == 24
+    assert item.decoding_bytes == 4 * 56 * 84 * 3 + 12 * 320 * 240 * 3
+    video = decode(item)
+    assert video.frames.shape == (4, 56, 84, 3)
+    full = decode(inspect(clip12, WHERE, VideoSampling(), LIMITS)).frames
+    assert all((resize_pixels(f, 84, 56) == g).all() for f, g in zip(full, video.frames))

@@ -21,7 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from transformers.image_utils import PILImageResampling
+
 from cache.video_keys import video_key
+from protocol.to_gateway import VideoSizing
 from vision_encoder.towers.qwen_tower import Preprocessed, QwenTower, plan_of
 from vision_encoder.towers.tower import local_checkpoint
 
@@ -112,6 +115,20 @@ def budget_size(size: Any, min_pixels: int | None = None, max_pixels: int | None
     return edges
 
 
+def video_sizing(processor: Any, family: str) -> VideoSizing | None:
+    """The frame sizing the gateway may apply in `processor`'s place (the handshake's): only where
+    its resize is the bicubic one the gateway runs, and where the frames it is handed are the frames
+    it keeps (a processor that samples every clip itself sizes by its own frame count)."""
+    p = processor
+    qwen3 = family == "Qwen3-VL"  # whose processor samples only a clip the loader kept whole (QwenVideo._kwargs)
+    if not p.do_resize or int(p.resample) != int(PILImageResampling.BICUBIC) or (p.do_sample_frames and not qwen3):
+        return None
+    return VideoSizing(p.patch_size, p.merge_size, p.temporal_patch_size, int(p.size["shortest_edge"]),
+                       int(p.size["longest_edge"]), budget_over_frames=qwen3,
+                       cap_pixels_per_frame=bool(p.cap_pixels_per_frame), max_video_tokens=int(p.max_video_tokens),
+                       resamples_whole_clips=qwen3)
+
+
 def calculate_timestamps(indices: list[int], video_fps: float, temporal_patch: int) -> list[float]:
     """Qwen3-VL: each temporal patch's time, the mean of its first and last frame's
     (Qwen3VLProcessingInfo._calculate_timestamps; an odd tail repeats its last frame)."""
@@ -149,6 +166,9 @@ class QwenVideo:
         values["size"] = dict(values["size"]) if values["size"] is not None else None
         values["resample"] = int(values["resample"]) if values["resample"] is not None else None
         return {"class": type(p).__name__, "dtype": str(self.tower.dtype), **values}
+
+    def sizing(self) -> VideoSizing | None:
+        return video_sizing(self.processor, self.family)
 
     def cache_key(self, digest: bytes, sampling: VideoSampling = VideoSampling()) -> bytes:
         """The key of this clip's tokens: `digest` is the gateway's (source bytes + its loader's sampling)."""

@@ -6,8 +6,8 @@ PyAV.
 `probe` reads the container's header only (frame count, fps, size), so a file
 that claims hours of frames or huge frames is refused before anything is
 decoded. `read_frames` then decodes up to the last kept frame: `grab()` for
-every frame (a decode without the colour conversion), `retrieve()` and
-BGR→RGB only for the kept ones.
+every frame (a decode without the colour conversion), `retrieve()`, BGR→RGB and
+the resize to the encoder's frame size only for the kept ones.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import cv2
 import cv2.videoio_registry as registry
 import numpy as np
 
+from gateway.intake.resize import resize_pixels
 from gateway.intake.video.sampling import SourceInfo
 
 
@@ -84,12 +85,15 @@ def visible_frames(video: OpenVideo, claimed: int) -> int:
     return claimed
 
 
-def read_frames(video: OpenVideo, indices: list[int], height: int, width: int) -> tuple[np.ndarray, list[int]]:
+def read_frames(video: OpenVideo, indices: list[int], height: int, width: int,
+                size: tuple[int, int] | None = None) -> tuple[np.ndarray, list[int]]:
     """The kept frames, RGB (T, H, W, 3), and the indices actually read (fewer where the stream
-    breaks off): vLLM's `_read_frames_no_recovery`, frame for frame."""
+    breaks off): vLLM's `_read_frames_no_recovery`, frame for frame; each resized to `size`
+    (height, width) as it is read, where one is given (gateway/intake/video/sizing.py)."""
     cap = video.capture
     wanted = set(indices)
-    frames = np.empty((len(wanted), height, width, 3), dtype=np.uint8)
+    kept_h, kept_w = size or (height, width)
+    frames = np.empty((len(wanted), kept_h, kept_w, 3), dtype=np.uint8)
     read: list[int] = []
     for index in range(max(indices) + 1):
         if not cap.grab():
@@ -99,6 +103,7 @@ def read_frames(video: OpenVideo, indices: list[int], height: int, width: int) -
             if ok:
                 if frame.shape[:2] != (height, width):  # vLLM's array assignment would fail the request too
                     raise Unreadable(f"frame {index} is {frame.shape[1]}×{frame.shape[0]}; the header says {width}×{height}")
-                frames[len(read)] = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
+                rgb = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
+                frames[len(read)] = rgb if size is None else resize_pixels(rgb, kept_w, kept_h)
                 read.append(index)
     return frames[: len(read)], read

@@ -8,27 +8,33 @@ For a request's `video_url` parts, the pipeline calls `VideoIntake.take_all`:
    and duration) and the number of frames sampling keeps, all before a frame
    is decoded. The result, `InspectedVideo`, knows the video's `digest` and
    its loader metadata: enough for the encoder to answer a repeat from its
-   cache.
+   cache. A header this process checked before is not read again
+   (`KnownHeaders`, by digest): a repeat's intake is its base64 and its hash.
 2. `video_decode`, only for a video the encoder needs frames of (the hand-off,
    gateway/routing/handoff.py, calls `decode_all`): with the decode's memory
    admitted (T×H×W×3 plus the decoder's own, gateway/memory.py), `decode`
    reads only up to the last kept frame.
 
 The decoded `SampledVideo` holds what vLLM's loader would hand its processor,
-frame for frame. Frames are not resized here: the Qwen video processors size
-frames from the whole clip (Qwen3-VL's budget counts T×H×W), so the encoder's
-processor does it, as in vLLM; the gateway bounds the frames it decodes
-instead (`max_frame_pixels`, `max_sampled_frames`).
+frame for frame, each resized (where it shrinks) to the size the encoder's
+video processor would give it: `inspect` plans that from the encoder's
+handshake (gateway/intake/video/sizing.py), and with it the video's tokens,
+so a video too large for the request's token limit is refused before its
+decode. Where the plan cannot be known (no sizing in the handshake, or a
+Qwen3-VL clip whose every frame was kept, which its processor samples again)
+the frames travel as decoded and the encoder's answer counts the tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import threading
 import time
-from operator import attrgetter
+from typing import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+
+from cachetools import LRUCache
 
 from cache import content_key
 from gateway.errors import APIError
@@ -40,6 +46,7 @@ from gateway.intake.video.decode import Unreadable, open_video, probe, read_fram
 from gateway.intake.video.limits import VideoLimits, decoding_bytes, refused
 from gateway.intake.video.sampling import (SampledVideo, SourceInfo, VideoSampling, frame_indices, loader_metadata,
                                            prepared_source)
+from gateway.intake.video.sizing import FramePlan
 from gateway.intake.video.sniff import describe_not_video, is_video_container
 
 VIDEO_INTAKE_VERSION = "video-intake-v1"
@@ -58,14 +65,20 @@ class InspectedVideo:
     source: SourceInfo
     indices: list[int]
     sampling: VideoSampling
+    digest: bytes  # the video's part of the cache key (`digest_of`)
+    plan: FramePlan | None = None  # the kept frames' size and the tokens they make; None: the encoder's to say
 
     @property
     def decoding_bytes(self) -> int:
-        return decoding_bytes(self.source, len(set(self.indices)))
+        return decoding_bytes(self.source, len(set(self.indices)), self.frame_size)
 
-    @functools.cached_property
-    def digest(self) -> bytes:
-        return digest_of(self)
+    @property
+    def frame_size(self) -> tuple[int, int] | None:
+        return None if self.plan is None else self.plan.size
+
+    @property
+    def visual_tokens(self) -> int | None:
+        return None if self.plan is None else self.plan.visual_tokens
 
     def hf_metadata(self) -> dict:
         """The metadata its decode will carry (`read_frames` keeps each index once, in order): a
@@ -74,13 +87,52 @@ class InspectedVideo:
         return loader_metadata(s.fps, s.total_frames, s.duration_s, sorted(set(self.indices)))
 
 
-def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits) -> InspectedVideo:
-    """Header-only checks and the frames sampling keeps; no frame is decoded."""
+# (frames kept, every frame kept, height, width) -> how they are sent (sizing.plan_frames, bound to a request's knobs)
+Planner = Callable[[int, bool, int, int], FramePlan | None]
+
+
+class KnownHeaders:
+    """The headers of videos this process inspected before, by digest (bytes and sampling): a repeat
+    skips opening its container, which costs a seek and a frame's decode. Only headers that passed
+    the limits are kept, and the limits are the process's, so a kept one passes again. Shared by
+    the intake threads."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._headers: LRUCache[bytes, SourceInfo] = LRUCache(size)
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> SourceInfo | None:
+        with self._lock:
+            return self._headers.get(digest)
+
+    def put(self, digest: bytes, source: SourceInfo) -> None:
+        with self._lock:
+            self._headers[digest] = source
+
+
+def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits,
+            planner: Planner | None = None, known: KnownHeaders | None = None) -> InspectedVideo:
+    """Header-only checks, the frames sampling keeps and how they will be sent; no frame is decoded."""
     if not raw:
         raise refused(where, "is empty (0 bytes)")
     if not is_video_container(raw):
         raise refused(where, f"is not a video container ({describe_not_video(raw)}); send mp4, mov, webm, mkv or avi",
                       415, "unsupported_video_format")
+    digest = digest_of(raw, sampling)
+    source = known.get(digest) if known else None
+    if source is None:
+        source = _read_header(raw, where, sampling, limits)
+    indices = _sample(source, sampling, where)
+    kept = len(set(indices))
+    limits.check_sample(kept, sampling, where)
+    if known:
+        known.put(digest, source)
+    plan = planner(kept, kept == source.total_frames, source.height, source.width) if planner else None
+    return InspectedVideo(raw, where, source, indices, sampling, digest, plan)
+
+
+def _read_header(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits) -> SourceInfo:
+    """The container's figures, checked against the limits, as the loader will read them."""
     try:
         with open_video(raw) as video:
             source = probe(video)
@@ -88,11 +140,8 @@ def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits
             total = visible_frames(video, source.total_frames)
     except Unreadable as exc:
         raise refused(where, f"cannot be read: {exc}") from None
-    source = prepared_source(SourceInfo(total, source.fps, total / source.fps if source.fps > 0 else 0,
-                                        source.width, source.height), sampling.loader)
-    indices = _sample(source, sampling, where)
-    limits.check_sample(len(set(indices)), sampling, where)
-    return InspectedVideo(raw, where, source, indices, sampling)
+    return prepared_source(SourceInfo(total, source.fps, total / source.fps if source.fps > 0 else 0,
+                                      source.width, source.height), sampling.loader)
 
 
 def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int]:
@@ -110,7 +159,7 @@ def decode(item: InspectedVideo) -> SampledVideo:
     source = item.source
     try:
         with open_video(item.raw) as video:
-            frames, read = read_frames(video, item.indices, source.height, source.width)
+            frames, read = read_frames(video, item.indices, source.height, source.width, item.frame_size)
     except Unreadable as exc:
         raise refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
@@ -121,9 +170,9 @@ def decode(item: InspectedVideo) -> SampledVideo:
                         digest=item.digest)
 
 
-def digest_of(item: InspectedVideo) -> bytes:
+def digest_of(raw: bytes, sampling: VideoSampling) -> bytes:
     """The video's part of the cache key: its bytes and what decided the frames kept."""
-    return content_key({"version": VIDEO_INTAKE_VERSION, **item.sampling.key_part()}, item.raw)
+    return content_key({"version": VIDEO_INTAKE_VERSION, **sampling.key_part()}, raw)
 
 
 class VideoIntake:
@@ -134,6 +183,7 @@ class VideoIntake:
         self.fetcher = fetcher  # the images' (gateway/fetch.py): the same address guard, timeouts and redirects
         self.limits = limits
         self.pool = pool
+        self.known = KnownHeaders()
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -163,14 +213,14 @@ class VideoIntake:
         hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
         return video
 
-    async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer) -> list[InspectedVideo]:
+    async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer,
+                       planner: Planner | None = None) -> list[InspectedVideo]:
         """Every video of a request fetched and inspected, none decoded: a hostile one refuses the
         request before any decode's time or memory is spent, and a repeat may need no decode."""
         started = time.perf_counter()
         raws = await asyncio.gather(*(self.fetch(ref) for ref, _ in refs))
-        inspected = await asyncio.gather(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits)
+        inspected = await asyncio.gather(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits, planner, self.known)
                                            for raw, (ref, sampling) in zip(raws, refs)))
-        await asyncio.gather(*(self._in_pool(attrgetter("digest"), item) for item in inspected))  # hashed off the loop
         timer.add("video_fetch", time.perf_counter() - started)
         return list(inspected)
 

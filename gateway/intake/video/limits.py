@@ -53,9 +53,12 @@ class VideoLimits:
                           f"{self.max_sampled_frames} frames per video", 413, "too_many_frames")
 
 
-def decoding_bytes(source: SourceInfo, kept: int) -> int:
-    """Gateway memory a decode takes at its peak: the kept frames plus the decoder's own."""
-    return (kept + DECODER_FRAMES_IN_FLIGHT) * source.width * source.height * 3
+def decoding_bytes(source: SourceInfo, kept: int, kept_size: tuple[int, int] | None = None) -> int:
+    """Gateway memory a decode takes at its peak: the kept frames (resized to `kept_size`, or as
+    decoded) plus the decoder's own."""
+    frame = source.width * source.height * 3
+    kept_frame = frame if kept_size is None else kept_size[0] * kept_size[1] * 3
+    return kept * kept_frame + DECODER_FRAMES_IN_FLIGHT * frame
 
 
 def describe(sampling: VideoSampling) -> str:
