@@ -81,7 +81,8 @@ def memory_table(results: dict, sizes) -> list[str]:
     width, height, fps, seconds = sizes.long_clip
     kept = results["prism"]["d"]["kept_frame_bytes"]
     lines = [f"(d) {sizes.long_clips} clips of {seconds:g} s, {width}×{height} at {fps:g} fps, sent at once, each sampled "
-             f"at 2 fps ({_mib(kept)} of RGB frames kept per clip) and encoded at a {sizes.long_max_pixels:,}-pixel budget. "
+             f"at 2 fps ({_mib(kept)} of RGB frames per clip at the source's size, as vLLM's loader keeps them; Prism's "
+             f"gateway resizes each to the budget as it reads it) and encoded at a {sizes.long_max_pixels:,}-pixel budget. "
              "vLLM: its API server process (where its loader decodes); Prism: the gateway process.", "",
              "| system | memory setting | budget | RSS before | peak RSS | growth | growth / budget | answered | TTFT p50 ms |",
              "|---|---|---|---|---|---|---|---|---|"]
