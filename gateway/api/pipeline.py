@@ -153,23 +153,24 @@ class ChatPipeline:
                            f"{self.config.max_visual_tokens_per_request} (gateway.max_visual_tokens_per_request)",
                            param="messages", code="too_many_visual_tokens")
 
-    def _check_planned_videos(self, images: list[Inspected], videos: list[InspectedVideo]) -> None:
-        """Videos whose tokens the gateway knows (their frame plan) against the request's limit with the
-        images', before any is decoded or encoded."""
+    def _reserve_planned_videos(self, images: list[Inspected], videos: list[InspectedVideo], record: RequestRecord) -> None:
+        """Videos whose tokens the gateway knows (their frame plan): against the request's limit with the
+        images', and reserved in flight as theirs, before any is decoded or encoded."""
         planned = sum(video.visual_tokens or 0 for video in videos)
         if planned:
             self._check_visual_tokens(sum(item.visual_tokens for item in images) + planned,
                                       "the images and videos would take at least")
+            record.ticket.reserve_visual_tokens(planned)
 
-    def _count_videos(self, images: RequestImages, record: RequestRecord) -> None:
-        """The videos' tokens, against the same limit as the images' and reserved as theirs. Counted
-        from the encoder's answer (or the kept references), before the engine is asked: exact for
-        every video, including those the gateway could not plan (sizing.plan_frames)."""
-        videos = sum(ref.embeddings.shape[0] for ref in images.video_references)
-        if videos:
+    def _count_videos(self, images: RequestImages, videos: list[InspectedVideo], record: RequestRecord) -> None:
+        """The videos' tokens, against the same limit as the images', from the encoder's answer (or the kept
+        references), before the engine is asked: exact for every video, those the gateway could not plan
+        (sizing.plan_frames) reserved now."""
+        answered = [ref.embeddings.shape[0] for ref in images.video_references]
+        if answered:
             image_tokens = sum(ref.embeddings.shape[0] for ref in images.references)
-            self._check_visual_tokens(image_tokens + videos, "the images and videos take")
-            record.ticket.reserve_visual_tokens(videos)
+            self._check_visual_tokens(image_tokens + sum(answered), "the images and videos take")
+            record.ticket.reserve_visual_tokens(sum(n for n, video in zip(answered, videos) if video.plan is None))
 
     async def _decode(self, items: list[Inspected], timer: RequestTimer) -> list[PreparedImage]:
         started = time.perf_counter()
@@ -211,10 +212,10 @@ class ChatPipeline:
         if not refs and not videos:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
         inspected = await self._intake(request, refs, record) if refs else []
-        self._check_planned_videos(inspected, videos)
+        self._reserve_planned_videos(inspected, videos, record)
         digests = [digest_of(item, self.policy) for item in inspected]
         images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request))
-        self._count_videos(images, record)
+        self._count_videos(images, videos, record)
         return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references,
                                         videos=images.video_references), images)
 
