@@ -94,8 +94,8 @@ Planner = Callable[[int, bool, int, int], FramePlan | None]
 class KnownHeaders:
     """The headers of videos this process inspected before, by digest (bytes and sampling): a repeat
     skips opening its container, which costs a seek and a frame's decode. Only headers that passed
-    the limits are kept, and the limits are the process's, so a kept one passes again. Shared by
-    the intake threads."""
+    the header limits are kept, and the limits are the process's, so a kept one passes again (the
+    sample's checks run on every request). Shared by the intake threads."""
 
     def __init__(self, size: int = 4096) -> None:
         self._headers: LRUCache[bytes, SourceInfo] = LRUCache(size)
@@ -122,11 +122,11 @@ def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits
     source = known.get(digest) if known else None
     if source is None:
         source = _read_header(raw, where, sampling, limits)
+        if known:
+            known.put(digest, source)
     indices = _sample(source, sampling, where)
     kept = len(set(indices))
     limits.check_sample(kept, sampling, where)
-    if known:
-        known.put(digest, source)
     plan = planner(kept, kept == source.total_frames, source.height, source.width) if planner else None
     return InspectedVideo(raw, where, source, indices, sampling, digest, plan)
 
