@@ -80,7 +80,7 @@ class Sizes:
     new_clips: int = 6  # (a) and (b): each clip asked twice
     clip: tuple[int, int, float, float] = (640, 360, 10.0, 10.0)  # width, height, source fps, seconds
     clip_max_pixels: int | None = None  # (a)/(b)'s mm_processor_kwargs.max_pixels; None: the checkpoint's budget
-    mixed_requests: int = 128  # (c): enough for a throughput figure (32 lasted under two seconds, its ramp and tail most of it)
+    mixed_requests: int = 128  # (c): enough that the closed loop's ramp and tail do not make its throughput figure
     mixed_in_flight: int = 8
     mixed_clip_size: tuple[int, int] = (480, 270)
     mixed_lengths: str = "4s=1,10s=1"
