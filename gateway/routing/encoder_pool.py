@@ -63,6 +63,12 @@ class EncoderPool(ReplicaPool[EncoderClient]):
         """A replica at `address` is up: references to its tokens are worth sending."""
         return any(self.replicas[i].address == address for i in self.candidates(set()))
 
+    def routed(self, digest: bytes) -> bool:
+        """Sent to a replica recently, or on its way there now: a repeat of an image (or video) whose
+        first request is still encoding is asked for by digest and joins that encode at the replica,
+        without being decoded and sent again."""
+        return super().routed(digest) or any(digest in encoding for encoding in self._encoding)
+
     def in_use(self, index: int) -> bool:
         """A route holds its replica between rounds, with no request outstanding."""
         return super().in_use(index) or bool(self._encoding[index])

@@ -48,10 +48,12 @@ decoded) go the same way: `EncodeVideos` rounds after the images'
 same stages, re-encoded with the images once if lost (their bytes are kept
 until DELIVERED to decode them again). Images and videos alike are decoded
 only when the encoder needs them (`_rounds`): one this process has routed
-before is asked for by key alone first, and only those the encoder reports
-missing are decoded and sent; a new one is decoded at once and goes with its
-frames in the first round. A repeated video thus costs its fetch and header
-inspect here, a cache lookup at the encoder, or nothing (KNOWN) there.
+before, or is routing now, is asked for by key alone first (found in the
+encoder's cache, or joining the encode in flight there), and only those the
+encoder reports missing are decoded and sent; a new one is decoded at once
+and goes with its frames in the first round. A repeated video thus costs its
+fetch and header inspect here, a cache lookup or a wait at the encoder, or
+nothing (KNOWN) there.
 """
 
 from __future__ import annotations
@@ -248,8 +250,9 @@ class ImageHandoff:
 
     async def _rounds(self, digests: list[bytes], decode: Callable[[list[int]], Awaitable[list]], ask: Ask,
                       timer: RequestTimer) -> tuple[Reply, str]:
-        """Images (or videos) this process has sent to an encoder before are
-        asked for by digest first: a cached one is never decoded here. The
+        """Images (or videos) this process has sent to an encoder before, or is
+        sending now, are asked for by digest first: a cached one, or one whose
+        encode is in flight, is never decoded here. The
         others are most likely new, so they are decoded at once and go with
         pixels in the first round, saving a round trip (a wrong guess costs a
         decode: the encoder still answers from its cache). Those the encoder

@@ -37,14 +37,17 @@ class ByHand:
     async def _serve(self) -> None:
         while True:
             peer, message, _ = await self.router.recv()
-            if isinstance(message, Hello):
-                reply = self.ready()
-            elif isinstance(message, StatsRequest):
-                reply = self.stats()
-            else:
-                reply = self.answer(message)
-            if reply is not None:
-                await self.router.send(peer, reply)
+            await self.respond(peer, message)
+
+    async def respond(self, peer: bytes, message: Message) -> None:
+        if isinstance(message, Hello):
+            reply = self.ready()
+        elif isinstance(message, StatsRequest):
+            reply = self.stats()
+        else:
+            reply = self.answer(message)
+        if reply is not None:
+            await self.router.send(peer, reply)
 
     def stop(self) -> None:
         self.task.cancel()

@@ -1,7 +1,8 @@
 """How many rounds the gateway takes with the encoder for an image: one with
 pixels for an image this process never sent (most likely new), a lookup by
-digest first for one it did (a cache hit is then never decoded), and pixels
-when the encoder reports the lookup missed. The real pipeline and encoder pool
+digest first for one it did or is sending now (a cache hit, or a join of the
+encode in flight, is then never decoded), and pixels when the encoder reports
+the lookup missed. The real pipeline and encoder pool
 over real DEALER/ROUTER sockets; the 'encoder' answers by hand from `held`."""
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ class Encoder(EncoderByHand):
         return EncodeResult(request.request_id, images, EncoderTimings(0.0, 0.0, 0.0, 0.0))
 
 
+class EncoderWithAnEncodeInFlight(Encoder):
+    """Answers no round until a second one has come: the first request's encode is
+    in flight meanwhile, and a lookup of its image joins it (as the real encoder's
+    `_join_in_flight` does), both answered when it ends."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        super().__init__(ctx, address)
+        self.waiting: list[tuple[bytes, EncodeRequest]] = []
+
+    async def respond(self, peer: bytes, message) -> None:
+        if not isinstance(message, EncodeRequest):
+            await super().respond(peer, message)
+            return
+        self.waiting.append((peer, message))
+        if len(self.waiting) == 2:
+            for waiting in self.waiting:
+                await super().respond(*waiting)
+            self.waiting.clear()
+
+
 def png(color: tuple[int, int, int]) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (64, 48), color).save(out, "PNG")
@@ -82,3 +103,30 @@ async def _rounds(tmp_path) -> None:
 
 def test_unseen_images_go_with_pixels_at_once_and_seen_ones_are_looked_up_first(tmp_path):
     asyncio.run(_rounds(tmp_path))
+
+
+async def _repeat_in_flight(tmp_path) -> None:
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/encoder.sock"
+    encoder = EncoderWithAnEncodeInFlight(ctx, address)
+    pool = EncoderPool(ctx, [address], heartbeat_timeout_s=30)
+    try:
+        await pool.connect(timeout_s=5)
+        pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
+        items = [inspect(png((10, 200, 10)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
+        digests = [digest_of(item, POLICY) for item in items]
+        first = asyncio.create_task(pipeline.handoff.deliver("first", items, digests, RequestTimer()))
+        while not encoder.waiting:  # the first request's pixels are at the encoder
+            await asyncio.sleep(0.01)
+        repeat = pipeline.handoff.deliver("repeat", items, digests, RequestTimer())
+        answered = await asyncio.wait_for(asyncio.gather(first, repeat), timeout=10)
+        assert encoder.rounds == [[True], [False]]  # the repeat went by digest alone: not decoded, not sent
+        assert [images.references[0].embeddings.shape for images in answered] == [(25, 128), (25, 128)]
+    finally:
+        await pool.close()
+        encoder.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_repeat_of_an_image_still_encoding_is_looked_up_and_joins_it(tmp_path):
+    asyncio.run(_repeat_in_flight(tmp_path))

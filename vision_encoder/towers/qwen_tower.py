@@ -23,6 +23,7 @@ import torch
 from common.families import Family
 from protocol.to_gateway import ProcessorInfo
 from vision_encoder.towers import attention
+from vision_encoder.towers.fused_patches import fuse_normalize_into_patchify
 from vision_encoder.towers.graphs import TowerGraphs
 from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
@@ -81,6 +82,7 @@ class QwenTower(VisionTower):
             overrides["size"] = {"shortest_edge": overrides.get("min_pixels"), "longest_edge": overrides.get("max_pixels")}
         self.processor = AutoImageProcessor.from_pretrained(path, **overrides)
         self._load(path, config)
+        fuse_normalize_into_patchify(self.processor, self.dtype)  # the same patches, fewer copies
         self.attention = attention.choose(options.attention, self.device)
         self.model.config._attn_implementation = attention.register(self.attention)
         self.graphs = None

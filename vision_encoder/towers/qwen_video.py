@@ -25,6 +25,7 @@ from transformers.image_utils import PILImageResampling
 
 from cache.video_keys import video_key
 from protocol.to_gateway import VideoSizing
+from vision_encoder.towers.fused_patches import fuse_normalize_into_patchify
 from vision_encoder.towers.qwen_tower import Preprocessed, QwenTower, plan_of
 from vision_encoder.towers.tower import local_checkpoint
 
@@ -154,6 +155,7 @@ class QwenVideo:
             size = budget_size(self.processor.size, **tower.pixel_budget)
             self.processor = AutoVideoProcessor.from_pretrained(
                 path, size=size, min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        fuse_normalize_into_patchify(self.processor, tower.dtype)  # the same patches, fewer copies
         self.family = tower.family.name
 
     def preprocessing_params(self) -> dict:
