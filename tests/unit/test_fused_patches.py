@@ -1,8 +1,8 @@
-"""The encoder's Qwen processors with normalize folded into patchify
-(vision_encoder/towers/fused_patches.py) against the unchanged processors:
-every image and video, resized by the processor or already at its size,
-gives the same patches bit for bit once cast to the tower's dtype, and the
-same grid."""
+"""The encoder's Qwen processors, fed channels-first views with normalize
+folded into patchify (vision_encoder/towers/fused_patches.py), against the
+unchanged processors on the (h, w, 3) arrays: every image and video, resized
+by the processor or already at its size, gives the same patches bit for bit
+once cast to the tower's dtype, and the same grid."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoImageProcessor, AutoVideoProcessor
 
-from vision_encoder.towers.fused_patches import fuse_normalize_into_patchify
+from vision_encoder.towers.fused_patches import channels_first_view, fuse_normalize_into_patchify
 
 CHECKPOINTS = {"Qwen2-VL": "models/prism-shapes", "Qwen2.5-VL": "models/tiny-qwen2.5-vl", "Qwen3-VL": "models/tiny-qwen3-vl"}
 
@@ -39,7 +39,8 @@ def test_images_equal_the_processors_own(family, dtype):
         _pixels(3, 4 * factor, 6 * factor, 3),  # grouped with the first (one stacked patchify)
         _pixels(4, 90, 40, 3),  # portrait
     ]
-    expected, got = own(images=images, return_tensors="pt"), fused(images=images, return_tensors="pt")
+    expected = own(images=images, return_tensors="pt")
+    got = fused(images=[channels_first_view(image) for image in images], input_data_format="channels_first", return_tensors="pt")
     assert got["pixel_values"].dtype == dtype
     assert torch.equal(got["pixel_values"], expected["pixel_values"].to(dtype))
     assert torch.equal(got["image_grid_thw"], expected["image_grid_thw"])
@@ -53,7 +54,8 @@ def test_videos_equal_the_processors_own(family, frames, height, width):
         pytest.skip("Qwen3-VL's processor refuses a clip under its temporal patch")
     clip = _pixels(frames * height, frames, height, width, 3)
     kwargs = {"do_sample_frames": False, "return_tensors": "pt"}
-    expected, got = own(videos=[clip], **kwargs), fused(videos=[clip], **kwargs)
+    expected = own(videos=[clip], **kwargs)
+    got = fused(videos=[channels_first_view(clip)], input_data_format="channels_first", **kwargs)
     assert torch.equal(got["pixel_values_videos"], expected["pixel_values_videos"].to(torch.bfloat16))
     assert torch.equal(got["video_grid_thw"], expected["video_grid_thw"])
 

@@ -1,16 +1,24 @@
-"""Qwen's image and video processors with their normalize folded into patchify.
+"""Qwen's image and video processors, fed and run with fewer copies.
 
 Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's processors (transformers' torchvision
-backend) turn uint8 frames into float32, normalize them, then rearrange them
-into patches: a permuted copy of four bytes per value, repeated along the
-temporal axis for an image, with poor locality; then the tower casts the
-result to its dtype. That copy work, not the arithmetic, is most of their
-time on a CPU. Here the same processor rearranges the uint8 frames first (a
-quarter of the bytes) and normalizes the patches after, straight into the
-tower's dtype; an image is normalized before its temporal copy, not after.
-Normalizing is per value with a per-channel constant, so the order of the
-two steps changes no bit: `tests/unit/test_fused_patches.py` checks the
-output `torch.equal` to the unchanged processor's, cast alike.
+backend) copy (h, w, 3) uint8 frames into (3, h, w) tensors, resize them,
+turn them into float32, normalize them, then rearrange them into patches: a
+permuted copy of four bytes per value, repeated along the temporal axis for
+an image, with poor locality; then the tower casts the result to its dtype.
+That copy work, not the arithmetic, is most of their time on a CPU. Here:
+
+- the frames go in as a (3, h, w) view of their (h, w, 3) memory
+  (`channels_first_view`, with `input_data_format="channels_first"`): no
+  copy, and torch's resize takes its vectorised channels-last uint8 path,
+  with the same pixels (as the gateway's `resize_pixels`);
+- `fuse_normalize_into_patchify`: the processor rearranges the uint8 frames
+  first (a quarter of the bytes) and normalizes the patches after, straight
+  into the tower's dtype; an image is normalized before its temporal copy.
+  Normalizing is per value with a per-channel constant, so the order of the
+  two steps changes no bit.
+
+`tests/unit/test_fused_patches.py` checks the output `torch.equal` to the
+unchanged processor's on the (h, w, 3) arrays, cast alike.
 
 Everything else stays the processor's own: sampling, resizing, its
 `_preprocess` loop. The two methods it calls between them,
@@ -27,9 +35,15 @@ import threading
 import types
 from typing import Any
 
+import numpy as np
 import torch
 
 _IMAGE_DIMS = 4  # (batch, channels, height, width); a video's frames are (batch, frames, channels, height, width)
+
+
+def channels_first_view(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 (..., h, w, 3) pixels as the (..., 3, h, w) tensor a processor takes, sharing their memory."""
+    return torch.from_numpy(pixels).movedim(-1, -3)
 
 
 def fuse_normalize_into_patchify(processor: Any, dtype: torch.dtype) -> Any:

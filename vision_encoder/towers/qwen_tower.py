@@ -23,7 +23,7 @@ import torch
 from common.families import Family
 from protocol.to_gateway import ProcessorInfo
 from vision_encoder.towers import attention
-from vision_encoder.towers.fused_patches import fuse_normalize_into_patchify
+from vision_encoder.towers.fused_patches import channels_first_view, fuse_normalize_into_patchify
 from vision_encoder.towers.graphs import TowerGraphs
 from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
@@ -131,7 +131,8 @@ class QwenTower(VisionTower):
 
     def preprocess(self, images: list[TowerImage]) -> Preprocessed:
         with self.io.preparing():
-            out = self.processor(images=[image.pixels for image in images], return_tensors="pt", **self.processor_device)
+            out = self.processor(images=[channels_first_view(image.pixels) for image in images], input_data_format="channels_first",
+                                 return_tensors="pt", **self.processor_device)
             grid_thw = out["image_grid_thw"].cpu()
             pixels = out["pixel_values"].to(self.dtype)
             ready = self.io.prepared()

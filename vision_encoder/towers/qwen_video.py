@@ -25,7 +25,7 @@ from transformers.image_utils import PILImageResampling
 
 from cache.video_keys import video_key
 from protocol.to_gateway import VideoSizing
-from vision_encoder.towers.fused_patches import fuse_normalize_into_patchify
+from vision_encoder.towers.fused_patches import channels_first_view, fuse_normalize_into_patchify
 from vision_encoder.towers.qwen_tower import Preprocessed, QwenTower, plan_of
 from vision_encoder.towers.tower import local_checkpoint
 
@@ -200,7 +200,8 @@ class QwenVideo:
         with tower.io.preparing():
             # vLLM hands Qwen2-VL's processor the frames alone (its parser drops the metadata)
             metadata = {} if self.family == "Qwen2-VL" else {"video_metadata": [clip.hf_metadata()]}
-            out = self.processor(videos=[clip.frames], return_tensors="pt", **metadata, **kwargs, **tower.processor_device)
+            out = self.processor(videos=[channels_first_view(clip.frames)], input_data_format="channels_first",
+                                 return_tensors="pt", **metadata, **kwargs, **tower.processor_device)
             grid = out["video_grid_thw"].cpu()
             pixels = out["pixel_values_videos"].to(tower.dtype)
             ready = tower.io.prepared()
