@@ -10,10 +10,16 @@ per request, and its hottest functions by own samples and by Prism frames;
 keeps py-spy's raw stacks (flamegraph.pl or speedscope read them) in --out.
 docs/profiling.md says how to read them.
 
+With `--workload video-mix`, the workload is bench.video_compare's (c)
+instead: 256² and 720p images and 4 s / 10 s clips, half the clips repeats
+(its checkpoint and budget: pass them as below).
+
 Run: .venv/bin/python -m bench.profile --resolution 3840x2160 --requests 24
      .venv/bin/python -m bench.profile --concurrency 8 --out /tmp/profile
      .venv/bin/python -m bench.profile --model models/prism-demo-qwen2vl --max-pixels 1048576 --concurrency 8
        (bench.compare's checkpoint and budget)
+     .venv/bin/python -m bench.profile --workload video-mix --model models/prism-demo-qwen2vl --max-pixels 1048576 \
+       --requests 128 --concurrency 8   (bench.video_compare's (c))
 """
 
 from __future__ import annotations
@@ -30,13 +36,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from openai import OpenAI
 
+from loadtest.client import Target
+from loadtest.synthetic import data_url, make_image
 from prism.demo_model import SHAPES_MODEL
 from testing.stack import LocalStack
-from loadtest.synthetic import data_url, make_image
 
 PRISM_PACKAGES = ("gateway/", "vision_encoder/", "llm_engine/", "protocol/", "cache/")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -126,6 +134,15 @@ def workload(base_url: str, resolution: tuple[int, int], requests: int, concurre
     return time.perf_counter() - started
 
 
+def video_mix(base_url: str, requests: int, concurrency: int) -> float:
+    """bench.video_compare's (c) in a closed loop at `concurrency` (its warm-up first, as `workload`'s); its wall time."""
+    from bench import video_compare
+
+    sizes = replace(video_compare.Sizes(), mixed_requests=requests, mixed_in_flight=concurrency)
+    report = video_compare.mixed(Target(base_url, video_compare.SERVED_NAME), sizes)
+    return requests / report["summary"]["request_throughput"]
+
+
 def _thread_lines(after: dict[int, tuple[float, float, int]], before: dict[int, tuple[float, float, int]],
                   names: dict[int, str], requests: int, top: int = 4) -> list[str]:
     """A process's busiest threads over the workload: CPU (user, system) and minor page faults per request."""
@@ -155,6 +172,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=SHAPES_MODEL)
     parser.add_argument("--max-pixels", type=int, help="the encoder's pixel budget (default: the checkpoint's)")
+    parser.add_argument("--workload", choices=("jpeg", "video-mix"), default="jpeg",
+                        help="unique JPEGs of --resolution, or bench.video_compare's (c)")
     parser.add_argument("--resolution", default="3840x2160")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--concurrency", type=int, default=1)
@@ -181,7 +200,10 @@ def main() -> None:
                 for name, pid in pids.items()
             }
             time.sleep(1)  # py-spy attaches
-            wall = workload(stack.base_url, (width, height), args.requests, args.concurrency, "prism-demo")
+            if args.workload == "video-mix":
+                wall = video_mix(stack.base_url, args.requests, args.concurrency)
+            else:
+                wall = workload(stack.base_url, (width, height), args.requests, args.concurrency, "prism-demo")
             cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
             threads_after = {name: thread_counters(pid) for name, pid in pids.items()}
             for recorder in recorders.values():
@@ -189,7 +211,8 @@ def main() -> None:
                 recorder.wait(30)
             threads = {name: _thread_lines(threads_after[name], threads_before[name], thread_names(py_spy, pid), args.requests)
                        for name, pid in pids.items()}
-        print(f"{args.requests} requests of {args.resolution} JPEG at concurrency {args.concurrency}: "
+        what = "of bench.video_compare's (c)" if args.workload == "video-mix" else f"of {args.resolution} JPEG"
+        print(f"{args.requests} requests {what} at concurrency {args.concurrency}: "
               f"{wall:.1f} s, {args.requests / wall:.2f} requests/s")
         for name in pids:
             print(f"\n## {name}: {cpu[name] / args.requests * 1000:.0f} ms CPU per request (all its threads, /proc)")
