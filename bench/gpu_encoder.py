@@ -300,6 +300,7 @@ def profile(args, device: torch.device) -> None:
 # ---------------------------------------------------------------- compile
 def compiled(args, device: torch.device, peak: float) -> None:
     """Qwen2.5-VL-7B's tower with its blocks compiled (encoder.compile_blocks), eager and in graphs."""
+    torch._logging.set_logs(recompiles=True, graph_breaks=True)
     options = RunOptions(graph_max_patches=args.graph_max_patches, max_batch_images=32, compile_blocks=True)
     tower = load("qwen2.5-vl-7b", args.root, device, options)
     names = ("1x256",) if args.small else ("1x256", "1x1mp", "8x1mp", "mixed8")
@@ -307,6 +308,18 @@ def compiled(args, device: torch.device, peak: float) -> None:
     graphed = [f"{tower.attention}+graphs"] if getattr(tower, "graphs", None) is not None else []
     for mix, sizes in mixes.items():  # another attention function would recompile every block: the chosen one only
         measure_mix(tower, mix, sizes, device, peak, args.rounds, [tower.attention, *graphed], "tower-compiled")
+        log(section="compile-dynamo", mix=mix, **dynamo_counters())
+
+
+def dynamo_counters() -> dict:
+    """What torch.compile has done in this process so far: graphs compiled,
+    graph breaks and frames it gave up on, by reason. The previous run's
+    compiled tower ran some batches at eager speed without saying why; with
+    these (and the recompile reasons `compiled` turns on, in log.txt) the
+    next one does."""
+    from torch._dynamo.utils import counters
+
+    return {group: {str(k)[:200]: v for k, v in values.items()} for group, values in counters.items() if values}
 
 
 # ---------------------------------------------------------------- main
