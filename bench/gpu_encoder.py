@@ -19,8 +19,9 @@ figure to stdout and `$OUT/results.json` as it goes:
   service  `python -m vision_encoder` with configs/qwen2.5-vl-7b.yaml, 32
            requests in flight through the gateway's EncoderPool: batch-1,
            the CPU configs' policy and the GPU config's, with max_wait_ms swept
-  compile  Qwen2.5-VL-7B's tower with its blocks compiled (encoder.compile_blocks),
-           eagerly and in graphs, if time is left
+  compile  Qwen2.5-VL-7B's and Qwen3-VL-8B's towers with their blocks compiled
+           (encoder.compile_blocks), each batch three ways on the same tower:
+           dynamo told to stand aside (eager), compiled, and compiled in graphs
 
 Sections run in that order while `--budget-s` lasts; one that fails logs its
 error and the next runs. `--device cpu --small` is the smoke run this
@@ -32,6 +33,7 @@ Run on the device machine: bench/gpu_run.sh (it installs the carried wheels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -156,10 +158,18 @@ def environment(device: torch.device) -> float:
 
 # ---------------------------------------------------------------- towers
 def set_variant(tower, variant: str, graphs) -> None:
-    """Qwen towers: attention backend by name, with or without the captured graphs."""
-    backend, _, graphed = variant.partition("+")
+    """Qwen towers: attention backend by name; "+graphs" replays the captured
+    graphs, "+eager" runs compiled blocks eagerly (stance_of)."""
+    backend, _, mode = variant.partition("+")
     tower.model.config._attn_implementation = register(backend)
-    tower.graphs = graphs if graphed else None
+    tower.graphs = graphs if mode == "graphs" else None
+
+
+def stance_of(variant: str):
+    """A "+eager" variant runs a compiled tower's blocks as if never compiled
+    (torch.compiler's force_eager stance): its eager figure beside its compiled
+    ones from the same tower, weights and batch."""
+    return torch.compiler.set_stance("force_eager") if variant.endswith("+eager") else contextlib.nullcontext()
 
 
 def variants_for(tower, device: torch.device) -> list[str]:
@@ -192,10 +202,11 @@ def measure_mix(tower, name: str, sizes, device, peak: float, rounds: int, varia
         if variant != "as-built":
             set_variant(tower, variant, graphs)
         try:
-            out = tower.encode(batch)
-            if "tflop" not in entry:
-                entry["tflop"] = round(real_towers.batch_flops(tower, batch) / 1e12, 3)
-            seconds = timed(lambda: tower.encode(batch), 2, rounds)
+            with stance_of(variant):
+                out = tower.encode(batch)
+                if "tflop" not in entry:
+                    entry["tflop"] = round(real_towers.batch_flops(tower, batch) / 1e12, 3)
+                seconds = timed(lambda: tower.encode(batch), 2, rounds)
         except Exception as exc:
             entry[f"{variant}_error"] = repr(exc)[:300]
             continue
@@ -298,17 +309,38 @@ def profile(args, device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------- compile
-def compiled(args, device: torch.device, peak: float) -> None:
-    """Qwen2.5-VL-7B's tower with its blocks compiled (encoder.compile_blocks), eager and in graphs."""
+def compiled(args, device: torch.device, peak: float, budget: Budget) -> None:
+    """Qwen's towers with their blocks compiled (encoder.compile_blocks): each
+    batch eagerly, compiled, and compiled in graphs, on the same tower."""
     torch._logging.set_logs(recompiles=True, graph_breaks=True)
-    options = RunOptions(graph_max_patches=args.graph_max_patches, max_batch_images=32, compile_blocks=True)
-    tower = load("qwen2.5-vl-7b", args.root, device, options)
-    names = ("1x256",) if args.small else ("1x256", "1x1mp", "8x1mp", "mixed8")
-    mixes = {name: (SMALL_MIXES if args.small else MIXES)[name] for name in names}
-    graphed = [f"{tower.attention}+graphs"] if getattr(tower, "graphs", None) is not None else []
-    for mix, sizes in mixes.items():  # another attention function would recompile every block: the chosen one only
-        measure_mix(tower, mix, sizes, device, peak, args.rounds, [tower.attention, *graphed], "tower-compiled")
-        log(section="compile-dynamo", mix=mix, **dynamo_counters())
+    names = ("1x256", "2x300") if args.small else ("1x256", "32x256", "1x1mp", "8x1mp", "mixed8")
+    # On a CPU (the smoke run) the padded call: the loop's per-segment lengths break the compiled graph.
+    attention = "padded" if device.type == "cpu" else "auto"
+    for name in args.compile_families:
+        if budget.left() < 60:
+            log(section="tower-compiled", family=name, skipped="out of time")
+            continue
+        options = RunOptions(attention=attention, graph_max_patches=args.graph_max_patches, max_batch_images=32,
+                             compile_blocks=True)
+        tower = load(name, args.root, device, options)
+        graphed = [f"{tower.attention}+graphs"] if tower.graphs is not None else []
+        # the chosen attention only: another attention function would recompile every block
+        variants = [f"{tower.attention}+eager", tower.attention, *graphed]
+        for mix in names:
+            measure_mix(tower, mix, (SMALL_MIXES if args.small else MIXES)[mix], device, peak, args.rounds, variants,
+                        "tower-compiled")
+            log(section="compile-dynamo", family=name, mix=mix, block_graphs=block_graphs(tower), **dynamo_counters())
+
+
+def block_graphs(tower) -> dict:
+    """The compiled graphs dynamo holds for the tower's block forward, against
+    its limit: past `recompile_limit` a block runs eagerly for any shape no
+    graph's guards accept, and says so only in a warning."""
+    from torch._dynamo import config
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    code = type(tower.model.blocks[0]).forward.__code__
+    return {"entries": len(_debug_get_cache_entry_list(code)), "recompile_limit": config.recompile_limit}
 
 
 def dynamo_counters() -> dict:
@@ -330,6 +362,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--root", type=Path, default=Path("/tmp/prism-real-towers"))
     parser.add_argument("--families", default=",".join(real_towers.WRITERS))
+    parser.add_argument("--compile-families", default="qwen2.5-vl-7b,qwen3-vl-8b", help="the compile section's towers")
     parser.add_argument("--sections", default="env,towers,oom,profile,service,compile")
     parser.add_argument("--service-settings", default="", help="comma-separated names from bench.gpu_service (all when empty)")
     parser.add_argument("--rounds", type=int, default=5)
@@ -343,6 +376,7 @@ def main() -> None:
     global TINY
     TINY = args.tiny
     args.families = args.families.split(",")
+    args.compile_families = args.compile_families.split(",")
     device = torch.device(args.device)
     budget = Budget(args.budget_s)
     sections = args.sections.split(",")
@@ -356,7 +390,7 @@ def main() -> None:
     if "service" in sections:
         section("service", budget, 90)(gpu_service.run)(args, budget, log)
     if "compile" in sections:
-        section("compile", budget, 120)(compiled)(args, device, peak)
+        section("compile", budget, 120)(compiled)(args, device, peak, budget)
     log(section="done", seconds=round(time.monotonic() - T0, 1))
 
 

@@ -12,18 +12,34 @@ import sys
 from common.config import REPO_ROOT
 
 
-def test_the_gpu_bench_runs_every_section_it_can_on_a_cpu(tmp_path):
+def run_bench(out, sections: str) -> list[dict]:
+    """The smoke run's results, none of them an error."""
     command = [sys.executable, "-m", "bench.gpu_encoder", "--device", "cpu", "--small", "--tiny", "--rounds", "1",
-               "--sections", "env,towers,oom,profile"]
-    done = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "OUT": str(tmp_path)}, capture_output=True,
+               "--sections", sections]
+    done = subprocess.run(command, cwd=REPO_ROOT, env={**os.environ, "OUT": str(out)}, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     errors = [r for r in results if "error" in r or any(key.endswith("_error") for key in r)]
     assert not errors, errors
+    return results
+
+
+def test_the_gpu_bench_runs_every_section_it_can_on_a_cpu(tmp_path):
+    results = run_bench(tmp_path, "env,towers,oom,profile")
     towers = {(r["family"], r["mix"]) for r in results if r["section"] == "tower"}
     families = {"Qwen2.5-VL", "Qwen3-VL", "LLaVA-OneVision", "InternVL3"}
     assert {family for family, _ in towers} == families and len(towers) == 2 * len(families)
     qwen = next(r for r in results if r["section"] == "tower" and r["family"] == "Qwen2.5-VL")
     assert qwen["loop_ms"] > 0 and qwen["padded_rel_diff"] < 0.05 and qwen["tflop"] > 0
     assert (tmp_path / "profile-1x256.txt").exists()
+
+
+def test_the_compile_section_gives_each_qwen_tower_eager_and_compiled_on_the_same_batches(tmp_path):
+    results = run_bench(tmp_path, "env,compile")
+    compiled = [r for r in results if r["section"] == "tower-compiled"]
+    assert {(r["family"], r["mix"]) for r in compiled} == {(f, m) for f in ("Qwen2.5-VL", "Qwen3-VL") for m in ("1x256", "2x300")}
+    for r in compiled:  # bf16, compiled against the same tower run eagerly
+        assert r["padded+eager_ms"] > 0 and r["padded_ms"] > 0 and r["padded_rel_diff"] < 0.05
+    counters = [r for r in results if r["section"] == "compile-dynamo"]
+    assert counters and counters[-1]["stats"]["unique_graphs"] >= 2

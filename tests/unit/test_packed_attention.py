@@ -120,11 +120,13 @@ def test_auto_attention_is_the_loop_on_a_cpu_and_a_cuda_kernel_by_name_is_refuse
             attention.choose(backend, cpu)
 
 
-def test_compiled_blocks_give_the_same_tokens():
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_compiled_blocks_give_the_same_tokens(family):
     """encoder.compile_blocks: every block compiled (vision_encoder/towers/tower.py), the tokens unchanged,
-    over two batches of different shapes (the second recompiles with dynamic shapes)."""
-    eager = load_tower(checkpoint("qwen2.5-vl"), "float32", "cpu", options=RunOptions(attention="padded"))
-    compiled = load_tower(checkpoint("qwen2.5-vl"), "float32", "cpu", options=RunOptions(attention="padded", compile_blocks=True))
+    over two batches of different shapes (the second recompiles with dynamic shapes). Qwen3-VL's
+    tokens carry its DeepStack features, merged from compiled blocks' outputs."""
+    eager = load_tower(checkpoint(family), "float32", "cpu", options=RunOptions(attention="padded"))
+    compiled = load_tower(checkpoint(family), "float32", "cpu", options=RunOptions(attention="padded", compile_blocks=True))
     assert all(hasattr(block, "_compiled_call_impl") and block._compiled_call_impl for block in compiled.model.blocks)
     for seed, count in ((0, 2), (1, 4)):
         batch = eager.preprocess(images(seed)[:count])
