@@ -324,8 +324,10 @@ def compiled(args, device: torch.device, peak: float, budget: Budget) -> None:
                              compile_blocks=True)
         tower = load(name, args.root, device, options)
         graphed = [f"{tower.attention}+graphs"] if tower.graphs is not None else []
-        # the chosen attention only: another attention function would recompile every block
-        variants = [f"{tower.attention}+eager", tower.attention, *graphed]
+        # the chosen attention only: another attention function would recompile every block.
+        # On a CPU, also the path it ships with (the loop, eagerly).
+        shipped = ["loop+eager"] if device.type == "cpu" else []
+        variants = [*shipped, f"{tower.attention}+eager", tower.attention, *graphed]
         for mix in names:
             measure_mix(tower, mix, (SMALL_MIXES if args.small else MIXES)[mix], device, peak, args.rounds, variants,
                         "tower-compiled")
