@@ -347,10 +347,8 @@ def block_graphs(tower) -> dict:
 
 def dynamo_counters() -> dict:
     """What torch.compile has done in this process so far: graphs compiled,
-    graph breaks and frames it gave up on, by reason. The previous run's
-    compiled tower ran some batches at eager speed without saying why; with
-    these (and the recompile reasons `compiled` turns on, in log.txt) the
-    next one does."""
+    graph breaks and frames it gave up on, by reason (the recompile reasons
+    `compiled` turns on go to log.txt)."""
     from torch._dynamo.utils import counters
 
     return {group: {str(k)[:200]: v for k, v in values.items()} for group, values in counters.items() if values}

@@ -193,10 +193,14 @@ def _tiles_run(tower, batch) -> int:
 
 
 def batch_flops(tower, batch) -> float:
-    """One forward's FLOPs: matrix products as run, plus attention (see the module docstring)."""
+    """One forward's FLOPs: matrix products as run, plus attention (see the module docstring).
+
+    Counted with compiled blocks run eagerly: dynamo meeting a compiled frame
+    under a dispatch mode (the FLOP counter is one) skips that frame's code
+    for good, and every later forward in the process would run eagerly."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False) as counter:
         tower.encode(batch)
     products = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "attention" not in str(op))
     return products + _attention_flops(tower, batch)

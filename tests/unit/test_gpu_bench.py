@@ -9,7 +9,14 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+from torch.profiler import profile
+
+from bench import real_towers
 from common.config import REPO_ROOT
+from prism.tiny_models import ensure_tiny_model
+from vision_encoder.towers import load_tower
+from vision_encoder.towers.tower import RunOptions, TowerImage
 
 
 def run_bench(out, sections: str) -> list[dict]:
@@ -43,3 +50,26 @@ def test_the_compile_section_gives_each_qwen_tower_eager_and_compiled_on_the_sam
         assert r["loop+eager_ms"] > 0 and r["padded+eager_ms"] > 0 and r["padded_ms"] > 0 and r["padded_rel_diff"] < 0.05
     counters = [r for r in results if r["section"] == "compile-dynamo"]
     assert counters and counters[-1]["stats"]["unique_graphs"] >= 2
+
+
+def compiled_regions(tower, batch) -> int:
+    """How many torch.compile'd regions one forward runs."""
+    with profile() as prof:
+        tower.encode(batch)
+    return sum(event.name.startswith("Torch-Compiled Region") for event in prof.events())
+
+
+def test_counting_a_compiled_towers_flops_leaves_it_compiled():
+    """The FLOP count runs the tower under a dispatch mode; dynamo meeting a
+    compiled frame there marks its code skipped for the rest of the process,
+    which ran the last device run's compiled tower at eager speed after its
+    first batch (real_towers.batch_flops counts with compiled blocks run eagerly)."""
+    tower = load_tower(str(ensure_tiny_model("qwen2.5-vl")), "float32", "cpu",
+                       options=RunOptions(attention="padded", compile_blocks=True))
+    pixels = np.random.default_rng(0).integers(0, 255, (224, 308, 3), dtype=np.uint8)
+    batch = tower.preprocess([TowerImage(pixels, (224, 308))])
+    tower.encode(batch)
+    compiled = compiled_regions(tower, batch)
+    assert compiled >= len(tower.model.blocks)
+    assert real_towers.batch_flops(tower, batch) > 0
+    assert compiled_regions(tower, batch) == compiled
