@@ -313,8 +313,9 @@ def compiled(args, device: torch.device, peak: float, budget: Budget) -> None:
     """Qwen's towers with their blocks compiled (encoder.compile_blocks): each
     batch eagerly, compiled, and compiled in graphs, on the same tower."""
     torch._logging.set_logs(recompiles=True, graph_breaks=True)
+    mixes = SMALL_MIXES if args.small else MIXES
     names = ("1x256", "2x300") if args.small else ("1x256", "32x256", "1x1mp", "8x1mp", "mixed8")
-    # On a CPU (the smoke run) the padded call: the loop's per-segment lengths break the compiled graph.
+    # On a CPU the padded call: the loop's per-segment lengths break the compiled graph.
     attention = "padded" if device.type == "cpu" else "auto"
     for name in args.compile_families:
         if budget.left() < 60:
@@ -329,9 +330,10 @@ def compiled(args, device: torch.device, peak: float, budget: Budget) -> None:
         shipped = ["loop+eager"] if device.type == "cpu" else []
         variants = [*shipped, f"{tower.attention}+eager", tower.attention, *graphed]
         for mix in names:
-            measure_mix(tower, mix, (SMALL_MIXES if args.small else MIXES)[mix], device, peak, args.rounds, variants,
-                        "tower-compiled")
+            measure_mix(tower, mix, mixes[mix], device, peak, args.rounds, variants, "tower-compiled")
             log(section="compile-dynamo", family=name, mix=mix, block_graphs=block_graphs(tower), **dynamo_counters())
+        del tower  # its graphs' memory pools too, before the next tower loads (as `towers` does)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def block_graphs(tower) -> dict:

@@ -148,9 +148,9 @@ WRITERS = {
 }
 
 
-# The same families' tiny checkpoints (prism/tiny_models.py): a CPU smoke run of the bench.
-# --tiny: each tower's small stand-in on a CPU; the widths checkpoint is Qwen2.5-VL-7B's tower at its
-# real widths with two blocks (one windowed, one full), the CPU's real-width profile.
+# --tiny: the same families' tiny checkpoints (prism/tiny_models.py), a CPU smoke run of the bench; and
+# qwen2.5-vl-7b-widths, Qwen2.5-VL-7B's tower at its real widths with two blocks (one windowed, one full),
+# the CPU's real-width profile.
 TINY = {"qwen2.5-vl-7b": "qwen2.5-vl", "qwen3-vl-8b": "qwen3-vl", "llava-onevision-7b": "llava-onevision",
         "internvl3-8b": "internvl3", "qwen2.5-vl-7b-widths": "qwen2.5-vl-7b-widths"}
 

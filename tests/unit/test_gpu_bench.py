@@ -62,8 +62,8 @@ def compiled_regions(tower, batch) -> int:
 def test_counting_a_compiled_towers_flops_leaves_it_compiled():
     """The FLOP count runs the tower under a dispatch mode; dynamo meeting a
     compiled frame there marks its code skipped for the rest of the process,
-    which ran the last device run's compiled tower at eager speed after its
-    first batch (real_towers.batch_flops counts with compiled blocks run eagerly)."""
+    and every later forward would run eagerly (real_towers.batch_flops counts
+    with compiled blocks run eagerly)."""
     tower = load_tower(str(ensure_tiny_model("qwen2.5-vl")), "float32", "cpu",
                        options=RunOptions(attention="padded", compile_blocks=True))
     pixels = np.random.default_rng(0).integers(0, 255, (224, 308, 3), dtype=np.uint8)
