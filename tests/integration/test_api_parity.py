@@ -24,8 +24,12 @@ SERVER_FLAGS = (
     "--mm-processor-kwargs", json.dumps({"max_pixels": TEST_MAX_PIXELS, "min_pixels": TEST_MIN_PIXELS}),
     "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     "--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True}),
+    # The model in vLLM's engine core, as the module stacks run it (conftest.ONE_PROCESS_ENGINE): a
+    # process fewer to start; vLLM's CPU platform keeps "uni" only with multiprocessing off.
+    "--distributed-executor-backend", "uni",
 )
-SERVER_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}  # engine.strict_tool_calling: false
+SERVER_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # engine.strict_tool_calling: false
+              "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.fixture(scope="module")

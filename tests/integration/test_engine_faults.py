@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from testing.stack import LocalStack
-from tests.integration.conftest import MODEL_NAME
+from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE
 from tests.integration.helpers import child_pid, engine_core, log_records, scrape, sse_error, wait_until
 
 STALL_TIMEOUT_S = 3
@@ -31,8 +31,8 @@ OVERRIDES = {
     "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
     "PRISM_ENGINE__MAX_MODEL_LEN": "32768",  # generations long enough to outlast any fault
     # The model in the engine core process: these faults are then the model's too
-    # (the other stacks run vLLM's CPU default, a worker process of its own).
-    "PRISM_ENGINE__DISTRIBUTED_EXECUTOR_BACKEND": "uni",
+    # (test_faults' stack runs vLLM's CPU default, a worker process of its own).
+    **ONE_PROCESS_ENGINE,
 }
 
 

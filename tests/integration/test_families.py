@@ -48,7 +48,7 @@ from protocol.to_gateway import GenerateFailed, TokenDelta
 from vision_encoder.towers import load_tower
 from testing.video_clips import CONCURRENT_CLIPS, ONE_FRAME_FILE
 from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
-from tests.integration.conftest import MODEL_NAME, STACK_OVERRIDES, Reference
+from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE, STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 from tests.integration.reference_video_vllm import FAMILY_CLIPS, SERVED_CLIPS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
 
@@ -68,7 +68,7 @@ def family(request, tmp_path_factory, images):
     reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint,
                           videos=request.param in VIDEO_FAMILIES)
     try:
-        with LocalStack(run_dir, OVERRIDES[request.param], model=checkpoint) as stack:
+        with LocalStack(run_dir, OVERRIDES[request.param] | ONE_PROCESS_ENGINE, model=checkpoint) as stack:
             client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
             yield client, reference, stack, request.param
     finally:

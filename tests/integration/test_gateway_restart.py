@@ -20,7 +20,7 @@ import pytest
 from common.config import DEFAULT_CONFIG, REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from testing.stack import free_port, wait_for_health
-from tests.integration.conftest import MODEL_NAME
+from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE
 from tests.integration.helpers import log_records, scrape, wait_until
 
 
@@ -42,6 +42,7 @@ class Services:
             "PRISM_GATEWAY__STATS_INTERVAL_S": "0.5",
             "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
             "PRISM_ENGINE__MAX_MODEL_LEN": "32768",
+            **ONE_PROCESS_ENGINE,
         }
         self.processes: dict[str, subprocess.Popen] = {}
 

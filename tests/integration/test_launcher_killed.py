@@ -14,6 +14,7 @@ import psutil
 
 from bench.faults import engine_core
 from testing.stack import LocalStack
+from tests.integration.conftest import ONE_PROCESS_ENGINE
 from tests.integration.helpers import alive, child_pid, log_records, wait_until
 
 ENGINE_START_S = 240  # vLLM's start on two busy cores, with room
@@ -31,7 +32,7 @@ def engine_messages(stack: LocalStack) -> list[str]:
 
 
 def test_services_stop_when_the_launcher_is_killed_while_vllm_starts(tmp_path):
-    stack = LocalStack(tmp_path, {"PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256"})
+    stack = LocalStack(tmp_path, {"PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256", **ONE_PROCESS_ENGINE})
     launcher = stack.launch()
     groups = [launcher.pid]  # each service leads a process group of its own: all are killed at the end
     try:

@@ -20,6 +20,7 @@ from common.config import DEFAULT_CONFIG
 from prism.demo_model import RANDOM_MODEL, write_demo_model
 from testing.stack import LocalStack, free_port
 from loadtest.synthetic import make_image
+from tests.integration.conftest import ONE_PROCESS_ENGINE
 from tests.integration.corpus import b64, save
 from tests.integration.helpers import child_pid, engine_core, log_records, scrape, wait_until
 
@@ -46,7 +47,7 @@ def routed(tmp_path_factory):
     config["model"] = str(RANDOM_MODEL)
     path = run_dir / "models.yaml"
     path.write_text(yaml.safe_dump(config))
-    stack = LocalStack(run_dir, {"PRISM_CONFIG": str(path)})
+    stack = LocalStack(run_dir, {"PRISM_CONFIG": str(path), **ONE_PROCESS_ENGINE})
     stack.start(timeout_s=600)
     stack.config_path = path
     yield stack

@@ -18,10 +18,10 @@ from prism.launch import service_children
 from testing.stack import LocalStack
 from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed
-from tests.integration.conftest import STACK_OVERRIDES
+from tests.integration.conftest import ONE_PROCESS_ENGINE, STACK_OVERRIDES
 from tests.integration.helpers import embeddings_request, send_raw
 
-ENGINE_ONLY = {k: v for k, v in STACK_OVERRIDES.items() if not k.startswith("PRISM_ENCODER__")}
+ENGINE_ONLY = {k: v for k, v in STACK_OVERRIDES.items() if not k.startswith("PRISM_ENCODER__")} | ONE_PROCESS_ENGINE
 
 
 @pytest.fixture(scope="module")
