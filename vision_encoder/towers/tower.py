@@ -140,7 +140,12 @@ class VisionTower:
         return state
 
     def _build(self, config: Any, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        model = self._module(config)
+        from transformers.initialization import no_init_weights
+
+        # Every parameter is overwritten by the checkpoint's (a missing one stops
+        # below), so drawing random values for them first is wasted start-up.
+        with no_init_weights():
+            model = self._module(config)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")

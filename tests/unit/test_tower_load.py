@@ -1,0 +1,36 @@
+"""The tower builds its modules without drawing random weights (the checkpoint
+overwrites every parameter; tower.py `_build`). What that must not change:
+every tensor the module holds, buffers computed at construction included
+(rotary frequencies, position ids), equals what transformers' own
+initialisation followed by the same checkpoint gives. A transformers release
+that moved a buffer's value into its weight initialisation would fail here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from tests.unit.test_packed_attention import FAMILIES, checkpoint
+from vision_encoder.towers import load_tower
+from vision_encoder.towers.tower import _weight_files
+
+
+def initialised_then_loaded(tower, path) -> dict[str, torch.Tensor]:
+    model = tower._module(AutoConfig.from_pretrained(path))
+    model.load_state_dict(tower._vision_state(_weight_files(path)), strict=False)
+    model = model.to(tower.dtype)
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tensor_of_the_tower_is_the_checkpoint_s_or_computed_at_construction(family):
+    path = Path(checkpoint(family))
+    tower = load_tower(path, "float32", "cpu")
+    built = {**dict(tower.model.named_parameters()), **dict(tower.model.named_buffers())}
+    expected = initialised_then_loaded(tower, path)
+    assert built.keys() == expected.keys()
+    different = [name for name in built if not torch.equal(built[name], expected[name])]
+    assert not different, f"{family}: {different[:5]}"
