@@ -124,7 +124,7 @@ def test_the_prism_containers_run_unprivileged_without_build_tools(stack):
                    "for t in gcc cc c++ make ld; do command -v $t; done;"
                    " dpkg-query -W -f '${db:Status-Abbrev} ${Package}\\n' 2>/dev/null | grep '^ii'"
                    " | grep -E ' (python3-venv|python3-pip|python3-dev|libc6-dev|gcc|g\\+\\+|make|build-essential)$';"
-                   " find /var/lib/apt/lists /var/cache/apt /root/.cache /home/prism/.cache /tmp -mindepth 1; true")
+                   " find /var/lib/apt/lists /var/cache/apt /root/.cache /home/prism/.cache /var/cache/prism /tmp -mindepth 1; true")
     assert not found.strip(), found
     for service in ("vision-encoder", "llm-engine"):
         mounts = docker("inspect", "-f", "{{range .Mounts}}{{.Destination}}:{{.RW}} {{end}}",

@@ -279,6 +279,27 @@ def test_gpu_overlays_give_each_encoder_and_engine_a_gpu_and_the_models(overlay)
             assert gpus == "1" and {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
 
 
+def image_env() -> dict[str, str]:
+    """The ENV the Dockerfile bakes into the image (`ENV A=b \\` lines)."""
+    dockerfile = (REPO_ROOT / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.removeprefix("ENV ") for line in dockerfile.splitlines() if line.startswith("ENV ")]
+    return dict(pair.split("=", 1) for line in lines for pair in line.split())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gpu_encoders_and_engines_keep_compiled_code_in_a_volume_across_restarts(overlay):
+    env = image_env()
+    caches = [env["TORCHINDUCTOR_CACHE_DIR"], env["VLLM_CACHE_ROOT"]]  # torch's (the encoder), vLLM's (the engine)
+    for deployment, container, module in prism_containers(render(overlay)):
+        if module == "gateway" or overlay == "cpu-demo":
+            continue  # nothing compiles there (CPU configs: no compiled blocks, vLLM eager)
+        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+        for cache in caches:
+            mount = next((m for m in container["volumeMounts"] if cache.startswith(m["mountPath"].rstrip("/") + "/")), None)
+            assert mount is not None and not mount.get("readOnly"), f"{deployment['metadata']['name']}: {cache} not on a volume"
+            assert "emptyDir" in volumes[mount["name"]], volumes[mount["name"]]  # writable by the image's user, kept per pod
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_disruption_budgets_cover_every_prism_deployment(overlay):
     objects = render(overlay)

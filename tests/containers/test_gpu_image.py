@@ -1,0 +1,67 @@
+"""The GPU flavour's image, built and checked on a machine without a GPU.
+Opt-in: `PRISM_TEST_GPU_IMAGE=1 make test-containers` (it downloads upstream
+vLLM's CUDA wheels: a 9.4 GB image, about 8 minutes cold).
+
+What a GPU host meets first: on CUDA, Triton compiles a C launcher for each
+kernel it runs (vLLM's, the encoder's compiled blocks) with the system's
+compiler against Python's headers. The CPU flavour's image has no compiler
+and must fail that same step; the GPU flavour's must pass it."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+from common.config import REPO_ROOT
+from tests.containers.build import IMAGE
+from tests.containers.daemon import docker, image_size
+from tests.containers.figures import FIGURES
+
+GPU_IMAGE = "prism:gpu"  # docker-compose.gpu.yml's
+LAUNCHER_CHECK = REPO_ROOT / "tests" / "containers" / "triton_launcher.py"
+
+pytestmark = [
+    pytest.mark.skipif(not os.environ.get("PRISM_TEST_GPU_IMAGE"), reason="opt-in: PRISM_TEST_GPU_IMAGE=1"),
+    pytest.mark.timeout(3600),
+]
+
+
+@pytest.fixture(scope="module")
+def gpu_image(built) -> str:
+    started = time.monotonic()
+    docker("build", "-q", "-f", "docker/Dockerfile", "--build-arg", f"BASE_IMAGE={built.base}",
+           "--build-arg", "FLAVOUR=gpu", "-t", GPU_IMAGE, str(REPO_ROOT), timeout_s=3600)
+    FIGURES["gpu_image_s"], FIGURES["gpu_image_bytes"] = time.monotonic() - started, image_size(GPU_IMAGE)
+    return GPU_IMAGE
+
+
+def run(image: str, *command: str) -> str:
+    """`command` in the image as its own user, with no network."""
+    return docker("run", "--rm", "--network", "none", "-v", f"{LAUNCHER_CHECK}:/tmp/triton_launcher.py:ro",
+                  image, *command, timeout_s=300)
+
+
+def test_triton_builds_a_launcher_in_the_gpu_image_and_not_in_the_cpu_image(gpu_image):
+    assert re.fullmatch(r"cuda_utils\.cpython-\d+-x86_64-linux-gnu\.so", run(gpu_image, "python", "/tmp/triton_launcher.py").strip())
+    failed = run(IMAGE, "sh", "-c", "python /tmp/triton_launcher.py 2>&1; true")
+    assert "Failed to find C compiler" in failed, failed[-500:]
+
+
+def test_the_gpu_image_runs_the_locked_versions(gpu_image):
+    found = run(gpu_image, "python", "-c", "import torch, transformers, triton, vllm;"
+                " print(vllm.__version__, transformers.__version__, torch.__version__.split('+')[0], triton.__version__)")
+    locks = {lock: (REPO_ROOT / "requirements" / f"{lock}.lock").read_text() for lock in ("gpu", "cpu")}
+    vllm, transformers, torch, triton = found.split()
+    assert f"vllm=={vllm}\n" in locks["gpu"] and f"transformers=={transformers}\n" in locks["gpu"]
+    # The encoder and its tests run the CPU lock's torch stack; the GPU image must run the same.
+    assert f"torch==={torch}\n" in locks["cpu"] and f"triton=={triton}\n" in locks["cpu"], found
+
+
+def test_the_compile_caches_are_empty_and_writable_by_the_image_s_user(gpu_image):
+    listing = run(gpu_image, "sh", "-c", 'for d in "$TORCHINDUCTOR_CACHE_DIR" "$VLLM_CACHE_ROOT"; do'
+                  ' mkdir -p "$d" && touch "$d/probe" && echo "$d"; done; find /var/cache/prism -type f | wc -l')
+    *caches, files = listing.split()
+    assert caches == ["/var/cache/prism/torchinductor", "/var/cache/prism/vllm"] and files == "2", listing
