@@ -21,7 +21,7 @@ from tests.containers.daemon import docker, image_size
 from tests.containers.figures import FIGURES
 
 GPU_IMAGE = "prism:gpu"  # docker-compose.gpu.yml's
-LAUNCHER_CHECK = REPO_ROOT / "tests" / "containers" / "triton_launcher.py"
+CHECKS = REPO_ROOT / "tests" / "containers"  # triton_launcher.py, vllm_sampler.py: run inside the images
 
 pytestmark = [
     pytest.mark.skipif(not os.environ.get("PRISM_TEST_GPU_IMAGE"), reason="opt-in: PRISM_TEST_GPU_IMAGE=1"),
@@ -38,16 +38,26 @@ def gpu_image(built) -> str:
     return GPU_IMAGE
 
 
-def run(image: str, *command: str) -> str:
-    """`command` in the image as its own user, with no network."""
-    return docker("run", "--rm", "--network", "none", "-v", f"{LAUNCHER_CHECK}:/tmp/triton_launcher.py:ro",
+def run(image: str, *command: str, env: tuple[str, ...] = ()) -> str:
+    """`command` in the image as its own user, with no network; the checks' scripts in /checks."""
+    return docker("run", "--rm", "--network", "none", "-v", f"{CHECKS}:/checks:ro", *(f"--env={e}" for e in env),
                   image, *command, timeout_s=300)
 
 
 def test_triton_builds_a_launcher_in_the_gpu_image_and_not_in_the_cpu_image(gpu_image):
-    assert re.fullmatch(r"cuda_utils\.cpython-\d+-x86_64-linux-gnu\.so", run(gpu_image, "python", "/tmp/triton_launcher.py").strip())
-    failed = run(IMAGE, "sh", "-c", "python /tmp/triton_launcher.py 2>&1; true")
+    assert re.fullmatch(r"cuda_utils\.cpython-\d+-x86_64-linux-gnu\.so", run(gpu_image, "python", "/checks/triton_launcher.py").strip())
+    failed = run(IMAGE, "sh", "-c", "python /checks/triton_launcher.py 2>&1; true")
     assert "Failed to find C compiler" in failed, failed[-500:]
+
+
+def test_vllm_samples_with_its_own_sampler_where_flashinfer_cannot_build_its_kernels(gpu_image):
+    # vLLM's choice on an H100 (its GPU answers stood in): with the image's
+    # environment its own sampler; left to vLLM's default, FlashInfer's, whose
+    # kernels need an nvcc the image lacks, and the engine's start-up sampling
+    # run would fail.
+    assert run(gpu_image, "python", "/checks/vllm_sampler.py").split()[-2:] == ["False", "False"]
+    left_to_default = run(gpu_image, "python", "/checks/vllm_sampler.py", env=("VLLM_USE_FLASHINFER_SAMPLER=1",))
+    assert left_to_default.split()[-2:] == ["False", "True"]
 
 
 def test_the_gpu_image_runs_the_locked_versions(gpu_image):
