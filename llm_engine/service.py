@@ -92,9 +92,24 @@ def start_vllm(config: EngineConfig, family: Family, stat_loggers=None):
         # reads the config (vllm/platforms/cpu.py). AsyncLLM runs its engine core
         # in a process of its own either way: this only keeps the model there.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sample_without_unbuildable_kernels()
     vllm_config = engine_args(config, family).create_engine_config()
     with _worker_openmp(vllm_config):  # the engine core inherits the environment
         return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=stat_loggers)
+
+
+def sample_without_unbuildable_kernels() -> None:
+    """vLLM samples top-k/top-p with FlashInfer's kernels on CUDA by default,
+    even where FlashInfer can neither load prebuilt kernels nor build its own
+    (no flashinfer-cubin, no nvcc: vLLM's own `has_flashinfer()` says so, as
+    in Prism's GPU image), and then its start-up sampling run fails. There it
+    samples with its own PyTorch sampler; a VLLM_USE_FLASHINFER_SAMPLER the
+    deployment set is left as it is. Set before vLLM starts: its engine core
+    inherits the environment."""
+    from vllm.utils.flashinfer import has_flashinfer
+
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ and not has_flashinfer():
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
 
 
 def _worker_openmp(vllm_config):

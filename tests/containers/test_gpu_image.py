@@ -22,6 +22,7 @@ from tests.containers.figures import FIGURES
 
 GPU_IMAGE = "prism:gpu"  # docker-compose.gpu.yml's
 CHECKS = REPO_ROOT / "tests" / "containers"  # triton_launcher.py, vllm_sampler.py: run inside the images
+SOURCE = "PYTHONPATH=/opt/prism"  # the image's copy of the repository, for scripts that import Prism
 
 pytestmark = [
     pytest.mark.skipif(not os.environ.get("PRISM_TEST_GPU_IMAGE"), reason="opt-in: PRISM_TEST_GPU_IMAGE=1"),
@@ -51,13 +52,15 @@ def test_triton_builds_a_launcher_in_the_gpu_image_and_not_in_the_cpu_image(gpu_
 
 
 def test_vllm_samples_with_its_own_sampler_where_flashinfer_cannot_build_its_kernels(gpu_image):
-    # vLLM's choice on an H100 (its GPU answers stood in): with the image's
-    # environment its own sampler; left to vLLM's default, FlashInfer's, whose
-    # kernels need an nvcc the image lacks, and the engine's start-up sampling
-    # run would fail.
-    assert run(gpu_image, "python", "/checks/vllm_sampler.py").split()[-2:] == ["False", "False"]
-    left_to_default = run(gpu_image, "python", "/checks/vllm_sampler.py", env=("VLLM_USE_FLASHINFER_SAMPLER=1",))
-    assert left_to_default.split()[-2:] == ["False", "True"]
+    # vLLM's choice on an H100 (its GPU answers stood in) once the engine
+    # service prepared the environment: its own sampler, as FlashInfer's
+    # kernels need an nvcc the image lacks (left to vLLM's default, FlashInfer's,
+    # and the engine's start-up sampling run would fail). A deployment that
+    # asks for FlashInfer's keeps it.
+    sampler = ("python", "/checks/vllm_sampler.py")
+    assert run(gpu_image, *sampler, env=(SOURCE,)).split()[-2:] == ["False", "False"]
+    asked = run(gpu_image, *sampler, env=(SOURCE, "VLLM_USE_FLASHINFER_SAMPLER=1"))
+    assert asked.split()[-2:] == ["False", "True"]
 
 
 def test_the_gpu_image_runs_the_locked_versions(gpu_image):

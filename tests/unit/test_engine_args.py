@@ -1,12 +1,18 @@
-"""The engine config reaches vLLM's engine args as written (GPU knobs included)."""
+"""The engine config reaches vLLM's engine args as written (GPU knobs included), and the
+environment the engine service prepares for vLLM."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
+
 from llm_engine.config import EngineConfig
-from llm_engine.service import engine_args
+from llm_engine.service import engine_args, sample_without_unbuildable_kernels
 from common.families import FAMILIES
 
 QWEN2_VL, QWEN3_VL = FAMILIES[0], FAMILIES[2]
+SAMPLER_ENV = "VLLM_USE_FLASHINFER_SAMPLER"
 
 
 def test_vllm_knobs_pass_through():
@@ -32,3 +38,22 @@ def test_defaults_leave_vllm_its_own_choices():
 def test_a_deepstack_family_keeps_the_tower_in_vllm_unprofiled():
     args = engine_args(EngineConfig(model="/models/qwen3", max_images_per_prompt=6), QWEN3_VL)
     assert args.enable_mm_embeds and args.limit_mm_per_prompt == {"image": 6, "video": 0} and args.skip_mm_profiling
+
+
+@pytest.mark.parametrize("flashinfer_usable, deployment_set, expected", [
+    (False, None, "0"),  # FlashInfer's kernels can be neither loaded nor built: vLLM's own sampler
+    (True, None, None),  # they can: vLLM's default stands
+    (False, "1", "1"),  # the deployment's choice stands
+])
+def test_the_sampler_avoids_flashinfer_only_where_its_kernels_cannot_be_had(monkeypatch, flashinfer_usable, deployment_set,
+                                                                            expected):
+    import vllm.utils.flashinfer
+
+    monkeypatch.setattr(vllm.utils.flashinfer, "has_flashinfer", lambda: flashinfer_usable)
+    monkeypatch.setenv(SAMPLER_ENV, "")  # records what was there: restored at teardown, whatever the call sets
+    if deployment_set is None:
+        monkeypatch.delenv(SAMPLER_ENV)
+    else:
+        monkeypatch.setenv(SAMPLER_ENV, deployment_set)
+    sample_without_unbuildable_kernels()
+    assert os.environ.get(SAMPLER_ENV) == expected
