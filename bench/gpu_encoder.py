@@ -228,8 +228,7 @@ def load(name: str, root: Path, device: torch.device, options: RunOptions):
     started = time.monotonic()
     path = real_towers.ensure(name, root, device.type, TINY)
     built = time.monotonic()
-    budget = (real_towers.QWEN_MIN_PIXELS, real_towers.QWEN_MAX_PIXELS) if name.startswith("qwen") else (None, None)
-    tower = load_tower(str(path), "bfloat16", device.type, *budget, options)
+    tower = load_tower(str(path), "bfloat16", device.type, *real_towers.pixel_budget(name), options)
     log(section="load", tower=name, build_s=round(built - started, 1), load_s=round(time.monotonic() - built, 1),
         **real_towers.describe(tower))
     return tower

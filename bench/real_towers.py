@@ -27,6 +27,11 @@ from prism.demo_model import CHAT_TEMPLATE, SEED, SPECIAL_TOKENS, build_tokenize
 QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 200704, 1003520  # configs/qwen2.5-vl-7b.yaml's budget
 
 
+def pixel_budget(name: str) -> tuple[int | None, int | None]:
+    """`load_tower`'s min_pixels / max_pixels for a tower here: the Qwen budget for Qwen's, none for the tiled families."""
+    return (QWEN_MIN_PIXELS, QWEN_MAX_PIXELS) if name.startswith("qwen") else (None, None)
+
+
 def _ids(tokenizer) -> dict[str, int]:
     return {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
 

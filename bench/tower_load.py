@@ -23,9 +23,8 @@ from vision_encoder.towers import load_tower
 
 
 def load(name: str, path: Path, device: str) -> float:
-    budget = (real_towers.QWEN_MIN_PIXELS, real_towers.QWEN_MAX_PIXELS) if name.startswith("qwen") else (None, None)
     started = time.perf_counter()
-    load_tower(str(path), "bfloat16", device, *budget)
+    load_tower(str(path), "bfloat16", device, *real_towers.pixel_budget(name))
     return time.perf_counter() - started
 
 

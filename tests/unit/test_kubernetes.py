@@ -269,11 +269,16 @@ def test_the_image_comes_from_one_place(overlay):
     assert images == {f"{entry['newName']}:{flavour}"}
 
 
+def on_a_gpu(overlay: str, module: str) -> bool:
+    """Whether the overlay runs this service on a GPU: encoders and engines, outside the CPU demo."""
+    return module != "gateway" and overlay != "cpu-demo"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_gpu_overlays_give_each_encoder_and_engine_a_gpu_and_the_models(overlay):
     for deployment, container, module in prism_containers(render(overlay)):
         gpus = container["resources"]["requests"].get("nvidia.com/gpu")
-        if module == "gateway" or overlay == "cpu-demo":
+        if not on_a_gpu(overlay, module):
             assert gpus is None
         else:
             assert gpus == "1" and {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
@@ -291,7 +296,7 @@ def test_gpu_encoders_and_engines_keep_compiled_code_in_a_volume_across_restarts
     env = image_env()
     caches = [env["TORCHINDUCTOR_CACHE_DIR"], env["VLLM_CACHE_ROOT"]]  # torch's (the encoder), vLLM's (the engine)
     for deployment, container, module in prism_containers(render(overlay)):
-        if module == "gateway" or overlay == "cpu-demo":
+        if not on_a_gpu(overlay, module):
             continue  # nothing compiles there (CPU configs: no compiled blocks, vLLM eager)
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         for cache in caches:
