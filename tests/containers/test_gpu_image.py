@@ -1,6 +1,7 @@
 """The GPU flavour's image, built and checked on a machine without a GPU.
 Opt-in: `PRISM_TEST_GPU_IMAGE=1 make test-containers` (it downloads upstream
-vLLM's CUDA wheels: a 9.4 GB image, about 8 minutes cold).
+vLLM's CUDA wheels, gigabytes of them; size and build time in
+docs/measurements/containers.md).
 
 What a GPU host meets first: on CUDA, Triton compiles a C launcher for each
 kernel it runs (vLLM's, the encoder's compiled blocks) with the system's
