@@ -13,6 +13,7 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -81,8 +82,18 @@ def both_engines_up(stack: LocalStack) -> bool:
     return per_engine(stack, "prism_engine_replica_up") == [1.0, 1.0]
 
 
-def ready(stack: LocalStack) -> int:
-    return httpx.get(f"{stack.base_url}/health/ready", timeout=5).status_code
+def engine_pid(stack: LocalStack, address: str) -> int | None:
+    try:
+        return child_pid(stack, "llm_engine", address)
+    except (LookupError, psutil.Error):  # between the old process's exit and the launcher's restart
+        return None
+
+
+def restarted_and_serving(stack: LocalStack, address: str, old_pid: int) -> bool:
+    """The launcher runs a new engine at `address` and the gateway counts both engines up.
+    Both up alone is no proof: the gateway counts the old process up until it
+    notices it gone, and a draining one until it exits."""
+    return engine_pid(stack, address) not in (None, old_pid) and both_engines_up(stack)
 
 
 def gateway_in_flight(stack: LocalStack) -> float:
@@ -126,17 +137,19 @@ def test_stopping_an_engine_under_load_loses_no_request(routed):
     with ThreadPoolExecutor(6) as pool:  # ~10 s of load: the stop lands in the middle of it
         futures = [pool.submit(chat, routed, MAIN, with_image(image(f"drain-{i}")) if i % 3 == 0 else story, 300) for i in range(36)]
         futures[0].result()  # the load is running: one request done, 35 more on their way
-        os.kill(child_pid(routed, "llm_engine", stopped), signal.SIGTERM)  # drains: finishes its requests, takes no new ones
+        stopped_pid = child_pid(routed, "llm_engine", stopped)
+        os.kill(stopped_pid, signal.SIGTERM)  # drains: finishes its requests, takes no new ones
         statuses = [f.result().status_code for f in futures]
     assert statuses == [200] * 36
     assert any(r["message"].startswith("draining:") for r in log_records(routed, "engine"))
-    wait_until(lambda: ready(routed) == 200, 180, "the stopped engine back (the launcher starts it again)", 0.5,
-               observe=lambda: ready(routed))
+    wait_until(lambda: restarted_and_serving(routed, stopped, stopped_pid), 180, "the stopped engine back (the launcher starts it again)",
+               0.5, observe=lambda: (engine_pid(routed, stopped), per_engine(routed, "prism_engine_replica_up")))
 
 
 def test_requests_waiting_on_a_dead_engine_core_go_to_the_other_engine(routed):
     victim = yaml.safe_load(routed.config_path.read_text())["gateway"]["models"][MAIN]["engine_addresses"][0]
-    wait_until(lambda: both_engines_up(routed), 180, "both engines serving")  # the drained one restarts
+    wait_until(lambda: both_engines_up(routed), 180, "both engines serving")
+    victim_pid = child_pid(routed, "llm_engine", victim)
     core = engine_core(routed, victim)
     failovers = scrape(routed)[ENGINE_FAILOVERS]
     core.suspend()  # requests reach it and get no token...
@@ -148,7 +161,8 @@ def test_requests_waiting_on_a_dead_engine_core_go_to_the_other_engine(routed):
     assert statuses == [200] * 4  # none had a token: each was retried on the other engine
     assert scrape(routed)[ENGINE_FAILOVERS] > failovers
     assert any(r["message"].startswith("vLLM's engine core died") for r in log_records(routed, "engine"))
-    wait_until(lambda: both_engines_up(routed), 180, "the restarted engine rejoined")
+    wait_until(lambda: restarted_and_serving(routed, victim, victim_pid), 180, "the restarted engine rejoined", 0.5,
+               observe=lambda: (engine_pid(routed, victim), per_engine(routed, "prism_engine_replica_up")))
 
 
 def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):
