@@ -161,8 +161,8 @@ def test_requests_waiting_on_a_dead_engine_core_go_to_the_other_engine(routed):
     assert statuses == [200] * 4  # none had a token: each was retried on the other engine
     assert scrape(routed)[ENGINE_FAILOVERS] > failovers
     assert any(r["message"].startswith("vLLM's engine core died") for r in log_records(routed, "engine"))
-    wait_until(lambda: restarted_and_serving(routed, victim, victim_pid), 180, "the restarted engine rejoined", 0.5,
-               observe=lambda: (engine_pid(routed, victim), per_engine(routed, "prism_engine_replica_up")))
+    # Replaced: the launcher starts a new engine process (test_engine_faults waits for one to serve again)
+    wait_until(lambda: engine_pid(routed, victim) not in (None, victim_pid), 15, "the launcher restarted the engine")
 
 
 def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):
