@@ -103,6 +103,16 @@ CASES = {
 }
 
 
+# What test_families asks every family; the other cases (eight more concurrent
+# images, the text-only question) are the demo model's, in the session's reference.
+FAMILY_CONCURRENT_IMAGES = list(CONCURRENT_IMAGES)[:8]
+FAMILY_CASES = (
+    [f"image-{name}" for name in PARITY_IMAGES]
+    + [f"image-{name}" for name in FAMILY_CONCURRENT_IMAGES]
+    + ["two-images", "two-turns"]
+)
+
+
 def matches_reference(text: str, expected: dict) -> bool:
     """Prism's greedy answer is vLLM's (reference_vllm.py's record), or is it up
     to a token where vLLM's own top two tied, after which the two may differ."""

@@ -59,12 +59,14 @@ ONE_PROCESS_ENGINE = {"PRISM_ENGINE__DISTRIBUTED_EXECUTOR_BACKEND": "uni"}
 class Reference:
     """The vLLM reference outputs, computed in a child process beside the stack."""
 
-    def __init__(self, out: Path, images: Path, log: Path, model: Path = RANDOM_MODEL, videos: bool = False) -> None:
+    def __init__(self, out: Path, images: Path, log: Path, model: Path = RANDOM_MODEL, videos: bool = False,
+                 cases: list[str] | None = None) -> None:
+        """`cases`: the names of cases.CASES to answer (all when None)."""
         self.out = out
         self.log = log
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(model), str(images), str(out)]
-            + (["--videos"] if videos else []),
+            + (["--videos"] if videos else []) + (["--cases", ",".join(cases)] if cases is not None else []),
             cwd=REPO_ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
         )
         self._results: dict | None = None

@@ -6,11 +6,12 @@ one request at a time. Writes {case name: {text, token_ids, prompt_tokens,
 prefixes, margins}}: the text after each token, and how far the chosen token's
 log-probability was above the runner-up's (cases.matches_reference).
 
-With `--videos` (the Qwen families' stacks, tests/integration/test_families.py)
+With `--cases NAME,NAME` only those of cases.CASES are answered
+(test_families asks cases.FAMILY_CASES). With `--videos` (the Qwen families' stacks, tests/integration/test_families.py)
 the same engine also answers the video cases (reference_video_vllm.py
 `family_video_references`), under the same pixel budget.
 
-Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json [--videos]
+Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json [--videos] [--cases NAME,...]
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model, image_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    videos = "--videos" in sys.argv[4:]
+    options = sys.argv[4:]
+    videos = "--videos" in options
+    names = options[options.index("--cases") + 1].split(",") if "--cases" in options else list(CASES)
     llm = LLM(
         model,
         dtype="float32",
@@ -57,7 +60,8 @@ def main() -> None:
     )
     tokenizer = llm.get_tokenizer()
     results = {}
-    for name, case in CASES.items():
+    for name in names:
+        case = CASES[name]
         prompt = tokenizer.apply_chat_template(chat_template_messages(case), tokenize=False, add_generation_prompt=True)
         request: dict = {"prompt": prompt}
         if names := case.image_names():

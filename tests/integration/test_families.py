@@ -47,7 +47,7 @@ from prism.tiny_models import ensure_tiny_model
 from protocol.to_gateway import GenerateFailed, TokenDelta
 from vision_encoder.towers import load_tower
 from testing.video_clips import CONCURRENT_CLIPS, ONE_FRAME_FILE
-from tests.integration.cases import CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
+from tests.integration.cases import FAMILY_CASES, FAMILY_CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
 from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE, STACK_OVERRIDES, Reference
 from tests.integration.helpers import ask, embeddings_request, send_raw
 from tests.integration.reference_video_vllm import FAMILY_CLIPS, SERVED_CLIPS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
@@ -66,7 +66,7 @@ def family(request, tmp_path_factory, images):
     checkpoint = ensure_tiny_model(request.param)
     run_dir = tmp_path_factory.mktemp(request.param)
     reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint,
-                          videos=request.param in VIDEO_FAMILIES)
+                          videos=request.param in VIDEO_FAMILIES, cases=FAMILY_CASES)
     try:
         with LocalStack(run_dir, OVERRIDES[request.param] | ONE_PROCESS_ENGINE, model=checkpoint) as stack:
             client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -99,7 +99,7 @@ def test_two_images_and_a_second_turn_match_vllm(family, images):
 
 def test_eight_concurrent_requests_each_match_vllm(family, images):
     client, reference, _, _ = family
-    names = list(CONCURRENT_IMAGES)[:8]
+    names = FAMILY_CONCURRENT_IMAGES
     with ThreadPoolExecutor(len(names)) as pool:
         got = list(pool.map(lambda n: ask(client, f"image-{n}", images).choices[0].message.content, names))
     want = [reference[f"image-{n}"] for n in names]
