@@ -45,6 +45,7 @@ from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, Toke
 log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
 DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long before it exits
+LAST_REPLIES_LINGER_MS = 1000  # closing the socket: the last answers still leave
 
 
 def engine_args(config: EngineConfig, family: Family):
@@ -237,6 +238,10 @@ class EngineService:
                 log.warning("drain deadline passed with %d requests in flight", len(self.requests))
         receiving.cancel()
         watching.cancel()
+        # Closed now, not at exit: vLLM's shutdown and the interpreter's take seconds, and a
+        # request sent meanwhile would wait unanswered until the gateway's heartbeat timed out.
+        # The dropped connection tells every gateway at once; they retry such requests elsewhere.
+        self.router.close(LAST_REPLIES_LINGER_MS)
         self.images.close()  # its sockets to the encoders, and the shared tier's connection
 
     def drain(self) -> None:

@@ -47,8 +47,9 @@ class _Typed(Generic[In]):
         header, *frames = parts
         return self._decoder.decode(header.buffer), [f.buffer for f in frames]
 
-    def close(self) -> None:
-        self.socket.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long messages already sent may still leave (0: dropped)."""
+        self.socket.close(linger=linger_ms)
 
 
 class AsyncDealer(_Typed[In]):

@@ -53,6 +53,15 @@ def child_pid(stack, module: str, address: str | None = None) -> int:
     raise LookupError(f"{module} {address or ''}")
 
 
+def engine_pid(stack, address: str | None = None) -> int | None:
+    """An engine service's pid (by the address it binds when several run); None
+    between the old process's exit and the launcher's restart."""
+    try:
+        return child_pid(stack, "llm_engine", address)
+    except (LookupError, psutil.Error):
+        return None
+
+
 def engine_core(stack, address: str | None = None) -> psutil.Process:
     """vLLM's EngineCore process under one of the stack's engine services."""
     core = engine_core_of(psutil.Process(child_pid(stack, "llm_engine", address)))

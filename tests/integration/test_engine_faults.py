@@ -2,12 +2,15 @@
 hung accelerator or a stuck collective looks like), stopped for good, and
 killed during a stream. Prism's engine service must notice each, fail what
 it holds with a clear 503, stop taking work, and come back (by itself, or
-restarted by `prism serve`'s supervisor) within a measured bound.
+restarted by `prism serve`'s supervisor) within a measured bound. Last, a
+drain whose vLLM shutdown hangs must not hold the engine's socket.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,10 +18,12 @@ from dataclasses import dataclass
 import httpx
 import psutil
 import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from testing.stack import LocalStack
 from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE
-from tests.integration.helpers import child_pid, engine_core, log_records, scrape, sse_error, wait_until
+from tests.integration.helpers import engine_core, engine_pid, log_records, scrape, sse_error, wait_until
 
 STALL_TIMEOUT_S = 3
 STALL_RESTART_S = 12
@@ -67,14 +72,6 @@ def send(stack: LocalStack, payload: dict) -> Outcome:
     assert lines[-1] == "data: [DONE]", "a stream must end cleanly, with or without an error event"
     error = sse_error(lines)
     return Outcome(200, error and error["code"], ended_at, response.headers)
-
-
-def engine_pid(stack: LocalStack) -> int | None:
-    """The engine service's pid; None while it is being restarted."""
-    try:
-        return child_pid(stack, "llm_engine")
-    except (LookupError, psutil.NoSuchProcess):
-        return None
 
 
 def engine_in_flight(stack: LocalStack) -> float:
@@ -178,3 +175,38 @@ def test_engine_core_killed_during_a_stream(stack):
     print(f"\nEngineCore killed: serving again after {recovery:.1f} s (the new engine's start-up: {start_up:.1f} s)")
     assert recovery <= start_up + 10
     assert serves(stack)
+
+
+def test_a_drained_engine_lets_go_of_its_socket_before_vllm_shuts_down(stack):
+    """vLLM's shutdown and the interpreter's exit take seconds after a drain; a request
+    sent to the engine meanwhile would wait unanswered until the gateway's heartbeat
+    gave up. So once its requests are done the engine closes its socket first, and
+    every gateway sees the connection drop at once. Here the engine core is stopped:
+    vLLM's shutdown can only end by killing it, after its own grace period, so the
+    drop must come while the core is still there. The last test: the engine restarts."""
+    drained_pid, core = engine_pid(stack), engine_core(stack)
+    ctx = zmq.Context()
+    watcher = ctx.socket(zmq.DEALER)
+    events = watcher.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    try:
+        watcher.connect(stack.engine_addresses[0])
+        assert next_socket_event(events) == zmq.EVENT_CONNECTED
+        core.suspend()
+        os.kill(drained_pid, signal.SIGTERM)  # nothing in flight: drained at once
+        assert next_socket_event(events) == zmq.EVENT_DISCONNECTED
+        still_stopped = core.is_running() and core.status() == psutil.STATUS_STOPPED
+        assert still_stopped, "the socket stayed open until vLLM's shutdown had killed the engine core"
+    finally:
+        if core.is_running():
+            core.resume()
+        watcher.disable_monitor()
+        events.close(linger=0)
+        watcher.close(linger=0)
+        ctx.term()
+    assert any(r["message"].startswith("draining: 0 requests") for r in log_records(stack, "engine"))
+    wait_until(lambda: engine_pid(stack) not in (drained_pid, None), 60, "the launcher restarted the engine")
+
+
+def next_socket_event(events: zmq.Socket, timeout_s: float = 30) -> int:
+    assert events.poll(timeout_s * 1000), f"no connection event within {timeout_s} s"
+    return parse_monitor_message(events.recv_multipart())["event"]

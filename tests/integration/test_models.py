@@ -13,7 +13,6 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 import yaml
 
@@ -23,7 +22,7 @@ from testing.stack import LocalStack, free_port
 from loadtest.synthetic import make_image
 from tests.integration.conftest import ONE_PROCESS_ENGINE
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import child_pid, engine_core, log_records, scrape, wait_until
+from tests.integration.helpers import child_pid, engine_core, engine_pid, log_records, scrape, wait_until
 
 MAIN, OTHER, ALIAS = "prism-demo", "prism-demo-b", "prism-demo-alias"
 ENGINE_FAILOVERS = ("prism_replica_failovers_total", (("service", "engine"),))
@@ -80,13 +79,6 @@ def per_engine(stack: LocalStack, name: str) -> list[float]:
 
 def both_engines_up(stack: LocalStack) -> bool:
     return per_engine(stack, "prism_engine_replica_up") == [1.0, 1.0]
-
-
-def engine_pid(stack: LocalStack, address: str) -> int | None:
-    try:
-        return child_pid(stack, "llm_engine", address)
-    except (LookupError, psutil.Error):  # between the old process's exit and the launcher's restart
-        return None
 
 
 def restarted_and_serving(stack: LocalStack, address: str, old_pid: int) -> bool:
