@@ -16,6 +16,7 @@ Run: python tests/integration/reference_vllm.py MODEL_DIR IMAGE_DIR OUT.json [--
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -35,6 +36,16 @@ def chat_template_messages(case) -> list[dict]:
     return [{**m, "content": m["content"] if isinstance(m["content"], str) else [part(p) for p in m["content"]]} for m in case.messages]
 
 
+def arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="vLLM's answers to the parity cases")
+    parser.add_argument("model")
+    parser.add_argument("image_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--videos", action="store_true", help="the video cases too (the Qwen families)")
+    parser.add_argument("--cases", default="", help="NAME,NAME of cases.CASES (all when empty)")
+    return parser.parse_args()
+
+
 def main() -> None:
     # The engine core in this process, not a child: the answers are the same
     # (token for token), and the run takes 17 s of CPU instead of 43. vLLM's
@@ -44,10 +55,8 @@ def main() -> None:
     from PIL import Image
     from vllm import LLM, SamplingParams
 
-    model, image_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    options = sys.argv[4:]
-    videos = "--videos" in options
-    names = options[options.index("--cases") + 1].split(",") if "--cases" in options else list(CASES)
+    args = arguments()
+    model, image_dir, videos = args.model, args.image_dir, args.videos
     llm = LLM(
         model,
         dtype="float32",
@@ -60,7 +69,7 @@ def main() -> None:
     )
     tokenizer = llm.get_tokenizer()
     results = {}
-    for name in names:
+    for name in args.cases.split(",") if args.cases else CASES:
         case = CASES[name]
         prompt = tokenizer.apply_chat_template(chat_template_messages(case), tokenize=False, add_generation_prompt=True)
         request: dict = {"prompt": prompt}
@@ -71,7 +80,7 @@ def main() -> None:
         results[name] = record(llm.generate([request], params, use_tqdm=False)[0], tokenizer)
     if videos:
         results.update(family_video_references(llm, model, image_dir))
-    out.write_text(json.dumps(results, indent=1))
+    args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
