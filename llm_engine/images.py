@@ -49,6 +49,7 @@ from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed
 
 log = logging.getLogger("prism.engine")
 PUSHES_REMEMBERED = 4096  # pushed tensors not yet used by a request (their keys only)
+ENCODERS_REMEMBERED = 64  # sockets to encoders kept open (a deployment has far fewer encoders at once)
 
 
 class EmbeddingsUnavailable(Exception):
@@ -76,6 +77,10 @@ class _Encoder:
             if future is not None and not future.done():  # else: an answer that came too late
                 future.set_result((message, frames))
 
+    def close(self) -> None:
+        self.reader.cancel()
+        self.socket.close()
+
     async def fetch(self, fetch_id: str, refs: Sequence[ImageEmbedding]) -> tuple[FetchedEmbeddings, list]:
         future = asyncio.get_running_loop().create_future()
         self.waiting[fetch_id] = future
@@ -101,7 +106,7 @@ class EngineImages:
         self.joined = 0  # images another request was already fetching: waited for, not fetched again
         self.pushed = 0  # images a request found pushed here (arrived before it, or while it waited)
         self.pushed_bytes = 0
-        self._encoders: dict[str, _Encoder] = {}
+        self._encoders: OrderedDict[str, _Encoder] = OrderedDict()  # least recently asked first
         self._fetching: dict[tuple[bytes, bytes], asyncio.Future] = {}  # (key, identity) → the fetch bringing it
         self._awaited: dict[tuple[bytes, bytes], asyncio.Future] = {}  # pushes a request waits for
         self._arrived: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # pushes no request used yet
@@ -145,10 +150,25 @@ class EngineImages:
     def _count(self, direction: str, nbytes: int) -> None:
         self.fetched_bytes += nbytes
 
+    @property
+    def encoder_addresses(self) -> list[str]:
+        """The encoders this engine holds a socket to, least recently asked first."""
+        return list(self._encoders)
+
     def _encoder(self, address: str) -> _Encoder:
         if address not in self._encoders:
+            self._make_room_for_an_encoder()
             self._encoders[address] = _Encoder(self.ctx, address, self._count)
+        self._encoders.move_to_end(address)
         return self._encoders[address]
+
+    def _make_room_for_an_encoder(self) -> None:
+        """Encoders come and go (a replaced pod has a new address): past
+        ENCODERS_REMEMBERED, the least recently asked that has no fetch
+        outstanding is closed, or its socket would retry a dead address for good."""
+        idle = [address for address, encoder in self._encoders.items() if not encoder.waiting]
+        for address in idle[:max(0, len(self._encoders) + 1 - ENCODERS_REMEMBERED)]:
+            self._encoders.pop(address).close()
 
     async def tensors(self, images: Sequence[ImageEmbedding]) -> list:
         """Each image's tensor, in order, by its reference (the module's lookup order)."""
@@ -278,7 +298,6 @@ class EngineImages:
 
     def close(self) -> None:
         for encoder in self._encoders.values():
-            encoder.reader.cancel()
-            encoder.socket.close()
+            encoder.close()
         if self.shared is not None:
             self.shared.close()

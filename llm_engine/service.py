@@ -229,15 +229,18 @@ class EngineService:
         or until the engine core is gone (then `dead_reason` says why)."""
         receiving = asyncio.create_task(self.run_forever())
         watching = asyncio.create_task(self._watch())
-        await self._stopping.wait()
+        stopping = asyncio.create_task(self._stopping.wait())
+        await asyncio.wait([stopping, receiving], return_when=asyncio.FIRST_COMPLETED)
+        if receiving.done():  # its per-message guard failed: a replica that no longer reads its socket must exit
+            self._die(f"the request loop failed: {receiving.exception()!r}")
         if self.dead_reason is not None:
             await asyncio.sleep(DEAD_LINGER_S)  # the failures go out; heartbeats meanwhile say DEAD
         elif self.requests:  # draining: no new ones come
             await asyncio.wait([r.task for r in self.requests.values()], timeout=self.config.drain_timeout_s)
             if self.requests:
                 log.warning("drain deadline passed with %d requests in flight", len(self.requests))
-        receiving.cancel()
-        watching.cancel()
+        for task in (receiving, watching, stopping):
+            task.cancel()
         # Closed now, not at exit: vLLM's shutdown and the interpreter's take seconds, and a
         # request sent meanwhile would wait unanswered until the gateway's heartbeat timed out.
         # The dropped connection tells every gateway at once; they retry such requests elsewhere.
@@ -256,18 +259,26 @@ class EngineService:
         log.info("engine ready on %s (model %s)", self.config.address, self.config.model)
         while True:
             peer, message, frames = await self.router.recv()
-            if isinstance(message, GenerateRequest):
-                await self._accept(peer, message, time.monotonic())
-            elif isinstance(message, PushedEmbedding):
-                self.images.received(message, frames)
-            elif isinstance(message, AbortGenerate):
-                await self._abort(message.request_id)
-            elif isinstance(message, StatsRequest):
-                await self._send(peer, self.stats())
-            elif isinstance(message, Hello):
-                takes_images = self.shape is not None
-                ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes)
-                await self._send(peer, ready)
+            try:
+                await self._handle(peer, message, frames)
+            except Exception as exc:  # that message's failure alone: every other peer is still served
+                log.exception("a %s could not be handled", type(message).__name__)
+                if isinstance(message, GenerateRequest):
+                    await self._send(peer, GenerateFailed(message.request_id, f"LLM engine failed on this request: {exc!r}", 500), wait=False)
+
+    async def _handle(self, peer: bytes, message, frames) -> None:
+        if isinstance(message, GenerateRequest):
+            await self._accept(peer, message, time.monotonic())
+        elif isinstance(message, PushedEmbedding):
+            self.images.received(message, frames)
+        elif isinstance(message, AbortGenerate):
+            await self._abort(message.request_id)
+        elif isinstance(message, StatsRequest):
+            await self._send(peer, self.stats(), wait=False)
+        elif isinstance(message, Hello):
+            takes_images = self.shape is not None
+            ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes)
+            await self._send(peer, ready, wait=False)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -279,15 +290,18 @@ class EngineService:
     async def _accept(self, peer: bytes, request: GenerateRequest, received: float) -> None:
         rid = request.request_id
         if (refusal := self._refusal()) is not None:
-            await self._send(peer, GenerateFailed(rid, *refusal))
+            await self._send(peer, GenerateFailed(rid, *refusal), wait=False)
             return
         if len(self.waiting) >= self.config.max_waiting_requests:
-            await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429))
+            await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429), wait=False)
             return
         self.watch.note_work_arrived(time.monotonic(), was_idle=not self.requests)
+        # Counted now, not when its task first runs: a burst already queued on the socket is
+        # read without a turn of the event loop, and must meet max_waiting_requests all the same.
+        self.waiting.add(rid)
         task = asyncio.create_task(self._generate(peer, request, received))
         self.requests[rid] = InFlight(peer, task)
-        task.add_done_callback(lambda _: self.requests.pop(rid, None))
+        task.add_done_callback(lambda _: (self.requests.pop(rid, None), self.waiting.discard(rid)))
 
     def _refusal(self) -> tuple[str, int, str] | None:
         """(message, status, code) while this replica takes no new work."""
@@ -396,7 +410,6 @@ class EngineService:
         """`received`: when the request came off the socket (engine_queue starts there)."""
         rid = request.request_id
         request_id_var.set(rid)
-        self.waiting.add(rid)
         try:
             chat, kwargs, new_parser = self._read(request)
             token_ids = render_prompt(chat, self.tokenizer, kwargs)
@@ -462,10 +475,11 @@ class EngineService:
                 first = False
         return completion_tokens
 
-    async def _send(self, peer: bytes, message) -> bool:
-        """False when the peer is gone (ROUTER_MANDATORY: a gateway that restarted has a new identity)."""
+    async def _send(self, peer: bytes, message, wait: bool = True) -> bool:
+        """False when the peer is gone (ROUTER_MANDATORY: a gateway that restarted has a new identity).
+        `wait`: False from the receive loop, which must not wait on a peer that stopped reading."""
         try:
-            await self.router.send(peer, message)
+            await self.router.send(peer, message, wait=wait)
             return True
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)

@@ -3,10 +3,16 @@
 A multipart message is [header, *frames]: the header is the msgpack-encoded
 message (its class name is the tag) and each frame is one raw array buffer,
 sent and received without copies. ROUTER sockets prefix the peer identity.
+
+A message this side cannot read (garbage, a truncated message, a tag from a
+newer peer) is logged and skipped by `recv`: one bad message never ends a
+service's loop or a reader task.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -18,6 +24,7 @@ import zmq.asyncio
 from protocol.base import Message
 
 In = TypeVar("In")
+log = logging.getLogger("prism.protocol")
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -38,14 +45,34 @@ def bind(socket: zmq.Socket, address: str) -> None:
     socket.bind(address)
 
 
+class Unreadable(ValueError):
+    """A message that is not one of the messages this socket takes."""
+
+
+# Unreadable messages logged one by one; past this, one line per LOG_EVERY (a flood must not fill the disk).
+LOG_FIRST, LOG_EVERY = 10, 1000
+
+
 class _Typed(Generic[In]):
     def __init__(self, socket: zmq.Socket, inbound: Any) -> None:
         self.socket = socket
         self._decoder = msgspec.msgpack.Decoder(inbound)
+        self.unreadable = 0  # messages skipped so far
 
     def unpack(self, parts: list[zmq.Frame]) -> tuple[In, list[memoryview]]:
+        if not parts:
+            raise Unreadable("an empty message")
         header, *frames = parts
-        return self._decoder.decode(header.buffer), [f.buffer for f in frames]
+        try:
+            return self._decoder.decode(header.buffer), [f.buffer for f in frames]
+        except msgspec.DecodeError as exc:  # ValidationError included: a well-formed message of the wrong shape
+            raise Unreadable(str(exc)) from None
+
+    def skipped(self, exc: Unreadable, peer: bytes | None = None) -> None:
+        self.unreadable += 1
+        if self.unreadable <= LOG_FIRST or self.unreadable % LOG_EVERY == 0:
+            sender = f" from peer {peer.hex()}" if peer is not None else ""
+            log.warning("skipped a message%s this side cannot read (%d so far): %s", sender, self.unreadable, exc)
 
     def close(self, linger_ms: int = 0) -> None:
         """`linger_ms`: how long messages already sent may still leave (0: dropped)."""
@@ -71,10 +98,15 @@ class AsyncDealer(_Typed[In]):
             self._count("sent", size_of(parts))
 
     async def recv(self) -> tuple[In, list[memoryview]]:
-        parts = await self.socket.recv_multipart(copy=False)
-        if self._count:
-            self._count("received", size_of(parts))
-        return self.unpack(parts)
+        """The next message this side can read."""
+        while True:
+            parts = await self.socket.recv_multipart(copy=False)
+            if self._count:
+                self._count("received", size_of(parts))
+            try:
+                return self.unpack(parts)
+            except Unreadable as exc:
+                self.skipped(exc)
 
 
 class AsyncRouter(_Typed[In]):
@@ -86,12 +118,20 @@ class AsyncRouter(_Typed[In]):
         bind(socket, address)
         super().__init__(socket, inbound)
 
-    async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = ()) -> None:
-        await self.socket.send_multipart([peer, *pack(message, frames)], copy=False)
+    async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = (), wait: bool = True) -> None:
+        """`wait`: while the peer's queue is at its high-water mark (it is not
+        reading), wait for room; else raise zmq.Again at once, so a loop that
+        serves every peer never waits on one."""
+        await self.socket.send_multipart([peer, *pack(message, frames)], 0 if wait else zmq.NOBLOCK, copy=False)
 
     async def recv(self) -> tuple[bytes, In, list[memoryview]]:
-        peer, *parts = await self.socket.recv_multipart(copy=False)
-        return peer.bytes, *self.unpack(parts)
+        """The next message this side can read, and its sender."""
+        while True:
+            peer, *parts = await self.socket.recv_multipart(copy=False)
+            try:
+                return peer.bytes, *self.unpack(parts)
+            except Unreadable as exc:
+                self.skipped(exc, peer.bytes)
 
 
 class Publisher:
@@ -121,7 +161,13 @@ class AsyncSubscriber(_Typed[In]):
         super().__init__(socket, inbound)
 
     async def recv(self) -> In:
-        return self._decoder.decode(await self.socket.recv())
+        """The next message this side can read."""
+        while True:
+            raw = await self.socket.recv(copy=False)
+            try:
+                return self.unpack([raw])[0]
+            except Unreadable as exc:
+                self.skipped(exc)
 
 
 class Pusher:
@@ -131,10 +177,18 @@ class Pusher:
     connection that is up (IMMEDIATE) and below `queue_limit` messages, else
     it is not sent (`send` says False) and the receiver asks for it instead."""
 
-    def __init__(self, ctx: zmq.Context, queue_limit: int) -> None:
+    def __init__(self, ctx: zmq.Context, queue_limit: int, addresses_kept: int = 64) -> None:
         self.ctx = ctx
         self.queue_limit = queue_limit
-        self._sockets: dict[str, zmq.Socket] = {}
+        # Engines come and go (a replaced pod has a new address): past this many, the least
+        # recently used socket is closed, or it would retry a dead address for good.
+        self.addresses_kept = addresses_kept
+        self._sockets: OrderedDict[str, zmq.Socket] = OrderedDict()
+
+    @property
+    def addresses(self) -> list[str]:
+        """The addresses it holds a socket to, least recently used first."""
+        return list(self._sockets)
 
     def send(self, address: str, message: Message, frames: Sequence[Any] = ()) -> bool:
         if address not in self._sockets:
@@ -144,11 +198,19 @@ class Pusher:
             socket.setsockopt(zmq.LINGER, 0)  # best effort: an exiting encoder never waits on a push
             socket.connect(address)
             self._sockets[address] = socket
+            while len(self._sockets) > self.addresses_kept:
+                self._sockets.popitem(last=False)[1].close()
+        self._sockets.move_to_end(address)
         try:
             self._sockets[address].send_multipart(pack(message, frames), zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:  # not connected (yet), or its queue is full
             return False
+
+    def close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close()
+        self._sockets.clear()
 
 
 class SyncRouter(_Typed[In]):
@@ -164,8 +226,17 @@ class SyncRouter(_Typed[In]):
         return bool(self.socket.poll(timeout_ms, zmq.POLLIN))
 
     def send(self, peer: bytes, message: Message, frames: Sequence[Any] = ()) -> None:
-        self.socket.send_multipart([peer, *pack(message, frames)], copy=False)
+        """Never waits: a peer that stops reading (its queue at the high-water
+        mark) must not stop the loop for every other peer. zmq.Again then, like
+        any ZMQError for a peer that is gone: the reply is lost to it alone."""
+        self.socket.send_multipart([peer, *pack(message, frames)], zmq.NOBLOCK, copy=False)
 
-    def recv(self) -> tuple[bytes, In, list[memoryview]]:
+    def recv(self) -> tuple[bytes, In, list[memoryview]] | None:
+        """The next message, after `poll` said one is there; None when it could
+        not be read (logged and skipped)."""
         peer, *parts = self.socket.recv_multipart(copy=False)
-        return peer.bytes, *self.unpack(parts)
+        try:
+            return peer.bytes, *self.unpack(parts)
+        except Unreadable as exc:
+            self.skipped(exc, peer.bytes)
+            return None

@@ -7,6 +7,7 @@ is viewed back as bfloat16 on arrival). Nothing is pickled.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -20,7 +21,7 @@ class ArrayMeta(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # exact: numpy's int64 product wraps on a hostile header
 
 
 _TORCH_ONLY_DTYPES = {"bfloat16"}
@@ -57,16 +58,29 @@ def _bytes_view(frame: Any) -> memoryview:
 
 
 def _check_size(meta: ArrayMeta, buffer: memoryview, itemsize: int) -> None:
+    """ValueError unless the frame holds exactly the array the header describes."""
+    if any(size < 0 for size in meta.shape):
+        raise ValueError(f"header {meta} has a negative dimension")
     expected = meta.numel * itemsize
     if buffer.nbytes != expected:
         raise ValueError(f"frame has {buffer.nbytes} bytes, header {meta} needs {expected}")
 
 
+def _numpy_dtype(name: str) -> np.dtype:
+    if name in _TORCH_ONLY_DTYPES:
+        raise ValueError(f"{name} has no numpy dtype; use to_torch")
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise ValueError(f"unknown array dtype {name!r}") from None
+    if dtype.kind not in "biufc":  # numbers only: an object or string dtype is not an array of values
+        raise ValueError(f"array dtype {name!r} is not numeric")
+    return dtype
+
+
 def to_numpy(meta: ArrayMeta, frame: Any) -> np.ndarray:
     """Read-only numpy view over the frame (no copy)."""
-    if meta.dtype in _TORCH_ONLY_DTYPES:
-        raise ValueError(f"{meta.dtype} has no numpy dtype; use to_torch")
-    dtype = np.dtype(meta.dtype)
+    dtype = _numpy_dtype(meta.dtype)
     buffer = _bytes_view(frame)
     _check_size(meta, buffer, dtype.itemsize)
     return np.frombuffer(buffer, dtype=dtype).reshape(meta.shape)

@@ -175,8 +175,23 @@ class EncoderService:
 
     def _drain(self) -> None:
         while self.router.poll(0):
-            peer, message, frames = self.router.recv()
+            if (received := self.router.recv()) is not None:  # None: unreadable, logged and skipped
+                self._handle_safely(*received)
+
+    def _handle_safely(self, peer: bytes, message, frames) -> None:
+        """One message's failure is that message's alone: it is logged (and a
+        request answered with a 500), and the loop serves every other peer."""
+        try:
             self._handle(peer, message, frames)
+        except Exception as exc:
+            log.exception("a %s could not be handled", type(message).__name__)
+            if isinstance(message, (EncodeRequest, EncodeVideos)):
+                self._fail_request(peer, message.request_id, f"vision encoder failed on this request: {exc!r}", 500)
+
+    def _fail_request(self, peer: bytes, request_id: str, message: str, status: int) -> None:
+        if (state := self.pending.pop((peer, request_id), None)) is not None:
+            self._abandon(state)
+        self._send(peer, EncodeFailed(request_id, message, status))
 
     def _handle(self, peer: bytes, message, frames) -> None:
         if isinstance(message, (EncodeRequest, EncodeVideos)) and self.watch.stalled:
@@ -266,13 +281,14 @@ class EncoderService:
             self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, elapsed))
             return
         if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
+            self._abandon(state)  # the in-flight encodes it joined above answer nobody
             self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} images waiting)", 429))
             return
         try:
             for index, key, image, frame in misses:
                 pixels = to_numpy(image.pixels, frame)
-                if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8":
-                    raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, got {image.pixels}")
+                if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8" or 0 in pixels.shape:
+                    raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, h and w at least 1, got {image.pixels}")
                 patches = self.tower.num_patches(pixels.shape[0], pixels.shape[1])
                 tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]))
                 self.batcher.add(key, tower_image, patches, (state, index), self._identity(image.digest))

@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from pathlib import Path
 
-import msgspec
 import zmq.asyncio
 
 from gateway.ops.workers import WorkerSlot
 from gateway.ops.dashboard import DashboardWindow
 from protocol.siblings import FinishedRequest, SiblingInbound, WorkerLoad
 from protocol.sockets import AsyncSubscriber, Publisher
-
-log = logging.getLogger("prism.gateway")
 
 
 def worker_address(run_dir: Path, index: int) -> str:
@@ -43,11 +39,7 @@ class Siblings:
 
     async def _read(self) -> None:
         while True:
-            try:
-                message = await self._in.recv()
-            except msgspec.DecodeError as exc:  # a sibling of another version: skip it, keep reading
-                log.warning("a message from another gateway worker could not be read: %s", exc)
-                continue
+            message = await self._in.recv()  # one it cannot read (a sibling of another version) is skipped
             if isinstance(message, FinishedRequest):
                 self.window.add(message)
             else:

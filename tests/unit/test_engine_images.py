@@ -159,3 +159,25 @@ def test_a_failover_request_fetches_its_pushed_videos_too():
     video = VideoEmbedding(ArrayMeta("float32", (4, 8)), (1, 4, 4), key=b"v", source="tcp://e", identity=b"v", pushed=True)
     request = GenerateRequest("r", b"{}", [reference(b"b", "tcp://e")], [video])
     assert not any(item.pushed for item in (*request.unpushed().images, *request.unpushed().videos))
+
+
+async def _encoders_forgotten() -> None:
+    ctx = zmq.asyncio.Context()
+    addresses = [f"inproc://encoder-{name}" for name in "abc"]
+    encoders = [Encoder(ctx, address, {b"k": TOKENS}) for address in addresses]
+    fetcher = EngineImages(ctx, capacity_bytes=0, timeout_s=5)  # no LRU: every request fetches
+    try:
+        for address in [*addresses, addresses[0]]:
+            assert torch.equal((await fetcher.tensors([reference(b"k", address)]))[0], TOKENS)
+        assert fetcher.encoder_addresses == [addresses[2], addresses[0]]  # a went for c, b for a's return
+        assert [len(encoder.asked) for encoder in encoders] == [2, 1, 1]
+    finally:
+        for encoder in encoders:
+            encoder.close()
+        fetcher.close()
+        ctx.destroy(linger=0)
+
+
+def test_sockets_to_encoders_no_longer_asked_are_closed_past_a_bound(monkeypatch):
+    monkeypatch.setattr("llm_engine.images.ENCODERS_REMEMBERED", 2)
+    asyncio.run(_encoders_forgotten())

@@ -13,17 +13,19 @@ import asyncio
 import importlib
 import inspect
 import pkgutil
+import threading
 
 import msgspec
 import numpy as np
 import pytest
 import torch
+import zmq
 import zmq.asyncio
 
 import protocol
 from tests.unit.test_video_protocol import VIDEO_CASES, VIDEO_SOCKETS
 from protocol.base import Hello, Message
-from protocol.sockets import AsyncDealer, AsyncRouter, pack
+from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, pack
 from protocol.stats import (
     BATCH_IMAGE_BUCKETS,
     BATCH_PATCH_BUCKETS,
@@ -412,3 +414,102 @@ def test_frame_size_must_match_header():
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="unknown tensor dtype"):
         to_torch(ArrayMeta("complex_nonsense", (1,)), b"\x00")
+
+
+@pytest.mark.parametrize("meta", [ArrayMeta("object", (1,)), ArrayMeta("<U4", (1,)), ArrayMeta("no_such_dtype", (1,)),
+                                  ArrayMeta("uint8", (-2, -2)), ArrayMeta("uint8", (2**32, 2**32, 2**32))],
+                         ids=["object", "string", "unknown", "negative", "wrapping-size"])
+def test_a_hostile_header_is_a_value_error_on_both_sides(meta):
+    """The receivers refuse a request for ValueError (a 400): nothing else may come out of a header."""
+    with pytest.raises(ValueError):
+        to_numpy(meta, b"\x00" * 4)
+    if meta.dtype not in ("object", "<U4"):  # names torch has no dtype for: refused there as unknown
+        with pytest.raises(ValueError):
+            to_torch(meta, b"\x00" * 4)
+
+
+UNREADABLE = [[b""], [b"\xc1 not msgpack"], pack(GenerateRequest("r", b"{}", []))]  # the last: another service's message
+
+
+async def _unreadable_messages_are_skipped():
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, "inproc://skips", EncoderInbound)
+    dealer = AsyncDealer(ctx, "inproc://skips", GatewayInbound)
+    try:
+        for parts in UNREADABLE:
+            await dealer.socket.send_multipart(parts)
+        await dealer.send(Hello("after"))
+        peer, message, _ = await asyncio.wait_for(router.recv(), 5)
+        assert message == Hello("after") and router.unreadable == 3
+        for parts in UNREADABLE:
+            await router.socket.send_multipart([peer, *parts])
+        await router.send(peer, EngineReady("m", 1))
+        assert (await asyncio.wait_for(dealer.recv(), 5))[0] == EngineReady("m", 1) and dealer.unreadable == 3
+    finally:
+        for socket in (dealer, router):
+            socket.close()
+        ctx.term()
+
+
+def test_the_async_sockets_skip_what_they_cannot_read_and_return_the_next_message():
+    asyncio.run(_unreadable_messages_are_skipped())
+
+
+def test_the_encoder_s_router_reports_an_unreadable_message_as_none_and_reads_on():
+    ctx = zmq.Context()
+    router = SyncRouter(ctx, "inproc://sync-skips", EncoderInbound)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect("inproc://sync-skips")
+    try:
+        dealer.send(b"\xc1")
+        dealer.send_multipart(pack(Hello("after")))
+        assert router.poll(5000) and router.recv() is None
+        assert router.poll(5000) and router.recv()[1] == Hello("after")
+    finally:
+        dealer.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+def test_the_encoder_s_router_never_waits_on_a_peer_that_stopped_reading():
+    """Its loop serves every peer: with one peer's queue full, a send fails at once (zmq.Again)."""
+    ctx = zmq.Context()
+    router = SyncRouter(ctx, "inproc://deaf", EncoderInbound)
+    router.socket.setsockopt(zmq.SNDHWM, 4)
+    deaf = ctx.socket(zmq.DEALER)
+    deaf.setsockopt(zmq.RCVHWM, 4)
+    deaf.connect("inproc://deaf")
+    outcome: list = []
+
+    def send_until_refused():
+        try:
+            for _ in range(10_000):
+                router.send(peer, Hello("x"))
+            outcome.append("never refused")
+        except zmq.Again:
+            outcome.append("refused")
+
+    try:
+        deaf.send_multipart(pack(Hello("deaf")))
+        assert router.poll(5000)
+        peer = router.recv()[0]
+        sender = threading.Thread(target=send_until_refused, daemon=True)
+        sender.start()
+        sender.join(10)
+        assert outcome == ["refused"], "the send waited on a peer that does not read" if sender.is_alive() else outcome
+    finally:
+        deaf.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+def test_a_pusher_closes_the_socket_it_used_least_recently_past_its_bound():
+    ctx = zmq.Context()
+    pusher = Pusher(ctx, queue_limit=4, addresses_kept=2)
+    try:
+        for name in ["a", "b", "a", "c"]:
+            pusher.send(f"inproc://nobody-{name}", Hello("push"))
+        assert pusher.addresses == ["inproc://nobody-a", "inproc://nobody-c"]  # b went: a was used after it
+    finally:
+        pusher.close()
+        ctx.term()
