@@ -53,6 +53,8 @@ def template_messages(messages: list[dict]) -> list[dict]:
             rendered["tool_calls"] = [dict(call, function=dict(call["function"])) for call in message["tool_calls"]]
         if isinstance(message.get("name"), str):
             rendered["name"] = message["name"]
+        if message["role"] == "assistant" and isinstance(message.get("reasoning"), str):
+            rendered["reasoning"] = rendered["reasoning_content"] = message["reasoning"]  # both names, as vLLM's renderer
         out.append(rendered)
     _postprocess_messages(out)  # vLLM's: arguments JSON text -> object, as templates expect
     return out

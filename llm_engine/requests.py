@@ -23,9 +23,13 @@ class Parsing:
     parser_cls: type | None  # vLLM's composed Parser class; None: neither is configured
     tool_parser: str | None
     reasoning_parser: str | None
+    # vLLM holds `tool_choice: auto` calls to a `strict` tool's schema only through its structural
+    # tags: engine.strict_tool_calling on, and a tool parser that has one.
+    strict_auto_calls: bool = False
 
     @classmethod
-    def create(cls, tool_parser: str | None, reasoning_parser: str | None, tokenizer, model: str) -> "Parsing":
+    def create(cls, tool_parser: str | None, reasoning_parser: str | None, tokenizer, model: str,
+               strict_tool_calling: bool = True) -> "Parsing":
         from vllm.parser.parser_manager import ParserManager
 
         from common.config import ConfigError
@@ -37,7 +41,9 @@ class Parsing:
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ConfigError(f"engine.tool_call_parser / engine.reasoning_parser: {exc}") from None
-        return cls(parser_cls, tool_parser, reasoning_parser)
+        tool_parser_cls = getattr(parser_cls, "tool_parser_cls", None)
+        tagged = getattr(tool_parser_cls, "structural_tag_model", None) is not None
+        return cls(parser_cls, tool_parser, reasoning_parser, strict_tool_calling and tagged)
 
     def for_request(self, chat, tokenizer, model_config, template_kwargs: dict):
         """A fresh parser (they are stateful: one per choice), or None when this
@@ -81,6 +87,12 @@ def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
         raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them")
     if parsing.tool_parser is None:
         raise InvalidPrompt("tools: this engine has no tool-call parser (engine.tool_call_parser)")
+    if chat.tool_choice == "auto" and not parsing.strict_auto_calls:
+        if strict := [i for i, tool in enumerate(chat.tools) if tool.function.strict]:
+            raise InvalidPrompt(
+                f"tools[{strict[0]}].function.strict: with tool_choice 'auto' this engine cannot hold a call's arguments "
+                "to the tool's schema (it needs vLLM's structural tags: engine.strict_tool_calling and a tool parser "
+                "that has them); send tool_choice 'required' or a named tool, which are held to it, or leave strict out")
 
 
 def sampling_params(chat, max_tokens: int, checkpoint_defaults: dict):

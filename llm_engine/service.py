@@ -209,7 +209,8 @@ class EngineService:
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
-        service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model)
+        service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
+                                         config.strict_tool_calling)
         return service
 
     async def _tokenizer(self):

@@ -24,15 +24,33 @@ _UNSUPPORTED = {"extra_forbidden", "unsupported", "union_tag_invalid"}
 
 def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
-    # "Prism does not do this" wins over the type mismatches a union reports beside it.
-    first = next((e for e in errors if e["type"] in _UNSUPPORTED), errors[0])
-    param = ".".join(str(p) for p in first["loc"] if p != "body")
+    # "Prism does not do this" wins over the type mismatches a union reports beside it; else the
+    # error deepest in the request, the union branch that matched the value's shape (a list of
+    # parts, not the string `content` may also be).
+    first = next((e for e in errors if e["type"] in _UNSUPPORTED), None) or max(errors, key=lambda e: len(e["loc"]))
+    param = request_path(first["loc"])
     if first["type"] == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first['msg']}", code="invalid_json")
     if first["type"] in _UNSUPPORTED:
         what = "unsupported parameter" if first["type"] == "extra_forbidden" else "unsupported value"
         return APIError(400, f"{what} '{param}': {first['msg']}", param=param, code="unsupported_parameter")
     return APIError(422, f"invalid '{param}': {first['msg']}", param=param, code="invalid_value")
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def request_path(loc: tuple) -> str:
+    """Where in the request an error is, without the labels pydantic adds for
+    union branches ('str', 'list[...]', 'NamedToolChoice') and the tag it
+    repeats for a tagged part ('image_url', 'image_url')."""
+    path: list[str] = []
+    for step in loc:
+        step = str(step)
+        label = step == "body" or "[" in step or step in _TYPE_NAMES or step[:1].isupper()
+        if not label and (not path or path[-1] != step):
+            path.append(step)
+    return ".".join(path)
 
 
 # uvicorn's HTTP protocols stop reading a connection once this many bytes of

@@ -3,7 +3,10 @@
 Unknown fields are refused (extra="forbid"): a field that would change the
 result and that Prism does not honour must never be a quiet no-op. Fields
 that change nothing about the result (`user`, `metadata`, `store`,
-`service_tier`) are accepted.
+`service_tier`, OpenAI's prompt-cache hints) are accepted and not forwarded.
+A field sent as null asks for nothing, as in OpenAI's API: it is read as
+absent, whatever the field (clients send null for what they leave unset, and
+the SDK sends an assistant reply's null `refusal` and `audio` back with it).
 """
 
 from __future__ import annotations
@@ -11,25 +14,54 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def unsupported(message: str) -> PydanticCustomError:
+    """A value OpenAI's API defines that Prism does not serve: a 400 naming the field (parsing.validation_error)."""
+    return PydanticCustomError("unsupported", message)
+
+
+# Changes nothing about the answer: OpenAI's prompt-cache hints (Prism caches every prefix by itself).
+_NOT_FORWARDED = Field(None, exclude=True)
+
 
 class ImageURL(_Strict):
     url: str
-    detail: Literal["auto", "low", "high"] = "auto"
+    detail: Literal["auto", "low", "high", "original"] = "auto"
+
+    @field_validator("detail")
+    @classmethod
+    def _served_detail(cls, detail: str) -> str:
+        if detail == "original":
+            raise unsupported("'original' (no downscaling) is not served: every image is held to the model's pixel "
+                              "budget; send 'auto', 'low' or 'high'")
+        return detail
+
+
+class PromptCacheBreakpoint(_Strict):
+    ttl: Literal["30m"] | None = None
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = _NOT_FORWARDED
 
 
 class ImagePart(_Strict):
     type: Literal["image_url"]
     image_url: ImageURL
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = _NOT_FORWARDED
 
 
 class VideoURL(_Strict):
@@ -61,11 +93,16 @@ class Message(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
     tool_call_id: str | None = None  # tool: the call this message answers
+    # assistant: the reasoning an earlier answer came with (engine.reasoning_parser),
+    # sent back with it; the chat template decides whether the model sees it, as on vLLM.
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _role_fields(self) -> "Message":
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -180,6 +217,12 @@ class MediaIOKwargs(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
+    include_obfuscation: bool | None = _NOT_FORWARDED  # OpenAI's padding against length side channels: none is added
+
+
+class PromptCacheOptions(_Strict):
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
 
 
 class ChatCompletionRequest(_Strict):
@@ -218,11 +261,23 @@ class ChatCompletionRequest(_Strict):
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    # Accepted, and change nothing about the result.
+    # Accepted, and change nothing about the result (pipeline.engine_chat does not forward them).
     user: str | None = None
+    safety_identifier: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, modalities: list[str]) -> list[str]:
+        if "audio" in modalities:
+            raise unsupported("Prism answers in text only: send [\"text\"] or leave modalities out")
+        return modalities
 
     @field_validator("stop")
     @classmethod

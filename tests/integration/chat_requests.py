@@ -31,3 +31,10 @@ TIME = {
 
 def image_part(images, name: str = "square") -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(images[name])}}
+
+
+def loose(tool: dict) -> dict:
+    """The tool without `strict`, for `tool_choice: auto`: the demo's engine
+    (engine.strict_tool_calling off) refuses a strict tool there, since it cannot
+    hold such a call's arguments to the schema."""
+    return {**tool, "function": {k: v for k, v in tool["function"].items() if k != "strict"}}

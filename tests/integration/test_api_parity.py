@@ -17,7 +17,7 @@ from bench.servers import vllm_server
 from prism.demo_model import RANDOM_MODEL
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS
 from tests.integration.conftest import MODEL_NAME
-from tests.integration.chat_requests import QUESTION, SCENE_SCHEMA, TIME, WEATHER, image_part
+from tests.integration.chat_requests import QUESTION, SCENE_SCHEMA, TIME, WEATHER, image_part, loose
 
 # What configs/cpu-demo.yaml sets for the engine, said to vLLM's server.
 SERVER_FLAGS = (
@@ -68,7 +68,7 @@ def test_forced_tool_calls_are_identical(client, vllm, tool_choice):
 
 def test_auto_tool_calls_are_parsed_alike(client, vllm):
     markup = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
-    prism, reference = both(client, vllm, max_tokens=120, tools=[WEATHER], extra_body={"structured_outputs": {"regex": markup}})
+    prism, reference = both(client, vllm, max_tokens=120, tools=[loose(WEATHER)], extra_body={"structured_outputs": {"regex": markup}})
     assert calls(prism) and calls(prism) == calls(reference)
     assert prism.choices[0].message.content == reference.choices[0].message.content
 
@@ -80,7 +80,7 @@ def test_a_tool_result_in_the_history_gives_the_same_answer(client, vllm, images
             {"id": "call-1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 24 C"},
     ]
-    prism, reference = both(client, vllm, messages=history, max_tokens=8, tools=[WEATHER])
+    prism, reference = both(client, vllm, messages=history, max_tokens=8, tools=[loose(WEATHER)])
     assert prism.choices[0].message.content == reference.choices[0].message.content
     assert prism.usage.prompt_tokens == reference.usage.prompt_tokens
 

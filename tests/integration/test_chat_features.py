@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.integration.chat_requests import COLOURS, QUESTION, SCENE_SCHEMA, TIME, WEATHER, image_part
+from tests.integration.chat_requests import COLOURS, QUESTION, SCENE_SCHEMA, TIME, WEATHER, image_part, loose
 from tests.integration.conftest import MODEL_NAME
 
 
@@ -157,11 +157,11 @@ def test_a_streamed_tool_round_trip(client, images):
         {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
         {"role": "tool", "tool_call_id": call_id, "content": "sunny, 24 C"},
     ]
-    answer = create(client, messages=history, max_tokens=8, tools=[WEATHER], stream=True)
+    answer = create(client, messages=history, max_tokens=8, tools=[loose(WEATHER)], stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in answer if c.choices)
     assert text
-    without_result = create(client, messages=history[:-1] + [{"role": "user", "content": "?"}], max_tokens=1, tools=[WEATHER])
-    with_result = create(client, messages=history, max_tokens=1, tools=[WEATHER])
+    without_result = create(client, messages=history[:-1] + [{"role": "user", "content": "?"}], max_tokens=1, tools=[loose(WEATHER)])
+    with_result = create(client, messages=history, max_tokens=1, tools=[loose(WEATHER)])
     assert with_result.usage.prompt_tokens > without_result.usage.prompt_tokens  # the result reached the prompt
 
 
@@ -186,7 +186,7 @@ def test_auto_tool_calls_are_parsed_out_of_the_text(client):
     # The hermes markup, forced by a regex: the parser must turn it into a call.
     markup = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
     for stream in (False, True):
-        response = create(client, max_tokens=120, tools=[WEATHER], stream=stream, extra_body={"structured_outputs": {"regex": markup}})
+        response = create(client, max_tokens=120, tools=[loose(WEATHER)], stream=stream, extra_body={"structured_outputs": {"regex": markup}})
         if stream:
             _, name, arguments, finish = streamed_call(response)
         else:
@@ -205,7 +205,7 @@ def test_tool_choice_none_leaves_the_markup_as_text(client):
 
 def test_the_tools_reach_the_prompt(client):
     bare = create(client, max_tokens=1).usage.prompt_tokens
-    assert create(client, max_tokens=1, tools=[WEATHER]).usage.prompt_tokens > bare
+    assert create(client, max_tokens=1, tools=[loose(WEATHER)]).usage.prompt_tokens > bare
 
 
 def test_chat_template_kwargs_change_the_prompt(client):
@@ -228,6 +228,8 @@ REFUSED = [
     ("image-in-tool-result", {"messages": QUESTION + [{"role": "tool", "tool_call_id": "c", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 422, "text only"),
     ("bad-schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "no-such-type"}}}}, 400, ""),
+    # The demo's engine.strict_tool_calling is off: `auto` calls are not held to the schema a strict tool asks for.
+    ("strict-tool-under-auto", {"tools": [loose(TIME), WEATHER]}, 400, "tools[1].function.strict"),
 ]
 
 

@@ -41,6 +41,20 @@ BAD_REQUESTS = [
     ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),
     ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "limit is 8"),
     ("prompt-too-long", body(max_tokens=4096), 400, "max"),
+    # Each error names the field as the request spells it, in the union branch the value took.
+    ("image-url-as-string", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": png_url()}]}]), 422,
+     "'messages.0.content.0.image_url': Input should be an object"),
+    ("image-without-url", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 422,
+     "'messages.0.content.0.image_url.url': Field required"),
+    ("tool-choice-without-function", body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function"}),
+     422, "'tool_choice.function': Field required"),
+    # Values OpenAI defines that Prism does not serve: 400, naming them.
+    ("original-detail", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(), "detail": "original"}}]}]),
+     400, "'original' (no downscaling) is not served"),
+    ("audio-out", body(modalities=["text", "audio"]), 400, "text only"),
+    ("reasoning-effort", body(reasoning_effort="high"), 400, "reasoning_effort"),
+    ("a-refusal-in-history", body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "refusal": "no"}]),
+     400, "refusal"),
 ]
 
 
@@ -59,6 +73,33 @@ def test_malformed_json_is_400(stack):
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
 
 
-def test_fields_that_change_nothing_are_accepted(stack):
-    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(user="u-1", metadata={"k": "v"}, store=False), timeout=60)
-    assert response.status_code == 200
+NO_OPS = dict(
+    user="u-1", safety_identifier="s-1", metadata={"k": "v"}, store=False, service_tier="auto", modalities=["text"],
+    prompt_cache_key="k", prompt_cache_retention="24h", prompt_cache_options={"mode": "explicit", "ttl": "30m"},
+    messages=[{"role": "user", "content": [{"type": "text", "text": "hi", "prompt_cache_breakpoint": {"ttl": "30m"}}]}],
+)
+# What OpenAI's clients send for what they leave unset: null, whatever the field.
+NULLS = dict(n=None, stream=None, logprobs=None, audio=None, prediction=None, reasoning_effort=None, verbosity=None,
+             web_search_options=None, functions=None, function_call=None, moderation=None, stop=None)
+
+
+@pytest.mark.parametrize("fields", [NO_OPS, NULLS], ids=["no-ops", "nulls"])
+def test_fields_that_change_nothing_are_accepted_and_answer_as_without_them(stack, fields):
+    """Greedy, so the same answer as the request without them: they reach the engine as nothing."""
+    plain = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(temperature=0), timeout=60)
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(temperature=0, **fields), timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+
+
+def test_an_answer_sent_back_as_history_is_taken_as_the_sdk_sends_it(client):
+    """`messages.append(reply.model_dump())`: the SDK's null refusal, audio,
+    function_call and annotations ride along; so does `reasoning`, which Prism
+    itself answers with when engine.reasoning_parser is set."""
+    question = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=question, max_tokens=2, temperature=0).choices[0].message
+    sent_back = reply.model_dump() | {"reasoning": "thought about it"}
+    assert {"refusal", "audio", "function_call", "annotations"} <= sent_back.keys()
+    again = client.chat.completions.create(model=MODEL_NAME, messages=[*question, sent_back, {"role": "user", "content": "more"}],
+                                           max_tokens=2, temperature=0)
+    assert again.usage.completion_tokens == 2

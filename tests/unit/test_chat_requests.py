@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
-from llm_engine.prompts import InvalidPrompt
+from llm_engine.prompts import InvalidPrompt, template_messages
 from llm_engine.requests import Parsing, check_tool_choice, read_chat
 from common.config import ConfigError
 from prism.demo_model import CHAT_TEMPLATE
@@ -42,3 +44,34 @@ def test_vllm_s_own_request_checks_are_the_request_s_fault():
 def test_an_unknown_parser_name_is_a_config_error_naming_the_key():
     with pytest.raises(ConfigError, match="engine.tool_call_parser"):
         Parsing.create("no-such-parser", None, tokenizer=None, model="m")
+
+
+STRICT_TOOL = {"type": "function", "function": {**TOOL["function"], "strict": True}}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto"])
+def test_a_strict_tool_under_auto_is_refused_where_vllm_cannot_hold_the_call_to_its_schema(tool_choice):
+    asked = chat(tools=[TOOL, STRICT_TOOL], **({"tool_choice": tool_choice} if tool_choice else {}))
+    with pytest.raises(InvalidPrompt, match=r"tools\[1\]\.function\.strict"):
+        check_tool_choice(asked, HERMES, CHAT_TEMPLATE)
+    check_tool_choice(asked, dataclasses.replace(HERMES, strict_auto_calls=True), CHAT_TEMPLATE)
+
+
+def test_a_strict_tool_is_taken_where_the_call_is_forced_by_a_schema():
+    check_tool_choice(chat(tools=[STRICT_TOOL], tool_choice="required"), HERMES, CHAT_TEMPLATE)
+    check_tool_choice(chat(tools=[STRICT_TOOL], tool_choice={"type": "function", "function": {"name": "f"}}), HERMES, CHAT_TEMPLATE)
+
+
+@pytest.mark.parametrize("strict_tool_calling,expected", [(True, True), (False, False)])
+def test_auto_calls_are_held_to_a_schema_only_with_vllm_s_structural_tags(strict_tool_calling, expected):
+    parsing = Parsing.create("hermes", None, tokenizer=None, model="m", strict_tool_calling=strict_tool_calling)
+    assert parsing.strict_auto_calls is expected  # hermes has a structural tag model; the setting decides
+
+
+def test_an_answer_s_reasoning_reaches_the_template_under_both_of_vllm_s_names():
+    messages = read_chat(msgspec.json.encode({"messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "two and two"},
+        {"role": "user", "content": "sure?"}]})).messages
+    rendered = template_messages(messages)
+    assert rendered[1]["reasoning"] == rendered[1]["reasoning_content"] == "two and two"
+    assert "reasoning" not in rendered[0] and "reasoning" not in rendered[2]
