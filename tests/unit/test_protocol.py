@@ -10,6 +10,7 @@ added to protocol/ without a case fails `test_every_protocol_struct_has_a_case`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import pkgutil
@@ -455,33 +456,36 @@ def test_the_async_sockets_skip_what_they_cannot_read_and_return_the_next_messag
     asyncio.run(_unreadable_messages_are_skipped())
 
 
-def test_the_encoder_s_router_reports_an_unreadable_message_as_none_and_reads_on():
+@contextlib.contextmanager
+def encoder_router_and_peer(address: str, queue_limit: int = 1000):
+    """The encoder's SyncRouter and one raw DEALER connected to it, each queueing at most `queue_limit` messages."""
     ctx = zmq.Context()
-    router = SyncRouter(ctx, "inproc://sync-skips", EncoderInbound)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect("inproc://sync-skips")
+    router = SyncRouter(ctx, address, EncoderInbound)
+    router.socket.setsockopt(zmq.SNDHWM, queue_limit)
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.RCVHWM, queue_limit)
+    peer.connect(address)
     try:
-        dealer.send(b"\xc1")
-        dealer.send_multipart(pack(Hello("after")))
-        assert router.poll(5000) and router.recv() is None
-        assert router.poll(5000) and router.recv()[1] == Hello("after")
+        yield router, peer
     finally:
-        dealer.close(linger=0)
+        peer.close(linger=0)
         router.close()
         ctx.term()
 
 
+def test_the_encoder_s_router_reports_an_unreadable_message_as_none_and_reads_on():
+    with encoder_router_and_peer("inproc://sync-skips") as (router, dealer):
+        dealer.send(b"\xc1")
+        dealer.send_multipart(pack(Hello("after")))
+        assert router.poll(5000) and router.recv() is None
+        assert router.poll(5000) and router.recv()[1] == Hello("after")
+
+
 def test_the_encoder_s_router_never_waits_on_a_peer_that_stopped_reading():
     """Its loop serves every peer: with one peer's queue full, a send fails at once (zmq.Again)."""
-    ctx = zmq.Context()
-    router = SyncRouter(ctx, "inproc://deaf", EncoderInbound)
-    router.socket.setsockopt(zmq.SNDHWM, 4)
-    deaf = ctx.socket(zmq.DEALER)
-    deaf.setsockopt(zmq.RCVHWM, 4)
-    deaf.connect("inproc://deaf")
     outcome: list = []
 
-    def send_until_refused():
+    def send_until_refused(router, peer):
         try:
             for _ in range(10_000):
                 router.send(peer, Hello("x"))
@@ -489,18 +493,13 @@ def test_the_encoder_s_router_never_waits_on_a_peer_that_stopped_reading():
         except zmq.Again:
             outcome.append("refused")
 
-    try:
+    with encoder_router_and_peer("inproc://deaf", queue_limit=4) as (router, deaf):
         deaf.send_multipart(pack(Hello("deaf")))
         assert router.poll(5000)
-        peer = router.recv()[0]
-        sender = threading.Thread(target=send_until_refused, daemon=True)
+        sender = threading.Thread(target=send_until_refused, args=(router, router.recv()[0]), daemon=True)
         sender.start()
         sender.join(10)
         assert outcome == ["refused"], "the send waited on a peer that does not read" if sender.is_alive() else outcome
-    finally:
-        deaf.close(linger=0)
-        router.close()
-        ctx.term()
 
 
 def test_a_pusher_closes_the_socket_it_used_least_recently_past_its_bound():
