@@ -151,6 +151,15 @@ class GatewayConfig(FrozenConfig):
         return self
 
     @model_validator(mode="after")
+    def _heartbeats_within_the_timeout(self) -> "GatewayConfig":
+        """A service is judged down after heartbeat_timeout_s without stats; polled less than twice in
+        that time, a healthy one would be marked down (its requests failed) between two polls."""
+        if self.heartbeat_timeout_s < 2 * self.stats_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
+                             f"stats_interval_s ({self.stats_interval_s:g}), the heartbeat's period")
+        return self
+
+    @model_validator(mode="after")
     def _one_checkpoint_per_address(self) -> "GatewayConfig":
         served_by: dict[str, str | None] = {}
         for name, route in self.models.items():

@@ -15,6 +15,12 @@ from protocol.to_gateway import ChoiceDelta, TokenLogprob, ToolCallDelta, TopLog
 LOGPROB_FLOOR = -9999.0  # vLLM's server clamps -inf to this (JSON has no infinity)
 
 
+class GenerationError(RuntimeError):
+    """vLLM ended a choice with finish_reason "error" (e.g. its grammar refused
+    the tokens sampled): a server error (500), as vLLM's server answers it
+    (`_raise_if_error`), never a finished answer."""
+
+
 def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
@@ -67,6 +73,8 @@ class ChoiceStream:
         self.named = chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
 
     def delta(self, output) -> ChoiceDelta:
+        if output.finish_reason == "error":
+            raise GenerationError(f"vLLM ended choice {self.index} with an internal error; retry the request")
         finished = output.finish_reason is not None
         logprobs = None
         if self.chat.logprobs:

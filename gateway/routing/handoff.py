@@ -374,6 +374,8 @@ class ImageHandoff:
         log.warning("%s; encoding the images again", error.message)
         timer.add("embed_transfer", time.perf_counter() - sent)
         images.stage, images.reencoded = Stage.REENCODING, True
+        # The request's usage and cache figures are the delivery that serves it: the new encode counts them afresh.
+        timer.visual_tokens = timer.cache_hits = timer.cache_misses = 0
         self.choose(images, allow_known=False)
         await self._encode(request_id, images, timer)
         return True

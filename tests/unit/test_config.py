@@ -77,6 +77,13 @@ def test_cross_field_checks(tmp_path):
         load_config(EngineConfig, "engine", path, env={})
 
 
+def test_the_heartbeat_timeout_must_span_two_heartbeats(tmp_path):
+    path = write(tmp_path, "model: m\ngateway:\n  stats_interval_s: 10\n  heartbeat_timeout_s: 5\n")
+    with pytest.raises(ConfigError, match=r"heartbeat_timeout_s \(5\) must be at least twice stats_interval_s \(10\)"):
+        load_config(GatewayConfig, "gateway", path, env={})
+    assert load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY__HEARTBEAT_TIMEOUT_S": "20"}).heartbeat_timeout_s == 20
+
+
 def test_limits_must_leave_every_gateway_worker_a_share(tmp_path):
     path = write(tmp_path, "model: m\ngateway:\n  workers: 4\n  max_concurrent_requests: 3\n")
     with pytest.raises(ConfigError, match=r"max_concurrent_requests \(3\) is below workers \(4\)"):

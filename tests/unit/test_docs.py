@@ -55,3 +55,30 @@ def test_each_measurements_file_holds_dated_entries_newest_first(page: Path):
     entry_dates = [DATE.search(h).group() for h in re.findall(r"^## .*$", text, re.M) if DATE.search(h)]
     assert entry_dates, f"{page.name} has no dated '## ' entry"
     assert entry_dates == sorted(entry_dates, reverse=True), f"{page.name}: entries are not newest first"
+
+
+def documented_keys(page: Path) -> set[str]:
+    """`section.key` of every row of the page's key tables; a bare `key` after a
+    `section.key` in the same first cell is of that section."""
+    keys = set()
+    for row in page.read_text().splitlines():
+        if not row.startswith("| `"):
+            continue
+        section = None
+        for name in re.findall(r"`([a-z_.]+)`", row.split("|")[1]):
+            if "." in name:
+                section = name.split(".")[0]
+            keys.add(name if "." in name or section is None else f"{section}.{name}")
+    return keys
+
+
+def test_configuration_md_lists_every_key_of_every_service():
+    from gateway.config import GatewayConfig
+    from llm_engine.config import EngineConfig
+    from vision_encoder.config import EncoderConfig
+
+    documented = documented_keys(DOCS / "configuration.md")
+    keys = {f"{section}.{name}" for section, config in (("gateway", GatewayConfig), ("encoder", EncoderConfig), ("engine", EngineConfig))
+            for name in config.model_fields if name != "model" and not name.startswith("test_")}  # `model` is shared; test_* are hooks
+    assert not keys - documented, f"keys missing from docs/configuration.md: {sorted(keys - documented)}"
+    assert not {k for k in documented if k.split(".")[0] in ("gateway", "encoder", "engine")} - keys, "documented keys no service has"

@@ -158,7 +158,7 @@ async def ask(gateway: Gateway, url: str, request_id: str = "r") -> list[TokenDe
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}]}
     record = RequestRecord(request_id, request_id, ticket=ConcurrencyLimiter(None, None).admit("key"))
     prepared = await gateway.pipeline.prepare(ChatCompletionRequest.model_validate(body), record)
-    gateway.asked = prepared.images
+    gateway.asked, gateway.timer = prepared.images, record.timer
     return [delta async for delta in gateway.pipeline.generate(prepared, record.timer)]
 
 
@@ -235,6 +235,8 @@ async def _lost(tmp_path) -> None:
         # Lost once (the encoder died, or dropped them, before the fetch): encoded once more, then served.
         assert (await ask(gw, GREEN))[-1].finished
         assert len(encoder.asked) == 2 and (gw.asked.stage, gw.asked.reencoded) == (Stage.DELIVERED, True)
+        tokens = gw.asked.references[0].embeddings.shape[0]
+        assert (gw.timer.visual_tokens, gw.timer.cache_misses + gw.timer.cache_hits) == (tokens, 1)  # the serving encode's, once
         # A repeat whose kept reference is lost: encoded again, then served.
         gw.script("lost")
         assert (await ask(gw, GREEN, "repeat"))[-1].finished

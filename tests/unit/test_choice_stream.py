@@ -1,0 +1,33 @@
+"""One choice's vLLM outputs as the wire's deltas (llm_engine/outputs.py), on vLLM's own output type."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from vllm.outputs import CompletionOutput
+
+from llm_engine.outputs import ChoiceStream, GenerationError
+from llm_engine.requests import read_chat
+
+
+def output(text: str, finish_reason: str | None) -> CompletionOutput:
+    return CompletionOutput(index=0, text=text, token_ids=[7], cumulative_logprob=None, logprobs=None, finish_reason=finish_reason)
+
+
+def plain_choice() -> ChoiceStream:
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}]}))
+    return ChoiceStream(0, chat, parser=None, tokenizer=None, prompt_token_ids=[1, 2])
+
+
+def test_a_choice_ends_with_vllm_s_finish_reason():
+    choice = plain_choice()
+    assert choice.delta(output("a", None)).finish_reason is None
+    assert choice.delta(output("b", "length")).finish_reason == "length"
+
+
+def test_a_choice_vllm_ended_in_error_is_a_server_error_not_an_answer():
+    """vLLM's server answers finish_reason "error" with a 500 (a stream: an error event), never as a finished reply."""
+    choice = plain_choice()
+    choice.delta(output("a", None))
+    with pytest.raises(GenerationError, match="internal error"):
+        choice.delta(output("b", "error"))
