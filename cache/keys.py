@@ -1,8 +1,15 @@
-"""Content keys: xxh3-128 over length-prefixed, type-tagged parts.
+"""Content keys: BLAKE3 (256-bit) over length-prefixed, type-tagged parts.
 
 Each part is written as tag byte + 8-byte length + payload, so differently
 structured inputs can never produce the same byte stream (("ab", "c") and
 ("a", "bc") hash apart). Mappings are canonicalised by sorting their keys.
+
+The hash is cryptographic because clients choose the bytes: with a fast
+non-cryptographic hash (xxh3) two different images can be crafted to share a
+key, and whoever sent the first would have its tokens served to everyone who
+sends the second, from every cache tier. BLAKE3 is also what vLLM hashes its
+multimodal inputs with, and hashes an image's megabytes in a fraction of its
+decode time.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-import xxhash
+from blake3 import blake3
 
 _TAGS = {bytes: b"b", str: b"s", int: b"i", float: b"f", dict: b"m"}
 
@@ -34,8 +41,8 @@ def _encode(part: Any) -> tuple[bytes, bytes]:
 
 
 def content_key(*parts: Any) -> bytes:
-    """16-byte digest of the parts, in order."""
-    hasher = xxhash.xxh3_128()
+    """32-byte digest of the parts, in order."""
+    hasher = blake3()
     for part in parts:
         tag, payload = _encode(part)
         hasher.update(tag + struct.pack("<Q", len(payload)))

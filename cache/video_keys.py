@@ -19,5 +19,5 @@ from cache.keys import content_key
 
 
 def video_key(encoder_fingerprint: str, video_processor: Mapping, request_sampling: Mapping, digest: bytes) -> bytes:
-    """16-byte key: the encoder's identity, its video processor's defaults, the request's knobs, the gateway's digest."""
+    """32-byte key: the encoder's identity, its video processor's defaults, the request's knobs, the gateway's digest."""
     return content_key(encoder_fingerprint, "video", dict(video_processor), dict(request_sampling), digest)

@@ -293,7 +293,7 @@ def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy, original: tu
 
 def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:
     """The image's part of the cache key: its original bytes and every intake
-    parameter that shapes its pixels. Cheap (xxh3), so it is known before decoding."""
+    parameter that shapes its pixels. Cheap (cache/keys.py), so it is known before decoding."""
     return content_key(policy.key_part(item.budget), item.raw)
 
 

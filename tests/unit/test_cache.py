@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import struct
+
 import torch
+import xxhash
+from PIL import Image
 
 from cache import CachedEmbedding, EmbeddingCache, content_key
+from cache.keys import _encode
 
 
 def entry(rows: int) -> CachedEmbedding:
@@ -57,7 +63,7 @@ def test_keys_are_length_prefixed_and_type_tagged():
     assert content_key("ab", "c") != content_key("a", "bc")
     assert content_key(b"1") != content_key("1") != content_key(1)
     assert content_key({"a": 1, "b": 2}) == content_key({"b": 2, "a": 1})
-    assert len(content_key(b"x")) == 16
+    assert len(content_key(b"x")) == 32
 
 
 def test_every_preprocessing_parameter_changes_the_key():
@@ -98,3 +104,62 @@ def test_the_shared_tier_starts_its_writer_only_when_something_is_written():
     assert len(writers()) == before + 1
     tier.close()
     assert len(writers()) == before
+
+
+# XXH3's default secret (kSecret in xxhash.h): public, which is what lets anyone craft collisions.
+XXH3_SECRET = bytes.fromhex(
+    "b8fe6c3923a44bbe7c01812cf721ad1cded46de9839097db7240a4a4b7b3671fcb79e64eccc0e578825ad07dccff7221b8084674f743248e"
+    "e03590e6813a264c3c2852bb91c300cb88d0658b1b532ea371644897a20df94e3819ef46a9deacd8a8fa763fe39c343ff9dcbbc7c70b4f1d"
+    "8a51e04bcdb45931c89f7ec9d9787364eac5ac8334d3ebc3c581a0fffa1363eb170ddd51b7f0da49d316552629d4689e2b16be587d47a1fc"
+    "8ff8b8d17ad031ce45cb3a8f95160428afd7fbcabb4b407e"
+)
+
+
+def framed(*parts) -> bytes:
+    """The byte stream content_key hashes: each part's tag, length and payload."""
+    stream = b""
+    for part in parts:
+        tag, payload = _encode(part)
+        stream += tag + struct.pack("<Q", len(payload)) + payload
+    return stream
+
+
+def crafted_pair(prefix_len: int) -> tuple[bytes, bytes]:
+    """Two 32x32 BMPs, one red and one blue, that XXH3-128 cannot tell apart
+    after `prefix_len` bytes (where prefix_len + 6 is a multiple of 8). In
+    XXH3's long mode an 8-byte word whose low half equals the secret's there
+    adds only itself to the sum; +d in one such word's high half and -d in
+    another's in the same block cancel. The first word holds the BMP's pixel
+    offset: image A's pixels at one place, B's at another."""
+    width = height = 32
+    size = width * height * 3
+    at_a, at_b = 512, 512 + size
+    raw = bytearray(at_b + size)
+    raw[0:2] = b"BM"
+    struct.pack_into("<I", raw, 2, len(raw))
+    struct.pack_into("<IiiHHIIiiII", raw, 14, 40, width, height, 1, 24, 0, size, 2835, 2835, 0, 0)
+    raw[at_a:at_a + size] = bytes([0, 0, 255]) * (width * height)  # BGR: red
+    raw[at_b:at_b + size] = bytes([255, 0, 0]) * (width * height)  # blue
+    first = prefix_len + 6  # stream offset of the word: the BMP's reserved field and pixel offset
+    second = first + 128  # same 1 KB block and lane, in the gap before the pixels
+    for offset in (first, second):
+        lane = offset % 1024 // 64 * 8 + offset % 64 // 8 * 8
+        raw[offset - prefix_len:offset - prefix_len + 4] = XXH3_SECRET[lane:lane + 4]
+    versions = []
+    for pixels_at in (at_a, at_b):
+        struct.pack_into("<I", raw, first - prefix_len + 4, pixels_at)
+        struct.pack_into("<I", raw, second - prefix_len + 4, 0x10000000 - (pixels_at - at_a))
+        versions.append(bytes(raw))
+    return versions[0], versions[1]
+
+
+def test_two_images_crafted_to_collide_under_xxh3_get_different_keys():
+    """Clients choose the bytes: with a non-cryptographic hash one image's tokens
+    could be served for another's. The pair is built to collide under xxh3-128
+    (checked here, so the attack is real) and must not under content_key."""
+    part = next(policy for n in range(8) if (len(framed(policy := {"pad": "x" * n})) + 9 + 6) % 8 == 0)
+    red, blue = crafted_pair(len(framed(part)) + 9)
+    assert xxhash.xxh3_128_digest(framed(part, red)) == xxhash.xxh3_128_digest(framed(part, blue))
+    pixels = [Image.open(io.BytesIO(image)).convert("RGB").getpixel((0, 0)) for image in (red, blue)]
+    assert pixels == [(255, 0, 0), (0, 0, 255)]
+    assert content_key(part, red) != content_key(part, blue)
