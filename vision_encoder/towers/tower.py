@@ -121,8 +121,7 @@ class VisionTower:
         self.model = self._build(config, state)
         # Weights revision: the config and the vision weights' own bytes, so a
         # re-trained checkpoint of the same shapes gets new keys (file sizes
-        # would not change). Read once at start-up; xxh3 keeps that a small part of
-        # loading the weights.
+        # would not change). Read once at start-up; a small part of loading the weights.
         config_bytes = (path / "config.json").read_bytes()
         self.fingerprint = content_key(self.model_id, config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
 
@@ -182,6 +181,8 @@ class VisionTower:
             "rescale_factor": float(p.rescale_factor),
             "image_mean": list(map(float, p.image_mean)),
             "image_std": list(map(float, p.image_std)),
+            # A switch that is off skips its step whatever the values above say.
+            **{switch: getattr(p, switch, None) for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")},
             "dtype": str(self.dtype),
             **self.family_params(),
         }
