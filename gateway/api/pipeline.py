@@ -65,9 +65,8 @@ def image_refs(request: ChatCompletionRequest) -> list[ImageRef]:
 _IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
 _VIDEO = {"type": "video_url", "video_url": {"url": IMAGE_PLACEHOLDER}}  # its tokens travel beside, as an image's
 _PLACEHOLDERS = {"image_url": _IMAGE, "video_url": _VIDEO}
-# Fields the gateway itself acts on, or that change nothing: not forwarded.
-_GATEWAY_ONLY = {"mm_processor_kwargs", "media_io_kwargs", "stream_options", "user", "safety_identifier", "metadata", "store",
-                 "service_tier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "modalities"}
+# Fields the gateway itself acts on: not forwarded (nor are those that change nothing: schemas._NOT_FORWARDED).
+_GATEWAY_ONLY = {"mm_processor_kwargs", "media_io_kwargs", "stream_options"}
 
 
 def engine_chat(request: ChatCompletionRequest) -> bytes:

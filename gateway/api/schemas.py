@@ -31,7 +31,7 @@ def unsupported(message: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", message)
 
 
-# Changes nothing about the answer: OpenAI's prompt-cache hints (Prism caches every prefix by itself).
+# A field that changes nothing about the answer: accepted, and never forwarded to the engine.
 _NOT_FORWARDED = Field(None, exclude=True)
 
 
@@ -261,16 +261,16 @@ class ChatCompletionRequest(_Strict):
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    # Accepted, and change nothing about the result (pipeline.engine_chat does not forward them).
-    user: str | None = None
-    safety_identifier: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
-    prompt_cache_options: PromptCacheOptions | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
+    # Accepted, and change nothing about the result (OpenAI's prompt-cache hints too: Prism caches every prefix by itself).
+    user: str | None = _NOT_FORWARDED
+    safety_identifier: str | None = _NOT_FORWARDED
+    metadata: dict[str, Any] | None = _NOT_FORWARDED
+    store: bool | None = _NOT_FORWARDED
+    service_tier: str | None = _NOT_FORWARDED
+    prompt_cache_key: str | None = _NOT_FORWARDED
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = _NOT_FORWARDED
+    prompt_cache_options: PromptCacheOptions | None = _NOT_FORWARDED
+    modalities: list[Literal["text", "audio"]] | None = _NOT_FORWARDED
 
     @field_validator("modalities")
     @classmethod
