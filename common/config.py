@@ -95,8 +95,18 @@ def configured_model(path: Path | None = None, env: Mapping[str, str] | None = N
     return resolve_model(model)
 
 
+# Validation context for a health probe: it needs only where the service listens, and must answer
+# within its timeout, so checks that import vLLM or torch are skipped (`probing`).
+PROBE = {"probe": True}
+
+
+def probing(info: pydantic.ValidationInfo) -> bool:
+    return bool(info.context and info.context.get("probe"))
+
+
 def load_config(
-    model: type[C], section: str, path: Path | None = None, env: Mapping[str, str] | None = None
+    model: type[C], section: str, path: Path | None = None, env: Mapping[str, str] | None = None,
+    context: dict | None = None,
 ) -> C:
     path = path or Path(os.environ.get(f"{ENV_PREFIX}CONFIG", DEFAULT_CONFIG))
     data = _read_yaml(path)
@@ -109,7 +119,7 @@ def load_config(
     if isinstance(values.get("model"), str):
         values["model"] = resolve_model(values["model"])
     try:
-        return model.model_validate(values)
+        return model.model_validate(values, context=context)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join((section, *(str(p) for p in err['loc'])))}: {err['msg']}" for err in exc.errors()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from common.config import FrozenConfig, check_redis_url
+from common.config import FrozenConfig, check_redis_url, probing
 from protocol.addresses import ENGINE_ADDRESS
 
 
@@ -95,9 +95,9 @@ class EngineConfig(FrozenConfig):
 
     @field_validator("structured_outputs")
     @classmethod
-    def _vllm_accepts(cls, value: dict[str, Any]) -> dict[str, Any]:
-        """Checked by vLLM's own config class now, not when the engine starts."""
-        if value:
+    def _vllm_accepts(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Checked by vLLM's own config class now, not when the engine starts (a health probe skips it)."""
+        if value and not probing(info):
             from vllm.config import StructuredOutputsConfig
 
             StructuredOutputsConfig(**value)  # a ValueError names what is wrong

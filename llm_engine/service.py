@@ -300,9 +300,17 @@ class EngineService:
         # Counted now, not when its task first runs: a burst already queued on the socket is
         # read without a turn of the event loop, and must meet max_waiting_requests all the same.
         self.waiting.add(rid)
-        task = asyncio.create_task(self._generate(peer, request, received))
-        self.requests[rid] = InFlight(peer, task)
-        task.add_done_callback(lambda _: (self.requests.pop(rid, None), self.waiting.discard(rid)))
+        flight = InFlight(peer, asyncio.create_task(self._generate(peer, request, received)))
+        self.requests[rid] = flight
+        flight.task.add_done_callback(lambda _: self._forget(rid, flight))
+
+    def _forget(self, rid: str, flight: InFlight) -> None:
+        """A request's task is done (or was cancelled before it ran): unless a newer one took its id."""
+        current = self.requests.get(rid)
+        if current is flight:
+            del self.requests[rid]
+        if current is flight or current is None:  # None: the engine died and let go of every request
+            self.waiting.discard(rid)
 
     def _refusal(self) -> tuple[str, int, str] | None:
         """(message, status, code) while this replica takes no new work."""
@@ -441,8 +449,6 @@ class EngineService:
             self.failed += 1
             log.exception("failed")
             await self._send(peer, GenerateFailed(rid, f"engine error: {exc}", status=500))
-        finally:
-            self.waiting.discard(rid)
 
     async def _stream(self, peer: bytes, rid: str, prompt: dict, params, arrival: tuple[float, float], chat, new_parser) -> int | None:
         """Tokens generated (all choices), or None if the gateway went away (then
@@ -482,6 +488,9 @@ class EngineService:
         try:
             await self.router.send(peer, message, wait=wait)
             return True
+        except zmq.Again:
+            log.warning("dropping a %s: its gateway is not reading (its queue is full)", type(message).__name__)
+            return False
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)
             return False

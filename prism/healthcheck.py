@@ -16,7 +16,7 @@ import sys
 import httpx
 import zmq
 
-from common.config import load_config
+from common.config import PROBE, load_config
 from protocol.base import Hello
 from protocol.sockets import pack
 from protocol.to_gateway import EncoderReady, EngineReady, GatewayInbound
@@ -61,16 +61,16 @@ def main() -> None:
     if args.service == "gateway":
         from gateway.config import GatewayConfig
 
-        config = load_config(GatewayConfig, "gateway")
+        config = load_config(GatewayConfig, "gateway", context=PROBE)
         ok = gateway_ready(config.host, config.port, args.timeout_s)
     elif args.service == "encoder":
         from vision_encoder.config import EncoderConfig
 
-        ok = service_answers(local_address(load_config(EncoderConfig, "encoder").address), EncoderReady, args.timeout_s)
+        ok = service_answers(local_address(load_config(EncoderConfig, "encoder", context=PROBE).address), EncoderReady, args.timeout_s)
     else:
         from llm_engine.config import EngineConfig
 
-        ok = service_answers(local_address(load_config(EngineConfig, "engine").address), EngineReady, args.timeout_s)
+        ok = service_answers(local_address(load_config(EngineConfig, "engine", context=PROBE).address), EngineReady, args.timeout_s)
     sys.exit(0 if ok else 1)
 
 

@@ -117,12 +117,20 @@ class AsyncRouter(_Typed[In]):
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind(socket, address)
         super().__init__(socket, inbound)
+        self._now = zmq.Socket.shadow(socket.underlying)  # the same socket, sent on synchronously
 
     async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = (), wait: bool = True) -> None:
-        """`wait`: while the peer's queue is at its high-water mark (it is not
-        reading), wait for room; else raise zmq.Again at once, so a loop that
-        serves every peer never waits on one."""
-        await self.socket.send_multipart([peer, *pack(message, frames)], 0 if wait else zmq.NOBLOCK, copy=False)
+        """`wait` False: sent now or never (zmq.Again while the peer's queue is
+        full), so a loop that serves every peer never waits behind one: pyzmq's
+        asyncio socket queues a send behind any still pending, NOBLOCK or not,
+        so this one goes through the socket itself. `wait` True: in turn after
+        those; with ROUTER_MANDATORY, a peer whose queue stays full ends it with
+        zmq.Again too, once pyzmq finds the socket writable for other peers."""
+        parts = [peer, *pack(message, frames)]
+        if wait:
+            await self.socket.send_multipart(parts, copy=False)
+        else:
+            self._now.send_multipart(parts, zmq.NOBLOCK, copy=False)
 
     async def recv(self) -> tuple[bytes, In, list[memoryview]]:
         """The next message this side can read, and its sender."""

@@ -11,7 +11,7 @@ from protocol.video import EncodeVideos
 
 
 class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    # xxh3-128 over the original image bytes and the gateway's intake policy;
+    # BLAKE3 over the original image bytes and the gateway's intake policy (cache/keys.py);
     # the encoder adds its own model and processor identity to form the cache key.
     digest: bytes
     # uint8 (height, width, 3), one frame per image that has pixels, in order.

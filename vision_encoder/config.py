@@ -81,7 +81,7 @@ class EncoderConfig(FrozenConfig):
     stall_min_s: float = Field(30, gt=0)
     stall_restart_s: float = Field(120, gt=0)
     # Test hook: truncate cache keys to this many bytes, to force hash collisions.
-    test_key_bytes: int | None = Field(None, ge=1, le=16)
+    test_key_bytes: int | None = Field(None, ge=1, le=32)
     # Test hook: a batch of more than this many pixel rows raises out-of-memory (vision_encoder/towers/tower.py).
     test_oom_above_rows: int | None = Field(None, ge=1)
 

@@ -296,6 +296,9 @@ class EncoderService:
             self._abandon(state)
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
+        except Exception:
+            self._abandon(state)  # what it queued or joined answers nobody; the loop's guard answers it
+            raise
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
@@ -345,9 +348,13 @@ class EncoderService:
             self._abandon(state)
             self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} items waiting)", 429))
             return
-        for index in misses:
-            item = items[index]
-            self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity)
+        try:
+            for index in misses:
+                item = items[index]
+                self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity)
+        except Exception:
+            self._abandon(state)  # as in _accept
+            raise
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
@@ -481,5 +488,7 @@ class EncoderService:
     def _send(self, peer: bytes, message, frames=()) -> None:
         try:
             self.router.send(peer, message, frames)
+        except zmq.Again:  # its queue is full: the loop never waits on one peer
+            log.warning("dropping a %s: its peer is not reading (its queue is full)", type(message).__name__)
         except zmq.ZMQError as exc:  # the gateway went away; its replies have no reader
             log.warning("dropping reply to a gone peer: %s", exc)

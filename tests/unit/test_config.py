@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pydantic
 import pytest
 
@@ -114,3 +117,19 @@ def test_the_profiles_include_a_real_gpu_model_and_several_hosts():
     assert {"cpu-demo.yaml", "compose.yaml", "qwen2.5-vl-7b.yaml", "qwen3-vl-8b.yaml", "multi-host.yaml"} <= names
     gpu = load_config(EngineConfig, "engine", REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml", env={})
     assert gpu.kv_cache_memory_mb is None and gpu.enable_chunked_prefill and not gpu.enforce_eager
+
+
+def test_a_health_probe_reads_every_profile_without_importing_vllm_or_torch():
+    """A container's probe runs `python -m prism.healthcheck` within a few seconds' timeout; importing
+    vLLM (an engine.structured_outputs check) takes longer than that on a busy CPU."""
+    code = (
+        "import sys; from pathlib import Path; from common.config import PROBE, load_config\n"
+        "from gateway.config import GatewayConfig; from llm_engine.config import EngineConfig; from vision_encoder.config import EncoderConfig\n"
+        f"for path in {[str(p) for p in PROFILES]!r}:\n"
+        "    for model, section in ((GatewayConfig, 'gateway'), (EncoderConfig, 'encoder'), (EngineConfig, 'engine')):\n"
+        "        load_config(model, section, Path(path), env={}, context=PROBE)\n"
+        "print(sorted(name for name in ('vllm', 'torch') if name in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

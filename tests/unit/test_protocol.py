@@ -457,13 +457,12 @@ def test_the_async_sockets_skip_what_they_cannot_read_and_return_the_next_messag
 
 
 @contextlib.contextmanager
-def encoder_router_and_peer(address: str, queue_limit: int = 1000):
-    """The encoder's SyncRouter and one raw DEALER connected to it, each queueing at most `queue_limit` messages."""
+def encoder_router_and_peer(address: str):
+    """The encoder's SyncRouter and one raw DEALER connected to it (zmq's
+    high-water marks: a peer that does not read holds about 2,000 messages)."""
     ctx = zmq.Context()
     router = SyncRouter(ctx, address, EncoderInbound)
-    router.socket.setsockopt(zmq.SNDHWM, queue_limit)
     peer = ctx.socket(zmq.DEALER)
-    peer.setsockopt(zmq.RCVHWM, queue_limit)
     peer.connect(address)
     try:
         yield router, peer
@@ -493,7 +492,7 @@ def test_the_encoder_s_router_never_waits_on_a_peer_that_stopped_reading():
         except zmq.Again:
             outcome.append("refused")
 
-    with encoder_router_and_peer("inproc://deaf", queue_limit=4) as (router, deaf):
+    with encoder_router_and_peer("inproc://deaf") as (router, deaf):
         deaf.send_multipart(pack(Hello("deaf")))
         assert router.poll(5000)
         sender = threading.Thread(target=send_until_refused, args=(router, router.recv()[0]), daemon=True)
@@ -512,3 +511,32 @@ def test_a_pusher_closes_the_socket_it_used_least_recently_past_its_bound():
     finally:
         pusher.close()
         ctx.term()
+
+
+async def _a_send_now_behind_a_stuck_one():
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, "inproc://stuck", EncoderInbound)
+    deaf = ctx.socket(zmq.DEALER)
+    deaf.connect("inproc://stuck")
+    try:
+        await deaf.send_multipart(pack(Hello("deaf")))
+        peer = (await asyncio.wait_for(router.recv(), 5))[0]
+
+        async def fill():  # past the ~2,000 messages the queues hold
+            for _ in range(10_000):
+                await router.send(peer, Hello("x"))
+
+        filling = asyncio.create_task(fill())
+        await asyncio.sleep(1)
+        assert not filling.done()  # a waiting send is stuck on the peer that does not read
+        with pytest.raises(zmq.Again):
+            await asyncio.wait_for(router.send(peer, Hello("now"), wait=False), 2)  # not queued behind it
+        filling.cancel()
+    finally:
+        deaf.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+def test_a_send_that_must_not_wait_is_refused_at_once_even_behind_a_stuck_one():
+    asyncio.run(_a_send_now_behind_a_stuck_one())
