@@ -80,19 +80,34 @@ def read_chat(raw: bytes):
 
 def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
     """What vLLM's server refuses for tools, refused the same way, plus a chat
-    template that cannot show the model its tools at all."""
+    template that cannot show the model its tools at all, and a `strict` tool
+    whose `auto` calls nothing would hold to its schema."""
     if not uses_tools(chat):
         return
     if template is None or "tools" not in template:
         raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them")
     if parsing.tool_parser is None:
         raise InvalidPrompt("tools: this engine has no tool-call parser (engine.tool_call_parser)")
-    if chat.tool_choice == "auto" and not parsing.strict_auto_calls:
-        if strict := [i for i, tool in enumerate(chat.tools) if tool.function.strict]:
-            raise InvalidPrompt(
-                f"tools[{strict[0]}].function.strict: with tool_choice 'auto' this engine cannot hold a call's arguments "
-                "to the tool's schema (it needs vLLM's structural tags: engine.strict_tool_calling and a tool parser "
-                "that has them); send tool_choice 'required' or a named tool, which are held to it, or leave strict out")
+    strict = [i for i, tool in enumerate(chat.tools) if tool.function.strict]
+    if chat.tool_choice != "auto" or not strict:
+        return
+    if not parsing.strict_auto_calls:
+        raise InvalidPrompt(
+            f"tools[{strict[0]}].function.strict: with tool_choice 'auto' this engine cannot hold a call's arguments "
+            "to the tool's schema (it needs vLLM's structural tags: engine.strict_tool_calling and a tool parser "
+            "that has them); send tool_choice 'required' or a named tool, which are held to it, or leave strict out")
+    if (constraint := chat.extract_structured_outputs()) is not None and not _structural_tags_carry(constraint):
+        raise InvalidPrompt(
+            f"tools[{strict[0]}].function.strict: with tool_choice 'auto', vLLM's structural tags carry the output "
+            "constraint only where xgrammar compiles it, and this one it does not: the call's arguments would not be "
+            "held to the schema; drop the constraint or strict, or send tool_choice 'required' or a named tool")
+
+
+def _structural_tags_carry(constraint) -> bool:
+    """vLLM's own test (private: it drops the tool constraint for auto calls otherwise, with a warning)."""
+    from vllm.parser.abstract_parser import _xgrammar_supports
+
+    return _xgrammar_supports(constraint)
 
 
 def sampling_params(chat, max_tokens: int, checkpoint_defaults: dict):

@@ -75,3 +75,10 @@ def test_an_answer_s_reasoning_reaches_the_template_under_both_of_vllm_s_names()
     rendered = template_messages(messages)
     assert rendered[1]["reasoning"] == rendered[1]["reasoning_content"] == "two and two"
     assert "reasoning" not in rendered[0] and "reasoning" not in rendered[2]
+
+
+def test_a_strict_tool_under_auto_with_an_output_constraint_the_tags_cannot_carry_is_refused():
+    tagged = dataclasses.replace(HERMES, strict_auto_calls=True)
+    check_tool_choice(chat(tools=[STRICT_TOOL], structured_outputs={"regex": "[ab]+"}), tagged, CHAT_TEMPLATE)
+    with pytest.raises(InvalidPrompt, match=r"tools\[0\]\.function\.strict: .*xgrammar compiles"):
+        check_tool_choice(chat(tools=[STRICT_TOOL], structured_outputs={"regex": "(?=a)a"}), tagged, CHAT_TEMPLATE)  # a lookahead
