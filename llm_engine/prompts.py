@@ -32,6 +32,8 @@ class ModelShape:
     embedding_width: int  # columns vLLM takes per visual token (the family says: hidden, or more)
     merge_size: int | None  # None: the family's images have no grid (LLaVA, InternVL)
     family: str = ""  # common/families.py's name: which time axis its videos need (llm_engine/videos.py)
+    # vLLM's limit_mm_per_prompt for images, for a family it runs with its tower (engine.max_images_per_prompt)
+    max_images: int | None = None
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
@@ -92,6 +94,9 @@ def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> No
         raise InvalidPrompt(f"{parts} image parts in the messages but {sent} images sent")
     if sent and shape is None:
         raise InvalidPrompt("this model is text-only: it takes no images")
+    if shape is not None and shape.max_images is not None and sent > shape.max_images:
+        raise InvalidPrompt(f"{sent} images in one prompt; this engine takes at most {shape.max_images} "
+                            "(engine.max_images_per_prompt)")
     for index, image in enumerate(request.images):
         _check(index, image, shape)
     if (parts := video_parts(chat.messages)) != len(request.videos):

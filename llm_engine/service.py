@@ -128,12 +128,12 @@ def _worker_openmp(vllm_config):
     return OMPProcessManager(vllm_config).configure_omp_envs(rank=0, local_rank=0)
 
 
-def model_shape(family: Family, hf) -> ModelShape | None:
+def model_shape(family: Family, hf, max_images_per_prompt: int | None = None) -> ModelShape | None:
     """What every image's embeddings must look like; None: the model takes no images."""
     if not family.takes_images:
         return None
     return ModelShape(family.embedding_width(hf), hf.vision_config.spatial_merge_size if family.layout == "qwen" else None,
-                      family.name)
+                      family.name, max_images_per_prompt if family.vllm_needs_tower else None)
 
 
 def generation_defaults(model_config) -> dict:
@@ -201,7 +201,7 @@ class EngineService:
         os.environ["VLLM_ENFORCE_STRICT_TOOL_CALLING"] = "1" if config.strict_tool_calling else "0"
         hf = AutoConfig.from_pretrained(config.model)
         family = family_of(hf)  # an unsupported checkpoint stops here, naming why
-        shape = model_shape(family, hf)
+        shape = model_shape(family, hf, config.max_images_per_prompt)
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = start_vllm(config, family, [step_clock_factory(watch)])

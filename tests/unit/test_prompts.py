@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,6 +121,15 @@ def test_a_grid_is_given_exactly_where_the_family_has_one(tensor, grid, shape, m
     req, frames = request_with([tensor], [grid])
     with pytest.raises(InvalidPrompt, match=message):
         build_prompt(req, frames, FakeTemplate(), shape, 4096)
+
+
+def test_more_images_than_vllm_takes_in_one_prompt_are_refused_naming_the_key():
+    """Qwen3-VL runs with vLLM's tower loaded, under limit_mm_per_prompt: past it vLLM's own
+    error would name its flag, not the engine's key."""
+    req, frames = request_with([torch.randn(4, 128)] * 3, [(1, 4, 4)] * 3)
+    with pytest.raises(InvalidPrompt, match=r"3 images in one prompt; this engine takes at most 2 \(engine.max_images_per_prompt\)"):
+        build_prompt(req, frames, FakeTemplate(), dataclasses.replace(SHAPE, max_images=2), 4096)
+    assert build_prompt(req, frames, FakeTemplate(), dataclasses.replace(SHAPE, max_images=3), 4096).num_tokens
 
 
 def test_placeholder_count_must_match_images():
