@@ -45,10 +45,6 @@ def bind(socket: zmq.Socket, address: str) -> None:
     socket.bind(address)
 
 
-class Unreadable(ValueError):
-    """A message that is not one of the messages this socket takes."""
-
-
 # Unreadable messages logged one by one; past this, one line per LOG_EVERY (a flood must not fill the disk).
 LOG_FIRST, LOG_EVERY = 10, 1000
 
@@ -59,20 +55,17 @@ class _Typed(Generic[In]):
         self._decoder = msgspec.msgpack.Decoder(inbound)
         self.unreadable = 0  # messages skipped so far
 
-    def unpack(self, parts: list[zmq.Frame]) -> tuple[In, list[memoryview]]:
-        if not parts:
-            raise Unreadable("an empty message")
-        header, *frames = parts
+    def _read(self, parts: list[zmq.Frame], peer: bytes | None = None) -> tuple[In, list[memoryview]] | None:
+        """The message and its frames; None for one this side cannot read (logged and counted)."""
         try:
+            header, *frames = parts
             return self._decoder.decode(header.buffer), [f.buffer for f in frames]
-        except msgspec.DecodeError as exc:  # ValidationError included: a well-formed message of the wrong shape
-            raise Unreadable(str(exc)) from None
-
-    def skipped(self, exc: Unreadable, peer: bytes | None = None) -> None:
-        self.unreadable += 1
-        if self.unreadable <= LOG_FIRST or self.unreadable % LOG_EVERY == 0:
-            sender = f" from peer {peer.hex()}" if peer is not None else ""
-            log.warning("skipped a message%s this side cannot read (%d so far): %s", sender, self.unreadable, exc)
+        except (ValueError, msgspec.DecodeError) as exc:  # no header; not msgpack, or not a message of this side's
+            self.unreadable += 1
+            if self.unreadable <= LOG_FIRST or self.unreadable % LOG_EVERY == 0:
+                sender = f" from peer {peer.hex()}" if peer is not None else ""
+                log.warning("skipped a message%s this side cannot read (%d so far): %s", sender, self.unreadable, exc)
+            return None
 
     def close(self, linger_ms: int = 0) -> None:
         """`linger_ms`: how long messages already sent may still leave (0: dropped)."""
@@ -103,10 +96,8 @@ class AsyncDealer(_Typed[In]):
             parts = await self.socket.recv_multipart(copy=False)
             if self._count:
                 self._count("received", size_of(parts))
-            try:
-                return self.unpack(parts)
-            except Unreadable as exc:
-                self.skipped(exc)
+            if (read := self._read(parts)) is not None:
+                return read
 
 
 class AsyncRouter(_Typed[In]):
@@ -136,10 +127,8 @@ class AsyncRouter(_Typed[In]):
         """The next message this side can read, and its sender."""
         while True:
             peer, *parts = await self.socket.recv_multipart(copy=False)
-            try:
-                return peer.bytes, *self.unpack(parts)
-            except Unreadable as exc:
-                self.skipped(exc, peer.bytes)
+            if (read := self._read(parts, peer.bytes)) is not None:
+                return peer.bytes, *read
 
 
 class Publisher:
@@ -171,11 +160,8 @@ class AsyncSubscriber(_Typed[In]):
     async def recv(self) -> In:
         """The next message this side can read."""
         while True:
-            raw = await self.socket.recv(copy=False)
-            try:
-                return self.unpack([raw])[0]
-            except Unreadable as exc:
-                self.skipped(exc)
+            if (read := self._read([await self.socket.recv(copy=False)])) is not None:
+                return read[0]
 
 
 class Pusher:
@@ -243,8 +229,5 @@ class SyncRouter(_Typed[In]):
         """The next message, after `poll` said one is there; None when it could
         not be read (logged and skipped)."""
         peer, *parts = self.socket.recv_multipart(copy=False)
-        try:
-            return peer.bytes, *self.unpack(parts)
-        except Unreadable as exc:
-            self.skipped(exc, peer.bytes)
-            return None
+        read = self._read(parts, peer.bytes)
+        return None if read is None else (peer.bytes, *read)

@@ -121,7 +121,8 @@ class VisionTower:
         self.model = self._build(config, state)
         # Weights revision: the config and the vision weights' own bytes, so a
         # re-trained checkpoint of the same shapes gets new keys (file sizes
-        # would not change). Read once at start-up; a small part of loading the weights.
+        # would not change). Read once at start-up; xxh3 keeps that a small part of
+        # loading the weights (its bytes are the checkpoint's, not a client's: cache/keys.py).
         config_bytes = (path / "config.json").read_bytes()
         self.fingerprint = content_key(self.model_id, config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
 
