@@ -278,7 +278,8 @@ class EngineService:
             await self._send(peer, self.stats(), wait=False)
         elif isinstance(message, Hello):
             takes_images = self.shape is not None
-            ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes)
+            max_images = self.shape.max_images if takes_images else None
+            ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images)
             await self._send(peer, ready, wait=False)
 
     def stats(self) -> EngineStats:
@@ -331,7 +332,9 @@ class EngineService:
     async def _abort(self, request_id: str) -> None:
         if request_id in self.requests:
             await self.engine.abort(request_id)
-            self.requests[request_id].task.cancel()
+            # Looked up again: vLLM's abort can end the request while it is awaited, and it is forgotten.
+            if (request := self.requests.get(request_id)) is not None:
+                request.task.cancel()
 
     async def _watch(self) -> None:
         """Judge the engine core every interval: dead, stalled, back, or stalled for too long."""
@@ -489,7 +492,7 @@ class EngineService:
             await self.router.send(peer, message, wait=wait)
             return True
         except zmq.Again:
-            log.warning("dropping a %s: its gateway is not reading (its queue is full)", type(message).__name__)
+            log.warning("dropping a %s: its gateway is not reading (its queue stayed full)", type(message).__name__)
             return False
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)

@@ -11,6 +11,7 @@ service's loop or a reader task.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -100,28 +101,51 @@ class AsyncDealer(_Typed[In]):
                 return read
 
 
-class AsyncRouter(_Typed[In]):
-    """The service side: many gateways (peers) may connect."""
+# How long a waiting send waits for a peer whose queue is full before giving up (zmq.Again).
+FULL_PEER_WAIT_S = 10.0
+_RETRY_PAUSE_S = (0.001, 0.05)  # the first and the longest pause between tries on a full peer
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any) -> None:
+
+class AsyncRouter(_Typed[In]):
+    """The service side: many peers (gateways, encoders pushing) may connect."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any, full_peer_wait_s: float = FULL_PEER_WAIT_S) -> None:
         socket = ctx.socket(zmq.ROUTER)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         bind(socket, address)
         super().__init__(socket, inbound)
         self._now = zmq.Socket.shadow(socket.underlying)  # the same socket, sent on synchronously
+        self.full_peer_wait_s = full_peer_wait_s
 
     async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = (), wait: bool = True) -> None:
         """`wait` False: sent now or never (zmq.Again while the peer's queue is
         full), so a loop that serves every peer never waits behind one: pyzmq's
         asyncio socket queues a send behind any still pending, NOBLOCK or not,
         so this one goes through the socket itself. `wait` True: in turn after
-        those; with ROUTER_MANDATORY, a peer whose queue stays full ends it with
-        zmq.Again too, once pyzmq finds the socket writable for other peers."""
+        those, waiting up to `full_peer_wait_s` for a peer whose queue is full
+        (a gateway that stalled a moment), then zmq.Again. A peer that is gone
+        fails it at once (ROUTER_MANDATORY: zmq.ZMQError)."""
         parts = [peer, *pack(message, frames)]
-        if wait:
-            await self.socket.send_multipart(parts, copy=False)
-        else:
+        if not wait:
             self._now.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.full_peer_wait_s
+        pause, longest = _RETRY_PAUSE_S
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.socket.send_multipart(parts, copy=False)
+                return
+            except TimeoutError:  # the socket had no room for any peer all along
+                raise zmq.Again() from None
+            except zmq.Again:
+                # Only this peer is full: the socket is writable for others (another gateway, an
+                # encoder's pusher), so pyzmq raised at once instead of waiting. Try again shortly.
+                if loop.time() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, longest)
 
     async def recv(self) -> tuple[bytes, In, list[memoryview]]:
         """The next message this side can read, and its sender."""

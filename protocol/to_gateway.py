@@ -112,6 +112,9 @@ class EngineReady(Message):
     max_model_len: int
     takes_images: bool = True  # False: a text-only model, served with no encoder
     takes_pushes: bool = False  # its LRU keeps visual tokens an encoder pushes unasked (PushedEmbedding)
+    # Images it takes in one prompt (engine.max_images_per_prompt, for a family vLLM runs with its tower);
+    # None: no limit of its own. The gateway refuses more before fetching any.
+    max_images: int | None = None
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -147,6 +147,20 @@ class ChatPipeline:
         timer.image_sizes.extend(item.size for item in inspected)
         return inspected
 
+    def image_limit(self) -> tuple[int, str]:
+        """Images one request may carry, and the key that sets it: the gateway's limit, or the engine's
+        where that is smaller (vLLM's per-prompt limit for a family it runs with its tower), so that a
+        request the engine would refuse is refused before its images are fetched and encoded."""
+        engine_limit = self.engine.info.max_images if self.engine.info is not None else None
+        if engine_limit is not None and engine_limit < self.config.max_images_per_request:
+            return engine_limit, "engine.max_images_per_prompt"
+        return self.config.max_images_per_request, "gateway.max_images_per_request"
+
+    def _check_image_count(self, images: int) -> None:
+        limit, key = self.image_limit()
+        if images > limit:
+            raise APIError(400, f"{images} images in one request; the limit is {limit} ({key})", param="messages", code="too_many_images")
+
     def _check_visual_tokens(self, tokens: int, what: str) -> None:
         if tokens > self.config.max_visual_tokens_per_request:
             raise APIError(413, f"{what} {tokens} visual tokens; the limit per request is "
@@ -200,8 +214,7 @@ class ChatPipeline:
             self.encoder.require_up()
         if request.n > self.config.max_n:
             raise APIError(400, f"n = {request.n} choices; this server gives at most {self.config.max_n} (gateway.max_n)", param="n", code="invalid_value")
-        if len(refs) > self.config.max_images_per_request:
-            raise APIError(400, f"{len(refs)} images in one request; the limit is {self.config.max_images_per_request}", param="messages", code="too_many_images")
+        self._check_image_count(len(refs))
         videos = []
         if video_parts := video_refs(request):
             videos = await take_videos(self.videos, request, video_parts, record.timer, self.config, self.model_name,

@@ -198,6 +198,16 @@ class ServiceClient:
         except asyncio.TimeoutError:
             return False
 
+    async def cancel_quietly(self, message: Message) -> None:
+        """Work given up on (an abort, a cancelled encode) goes to the service even when it is not up:
+        one draining, stalled or gone silent for a while may still be running it. Only a service that
+        serves is waited on; otherwise it goes in the background (a connection that is gone holds it
+        up to SEND_TIMEOUT_S, then drops it)."""
+        if self.up:
+            await self._send_quietly(message)
+        else:
+            self._in_background(self._send_quietly(message))
+
     async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
         """Send a request, or 503 if the service cannot take it now."""
         self.require_up()
@@ -306,8 +316,8 @@ class EncoderClient(ServiceClient):
             raise APIError(504, f"vision encoder did not answer within {timeout_s:g} s (gateway.encode_timeout_s)", code="encoder_timeout") from None
         finally:
             self.close_stream(request_id)
-            if not answered and self.up:  # timed out, cancelled (client gone) or refused: drop its work
-                await self._send_quietly(CancelEncode(request_id))
+            if not answered:  # timed out, cancelled (client gone) or refused: drop its work
+                await self.cancel_quietly(CancelEncode(request_id))
         _raise_if_error(message)
         if isinstance(message, EncodeFailed):
             code = message.code or ("encoder_overloaded" if message.status == 429 else "encoder_error")
@@ -331,8 +341,7 @@ class EngineClient(ServiceClient):
     async def withdraw(self, request_id: str) -> None:
         """A request sent and not streamed to its end: aborted in vLLM."""
         self.close_stream(request_id)
-        if self.up:
-            await self._send_quietly(AbortGenerate(request_id))
+        await self.cancel_quietly(AbortGenerate(request_id))
 
     async def generate(
         self, request: GenerateRequest, timeout_s: float,

@@ -75,6 +75,11 @@ def scrape(stack) -> dict[tuple[str, tuple], float]:
     return scrape_metrics(getattr(stack, "base_url", stack))
 
 
+def metric_total(stack, name: str) -> float:
+    """A metric of the gateway's summed over its label sets."""
+    return sum(value for (sample, _), value in scrape(stack).items() if sample == name)
+
+
 def alive(pid: int) -> bool:
     """Running: neither gone nor a zombie waiting to be reaped."""
     try:

@@ -39,7 +39,7 @@ BAD_REQUESTS = [
     ("bad-role", body(messages=[{"role": "robot", "content": "x"}]), 422, "role"),
     ("unknown-model", body(model="gpt-nothing"), 404, "gpt-nothing"),
     ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),
-    ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "limit is 8"),
+    ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "the limit is 8 (gateway.max_images_per_request)"),
     ("prompt-too-long", body(max_tokens=4096), 400, "max"),
     # Each error names the field as the request spells it, in the union branch the value took.
     ("image-url-as-string", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": png_url()}]}]), 422,

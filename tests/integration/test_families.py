@@ -49,13 +49,16 @@ from vision_encoder.towers import load_tower
 from testing.video_clips import CONCURRENT_CLIPS, ONE_FRAME_FILE
 from tests.integration.cases import FAMILY_CASES, FAMILY_CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
 from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE, STACK_OVERRIDES, Reference
-from tests.integration.helpers import ask, embeddings_request, send_raw
+from tests.integration.helpers import ask, embeddings_request, metric_total, send_raw
 from tests.integration.reference_video_vllm import FAMILY_CLIPS, SERVED_CLIPS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
 
 FAMILIES = ["qwen2.5-vl", "qwen3-vl", "llava-onevision", "llava-next", "internvl3"]
 # The encoder's pixel budget is Qwen's; the families that tile images their own way refuse one at start-up.
 NO_PIXEL_BUDGET = {k: v for k, v in STACK_OVERRIDES.items() if k not in ("PRISM_ENCODER__MAX_PIXELS", "PRISM_ENCODER__MIN_PIXELS")}
-OVERRIDES = {"qwen2.5-vl": STACK_OVERRIDES, "qwen3-vl": STACK_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET, "internvl3": NO_PIXEL_BUDGET}
+# Qwen3-VL runs with vLLM's tower loaded, under a per-prompt image limit of the engine's own: set below the gateway's here.
+ENGINE_MAX_IMAGES = 4
+QWEN3_VL_OVERRIDES = STACK_OVERRIDES | {"PRISM_ENGINE__MAX_IMAGES_PER_PROMPT": str(ENGINE_MAX_IMAGES)}
+OVERRIDES = {"qwen2.5-vl": STACK_OVERRIDES, "qwen3-vl": QWEN3_VL_OVERRIDES, "llava-onevision": NO_PIXEL_BUDGET, "llava-next": NO_PIXEL_BUDGET, "internvl3": NO_PIXEL_BUDGET}
 # (width the family's embeddings must have, a wrong one, the grid sent with them)
 VIDEO_FAMILIES = {"qwen2.5-vl", "qwen3-vl"}
 WIDTHS = {"qwen2.5-vl": (128, 64, (1, 4, 4)), "qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None), "internvl3": (128, 64, None)}
@@ -139,6 +142,21 @@ def test_embeddings_of_the_wrong_width_are_refused_and_the_engine_lives(family):
     assert isinstance(bad, GenerateFailed) and bad.status == 400 and f"expected (4, {width})" in bad.message
     good = asyncio.run(send_raw(address, *embeddings_request("right-width", torch.randn(4, width), grid)))
     assert isinstance(good, TokenDelta) and good.completion_tokens == 2
+
+
+@pytest.mark.parametrize("family", ["qwen3-vl"], indirect=True)
+def test_more_images_than_the_engine_takes_are_refused_before_any_is_encoded(family, images):
+    """The engine's limit (engine.max_images_per_prompt) reaches the gateway in the handshake: past it, a
+    400 naming that key before any image is fetched or encoded, not the engine's refusal after both."""
+    client, _, stack, _ = family
+
+    before = metric_total(stack, "prism_encoder_replica_requests_total")
+    image = {"type": "image_url", "image_url": {"url": data_url(images[MIXED_IMAGE])}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL_NAME, max_tokens=2,
+                                       messages=[{"role": "user", "content": [image] * (ENGINE_MAX_IMAGES + 1)}])
+    assert f"the limit is {ENGINE_MAX_IMAGES} (engine.max_images_per_prompt)" in refused.value.message, refused.value.message
+    assert metric_total(stack, "prism_encoder_replica_requests_total") == before
 
 
 @pytest.fixture

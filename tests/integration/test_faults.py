@@ -24,7 +24,7 @@ from testing.stack import LocalStack
 from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import child_pid, log_records, scrape, wait_until
+from tests.integration.helpers import child_pid, log_records, metric_total, scrape, wait_until
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
 BURST_SLO_S = 10  # end-to-end for an admitted 64-token request during a burst (they take ~1-2 s here)
@@ -224,11 +224,6 @@ def test_client_disconnect_aborts_generation(faulty, stream):
     assert gateway_statuses(faulty, rid) == ["status 499 (client_disconnected)"]  # once, and not after a 200
     assert not any(r["message"].startswith("generated") for r in engine_log_lines(faulty, rid)), "vLLM generated to the end"
     wait_until(lambda: any(r["message"] == "aborted" for r in engine_log_lines(faulty, rid)), 10, "the abort reaching vLLM")
-
-
-def metric_total(stack: LocalStack, name: str) -> float:
-    """A metric summed over its label sets."""
-    return sum(value for (sample, _), value in scrape(stack).items() if sample == name)
 
 
 def post_then_hang_up(stack: LocalStack, body: dict, when) -> None:

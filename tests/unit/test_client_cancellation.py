@@ -102,3 +102,33 @@ async def _hang_up_mid_stream(client: EngineClient, engine: AsyncRouter, rid: st
     _, abort, _ = await asyncio.wait_for(engine.recv(), 10)
     assert abort == AbortGenerate(rid)
     assert rid not in client._streams
+
+
+def test_a_generation_abandoned_while_its_engine_drains_is_still_aborted(tmp_path):
+    """A draining (or stalled) engine is not up for new work, yet it runs what it has: a client
+    that hangs up then must still stop its generation, or it runs to max_tokens and holds the drain."""
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        address = f"ipc://{tmp_path}/engine.sock"
+        engine = AsyncRouter(ctx, address, EngineInbound)
+        client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=30)
+        client.up = True
+        client._tasks.append(asyncio.create_task(client._receive_loop()))
+        try:
+            request = GenerateRequest("draining", b'{"messages":[],"max_tokens":10000}')
+            stream = client.generate(request, timeout_s=30)
+            consumer = asyncio.create_task(anext(stream))
+            peer, _, _ = await asyncio.wait_for(engine.recv(), 10)
+            await engine.send(peer, TokenDelta("draining", [ChoiceDelta(0, "x")], 1, 5))
+            await asyncio.wait_for(consumer, 10)
+            client.up = False  # its heartbeat said DRAINING
+            await stream.aclose()  # the client hung up
+            _, abort, _ = await asyncio.wait_for(engine.recv(), 10)
+            assert abort == AbortGenerate("draining")
+        finally:
+            await client.close()
+            engine.close()
+            ctx.term()
+
+    asyncio.run(run())

@@ -140,7 +140,7 @@ CASES = [
     (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "encoder queue is full (512 images waiting)", 429)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "vision encoder is stalled; retry shortly", 503, "encoder_stalled")),
-    (GatewayInbound, EngineReady("Qwen/Qwen2.5-VL-7B-Instruct", 32768, takes_pushes=True)),
+    (GatewayInbound, EngineReady("Qwen/Qwen3-VL-8B-Instruct", 32768, takes_pushes=True, max_images=8)),
     (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41", [ChoiceDelta(0, "A red")], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0)
@@ -540,3 +540,77 @@ async def _a_send_now_behind_a_stuck_one():
 
 def test_a_send_that_must_not_wait_is_refused_at_once_even_behind_a_stuck_one():
     asyncio.run(_a_send_now_behind_a_stuck_one())
+
+
+async def _fill(router: AsyncRouter, peer: bytes) -> int:
+    """Messages queued to `peer` until its queue is full."""
+    queued = 0
+    while True:
+        try:
+            await router.send(peer, Hello("x"), wait=False)
+            queued += 1
+        except zmq.Again:
+            return queued
+
+
+async def _a_waiting_send_to_a_full_peer_beside_one_with_room():
+    """The engine's token stream to a gateway that stalled a moment, while another peer (an encoder
+    pushing tokens to the same socket) has room: pyzmq finds the socket writable and raises zmq.Again
+    at once, which ended the stream, unseen by the gateway until its generate timeout."""
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, "inproc://one-full", EncoderInbound)
+    slow, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for dealer in (slow, other):
+            dealer.connect("inproc://one-full")
+        await slow.send_multipart(pack(Hello("slow")))
+        peer = (await asyncio.wait_for(router.recv(), 5))[0]
+        await other.send_multipart(pack(Hello("other")))
+        await asyncio.wait_for(router.recv(), 5)
+        queued = await _fill(router, peer)
+        sending = asyncio.create_task(router.send(peer, Hello("last")))
+        await asyncio.sleep(0.5)
+        assert not sending.done()  # it waits for the peer, not zmq.Again at once
+        for _ in range(queued):  # the stalled gateway reads again
+            await asyncio.wait_for(slow.recv_multipart(), 5)
+        await asyncio.wait_for(sending, 5)
+        assert Hello("last") == msgspec.msgpack.decode((await asyncio.wait_for(slow.recv_multipart(), 5))[0], type=EncoderInbound)
+    finally:
+        slow.close(linger=0)
+        other.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+def test_a_waiting_send_waits_for_a_peer_whose_queue_is_full_while_others_have_room():
+    asyncio.run(_a_waiting_send_to_a_full_peer_beside_one_with_room())
+
+
+async def _a_waiting_send_gives_up(other_peer: bool):
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, "inproc://never-reads", EncoderInbound, full_peer_wait_s=0.3)
+    deaf, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        deaf.connect("inproc://never-reads")
+        await deaf.send_multipart(pack(Hello("deaf")))
+        peer = (await asyncio.wait_for(router.recv(), 5))[0]
+        if other_peer:
+            other.connect("inproc://never-reads")
+            await other.send_multipart(pack(Hello("other")))
+            await asyncio.wait_for(router.recv(), 5)
+        await _fill(router, peer)
+        with pytest.raises(zmq.Again):
+            await asyncio.wait_for(router.send(peer, Hello("late")), 5)
+        if other_peer:  # the socket serves on
+            await other.send_multipart(pack(Hello("still read")))
+            assert (await asyncio.wait_for(router.recv(), 5))[1] == Hello("still read")
+    finally:
+        deaf.close(linger=0)
+        other.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("other_peer", [False, True], ids=["alone", "beside-another-peer"])
+def test_a_waiting_send_to_a_peer_that_never_reads_gives_up_after_its_wait(other_peer):
+    asyncio.run(_a_waiting_send_gives_up(other_peer))
