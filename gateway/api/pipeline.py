@@ -23,6 +23,7 @@ from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.routing.handoff import ImageHandoff, RequestImages
 from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.intake.together import all_or_none
 from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest, ImagePart
@@ -134,10 +135,10 @@ class ChatPipeline:
         timer = record.timer
         request_budget = self.request_budget(request)
         started = time.perf_counter()
-        raws = await asyncio.gather(*(self._fetch(ref) for ref in refs))
+        raws = await all_or_none(*(self._fetch(ref) for ref in refs))
         fetched = time.perf_counter()
         timer.add("image_fetch", fetched - started)
-        inspected = await asyncio.gather(
+        inspected = await all_or_none(
             *(self._in_pool(inspect, raw, ref.where, self.policy, self.image_budget(ref, request_budget)) for raw, ref in zip(raws, refs))
         )
         tokens = sum(item.visual_tokens for item in inspected)
@@ -188,7 +189,7 @@ class ChatPipeline:
 
     async def _decode(self, items: list[Inspected], timer: RequestTimer) -> list[PreparedImage]:
         started = time.perf_counter()
-        decoded = await asyncio.gather(*(self._decode_one(item) for item in items))
+        decoded = await all_or_none(*(self._decode_one(item) for item in items))
         timer.add("image_preprocess", time.perf_counter() - started)
         return decoded
 

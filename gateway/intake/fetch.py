@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
+import idna
 
 from gateway.errors import APIError
 from gateway.intake.images import ImageLimits
@@ -58,6 +59,24 @@ def refusal_reason(address: IPAddress) -> str | None:
     return None
 
 
+def _split(url: str, where: str):
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # a malformed IPv6 literal ("http://[::1/x")
+        raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code="invalid_image_url") from None
+
+
+def _ascii_host(host: str, where: str) -> str:
+    """An internationalised name as DNS, the Host header and TLS know it (IDNA 2008, as httpx encodes
+    names: the `idna` package)."""
+    if host.isascii():
+        return host
+    try:
+        return idna.encode(host, uts46=True).decode("ascii")
+    except idna.IDNAError as exc:
+        raise APIError(400, f"{where}: host {host!r} is not a valid domain name ({exc})", param=where, code="invalid_image_url") from None
+
+
 class AddressGuard:
     def __init__(self, allowed_domains: tuple[str, ...], allowed_networks: tuple[str, ...]) -> None:
         self.allowed_domains = tuple(d.lower().lstrip(".") for d in allowed_domains)
@@ -72,23 +91,25 @@ class AddressGuard:
         return any(plain in network for network in self.allowed_networks)
 
     async def check(self, url: str, where: str) -> Target:
-        parts = urlsplit(url)
+        parts = _split(url, where)
         if parts.scheme not in _DEFAULT_PORTS:
             raise APIError(400, f"{where}: URL scheme {parts.scheme!r} is not allowed (http, https or data: only)", param=where, code="unsupported_image_url")
         host = parts.hostname
         if not host:
             raise APIError(400, f"{where}: URL has no host", param=where, code="invalid_image_url")
-        if not self._domain_allowed(host):
+        named = _ascii_host(host, where)
+        if not (self._domain_allowed(host) or self._domain_allowed(named)):  # listed as written or as punycode
             raise APIError(400, f"{where}: host {host!r} is not in the allowed domains", param=where, code="image_url_refused")
         try:
             port = parts.port or _DEFAULT_PORTS[parts.scheme]
         except ValueError:
             raise APIError(400, f"{where}: URL has an invalid port", param=where, code="invalid_image_url") from None
-        address = await self._resolve_checked(host, port, where)
+        address = await self._resolve_checked(named, port, where)
         netloc = f"[{address}]" if address.version == 6 else str(address)
         pinned = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))
-        host_header = host if parts.port is None else f"{host}:{parts.port}"
-        return Target(pinned, host_header, host if parts.scheme == "https" else None)
+        header_host = f"[{named}]" if ":" in named else named  # an IPv6 literal keeps its brackets in the Host header
+        host_header = header_host if parts.port is None else f"{header_host}:{parts.port}"
+        return Target(pinned, host_header, named if parts.scheme == "https" else None)
 
     async def _resolve_checked(self, host: str, port: int, where: str) -> IPAddress:
         try:
@@ -123,6 +144,8 @@ class ImageFetcher:
                 return await self._follow(url, where, byte_limits or self.image_limits)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise APIError(504, f"{where}: fetching the image timed out ({_expired(exc, self.limits)})", param=where, code="image_fetch_timeout") from None
+        except httpx.InvalidURL as exc:  # not an HTTPError: a path httpx will not send (control characters)
+            raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code="invalid_image_url") from None
         except httpx.HTTPError as exc:
             raise APIError(400, f"{where}: fetching the image failed ({type(exc).__name__})", param=where, code="image_fetch_failed") from None
 
@@ -130,11 +153,13 @@ class ImageFetcher:
         for _ in range(self.limits.max_redirects + 1):
             target = await self.guard.check(url, where)
             extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
-            request = self.client.build_request("GET", target.url, headers={"Host": target.host_header}, extensions=extensions)
+            # identity: a compressed body would be inflated before the byte cap could see it (a gzip bomb).
+            headers = {"Host": target.host_header, "Accept-Encoding": "identity"}
+            request = self.client.build_request("GET", target.url, headers=headers, extensions=extensions)
             response = await self.client.send(request, stream=True)
             try:
                 if response.status_code in _REDIRECTS and "location" in response.headers:
-                    url = urljoin(url, response.headers["location"])
+                    url = _redirected(url, response.headers["location"], where)
                     continue
                 if response.status_code != 200:
                     raise APIError(400, f"{where}: fetching the image returned HTTP {response.status_code}", param=where, code="image_fetch_failed")
@@ -144,17 +169,28 @@ class ImageFetcher:
         raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code="image_fetch_failed")
 
     async def _read_capped(self, response: httpx.Response, where: str, byte_limits) -> bytes:
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise APIError(400, f"{where}: the image server sent a {encoding}-encoded body though asked for none "
+                           "(Accept-Encoding: identity); images are fetched as stored", param=where, code="image_fetch_failed")
         declared = response.headers.get("content-length", "")
         if declared.isdigit():
             byte_limits.check_bytes(int(declared), where)
         body = bytearray()
-        async for chunk in response.aiter_bytes():
+        async for chunk in response.aiter_raw():  # as sent: nothing is inflated
             body += chunk
             byte_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
         return bytes(body)
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _redirected(url: str, location: str, where: str) -> str:
+    try:
+        return urljoin(url, location)
+    except ValueError as exc:
+        raise APIError(400, f"{where}: the image server redirected to an invalid URL ({exc})", param=where, code="image_fetch_failed") from None
 
 
 def _expired(exc: Exception, limits: FetchLimits) -> str:

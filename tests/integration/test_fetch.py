@@ -8,6 +8,7 @@ loopback: refused addresses are never connected to.
 
 from __future__ import annotations
 
+import gzip
 import re
 import threading
 import time
@@ -16,9 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
+from gateway.intake.memory import BODY_COPIES
 from testing.stack import free_port
 from tests.integration.conftest import ALLOWED_LOOPBACK, MAX_IMAGE_BYTES, MODEL_NAME
 from tests.integration.corpus import b64, save, scene
+from tests.integration.helpers import metric_total
 
 PNG = save(scene((120, 90), "fetched"), "PNG")
 
@@ -53,6 +56,8 @@ class ImageServer(BaseHTTPRequestHandler):
             self._stream_huge()
         elif path == "/huge-declared":
             self._send(200, b"\x89PNG", {"Content-Length": str(MAX_IMAGE_BYTES * 10)})
+        elif path == "/gzipped":  # served compressed whatever was asked: a 64 KiB body could inflate to gigabytes
+            self._send(200, gzip.compress(PNG), {"Content-Encoding": "gzip", "Content-Type": "image/png"})
         elif path == "/slow":
             time.sleep(6)  # a slow server is the behaviour under test: past the gateway's fetch timeouts
             self._send(200, PNG)
@@ -150,3 +155,28 @@ def test_upstream_error_status_is_a_clear_400(stack, servers):
     allowed, _ = servers
     response = fetch_through(stack, f"{allowed}/missing.png")
     assert response.status_code == 400 and "HTTP 404" in response.json()["error"]["message"]
+
+
+def test_a_compressed_body_is_refused_not_inflated(stack, servers):
+    """The fetch asks for identity; a body sent compressed anyway is never inflated past the byte cap's back."""
+    allowed, _ = servers
+    response = fetch_through(stack, f"{allowed}/gzipped")
+    assert response.status_code == 400 and "gzip-encoded body" in response.json()["error"]["message"], response.text
+
+
+def test_a_url_with_a_control_character_is_a_400(stack, servers):
+    allowed, _ = servers
+    response = fetch_through(stack, f"{allowed}/a\x7f.png")
+    assert response.status_code == 400 and "invalid URL" in response.json()["error"]["message"], response.text
+
+
+def test_a_request_refused_for_one_image_stops_fetching_its_others(stack, servers):
+    """Its other fetches are cancelled before the 400 leaves: they no longer run on to their
+    timeout, each holding its share of the memory budget, behind an answered request."""
+    allowed, _ = servers
+    body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"{allowed}/missing.png"}},
+        {"type": "image_url", "image_url": {"url": f"{allowed}/slow"}}]}]}
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "HTTP 404" in response.json()["error"]["message"]
+    assert metric_total(stack, "prism_gateway_memory_held_bytes") < BODY_COPIES * MAX_IMAGE_BYTES  # the slow fetch's share is back

@@ -62,3 +62,30 @@ def test_domain_allowlist():
 def test_malformed_urls(url, needle):
     with pytest.raises(APIError, match=needle):
         check(AddressGuard((), ()), url)
+
+
+@pytest.mark.parametrize("url,needle", [("http://[::1/x.png", "invalid URL"), ("http://[abc]/x.png", "invalid URL"),
+                                        ("http://-bad-.bücher.de/x.png", "not a valid domain name")])
+def test_urls_python_cannot_parse_are_a_400_not_a_500(url, needle):
+    with pytest.raises(APIError, match=needle) as refused:
+        check(AddressGuard((), ()), url)
+    assert refused.value.status == 400
+
+
+def test_an_ipv6_literal_keeps_its_brackets_in_the_host_header():
+    target = check(AddressGuard((), ("::1/128",)), "http://[::1]:8080/a.png")
+    assert (target.url, target.host_header) == ("http://[::1]:8080/a.png", "[::1]:8080")
+
+
+def test_an_internationalised_name_is_resolved_and_sent_as_punycode(monkeypatch):
+    """DNS, the Host header and TLS take the ASCII form: a Host header of raw UTF-8 failed every such URL with a 500."""
+    asked = []
+
+    async def resolve(self, host, port, where):
+        asked.append(host)
+        return ipaddress.ip_address("93.184.216.34")
+
+    monkeypatch.setattr(AddressGuard, "_resolve_checked", resolve)
+    target = check(AddressGuard(("xn--bcher-kva.de",), ()), "https://bücher.de/a.png")
+    assert asked == ["xn--bcher-kva.de"]
+    assert (target.host_header, target.sni_hostname) == ("xn--bcher-kva.de", "xn--bcher-kva.de")

@@ -183,3 +183,25 @@ def test_an_idle_trim_sizes_the_budget_beside_what_the_process_holds_now():
     with pytest.raises(APIError) as later:
         limiter.admit("k", MIB)
     assert later.value.status == 429
+
+
+def test_a_16_bit_greyscale_conversion_stays_within_what_a_decode_is_counted():
+    """The gateway admits a decode by DECODE_BYTES_PER_PIXEL: the 16-bit conversion's numpy arrays
+    must leave room under it for Pillow's own images (a temporary per step once took 24 bytes a pixel)."""
+    import tracemalloc
+
+    import numpy as np
+    from PIL import Image
+
+    from gateway.intake.images import DECODE_BYTES_PER_PIXEL, _high_bit_depth_to_l
+
+    side = 1000
+    image = Image.fromarray(np.arange(side * side, dtype=np.uint16).reshape(side, side))  # mode I;16
+    tracemalloc.start()
+    try:
+        converted = _high_bit_depth_to_l(image)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert converted.mode == "L" and converted.getpixel((999, 999)) == round(999_999 % 65536 / 257)
+    assert peak / side**2 < DECODE_BYTES_PER_PIXEL - 4, f"{peak / side**2:.1f} bytes a pixel"

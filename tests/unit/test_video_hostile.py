@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -106,6 +107,13 @@ def test_more_sampled_frames_than_allowed():
     assert error.status == 413 and "keeps 100 frames (num_frames=100); the limit is 64" in error.message
 
 
+@pytest.mark.parametrize("sampling", [VideoSampling(max_frames=1), VideoSampling(fps=0.1, min_frames=1)], ids=["max-1", "min-1-low-fps"])
+def test_sampling_that_keeps_fewer_frames_than_a_temporal_patch_is_a_400(clip12, sampling):
+    """Qwen2-VL's sampling floors to its temporal patch of 2: transformers divides by zero there (a 500)."""
+    error = refusal(clip12, sampling)
+    assert error.status == 400 and "fewer frames than one temporal patch (2)" in error.message, error.message
+
+
 def test_a_header_claiming_more_frames_than_the_stream_has_is_sampled_over_the_frames_it_has(clip12):
     """Within the limits, the claim is checked by a seek to the end, as vLLM does."""
     claims = patched(clip12, b"stts", 12, struct.pack(">I", 1000))
@@ -200,3 +208,28 @@ def test_a_planned_decode_keeps_frames_at_the_planned_size(clip12):
     assert video.frames.shape == (4, 56, 84, 3)
     full = decode(inspect(clip12, WHERE, VideoSampling(), LIMITS)).frames
     assert all((resize_pixels(f, 84, 56) == g).all() for f, g in zip(full, video.frames))
+
+
+def test_a_decode_past_its_time_is_a_413_naming_the_key(clip12):
+    item = inspect(clip12, WHERE, VideoSampling(), LIMITS)
+    intake = VideoIntake(fetcher=None, limits=dataclasses.replace(LIMITS, max_decode_s=1e-9), pool=ThreadPoolExecutor(1))
+    with pytest.raises(APIError) as caught:
+        asyncio.run(intake.decode(item))
+    assert caught.value.status == 413 and "gateway.max_video_decode_s" in caught.value.message
+
+
+def test_a_decode_told_to_stop_ends_before_its_next_frame(clip12):
+    """What a client that leaves does to its decode (VideoIntake.decode sets the flag): asked before
+    every frame, the first True ends it."""
+    from gateway.intake.video.decode import Stopped
+
+    answers = [False, False, True]
+    asked = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return answers[len(asked) - 1]
+
+    with pytest.raises(Stopped):
+        decode(inspect(clip12, WHERE, VideoSampling(), LIMITS), stop=stop)
+    assert len(asked) == 3  # two frames read, then no more

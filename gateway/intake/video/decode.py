@@ -13,6 +13,7 @@ the resize to the encoder's frame size only for the kept ones.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cv2
@@ -25,6 +26,10 @@ from gateway.intake.video.sampling import SourceInfo
 
 class Unreadable(Exception):
     """The bytes are not a video OpenCV can open (the message says how)."""
+
+
+class Stopped(Exception):
+    """A decode told to stop before its last kept frame (its request ended, or its time ran out)."""
 
 
 def _stream_backend() -> int | None:
@@ -86,16 +91,19 @@ def visible_frames(video: OpenVideo, claimed: int) -> int:
 
 
 def read_frames(video: OpenVideo, indices: list[int], height: int, width: int,
-                size: tuple[int, int] | None = None) -> tuple[np.ndarray, list[int]]:
+                size: tuple[int, int] | None = None, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, list[int]]:
     """The kept frames, RGB (T, H, W, 3), and the indices actually read (fewer where the stream
     breaks off): vLLM's `_read_frames_no_recovery`, frame for frame; each resized to `size`
-    (height, width) as it is read, where one is given (gateway/intake/video/sizing.py)."""
+    (height, width) as it is read, where one is given (gateway/intake/video/sizing.py).
+    `stop`, asked before every frame: True ends the decode (Stopped)."""
     cap = video.capture
     wanted = set(indices)
     kept_h, kept_w = size or (height, width)
     frames = np.empty((len(wanted), kept_h, kept_w, 3), dtype=np.uint8)
     read: list[int] = []
     for index in range(max(indices) + 1):
+        if stop is not None and stop():
+            raise Stopped
         if not cap.grab():
             continue
         if index in wanted:

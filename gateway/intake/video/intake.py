@@ -41,11 +41,12 @@ from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
 from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.intake.together import all_or_none
 from gateway.timing import RequestTimer
-from gateway.intake.video.decode import Unreadable, open_video, probe, read_frames, visible_frames
-from gateway.intake.video.limits import VideoLimits, decoding_bytes, refused
-from gateway.intake.video.sampling import (SampledVideo, SourceInfo, VideoSampling, frame_indices, loader_metadata,
-                                           prepared_source)
+from gateway.intake.video.decode import Stopped, Unreadable, open_video, probe, read_frames, visible_frames
+from gateway.intake.video.limits import VideoLimits, decoding_bytes, describe, refused
+from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
+                                           loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
 from gateway.intake.video.sniff import describe_not_video, is_video_container
 
@@ -150,16 +151,20 @@ def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int
             raise refused(where, "reports no frame rate; this model's sampling needs one")
         if source.total_frames < 2:  # vLLM's loader divides by zero here (temporal patches of 2)
             raise refused(where, f"has {source.total_frames} frame; this model needs at least 2")
-    return frame_indices(source, sampling)
+    try:
+        return frame_indices(source, sampling)
+    except NoFramesKept as exc:
+        raise refused(where, f"{exc}: {describe(sampling)}") from None
 
 
-def decode(item: InspectedVideo) -> SampledVideo:
+def decode(item: InspectedVideo, stop: Callable[[], bool] | None = None) -> SampledVideo:
     """The kept frames (CPU-bound: run it off the event loop). A stream that breaks off before a
-    kept frame is refused: vLLM would serve the frames it got, but a truncated upload is an error."""
+    kept frame is refused: vLLM would serve the frames it got, but a truncated upload is an error.
+    `stop`: asked before every frame; True ends the decode (Stopped)."""
     source = item.source
     try:
         with open_video(item.raw) as video:
-            frames, read = read_frames(video, item.indices, source.height, source.width, item.frame_size)
+            frames, read = read_frames(video, item.indices, source.height, source.width, item.frame_size, stop)
     except Unreadable as exc:
         raise refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
@@ -201,15 +206,23 @@ class VideoIntake:
         return raw
 
     async def decode(self, item: InspectedVideo) -> SampledVideo:
+        """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
+        still take minutes of a core, and the intake threads are every request's."""
         s = item.source
+        ended = threading.Event()
+        deadline = time.monotonic() + self.limits.max_decode_s
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
                                                 f"{s.width}×{s.height})"):
-            decoding = asyncio.ensure_future(self._in_pool(decode, item))
+            decoding = asyncio.ensure_future(self._in_pool(decode, item, lambda: ended.is_set() or time.monotonic() > deadline))
             try:
                 video = await asyncio.shield(decoding)
-            except asyncio.CancelledError:  # the thread decodes on; its memory stays counted till it ends
+            except asyncio.CancelledError:  # the client left: the thread stops at its next frame; its memory is counted till then
+                ended.set()
                 await asyncio.wait({decoding})
                 raise
+            except Stopped:
+                raise refused(item.where, f"took more than {self.limits.max_decode_s:g} s to decode "
+                              "(gateway.max_video_decode_s)", 413, "video_too_long") from None
         hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
         return video
 
@@ -218,8 +231,8 @@ class VideoIntake:
         """Every video of a request fetched and inspected, none decoded: a hostile one refuses the
         request before any decode's time or memory is spent, and a repeat may need no decode."""
         started = time.perf_counter()
-        raws = await asyncio.gather(*(self.fetch(ref) for ref, _ in refs))
-        inspected = await asyncio.gather(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits, planner, self.known)
+        raws = await all_or_none(*(self.fetch(ref) for ref, _ in refs))
+        inspected = await all_or_none(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits, planner, self.known)
                                            for raw, (ref, sampling) in zip(raws, refs)))
         timer.add("video_fetch", time.perf_counter() - started)
         return list(inspected)
@@ -227,6 +240,6 @@ class VideoIntake:
     async def decode_all(self, items: list[InspectedVideo], timer: RequestTimer) -> list[SampledVideo]:
         """The videos' frames, in order (the hand-off's, for the videos its encoder needs)."""
         started = time.perf_counter()
-        videos = await asyncio.gather(*(self.decode(item) for item in items))
+        videos = await all_or_none(*(self.decode(item) for item in items))
         timer.add("video_decode", time.perf_counter() - started)
         return list(videos)

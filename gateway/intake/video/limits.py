@@ -22,6 +22,7 @@ class VideoLimits:
     max_total_frames: int  # the frames the header claims
     max_duration_s: float  # the duration the header claims
     max_sampled_frames: int  # frames kept after sampling (what the encoder would see)
+    max_decode_s: float = 120.0  # one video's decode, in an intake thread
 
     def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
         """The image limits' interface (gateway/intake.py ImageLimits), so the fetcher caps video downloads too."""

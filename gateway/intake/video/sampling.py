@@ -152,6 +152,10 @@ def _uniform(source: SourceInfo, sampling: VideoSampling) -> list[int]:
     return np.linspace(0, total - 1, keep, dtype=int).tolist()
 
 
+class NoFramesKept(ValueError):
+    """Sampling keeps no frame (where transformers' own sampling divides by zero)."""
+
+
 def _qwen2_vl(source: SourceInfo, sampling: VideoSampling, temporal_patch_size: int = 2) -> list[int]:
     # Qwen2VLVideoBackend.compute_frames_index_to_sample (transformers' sample_frames, fps mode)
     total = source.total_frames
@@ -161,6 +165,8 @@ def _qwen2_vl(source: SourceInfo, sampling: VideoSampling, temporal_patch_size: 
     n = total / source.fps * min(sampling.target_fps, QWEN_MAX_FPS)
     n = min(max(n, min_frames), max_frames, total)
     n = math.floor(n / temporal_patch_size) * temporal_patch_size
+    if n == 0:  # max_frames of 1, or min_frames of 1 at a low fps: fewer frames than one temporal patch
+        raise NoFramesKept(f"sampling keeps fewer frames than one temporal patch ({temporal_patch_size})")
     # torch's float32 arange is the one transformers uses; numpy's float64 differs by a frame on some inputs.
     indices = torch.arange(0, total, total / n).int()
     return torch.clamp(indices, max=total - 1).tolist()
