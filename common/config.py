@@ -65,6 +65,16 @@ def _env_overrides(section: str, env: Mapping[str, str]) -> dict[str, object]:
     return values
 
 
+def _check_env_spelling(model: type[pydantic.BaseModel], section: str, env: Mapping[str, str]) -> None:
+    """A key set with one underscore after the section (PRISM_GATEWAY_API_KEYS) is read by no one:
+    refused, or a deployment would run without the setting it believes it has."""
+    prefix = f"{ENV_PREFIX}{section.upper()}_"
+    for name in env:
+        key = name[len(prefix):].lower()
+        if name.startswith(prefix) and not key.startswith("_") and key in model.model_fields:
+            raise ConfigError(f"{name} is not read: {section}.{key} is set as {prefix}_{key.upper()} (two underscores)")
+
+
 def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -114,7 +124,9 @@ def load_config(
     for key in SHARED_KEYS:
         if key in data and key in model.model_fields:
             values.setdefault(key, data[key])
-    overrides = _env_overrides(section, os.environ if env is None else env)
+    env = os.environ if env is None else env
+    _check_env_spelling(model, section, env)
+    overrides = _env_overrides(section, env)
     values.update({k: v for k, v in overrides.items() if k in model.model_fields or k not in SHARED_KEYS})
     if isinstance(values.get("model"), str):
         values["model"] = resolve_model(values["model"])

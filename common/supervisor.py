@@ -85,13 +85,24 @@ class Child:
         return self.name or self.module
 
 
+WATCH_INTERVAL_S = 0.5
+
+
 @dataclass
 class Supervisor:
+    """One watcher thread looks after every child: it notices an exit, schedules the restart after
+    the child's back-off, and restarts it when that time comes; a child waiting out a long back-off
+    never delays another's restart. The thread must outlive every child it restarted (the kernel's
+    death signal follows the thread that started a process, `stop_with_supervisor`), so nothing
+    that goes wrong with one child ends it: the error is logged and tried again."""
+
     children: list[Child]
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0  # a child up this long has its back-off reset
-    on_exit: Callable[[Child], None] | None = None  # called with a dead child before its restart
+    on_exit: Callable[[Child], None] | None = None  # called with a dead child, its restart already scheduled
     _stopping: threading.Event = field(default_factory=threading.Event)
+    _spawning: threading.Lock = field(default_factory=threading.Lock)  # no child is started once stop() began
+    _restart_at: dict[int, float] = field(default_factory=dict)  # by index in children: dead, restarted then
 
     def start(self) -> None:
         for child in self.children:
@@ -99,31 +110,45 @@ class Supervisor:
         threading.Thread(target=self._watch, name="supervisor", daemon=True).start()
 
     def _watch(self) -> None:
-        while not self._stopping.wait(0.5):
-            for child in self.children:
-                if child.process.poll() is not None and not self._stopping.is_set():
-                    self._restart(child)
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            for index, child in enumerate(self.children):
+                try:
+                    self._look_after(index, child)
+                except Exception:  # e.g. fork failing for memory right after an OOM kill
+                    log.exception("supervising %s failed; trying again", child.label)
 
-    def _restart(self, child: Child) -> None:
-        code = child.process.returncode
+    def _look_after(self, index: int, child: Child) -> None:
+        if index not in self._restart_at and child.process.poll() is not None:
+            self._exited(index, child)
+        if index in self._restart_at and time.monotonic() >= self._restart_at[index]:
+            self._respawn(index, child)
+
+    def _exited(self, index: int, child: Child) -> None:
         kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
-        if self.on_exit is not None:
-            self.on_exit(child)
         if time.monotonic() - child.started_at > self.stable_after_s:
             child.backoff_s = 1.0
-        log.error("%s exited with %s; restarting in %.0f s", child.label, code, child.backoff_s)
-        if self._stopping.wait(child.backoff_s):
-            return
+        self._restart_at[index] = time.monotonic() + child.backoff_s
+        log.error("%s exited with %s; restarting in %.0f s", child.label, child.process.returncode, child.backoff_s)
+        if self.on_exit is not None:
+            self.on_exit(child)
+
+    def _respawn(self, index: int, child: Child) -> None:
         child.backoff_s = min(child.backoff_s * 2, self.max_backoff_s)
+        self._restart_at[index] = time.monotonic() + child.backoff_s  # the next try, should this one fail
+        with self._spawning:
+            if self._stopping.is_set():
+                return
+            child.spawn()
+        del self._restart_at[index]
         child.restarts += 1
-        child.spawn()
 
     def signal_all(self, sig: int) -> None:
         for child in self.children:
             kill_group(child.process, sig)
 
     def stop(self, grace_s: float = 10) -> None:
-        self._stopping.set()
+        with self._spawning:
+            self._stopping.set()
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:

@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 
-from common.config import DEFAULT_CONFIG, configured_model, load_config, resolve_model
+from common.config import DEFAULT_CONFIG, PROBE, ConfigError, configured_model, load_config, resolve_model
 from common.malloc import HEAP_KEPT_TUNABLES
 from common.supervisor import Child, Supervisor
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
@@ -82,13 +82,29 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
     return list(children.values())
 
 
+def check_service_configs(children: list[Child]) -> None:
+    """Every child's section validated here first, as the child will load it (its file, its
+    environment): a bad value stops `prism serve` at once, naming the key, instead of a child
+    that fails at start-up and is restarted until the gateway's start-up timeout gives up."""
+    from llm_engine.config import EngineConfig
+    from vision_encoder.config import EncoderConfig
+
+    sections = {"vision_encoder": (EncoderConfig, "encoder"), "llm_engine": (EngineConfig, "engine")}
+    for child in children:
+        model, section = sections[child.module]
+        load_config(model, section, child.config, env={**os.environ, **child.env}, context=PROBE)
+
+
 def serve(config_path: Path) -> None:
-    from gateway.api.app import serve as serve_gateway
     from gateway.config import GatewayConfig
 
     setup_logging("gateway")  # the gateway runs in this process
-    gateway_config = load_config(GatewayConfig, "gateway", config_path)
-    children = service_children(gateway_config, config_path, configured_model(config_path))
+    try:
+        gateway_config = load_config(GatewayConfig, "gateway", config_path)
+        children = service_children(gateway_config, config_path, configured_model(config_path))
+        check_service_configs(children)
+    except ConfigError as exc:
+        raise SystemExit(f"prism serve: {exc}") from None
     supervisor = Supervisor(children)
     supervisor.start()
     atexit.register(supervisor.stop)
@@ -97,6 +113,8 @@ def serve(config_path: Path) -> None:
 
         serve_workers(gateway_config, config_path)  # returns on SIGTERM, once the workers have drained
         return
+    from gateway.api.app import serve as serve_gateway
+
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
     # down) and raises it again when done; this handler then runs atexit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

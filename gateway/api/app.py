@@ -181,6 +181,12 @@ class Gateway:
                 batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
             ))
 
+    async def abandon(self) -> None:
+        """Stopped during start-up: whatever the cancelled handshakes left open is closed with the
+        context (`term` would wait for sockets no one will close)."""
+        await self.fetcher.close()
+        self.ctx.destroy(linger=0)
+
     async def stop(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
@@ -196,13 +202,52 @@ class Gateway:
         self.ctx.term()
 
 
+STOP_POLL_S = 0.2  # how often start-up looks whether uvicorn was told to stop
+
+
+async def started_unless_stopped(gateway: Gateway, app: FastAPI) -> bool:
+    """`gateway.start()`, or False when uvicorn is told to stop first (SIGTERM, Ctrl-C): it holds
+    those signals through start-up and acts on them only after, and start-up waits for every
+    service's handshake, up to gateway.startup_timeout_s."""
+    starting = asyncio.ensure_future(gateway.start())
+    while not starting.done():
+        await asyncio.wait({starting}, timeout=STOP_POLL_S)
+        server = getattr(app.state, "server", None)  # set by `serve`
+        if server is not None and server.should_exit and not starting.done():
+            starting.cancel()
+            await asyncio.wait({starting})
+            log.warning("stopped while waiting for the services' handshakes")
+            return False
+    starting.result()  # what start-up raised, if anything
+    return True
+
+
+def readiness(models: dict) -> tuple[dict, int]:
+    """The readiness answer and its status: 200 while any model serves ("ready" when all do,
+    "degraded" when some do), 503 when none does. One model's outage must not take the others
+    off the air: a gateway pod that fails readiness leaves its Service for every model, while the
+    requests for the model that is down get their own 503 with Retry-After."""
+    serving = [served.up for served in models.values()]
+    status = ("ready" if all(serving) else "degraded") if any(serving) else "down"
+    body = {"status": status, "models": {
+        name: {"encoder": ("up" if served.encoder.up else "down") if served.takes_images else "none",
+               "engine": "up" if served.engine.up else "down",
+               "replicas": {r.address: "up" if r.up else "down"
+                            for _, r in (*served.encoder.serving(), *served.engine.serving())}}
+        for name, served in models.items()}}
+    return body, 200 if any(serving) else 503
+
+
 def create_app(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSlot = WorkerSlot(),
                run_dir: Path | None = None) -> FastAPI:
     gateway = Gateway(config, config_path, slot, run_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await gateway.start()
+        if not await started_unless_stopped(gateway, app):
+            yield  # uvicorn, told to stop, serves nothing and shuts down at once
+            await gateway.abandon()
+            return
         # Starlette's StreamingResponse runs in an anyio task group, whose first use imports
         # anyio's asyncio backend, which the first streamed answer would pay in TTFT.
         await anyio.sleep(0)
@@ -238,14 +283,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
     @app.get("/health/ready")
     @app.get("/health")
     async def ready() -> JSONResponse:
-        ready = all(served.up for served in gateway.models.values())
-        body = {"status": "ready" if ready else "degraded", "models": {
-            name: {"encoder": ("up" if served.encoder.up else "down") if served.takes_images else "none",
-                   "engine": "up" if served.engine.up else "down",
-                   "replicas": {r.address: "up" if r.up else "down"
-                                for _, r in (*served.encoder.serving(), *served.engine.serving())}}
-            for name, served in gateway.models.items()}}
-        return JSONResponse(body, status_code=200 if ready else 503)
+        return JSONResponse(*readiness(gateway.models))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -305,6 +343,7 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     settings = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)
     server = uvicorn.Server(settings)
+    app.state.server = server  # start-up gives up when it is told to stop (`started_unless_stopped`)
     listener = listening_socket(config.host, config.port, reuse_port=slot.count > 1,
                                 receive_buffer_bytes=config.socket_receive_buffer_bytes)
     server.run(sockets=[listener])

@@ -110,3 +110,28 @@ def test_a_restarted_gateway_rejoins_the_running_services(services):
     assert not any(m.startswith("generated") for m in orphaned)
     wait_until(lambda: scrape(services)[("prism_service_in_flight_requests", (("service", "engine"),))] == 0, 5,
                "nothing left generating in vLLM")
+
+
+def test_sigterm_while_the_gateway_awaits_its_services_stops_it_at_once(tmp_path):
+    """uvicorn holds SIGTERM through the app's start-up, which waits for every service's handshake
+    (gateway.startup_timeout_s): a gateway stopped then (a pod deleted, Ctrl-C) used to wait it out."""
+    import zmq
+
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.ROUTER)  # an engine that never answers: still loading, as far as the gateway knows
+    engine.bind(f"ipc://{tmp_path}/engine.sock")
+    env = {**os.environ, "PRISM_GATEWAY__ENCODER_ADDRESSES": "[]", "PRISM_GATEWAY__PORT": str(free_port()),
+           "PRISM_GATEWAY__ENGINE_ADDRESSES": f'["ipc://{tmp_path}/engine.sock"]', "PRISM_GATEWAY__STARTUP_TIMEOUT_S": "300"}
+    with open(tmp_path / "gateway.log", "wb") as log:
+        gateway = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert engine.poll(120_000), "the gateway's handshake never came"
+        engine.recv_multipart()  # it is in start-up now, waiting for the answer
+        gateway.send_signal(signal.SIGTERM)
+        gateway.wait(timeout=30)  # uvicorn raises the signal again once it has stopped: the exit is -SIGTERM
+        assert "stopped while waiting for the services' handshakes" in (tmp_path / "gateway.log").read_text()
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+        engine.close(linger=0)
+        ctx.term()

@@ -47,6 +47,15 @@ def test_a_removed_key_is_an_error_that_says_it_was_removed(tmp_path):
         load_config(GatewayConfig, "gateway", write(tmp_path, "gateway: {}\n"), env={"PRISM_GATEWAY__SEND_ENGINE_REQUEST_AHEAD": "true"})
 
 
+def test_a_key_set_with_one_underscore_after_the_section_is_an_error_not_ignored(tmp_path):
+    """PRISM_GATEWAY_API_KEYS was read by no one: the gateway ran with no keys, open to anyone."""
+    path = write(tmp_path, "gateway: {}\n")
+    with pytest.raises(ConfigError, match=r"PRISM_GATEWAY_API_KEYS is not read: gateway.api_keys is set as PRISM_GATEWAY__API_KEYS"):
+        load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY_API_KEYS": "[sk-1]"})
+    # The launcher's own single-underscore names are no keys: left alone.
+    load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY_WORKER": "1", "PRISM_GATEWAY_RUN_DIR": "/tmp/x"})
+
+
 def test_environment_overrides_the_file_with_typed_values(tmp_path):
     path = write(tmp_path, "model: m\nengine:\n  max_model_len: 2048\n")
     env = {"PRISM_ENGINE__MAX_MODEL_LEN": "1024", "PRISM_ENGINE__ENFORCE_EAGER": "false", "PRISM_MODEL": "/abs/ckpt"}

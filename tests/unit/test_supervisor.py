@@ -88,3 +88,40 @@ def test_a_process_no_supervisor_started_is_left_alone(pids_file, cleanup):
     started_pids(pids_file)
     time.sleep(0.5)  # a window for a wrong SIGTERM to land: what is tested is that nothing happens, no state to wait for
     assert child.poll() is None
+
+
+RESTARTED = "tests.unit.restarted_child"
+
+
+@pytest.fixture
+def supervisors():
+    started: list[Supervisor] = []
+    yield started
+    for supervisor in started:
+        supervisor.stop(grace_s=5)
+
+
+def test_an_error_while_restarting_one_child_stops_no_restart(supervisors):
+    """The watcher thread restarts every child (and the kernel's death signal follows it):
+    an exception there used to end it, and with it every child it had restarted."""
+    def on_exit(child: Child) -> None:
+        raise RuntimeError("the bookkeeping for a dead child failed")
+
+    failing = Child(RESTARTED, None, name="fails at start-up", backoff_s=0.1)
+    supervisor = Supervisor([failing], max_backoff_s=0.2, on_exit=on_exit)
+    supervisors.append(supervisor)
+    supervisor.start()
+    wait_until(lambda: failing.restarts >= 3, 20, "restarted again and again, each exit's on_exit failing")
+
+
+def test_a_child_waiting_out_a_long_back_off_delays_no_other_restart(supervisors):
+    failing = Child(RESTARTED, None, name="fails at start-up", backoff_s=60)
+    running = Child(RESTARTED, None, env={"CHILD_SLEEPS": "1"}, name="runs")
+    supervisor = Supervisor([failing, running], max_backoff_s=60)
+    supervisors.append(supervisor)
+    supervisor.start()
+    wait_until(lambda: failing.process.poll() is not None, 20, "the failing child exited")  # its 60 s back-off begins
+    first = running.process.pid
+    os.killpg(first, signal.SIGKILL)
+    wait_until(lambda: running.restarts == 1 and running.process.pid != first, 20, "the killed child restarted")
+    assert failing.restarts == 0  # still waiting out its own back-off
