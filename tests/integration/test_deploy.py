@@ -145,6 +145,27 @@ def test_the_gpu_override_reserves_devices_and_builds_the_gpu_flavour():
     assert "deploy" not in services["gateway"]  # the gateway needs no GPU
 
 
+def test_the_gpu_override_gives_each_service_a_gpu_of_its_own_and_the_gpu_pods_allowances():
+    """Docker gives `count: 1` the first GPU in every container: named GPUs, or the engine's
+    gpu_memory_utilization leaves the encoder none. Memory, compile cache and start-up allowance
+    as the GPU overlay's pods have them."""
+    binary("kubectl")
+    from tests.unit.test_kubernetes import of_kind, render
+
+    services = compose_config(GPU)["services"]
+    devices = {name: services[name]["deploy"]["resources"]["reservations"]["devices"][0].get("device_ids")
+               for name in ("vision-encoder", "llm-engine")}
+    assert devices == {"vision-encoder": ["0"], "llm-engine": ["1"]}
+    containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                  for d in of_kind(render("gpu-qwen2.5-vl-7b"), "Deployment")}
+    for name in ("vision-encoder", "llm-engine"):
+        container, service = containers[name], services[name]
+        assert str(service["mem_limit"]).lower() == container["resources"]["limits"]["memory"].lower().removesuffix("i"), name
+        assert any(volume.split(":")[1] == "/var/cache/prism" for volume in service["volumes"]), name
+        startup = container["startupProbe"]
+        assert seconds(service["healthcheck"]["start_period"]) == startup["periodSeconds"] * startup["failureThreshold"], name
+
+
 def test_the_flavours_differ_in_their_lock_file_alone():
     """The GPU image cannot be built or run here (no GPU): it takes the CPU
     image's path, which the container test runs, with its own lock file."""
