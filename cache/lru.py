@@ -11,6 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def owning(tensor: Any) -> Any:
+    """The tensor on memory of its own. A batch's tokens are split into one view per image: kept in
+    a cache that counts the view's bytes, each view would keep the whole batch's buffer (pinned
+    host memory, on a GPU) alive for as long as it stays, up to a batch's images times the count."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+
+
 @dataclass(frozen=True)
 class CachedEmbedding:
     embeddings: Any  # torch.Tensor (tokens, hidden)

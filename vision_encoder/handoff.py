@@ -102,8 +102,10 @@ class Handoff:
                 for ref, (second_per_grid_t, timestamps) in zip(self.references(state, now), state.axes)]
 
     def hold(self, key: bytes, value: CachedEmbedding, now: float) -> None:
+        """One more hold on `key`. The same image may come as another object (from the shared tier,
+        or encoded again after the LRU let it go): the holds already given out still count."""
         held = self._held.pop(key, None)
-        holds = held.holds + 1 if held is not None and held.value is value else 1
+        holds = held.holds + 1 if held is not None and held.value.identity == value.identity else 1
         self._held[key] = _Held(value, holds, now + self.ttl_s)
 
     def take(self, key: bytes, identity: bytes) -> CachedEmbedding | None:

@@ -50,7 +50,7 @@ from vision_encoder.towers import load_tower
 from vision_encoder.towers.qwen_video import QwenVideo, video_path_of
 from vision_encoder.videos import images_first, video_item
 from vision_encoder.watchdog import BatchWatch
-from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, requests_of
+from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, prepared_or_none, requests_of
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
@@ -402,7 +402,7 @@ class EncoderService:
         jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit)
         prepared = self.preprocessor.submit(preprocess)
-        self.vit.submit(jobs, lambda: vit(prepared.result()))  # ready by now, unless the ViT was idle
+        self.vit.submit(jobs, lambda: vit(prepared_or_none(prepared)))  # ready by now, unless the ViT was idle
 
     def _start_express(self) -> None:
         """Small images go at once through the express lane while the main lane
@@ -422,13 +422,6 @@ class EncoderService:
             log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.submitted)
         try:
             encoded, times = batch.future.result()
-        except torch.OutOfMemoryError as exc:  # one image the device cannot hold, even alone (work.encode_splitting)
-            log.error("out of device memory for one image (%d patches): %s", batch.patches, exc)
-            self.tower.release_memory()
-            self.watch.finished(batch.patches, time.monotonic() - batch.submitted)
-            self._fail_batch(batch.jobs, f"the vision encoder ran out of device memory for this image ({batch.patches} patches); "
-                             "retry shortly", 503, "encoder_out_of_memory")
-            return
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
             self.watch.finished(batch.patches, time.monotonic() - batch.submitted)
@@ -440,8 +433,14 @@ class EncoderService:
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
         self.batch_patches.observe(sum(job.patches for job in batch.jobs))
-        for job, (tensor, grid) in zip(batch.jobs, encoded):
-            value = CachedEmbedding(tensor, grid, job.identity)
+        for job in (job for job, result in zip(batch.jobs, encoded) if result is None):  # did not fit even alone
+            self._fail_batch([job], f"the vision encoder ran out of device memory for this image ({job.patches} patches); "
+                             "retry shortly", 503, "encoder_out_of_memory")
+        for job, result in zip(batch.jobs, encoded):
+            if result is None:
+                continue
+            tensor, grid = result
+            value = CachedEmbedding(tensor, grid, job.identity)  # its own memory (work.batch_stages)
             self.cache.put(job.key, value)
             if self.shared is not None:
                 self.shared.put(job.key, value)
@@ -461,6 +460,7 @@ class EncoderService:
             self.batcher.drop_waiters(state)
             if not state.cancelled:
                 self._send(state.peer, EncodeFailed(state.request_id, message, status, code))
+            state.cancelled = True  # answered: a later batch with its other images neither answers nor pushes again
 
     def _reply_if_done(self, state: PendingRequest) -> None:
         if state.cancelled or not state.done:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import zmq
 
-from cache import CachedEmbedding
+from cache import CachedEmbedding, owning
 from vision_encoder.batcher import Job
 from vision_encoder.videos import TimeAxis, prepare
 
@@ -109,6 +109,15 @@ class AtOnce:
                 self.now -= 1
 
 
+def prepared_or_none(prepared: Future):
+    """A batch's preprocessed inputs, or None where preprocessing ran out of device memory
+    (encode_splitting prepares it again, in parts)."""
+    try:
+        return prepared.result()
+    except torch.OutOfMemoryError:
+        return None
+
+
 def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
     """A batch's two stages, (preprocess, vit(preprocess's result)), recording
     when each ran and counting it `in_vit` during its ViT stage. The main lane
@@ -127,24 +136,27 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
             times.vit_start = time.monotonic()
             encoded = encode_splitting(tower, jobs, inputs, times)
             times.vit_end = time.monotonic()
-        return encoded, times
+        # Each image's tokens copied out of the batch's buffer here, off the service's loop (cache.owning).
+        return [None if result is None else (owning(result[0]), result[1]) for result in encoded], times
 
     return preprocess, vit
 
 
 def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
-    """The batch's tokens (`inputs`: its preprocessed batch, or None to make it
-    here). A batch the device has no memory for is encoded as two halves, each
-    split again if it must be: a burst of large images costs smaller batches,
-    never the service. One image that does not fit fails its batch
-    (OutOfMemoryError)."""
+    """The batch's tokens, one (tensor, grid) per job (`inputs`: its preprocessed
+    batch, or None to make it here). A batch the device has no memory for is
+    encoded as two halves, each split again if it must be: a burst of large
+    images costs smaller batches, never the service. An image that does not fit
+    even alone gets None; the others in its batch are encoded all the same."""
     try:
         if inputs is None:  # on the GPU, preprocessing takes device memory too
             inputs = prepare(tower, jobs)
         return tower.encode(inputs)
     except torch.OutOfMemoryError:
         if len(jobs) == 1:
-            raise
+            log.error("out of device memory for one image (%d patches), even alone", jobs[0].patches)
+            tower.release_memory()
+            return [None]
     inputs = None
     tower.release_memory()  # after the except block: the failed forward's tensors are gone by now
     times.oom_splits += 1

@@ -163,3 +163,14 @@ def test_two_images_crafted_to_collide_under_xxh3_get_different_keys():
     pixels = [Image.open(io.BytesIO(image)).convert("RGB").getpixel((0, 0)) for image in (red, blue)]
     assert pixels == [(255, 0, 0), (0, 0, 255)]
     assert content_key(part, red) != content_key(part, blue)
+
+
+def test_a_cached_piece_of_a_batch_owns_its_memory():
+    """A view would keep the whole batch's buffer alive while the LRU counts the view's bytes alone."""
+    from cache import owning
+
+    batch = torch.randn(16, 4, 8)
+    piece = owning(batch.split(1)[3])
+    assert piece.untyped_storage().nbytes() == piece.nbytes and torch.equal(piece, batch[3:4])
+    whole = torch.randn(4, 8)
+    assert owning(whole) is whole  # a batch of one: nothing to copy

@@ -45,6 +45,17 @@ def test_a_pin_lasts_until_each_reference_is_fetched_or_it_expires(ctx):
     assert handoff.take(b"a", b"id") is None and handoff.take(b"b", b"id") is VALUE
 
 
+def test_a_pin_counts_every_reference_when_the_image_comes_back_as_another_object(ctx):
+    """The LRU let the image go between two requests, and the second got it from the shared tier
+    (or encoded again): the first request's hold still counts, or its engine's fetch comes too late."""
+    handoff = Handoff(10, Pusher(ctx, 1))
+    again = CachedEmbedding(TOKENS.clone(), (1, 4, 6), b"id")
+    handoff.hold(b"k", VALUE, now=0)
+    handoff.hold(b"k", again, now=1)
+    assert handoff.take(b"k", b"id") is again and handoff.take(b"k", b"id") is again
+    assert handoff.take(b"k", b"id") is None
+
+
 def encoded(request_id: str, push_to: str) -> tuple[Job, PendingRequest]:
     """A request's one image, just encoded, and the request waiting for it."""
     state = PendingRequest(b"gateway", request_id, 0.0, [(VALUE, False)], [request_id.encode()], push_to)
