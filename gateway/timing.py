@@ -36,7 +36,8 @@ class RequestTimer:
     first_token_at: float | None = None
     finished_at: float | None = None
     delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # every choice's, as usage counts them
+    choices: int = 1  # the request's n: each token step makes one token per choice
     visual_tokens: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
 
@@ -70,10 +71,11 @@ class RequestTimer:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_at is None or self.finished_at is None or self.completion_tokens < 2:
+        """Mean time per output token after the first, per choice (n choices decode side by side)."""
+        per_choice = self.completion_tokens / self.choices
+        if self.first_token_at is None or self.finished_at is None or per_choice < 2:
             return None
-        return (self.finished_at - self.first_token_at) / (self.completion_tokens - 1)
+        return (self.finished_at - self.first_token_at) / (per_choice - 1)
 
     def mark_finished(self) -> None:
         self.finished_at = time.perf_counter()

@@ -126,6 +126,7 @@ class ChatHandler:
                                       record.ticket.memory)
         body_read.set()
         record.timer.add("parse", time.perf_counter() - parse_started)
+        record.timer.choices = request.n
         served = gateway.models.get(request.model)
         if served is None:
             names = ", ".join(repr(name) for name in gateway.models)

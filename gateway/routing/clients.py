@@ -311,7 +311,8 @@ class EncoderClient(ServiceClient):
         try:
             await self.send(request, frames)
             message, _ = await next_reply(queue, timeout_s)  # its replies carry no frames: tokens go by reference
-            answered = True
+            # An outage is no answer: an encoder silent past the heartbeat timeout may still be encoding it.
+            answered = not isinstance(message, APIError)
         except asyncio.TimeoutError:
             raise APIError(504, f"vision encoder did not answer within {timeout_s:g} s (gateway.encode_timeout_s)", code="encoder_timeout") from None
         finally:
@@ -352,9 +353,8 @@ class EngineClient(ServiceClient):
             queue = await self.submit(request)
             while not finished:
                 message, _ = await next_reply(queue, timeout_s)
-                if isinstance(message, APIError):
-                    finished = True  # the engine is gone: nothing to abort
-                    raise message
+                if isinstance(message, APIError):  # an outage: gone, restarted, or silent past the heartbeat timeout
+                    raise message  # not finished: a silent engine may be alive and generating it (withdrawn below)
                 if isinstance(message, GenerateFailed):
                     finished = True
                     code = message.code or ("engine_error" if message.status >= 500 else None)

@@ -132,3 +132,43 @@ def test_a_generation_abandoned_while_its_engine_drains_is_still_aborted(tmp_pat
             ctx.term()
 
     asyncio.run(run())
+
+
+def test_work_failed_over_from_a_silent_service_is_withdrawn_from_it(tmp_path):
+    """A service silent past the heartbeat timeout is marked down and its requests fail over to
+    another replica; it may be alive (a stalled host), so the work is withdrawn from it too, or it
+    runs twice: once for no one."""
+    from gateway.errors import APIError
+    from gateway.routing.clients import EncoderClient
+    from protocol.to_encoder import CancelEncode, EncoderInbound
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context()
+        engine = AsyncRouter(ctx, f"ipc://{tmp_path}/engine.sock", EngineInbound)
+        encoder = AsyncRouter(ctx, f"ipc://{tmp_path}/encoder.sock", EncoderInbound)
+        clients = [EngineClient(ctx, f"ipc://{tmp_path}/engine.sock", "engine", heartbeat_timeout_s=30),
+                   EncoderClient(ctx, f"ipc://{tmp_path}/encoder.sock", "encoder", heartbeat_timeout_s=30)]
+        for client in clients:
+            client.up = True
+            client._tasks.append(asyncio.create_task(client._receive_loop()))
+        engine_client, encoder_client = clients
+        try:
+            generating = asyncio.create_task(anext(engine_client.generate(GenerateRequest("silent", b"{}"), timeout_s=30)))
+            encoding = asyncio.create_task(encoder_client.encode("silent", [], [], timeout_s=30))
+            await asyncio.wait_for(engine.recv(), 10)
+            await asyncio.wait_for(encoder.recv(), 10)
+            for client in clients:
+                client._mark_down("stopped answering (5.0 s > gateway.heartbeat_timeout_s)")
+            for task in (generating, encoding):
+                with pytest.raises(APIError):
+                    await asyncio.wait_for(task, 10)
+            assert (await asyncio.wait_for(engine.recv(), 10))[1] == AbortGenerate("silent")
+            assert (await asyncio.wait_for(encoder.recv(), 10))[1] == CancelEncode("silent")
+        finally:
+            for client in clients:
+                await client.close()
+            engine.close()
+            encoder.close()
+            ctx.term()
+
+    asyncio.run(run())
