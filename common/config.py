@@ -10,6 +10,7 @@ int. Validation errors name the offending key, e.g. `engine.max_model_len`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar, TypeVar
@@ -65,13 +66,17 @@ def _env_overrides(section: str, env: Mapping[str, str]) -> dict[str, object]:
     return values
 
 
+# What Kubernetes sets in every pod for a Service named prism-gateway (PRISM_GATEWAY_PORT=tcp://10.0.0.1:8000).
+_SERVICE_LINK = re.compile(r"(tcp|udp|sctp)://")
+
+
 def _check_env_spelling(model: type[pydantic.BaseModel], section: str, env: Mapping[str, str]) -> None:
     """A key set with one underscore after the section (PRISM_GATEWAY_API_KEYS) is read by no one:
     refused, or a deployment would run without the setting it believes it has."""
     prefix = f"{ENV_PREFIX}{section.upper()}_"
-    for name in env:
+    for name, value in env.items():
         key = name[len(prefix):].lower()
-        if name.startswith(prefix) and not key.startswith("_") and key in model.model_fields:
+        if name.startswith(prefix) and not key.startswith("_") and key in model.model_fields and not _SERVICE_LINK.match(value):
             raise ConfigError(f"{name} is not read: {section}.{key} is set as {prefix}_{key.upper()} (two underscores)")
 
 

@@ -402,7 +402,7 @@ class EncoderService:
         jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit)
         prepared = self.preprocessor.submit(preprocess)
-        self.vit.submit(jobs, lambda: vit(prepared_or_none(prepared)))  # ready by now, unless the ViT was idle
+        self.vit.submit(jobs, lambda: vit(prepared_or_none(prepared.result)))  # ready by now, unless the ViT was idle
 
     def _start_express(self) -> None:
         """Small images go at once through the express lane while the main lane
@@ -415,7 +415,7 @@ class EncoderService:
             return
         jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.express_lane.in_vit)
-        self.express_lane.submit(jobs, lambda: vit(preprocess()))
+        self.express_lane.submit(jobs, lambda: vit(prepared_or_none(preprocess)))
 
     def _finish_batch(self, batch: RunningBatch) -> None:
         if self.watch.stalled:

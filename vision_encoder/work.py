@@ -109,12 +109,14 @@ class AtOnce:
                 self.now -= 1
 
 
-def prepared_or_none(prepared: Future):
-    """A batch's preprocessed inputs, or None where preprocessing ran out of device memory
-    (encode_splitting prepares it again, in parts)."""
+def prepared_or_none(prepare: Callable[[], Any]):
+    """A batch's preprocessed inputs (`prepare`: the preprocessing, or its future's `result`),
+    or None where preprocessing ran out of device memory: encode_splitting prepares it again,
+    in parts. The error's traceback is dropped: its frames hold the failed attempt's tensors."""
     try:
-        return prepared.result()
-    except torch.OutOfMemoryError:
+        return prepare()
+    except torch.OutOfMemoryError as exc:
+        exc.__traceback__ = None
         return None
 
 
@@ -153,12 +155,12 @@ def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
             inputs = prepare(tower, jobs)
         return tower.encode(inputs)
     except torch.OutOfMemoryError:
-        if len(jobs) == 1:
-            log.error("out of device memory for one image (%d patches), even alone", jobs[0].patches)
-            tower.release_memory()
-            return [None]
+        pass  # handled below, once the except block has let go of the failed attempt's tensors
     inputs = None
-    tower.release_memory()  # after the except block: the failed forward's tensors are gone by now
+    tower.release_memory()
+    if len(jobs) == 1:
+        log.error("out of device memory for one image (%d patches), even alone", jobs[0].patches)
+        return [None]
     times.oom_splits += 1
     half = len(jobs) // 2
     log.warning("out of device memory for a batch of %d images (%d patches): encoding it as %d + %d",

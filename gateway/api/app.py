@@ -89,7 +89,11 @@ class Gateway:
 
     async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
         served = ServedModel.create(name, route, self.ctx, self.config)
-        await served.start(self.config, self.image_limits, self.fetcher)
+        try:
+            await served.start(self.config, self.image_limits, self.fetcher)
+        except BaseException:  # a failed or abandoned start (SIGTERM meanwhile): its clients' tasks and sockets go
+            await served.close()
+            raise
         for pool, addresses in ((served.encoder, route.encoder_addresses), (served.engine, route.engine_addresses)):
             pool.follow_dns(addresses, self.config.discovery_interval_s, join_timeout_s=self.config.startup_timeout_s)
         return served

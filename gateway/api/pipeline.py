@@ -152,7 +152,8 @@ class ChatPipeline:
         """Images one request may carry, and the key that sets it: the gateway's limit, or the engine's
         where that is smaller (vLLM's per-prompt limit for a family it runs with its tower), so that a
         request the engine would refuse is refused before its images are fetched and encoded."""
-        engine_limit = self.engine.info.max_images if self.engine.info is not None else None
+        limits = [r.info.max_images for _, r in self.engine.serving() if r.up and r.info is not None and r.info.max_images is not None]
+        engine_limit = min(limits, default=None)  # replicas may differ during a rolling change
         if engine_limit is not None and engine_limit < self.config.max_images_per_request:
             return engine_limit, "engine.max_images_per_prompt"
         return self.config.max_images_per_request, "gateway.max_images_per_request"

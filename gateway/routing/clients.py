@@ -307,17 +307,21 @@ class EncoderClient(ServiceClient):
         """One encode round trip (images' or videos'): the encoder's answer, or its refusal raised."""
         request_id = request.request_id
         queue = self.open(request_id)
-        answered = False
+        in_flight = True  # sent and not answered: cancelled if given up (timed out, client gone, failed over)
         try:
-            await self.send(request, frames)
+            try:
+                await self.send(request, frames)
+            except APIError:  # refused before it went out (not up, or no room on the socket in time)
+                in_flight = False
+                raise
             message, _ = await next_reply(queue, timeout_s)  # its replies carry no frames: tokens go by reference
             # An outage is no answer: an encoder silent past the heartbeat timeout may still be encoding it.
-            answered = not isinstance(message, APIError)
+            in_flight = isinstance(message, APIError)
         except asyncio.TimeoutError:
             raise APIError(504, f"vision encoder did not answer within {timeout_s:g} s (gateway.encode_timeout_s)", code="encoder_timeout") from None
         finally:
             self.close_stream(request_id)
-            if not answered:  # timed out, cancelled (client gone) or refused: drop its work
+            if in_flight:
                 await self.cancel_quietly(CancelEncode(request_id))
         _raise_if_error(message)
         if isinstance(message, EncodeFailed):
@@ -350,7 +354,11 @@ class EngineClient(ServiceClient):
         """Token deltas until the finishing one; aborts in vLLM if abandoned."""
         finished = False
         try:
-            queue = await self.submit(request)
+            try:
+                queue = await self.submit(request)
+            except APIError:  # refused before it went out (not up, or no room on the socket in time): nothing to withdraw
+                finished = True
+                raise
             while not finished:
                 message, _ = await next_reply(queue, timeout_s)
                 if isinstance(message, APIError):  # an outage: gone, restarted, or silent past the heartbeat timeout

@@ -52,8 +52,10 @@ def test_a_key_set_with_one_underscore_after_the_section_is_an_error_not_ignored
     path = write(tmp_path, "gateway: {}\n")
     with pytest.raises(ConfigError, match=r"PRISM_GATEWAY_API_KEYS is not read: gateway.api_keys is set as PRISM_GATEWAY__API_KEYS"):
         load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY_API_KEYS": "[sk-1]"})
-    # The launcher's own single-underscore names are no keys: left alone.
-    load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY_WORKER": "1", "PRISM_GATEWAY_RUN_DIR": "/tmp/x"})
+    # The launcher's own single-underscore names are no keys, and Kubernetes sets PRISM_GATEWAY_PORT in every
+    # pod of a namespace with a Service named prism-gateway: left alone.
+    load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY_WORKER": "1", "PRISM_GATEWAY_RUN_DIR": "/tmp/x",
+                                                     "PRISM_GATEWAY_PORT": "tcp://10.0.0.1:8000"})
 
 
 def test_environment_overrides_the_file_with_typed_values(tmp_path):

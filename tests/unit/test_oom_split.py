@@ -67,3 +67,19 @@ def test_each_image_of_a_batch_comes_out_on_memory_of_its_own(tower):
     encoded, _ = vit(preprocess())
     assert len(encoded) == len(SIZES)
     assert all(tensor.untyped_storage().nbytes() == tensor.nbytes for tensor, _ in encoded)
+
+
+def test_preprocessing_that_runs_out_of_memory_is_left_to_the_splitting_path():
+    """A batch's preprocessing on the GPU can run out of memory ahead of its ViT: None, and
+    encode_splitting prepares it again in parts. Its traceback, which holds the attempt's tensors, goes."""
+    from vision_encoder.work import prepared_or_none
+
+    raised = []
+
+    def out_of_memory():
+        error = torch.OutOfMemoryError("CUDA out of memory")
+        raised.append(error)
+        raise error
+
+    assert prepared_or_none(out_of_memory) is None and raised[0].__traceback__ is None
+    assert prepared_or_none(lambda: "inputs") == "inputs"

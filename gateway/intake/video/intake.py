@@ -210,10 +210,14 @@ class VideoIntake:
         still take minutes of a core, and the intake threads are every request's."""
         s = item.source
         ended = threading.Event()
-        deadline = time.monotonic() + self.limits.max_decode_s
+
+        def decoding_on_a_thread() -> SampledVideo:  # the clock starts with the decode, not while it waited for a thread
+            deadline = time.monotonic() + self.limits.max_decode_s
+            return decode(item, lambda: ended.is_set() or time.monotonic() > deadline)
+
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
                                                 f"{s.width}×{s.height})"):
-            decoding = asyncio.ensure_future(self._in_pool(decode, item, lambda: ended.is_set() or time.monotonic() > deadline))
+            decoding = asyncio.ensure_future(self._in_pool(decoding_on_a_thread))
             try:
                 video = await asyncio.shield(decoding)
             except asyncio.CancelledError:  # the client left: the thread stops at its next frame; its memory is counted till then
