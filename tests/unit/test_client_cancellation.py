@@ -5,6 +5,7 @@ lost, or vLLM generates to the end for no one (CPython gh-86296: on 3.11,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import zmq.asyncio
@@ -49,25 +50,33 @@ def test_no_reply_within_the_timeout_is_a_timeout_error():
     asyncio.run(run())
 
 
+@contextlib.asynccontextmanager
+async def client_and_service(tmp_path, name: str = "engine", client_class=EngineClient, inbound=EngineInbound):
+    """A real DEALER/ROUTER pair on loopback, on a context of their own: the client, marked up and
+    reading its replies, and the service's ROUTER."""
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/{name}.sock"
+    service = AsyncRouter(ctx, address, inbound)
+    client = client_class(ctx, address, name, heartbeat_timeout_s=30)
+    client.up = True
+    client._tasks.append(asyncio.create_task(client._receive_loop()))
+    try:
+        yield client, service
+    finally:
+        await client.close()
+        service.close()
+        ctx.term()
+
+
 def test_an_abandoned_generation_is_aborted_in_the_engine(tmp_path):
     """A real DEALER/ROUTER pair on loopback: the 'engine' streams deltas as
     fast as it can; the consumer is cancelled mid-stream, many times over,
     and every time the generation ends cancelled and an abort goes out."""
 
     async def run() -> None:
-        ctx = zmq.asyncio.Context()
-        address = f"ipc://{tmp_path}/engine.sock"
-        engine = AsyncRouter(ctx, address, EngineInbound)
-        client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=30)
-        client.up = True
-        client._tasks.append(asyncio.create_task(client._receive_loop()))
-        try:
+        async with client_and_service(tmp_path) as (client, engine):
             for attempt in range(20):
                 await _hang_up_mid_stream(client, engine, f"r{attempt}", after=attempt % 5 + 1)
-        finally:
-            await client.close()
-            engine.close()
-            ctx.term()
 
     asyncio.run(run())
 
@@ -109,13 +118,7 @@ def test_a_generation_abandoned_while_its_engine_drains_is_still_aborted(tmp_pat
     that hangs up then must still stop its generation, or it runs to max_tokens and holds the drain."""
 
     async def run() -> None:
-        ctx = zmq.asyncio.Context()
-        address = f"ipc://{tmp_path}/engine.sock"
-        engine = AsyncRouter(ctx, address, EngineInbound)
-        client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=30)
-        client.up = True
-        client._tasks.append(asyncio.create_task(client._receive_loop()))
-        try:
+        async with client_and_service(tmp_path) as (client, engine):
             request = GenerateRequest("draining", b'{"messages":[],"max_tokens":10000}')
             stream = client.generate(request, timeout_s=30)
             consumer = asyncio.create_task(anext(stream))
@@ -126,10 +129,6 @@ def test_a_generation_abandoned_while_its_engine_drains_is_still_aborted(tmp_pat
             await stream.aclose()  # the client hung up
             _, abort, _ = await asyncio.wait_for(engine.recv(), 10)
             assert abort == AbortGenerate("draining")
-        finally:
-            await client.close()
-            engine.close()
-            ctx.term()
 
     asyncio.run(run())
 
@@ -143,32 +142,18 @@ def test_work_failed_over_from_a_silent_service_is_withdrawn_from_it(tmp_path):
     from protocol.to_encoder import CancelEncode, EncoderInbound
 
     async def run() -> None:
-        ctx = zmq.asyncio.Context()
-        engine = AsyncRouter(ctx, f"ipc://{tmp_path}/engine.sock", EngineInbound)
-        encoder = AsyncRouter(ctx, f"ipc://{tmp_path}/encoder.sock", EncoderInbound)
-        clients = [EngineClient(ctx, f"ipc://{tmp_path}/engine.sock", "engine", heartbeat_timeout_s=30),
-                   EncoderClient(ctx, f"ipc://{tmp_path}/encoder.sock", "encoder", heartbeat_timeout_s=30)]
-        for client in clients:
-            client.up = True
-            client._tasks.append(asyncio.create_task(client._receive_loop()))
-        engine_client, encoder_client = clients
-        try:
+        async with (client_and_service(tmp_path) as (engine_client, engine),
+                    client_and_service(tmp_path, "encoder", EncoderClient, EncoderInbound) as (encoder_client, encoder)):
             generating = asyncio.create_task(anext(engine_client.generate(GenerateRequest("silent", b"{}"), timeout_s=30)))
             encoding = asyncio.create_task(encoder_client.encode("silent", [], [], timeout_s=30))
             await asyncio.wait_for(engine.recv(), 10)
             await asyncio.wait_for(encoder.recv(), 10)
-            for client in clients:
+            for client in (engine_client, encoder_client):
                 client._mark_down("stopped answering (5.0 s > gateway.heartbeat_timeout_s)")
             for task in (generating, encoding):
                 with pytest.raises(APIError):
                     await asyncio.wait_for(task, 10)
             assert (await asyncio.wait_for(engine.recv(), 10))[1] == AbortGenerate("silent")
             assert (await asyncio.wait_for(encoder.recv(), 10))[1] == CancelEncode("silent")
-        finally:
-            for client in clients:
-                await client.close()
-            engine.close()
-            encoder.close()
-            ctx.term()
 
     asyncio.run(run())
