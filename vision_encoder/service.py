@@ -447,11 +447,8 @@ class EncoderService:
             self.handoff.push(job, value)  # before anyone is answered: the tokens travel meanwhile
             for state, index in job.waiters:
                 state.results[index] = (value, False)
-                # a request that joined a running batch did not queue before it
-                queued = max(0.0, times.preprocess_start - max(job.arrived, state.arrived)) + times.waiting_between_s
-                state.encode_queue_s = max(state.encode_queue_s, queued)
         for state in requests_of(batch.jobs):
-            state.encode_s += times.busy_s  # once per batch, however many of its images it held
+            state.encoded_in(times)
             self._reply_if_done(state)
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
@@ -466,10 +463,11 @@ class EncoderService:
         if state.cancelled or not state.done:
             return
         self.pending.pop((state.peer, state.request_id), None)
+        encode_queue_s, encode_s = state.encoder_stages()
         timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
-            encode_queue_s=state.encode_queue_s,
-            encode_s=state.encode_s,
+            encode_queue_s=encode_queue_s,
+            encode_s=encode_s,
             total_s=time.monotonic() - state.arrived,
         )
         if state.videos:

@@ -35,8 +35,10 @@ class PendingRequest:
     push_to: str = ""  # the engine to push its newly encoded images to (EncodeRequest.push_to)
     pushed: set[int] = field(default_factory=set)  # indices of its images pushed there
     cache_lookup_s: float = 0.0
-    encode_queue_s: float = 0.0
-    encode_s: float = 0.0
+    # Its batches' busy stages (preprocessing, ViT) since it arrived, and when the last one ended:
+    # its images may share a batch with others', join one under way, or span two that overlap.
+    busy: list[tuple[float, float]] = field(default_factory=list)
+    encoded_at: float | None = None
     cancelled: bool = False
     axes: list[TimeAxis] | None = None  # an EncodeVideos request: each video's time axis; None: images
 
@@ -44,9 +46,35 @@ class PendingRequest:
     def videos(self) -> bool:
         return self.axes is not None
 
+    def encoded_in(self, times: "StageTimes") -> None:
+        """One of its batches finished: its stages count from the request's arrival on."""
+        for start, end in ((times.preprocess_start, times.preprocess_end), (times.vit_start, times.vit_end)):
+            if end > (start := max(start, self.arrived)):
+                self.busy.append((start, end))
+        self.encoded_at = max(self.encoded_at or 0.0, times.vit_end)
+
+    def encoder_stages(self) -> tuple[float, float]:
+        """(encode_queue_s, encode_s). encode: the time some batch of its was busy (overlaps counted
+        once); encode_queue: the rest of its wait for its last image, after the cache lookup. So the
+        two add up to no more than its time in the encoder, whatever its batches did."""
+        if self.encoded_at is None:  # answered from the caches
+            return 0.0, 0.0
+        encode = union_length(self.busy)
+        return max(0.0, self.encoded_at - self.arrived - self.cache_lookup_s - encode), encode
+
     @property
     def done(self) -> bool:
         return all(r is not None for r in self.results)
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Seconds covered by the (start, end) spans, each second once."""
+    covered, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reached:
+            covered += end - max(start, reached)
+            reached = end
+    return covered
 
 
 @dataclass
@@ -62,10 +90,6 @@ class StageTimes:
     @property
     def busy_s(self) -> float:
         return (self.preprocess_end - self.preprocess_start) + (self.vit_end - self.vit_start)
-
-    @property
-    def waiting_between_s(self) -> float:
-        return self.vit_start - self.preprocess_end
 
 
 @dataclass
