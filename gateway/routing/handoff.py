@@ -263,7 +263,8 @@ class ImageHandoff:
         unseen = [i for i, digest in enumerate(digests) if not self.encoder.routed(digest)]
         decoded = dict(zip(unseen, await decode(unseen))) if unseen else {}
         with self.encoder.route(digests) as route:
-            for retry, last_round in ((False, False), (True, False), (True, True)):
+            # After a second round that still misses some, every one goes with pixels in the third.
+            for retry, all_next in ((False, False), (True, True), (True, True)):
                 sent = time.perf_counter()
                 reply = await ask(route, decoded, retry)
                 round_trip = time.perf_counter() - sent
@@ -273,7 +274,7 @@ class ImageHandoff:
                     return reply, self.encoder.replicas[route.replica].address
                 timer.add("cache_lookup", reply.cache_lookup_s)
                 timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))
-                wanted = [i for i in range(len(digests)) if i not in decoded] if last_round else reply.indices
+                wanted = [i for i in range(len(digests)) if i not in decoded] if all_next else reply.indices
                 decoded.update(zip(wanted, await decode(wanted)))
         raise APIError(500, "vision encoder kept asking for pixels it was sent", code="encoder_error")
 

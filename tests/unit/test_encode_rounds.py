@@ -130,3 +130,47 @@ async def _repeat_in_flight(tmp_path) -> None:
 
 def test_a_repeat_of_an_image_still_encoding_is_looked_up_and_joins_it(tmp_path):
     asyncio.run(_repeat_in_flight(tmp_path))
+
+
+class EncoderThatForgets(Encoder):
+    """Lets one more of its images go after each round (evicted meanwhile, or the round failed
+    over to a replica that lacks it): a lookup misses again in every round."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, forgets: list[bytes]) -> None:
+        super().__init__(ctx, address)
+        self.forgets = forgets
+
+    def answer(self, request: EncodeRequest):
+        reply = super().answer(request)
+        if self.forgets:
+            self.held.discard(self.forgets.pop(0))
+        return reply
+
+
+async def _third_round(tmp_path) -> list[list[bool]]:
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/encoder.sock"
+    colors = [(200, 10, 10), (10, 200, 10), (10, 10, 200)]
+    items = [inspect(png(color), f"messages[0].content[{i}]", POLICY, POLICY.default_budget) for i, color in enumerate(colors)]
+    digests = [digest_of(item, POLICY) for item in items]
+    encoder = EncoderThatForgets(ctx, address, forgets=[digests[1], digests[2]])
+    encoder.held.update(digests[1:])  # the first was evicted already
+    pool = EncoderPool(ctx, [address], heartbeat_timeout_s=30)
+    try:
+        await pool.connect(timeout_s=5)
+        pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
+        for digest in digests:
+            pool.remember([digest], 0)  # sent by this process before: looked up by digest first
+        images = await asyncio.wait_for(pipeline.handoff.deliver("r", items, digests, RequestTimer()), 10)
+        assert len(images.references) == 3
+        return encoder.rounds
+    finally:
+        await pool.close()
+        encoder.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_third_round_sends_every_image_s_pixels(tmp_path):
+    """It sent only those the second round missed, so an image lost after the second round was
+    asked for a fourth time that never came: a 500 after decoding all the others."""
+    assert asyncio.run(_third_round(tmp_path)) == [[False, False, False], [True, False, False], [True, True, True]]
