@@ -433,11 +433,10 @@ class EncoderService:
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
         self.batch_patches.observe(sum(job.patches for job in batch.jobs))
-        for job in (job for job, result in zip(batch.jobs, encoded) if result is None):  # did not fit even alone
-            self._fail_batch([job], f"the vision encoder ran out of device memory for this image ({job.patches} patches); "
-                             "retry shortly", 503, "encoder_out_of_memory")
         for job, result in zip(batch.jobs, encoded):
-            if result is None:
+            if result is None:  # it did not fit even alone: its requests fail, the batch's others are answered
+                self._fail_batch([job], f"the vision encoder ran out of device memory for this image ({job.patches} "
+                                 "patches); retry shortly", 503, "encoder_out_of_memory")
                 continue
             tensor, grid = result
             value = CachedEmbedding(tensor, grid, job.identity)  # its own memory (work.batch_stages)
@@ -454,10 +453,9 @@ class EncoderService:
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):
             self.pending.pop((state.peer, state.request_id), None)
-            self.batcher.drop_waiters(state)
             if not state.cancelled:
                 self._send(state.peer, EncodeFailed(state.request_id, message, status, code))
-            state.cancelled = True  # answered: a later batch with its other images neither answers nor pushes again
+            self._abandon(state)  # answered: a later batch with its other images neither answers nor pushes again
 
     def _reply_if_done(self, state: PendingRequest) -> None:
         if state.cancelled or not state.done:

@@ -53,9 +53,10 @@ class ServedModel:
                                "list no encoder addresses for a text-only model")
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
         self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
-        if (limit := self.pipeline.image_limit())[1] != "gateway.max_images_per_request":
+        limit, key = self.pipeline.image_limit()
+        if key != "gateway.max_images_per_request":
             log.warning("model %r: at most %d images per request (%s), below gateway.max_images_per_request (%d)",
-                        self.name, limit[0], limit[1], config.max_images_per_request)
+                        self.name, limit, key, config.max_images_per_request)
         self.encoder.start_heartbeat(config.stats_interval_s)
         self.engine.start_heartbeat(config.stats_interval_s)
         self._idle.set()
