@@ -40,7 +40,7 @@ from protocol.base import Hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, PushedEmbedding
-from protocol.to_gateway import EngineReady, EngineTimings, GenerateFailed, TokenDelta
+from protocol.to_gateway import STREAM_DROPPED, EngineReady, EngineTimings, GenerateFailed, TokenDelta
 
 log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
@@ -493,6 +493,9 @@ class EngineService:
             return True
         except zmq.Again:
             log.warning("dropping a %s: its gateway is not reading (its queue stayed full)", type(message).__name__)
+            if isinstance(message, TokenDelta):  # its stream ends here: say so once the gateway reads again, or it waits out generate_timeout_s
+                dropped = GenerateFailed(message.request_id, "LLM engine dropped this stream: the gateway did not read it in time; retry", 503, STREAM_DROPPED)
+                self._in_background(self._send(peer, dropped))
             return False
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)

@@ -179,5 +179,9 @@ class GenerateFailed(Message):
 # tokens (llm_engine/images.py): the gateway encodes the images again, once.
 EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
 
+# GenerateFailed's code when the engine gave up on a stream because its gateway
+# did not read (its queue stayed full past the router's full_peer_wait_s).
+STREAM_DROPPED = "stream_dropped"
+
 
 GatewayInbound = EncoderReady | EncodeResult | VideosEncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats

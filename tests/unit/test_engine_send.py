@@ -1,0 +1,60 @@
+"""The engine's token stream to a gateway that stops reading: after the
+router's wait it gives the stream up (vLLM aborts it) and, once the gateway
+reads again, tells it so, rather than leaving the client waiting out the
+gateway's generate_timeout_s."""
+
+import asyncio
+from types import SimpleNamespace
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from llm_engine.service import EngineService
+from protocol.base import Hello
+from protocol.sockets import AsyncRouter, pack
+from protocol.to_engine import EngineInbound
+from protocol.to_gateway import STREAM_DROPPED, GatewayInbound, GenerateFailed, TokenDelta
+from tests.unit.test_protocol import _fill
+
+ADDRESS = "inproc://engine-send"
+
+
+def _service(router: AsyncRouter) -> EngineService:
+    return EngineService(config=SimpleNamespace(served_model_name="m", model="m"), engine=None, router=router, watch=None, shape=None, generation_defaults={}, images=None)
+
+
+async def _read_all(dealer: zmq.asyncio.Socket) -> list:
+    """Every message queued to `dealer`, read until none comes for a while."""
+    decoder = msgspec.msgpack.Decoder(GatewayInbound | Hello)  # the filler is Hello
+    read = []
+    while await dealer.poll(1000):
+        parts = await dealer.recv_multipart()
+        read.append(decoder.decode(parts[0]))
+    return read
+
+
+async def _a_stream_to_a_gateway_that_stopped_reading():
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, ADDRESS, EngineInbound, full_peer_wait_s=0.3)
+    gateway = ctx.socket(zmq.DEALER)
+    try:
+        gateway.connect(ADDRESS)
+        await gateway.send_multipart(pack(Hello("gateway")))
+        peer = (await asyncio.wait_for(router.recv(), 5))[0]
+        await _fill(router, peer)
+        service = _service(router)
+        delta = TokenDelta(request_id="r1", choices=[], completion_tokens=3, prompt_tokens=5)
+        assert not await service._send(peer, delta)  # given up: the stream ends (vLLM aborts it)
+        router.full_peer_wait_s = 5.0  # the gateway reads again within this
+        told = [m for m in await _read_all(gateway) if isinstance(m, GenerateFailed)]
+        assert [(m.request_id, m.status, m.code) for m in told] == [("r1", 503, STREAM_DROPPED)]
+        assert not service._background  # the notice's send is done
+    finally:
+        gateway.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+def test_a_stream_given_up_on_a_full_gateway_ends_with_a_503_once_it_reads_again():
+    asyncio.run(_a_stream_to_a_gateway_that_stopped_reading())
