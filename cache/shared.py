@@ -7,9 +7,11 @@ the tensor's raw bytes. A read checks the checksum (a torn or foreign value
 is a miss, counted as corrupt) and the identity (a hash collision is a miss,
 counted as one), so a shared value is trusted no more than a local one.
 
-Redis is an optimisation, never a dependency. A failed call marks the tier
-down for `retry_s` with one logged warning; meanwhile lookups miss and writes
-are skipped, and the first call after it probes again. Writes go through one
+Redis is an optimisation, never a dependency. A failed call, or a lookup
+slower than `timeout_s` in all (a slow link whose every read meets the
+socket timeout), marks the tier down for `retry_s` with one logged warning;
+meanwhile lookups miss and writes are skipped, and the first call after it
+probes again. Writes go through one
 background thread and a bounded queue, so a reply never waits on Redis.
 """
 
@@ -87,12 +89,18 @@ class SharedTier:
         """One round trip for all keys; a miss (None) for anything not found or not trusted."""
         if not keys or not self._available():
             return [None] * len(keys)
+        started = time.monotonic()
         try:
             blobs = self.client.mget([NAMESPACE + key for key in keys])
         except redis.RedisError as exc:
             self._failed(exc)
             return [None] * len(keys)
-        self._succeeded()
+        if (took_s := time.monotonic() - started) > self.timeout_s:
+            # Each socket read met the timeout, the whole lookup did not: the caller's loop
+            # waited all along, so a slow link is down like a dead one (this reply still counts).
+            self._failed(TimeoutError(f"a lookup took {took_s:.2f} s, over shared_cache_timeout_ms"))
+        else:
+            self._succeeded()
         found = [self._read(blob, identity) for blob, identity in zip(blobs, identities)]
         if record:
             hits = sum(value is not None for value in found)

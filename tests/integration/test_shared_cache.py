@@ -4,7 +4,10 @@ miss; an outage degrades to misses with one warning and recovers by itself."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import threading
 import time
 
 import pytest
@@ -109,3 +112,59 @@ def test_an_outage_degrades_to_misses_with_one_warning_and_recovers(tier, server
         assert tier.get_many([b"k3"], [entry.identity])[0] is not None
         assert tier.stats.up
         assert any("is back" in r.getMessage() for r in caplog.records)
+
+
+class SlowLink:
+    """A loopback TCP relay that hands Redis's replies on in small pieces, a
+    pause apart: every socket read meets the client's timeout, a whole
+    lookup of a large value does not."""
+
+    def __init__(self, upstream_port: int, piece: int = 4096, pause_s: float = 0.02) -> None:
+        self.piece, self.pause_s, self.upstream_port = piece, pause_s, upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, self.pause_s), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, pause_s: float) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(self.piece):
+                sink.sendall(data)
+                time.sleep(pause_s)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_lookup_slower_than_the_timeout_in_all_marks_the_tier_down(server, tier, caplog):
+    """Redis on a slow link: each read arrives within the socket timeout, so no
+    call fails, yet the encoder's loop waits through the whole lookup. Past
+    timeout_s in all the tier is down like a dead one: the next lookups miss without a call."""
+    entry = value(tokens=4096)  # 128 KiB: 32 pieces, 0.6 s or more through the link
+    stored(tier, b"big", entry)
+    link = SlowLink(server.port)
+    slow = SharedTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.2, retry_s=60, ttl_s=60)
+    try:
+        with caplog.at_level(logging.WARNING, logger="prism.cache"):
+            (found,) = slow.get_many([b"big"], [entry.identity])
+        assert found is not None and torch.equal(found.embeddings, entry.embeddings)  # what came is used
+        assert not slow.stats.up and slow.stats.errors == 1
+        assert any("over shared_cache_timeout_ms" in r.getMessage() for r in caplog.records)
+        server.stop()  # a call now would fail and count a second error
+        assert slow.get_many([b"big"], [entry.identity]) == [None]
+        assert slow.stats.errors == 1  # down: no call was made
+    finally:
+        slow.close()
+        link.close()
