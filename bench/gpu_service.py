@@ -89,6 +89,7 @@ def run(args, budget, log) -> None:
     checkpoint = real_towers.ensure("qwen2.5-vl-7b", args.root, args.device, args.tiny)
     base = {"PRISM_CONFIG": str(CONFIG), "PRISM_MODEL": str(checkpoint), "PRISM_ENCODER__DEVICE": args.device,
             "PRISM_ENCODER__MAX_PIXELS": str(real_towers.QWEN_MAX_PIXELS),
+            "PRISM_ENCODER__GPU_MEMORY_FRACTION": "null",  # alone on the GPU here: no engine beside it
             "PRISM_ENCODER__GRAPH_MAX_PATCHES": str(args.graph_max_patches if args.device != "cpu" else 0)}
     with tempfile.TemporaryDirectory(prefix="prism-gpu-service-") as tmp:
         chosen = set(filter(None, args.service_settings.split(",")))

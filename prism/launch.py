@@ -23,6 +23,7 @@ from common.config import DEFAULT_CONFIG, PROBE, ConfigError, configured_model, 
 from common.malloc import HEAP_KEPT_TUNABLES
 from common.supervisor import Child, Supervisor
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+from prism.gpu_shares import check_gpu_shares
 from common.logs import setup_logging
 
 log = logging.getLogger("prism.launcher")
@@ -90,9 +91,12 @@ def check_service_configs(children: list[Child]) -> None:
     from vision_encoder.config import EncoderConfig
 
     sections = {"vision_encoder": (EncoderConfig, "encoder"), "llm_engine": (EngineConfig, "engine")}
+    loaded = []
     for child in children:
         model, section = sections[child.module]
-        load_config(model, section, child.config, env={**os.environ, **child.env}, context=PROBE)
+        env = {**os.environ, **child.env}
+        loaded.append((child.name, load_config(model, section, child.config, env=env, context=PROBE), env))
+    check_gpu_shares(loaded)
 
 
 def serve(config_path: Path) -> None:

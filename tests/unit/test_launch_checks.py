@@ -9,10 +9,13 @@ import sys
 
 import pytest
 
-from common.config import REPO_ROOT, ConfigError
+from common.config import REPO_ROOT, ConfigError, load_config
 from gateway.config import GatewayConfig
+from llm_engine.config import EngineConfig
 from prism.demo_model import SHAPES_MODEL
+from prism.gpu_shares import check_gpu_shares
 from prism.launch import check_service_configs, service_children
+from vision_encoder.config import EncoderConfig
 
 
 def children():
@@ -38,3 +41,47 @@ def test_prism_serve_exits_at_once_naming_the_bad_key():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "prism serve: invalid config" in done.stderr and "engine.max_model_len" in done.stderr, done.stderr[-2000:]
     assert "started" not in done.stderr  # no child was started
+
+
+def _profile_children(name: str):
+    path = REPO_ROOT / "configs" / name
+    return service_children(load_config(GatewayConfig, "gateway", path), path, str(SHAPES_MODEL))
+
+
+@pytest.mark.parametrize("profile", ["qwen2.5-vl-7b.yaml", "qwen3-vl-8b.yaml", "cpu-demo.yaml"])
+def test_the_shipped_one_box_profiles_fit_their_gpu(profile):
+    check_service_configs(_profile_children(profile))
+
+
+def test_an_uncapped_encoder_on_the_engine_s_gpu_is_refused_naming_both_keys(monkeypatch):
+    monkeypatch.setenv("PRISM_ENCODER__GPU_MEMORY_FRACTION", "null")
+    with pytest.raises(ConfigError, match=r"GPU 0 .*encoder\.gpu_memory_fraction unset.*engine\.gpu_memory_utilization 0\.85"):
+        check_service_configs(_profile_children("qwen2.5-vl-7b.yaml"))
+    monkeypatch.setenv("PRISM_ENCODER__GPU_MEMORY_FRACTION", "0.2")  # 0.2 + 0.85
+    with pytest.raises(ConfigError, match="more than all of its memory"):
+        check_service_configs(_profile_children("qwen2.5-vl-7b.yaml"))
+
+
+def _encoder(device: str, fraction: float | None) -> EncoderConfig:
+    return EncoderConfig(model=str(SHAPES_MODEL), device=device, gpu_memory_fraction=fraction)
+
+
+def _engine(utilization: float, tensor_parallel_size: int = 1) -> EngineConfig:
+    return EngineConfig(model=str(SHAPES_MODEL), gpu_memory_utilization=utilization, tensor_parallel_size=tensor_parallel_size)
+
+
+def test_services_count_against_the_physical_gpu_their_visible_devices_name():
+    apart = [("encoder", _encoder("cuda:1", None), {}), ("engine", _engine(0.9), {})]
+    check_gpu_shares(apart)  # GPUs 1 and 0
+    remapped = [("encoder", _encoder("cuda", None), {"CUDA_VISIBLE_DEVICES": "3"}), ("engine", _engine(0.9), {"CUDA_VISIBLE_DEVICES": "3,4"})]
+    with pytest.raises(ConfigError, match="GPU 3"):
+        check_gpu_shares(remapped)
+    tensor_parallel = [("encoder", _encoder("cuda:1", 0.2), {}), ("engine", _engine(0.9, tensor_parallel_size=2), {})]
+    with pytest.raises(ConfigError, match="GPU 1"):  # the engine's second rank is on the encoder's GPU
+        check_gpu_shares(tensor_parallel)
+    check_gpu_shares([("encoder", _encoder("cuda:1", 0.1), {}), ("engine", _engine(0.9, tensor_parallel_size=2), {})])
+
+
+def test_engines_alone_or_beside_a_cpu_encoder_are_not_counted():
+    check_gpu_shares([("a", _engine(0.9), {}), ("b", _engine(0.9), {})])  # text-only: nothing says this is a GPU host
+    check_gpu_shares([("encoder", _encoder("cpu", None), {}), ("a", _engine(0.9), {}), ("b", _engine(0.9), {})])
