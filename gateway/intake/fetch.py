@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit, urlunsplit
 
@@ -28,6 +29,15 @@ _REDIRECTS = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+# Image hosts are resolved on threads of their own. A user's URL may name a host
+# whose name servers never answer: getaddrinfo then blocks its thread for the
+# resolver's own timeouts, past the fetch's deadline, and on the loop's default
+# executor a few of those would hold up the gateway's other work (service
+# discovery, the heap trim). Threads blocked on DNS cost no CPU: a bigger pool
+# only bounds how many lookups wait at once.
+DNS_THREADS = 32
+_resolver = ThreadPoolExecutor(DNS_THREADS, thread_name_prefix="prism-dns")
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,10 @@ def refusal_reason(address: IPAddress) -> str | None:
     if not address.is_global:
         return "non-global"
     return None
+
+
+def _lookup(host: str, port: int) -> list:
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
 def _split(url: str, where: str):
@@ -113,7 +127,7 @@ class AddressGuard:
 
     async def _resolve_checked(self, host: str, port: int, where: str) -> IPAddress:
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            infos = await asyncio.get_running_loop().run_in_executor(_resolver, _lookup, host, port)
         except (socket.gaierror, UnicodeError):
             raise APIError(400, f"{where}: cannot resolve host {host!r}", param=where, code="image_fetch_failed") from None
         addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
+import threading
 
 import pytest
 
@@ -89,3 +91,36 @@ def test_an_internationalised_name_is_resolved_and_sent_as_punycode(monkeypatch)
     target = check(AddressGuard(("xn--bcher-kva.de",), ()), "https://bücher.de/a.png")
     assert asked == ["xn--bcher-kva.de"]
     assert (target.host_header, target.sni_hostname) == ("xn--bcher-kva.de", "xn--bcher-kva.de")
+
+
+async def _lookups_that_never_answer_beside_the_loop_s_other_work(guard: AddressGuard, stuck: int) -> str:
+    async def fetch_deadline(url: str):
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):  # the fetch's total deadline: the lookup's thread stays blocked past it
+                await guard.check(url, "messages[0].content[0]")
+
+    await asyncio.gather(*(fetch_deadline(f"http://slow{i}.example/a.png") for i in range(stuck)))
+    # The default executor serves the gateway's own work (discovery, the heap trim): still free.
+    return await asyncio.wait_for(asyncio.to_thread(lambda: "the default executor answered"), 10)
+
+
+def test_host_lookups_that_never_answer_hold_threads_of_their_own(monkeypatch):
+    """A user's URL may name a host whose name servers never answer: getaddrinfo
+    blocks past the fetch's deadline. Those lookups must not take the threads
+    that the rest of the gateway's work runs on."""
+    release, threads = threading.Event(), set()
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        if host.startswith("slow"):
+            release.wait(60)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    try:
+        answered = asyncio.run(_lookups_that_never_answer_beside_the_loop_s_other_work(AddressGuard((), ()), stuck=12))
+        assert answered == "the default executor answered"
+        assert threads and all(name.startswith("prism-dns") for name in threads), threads
+        assert check(AddressGuard((), ()), "http://fast.example/a.png").url == "http://93.184.216.34:80/a.png"
+    finally:
+        release.set()
