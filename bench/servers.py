@@ -31,17 +31,24 @@ def vllm_server_command(model: Path, served_name: str, max_pixels: int, port: in
     ]
 
 
-@contextlib.contextmanager
-def vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, max_images: int = 1,
-                dtype: str = "bfloat16", extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                max_videos: int = 0) -> Iterator[str]:
-    """vLLM's own OpenAI server; yields its base URL once /health answers."""
+def launch_vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, max_images: int = 1,
+                       dtype: str = "bfloat16", extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                       max_videos: int = 0) -> tuple[subprocess.Popen, str]:
+    """vLLM's own OpenAI server, not waited for (its process group leader, its base URL)."""
     port = free_port()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(vllm_server_command(model, served_name, max_pixels, port, max_images, dtype, extra, max_videos),
                                    cwd=REPO_ROOT, env={**os.environ, **(env or {})},
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, served_name: str, max_pixels: int, log_path: Path, max_images: int = 1,
+                dtype: str = "bfloat16", extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                max_videos: int = 0) -> Iterator[str]:
+    """vLLM's own OpenAI server; yields its base URL once /health answers."""
+    process, base_url = launch_vllm_server(model, served_name, max_pixels, log_path, max_images, dtype, extra, env, max_videos)
     try:
         wait_for_health(base_url, process, 600)
         yield base_url

@@ -149,7 +149,7 @@ class LocalStack:
 
     def start(self, timeout_s: float = 420) -> "LocalStack":
         self.launch()
-        self._wait_ready(timeout_s)
+        self.wait_ready(timeout_s)
         return self
 
     def launch(self) -> subprocess.Popen:
@@ -166,7 +166,8 @@ class LocalStack:
     def stack_log(self) -> Path:
         return self.log_path or self.run_dir / "stack.log"
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float = 420) -> None:
+        """Until the launched stack answers /health (its log's end in the error if it never does)."""
         try:
             wait_for_health(self.base_url, self.process, timeout_s)
         except (RuntimeError, TimeoutError) as exc:

@@ -1,19 +1,16 @@
-"""One Prism stack and one vLLM reference run per test session, started together."""
+"""One Prism stack and one vLLM reference run per test session, launched as soon as collection
+shows a test that needs them (tests/integration/prestart.py)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from common.config import REPO_ROOT
-from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from testing.stack import LocalStack, log_tail
-from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS, write_images
+from testing.stack import LocalStack
+from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS
+from tests.integration.prestart import Reference, ReferenceRunner, SessionStack
 
 MODEL_NAME = "prism-demo"
 MAX_IMAGE_BYTES = 4_000_000
@@ -56,50 +53,44 @@ STACK_OVERRIDES = {
 ONE_PROCESS_ENGINE = {"PRISM_ENGINE__DISTRIBUTED_EXECUTOR_BACKEND": "uni"}
 
 
-class Reference:
-    """The vLLM reference outputs, computed in a child process beside the stack."""
+_SESSION = pytest.StashKey[SessionStack]()
+# A test that asks for any of these (directly or through its fixtures) needs the session's stack.
+_NEEDS_SESSION_STACK = {"_started", "stack", "reference", "client"}
 
-    def __init__(self, out: Path, images: Path, log: Path, model: Path = RANDOM_MODEL, videos: bool = False,
-                 cases: list[str] | None = None) -> None:
-        """`cases`: the names of cases.CASES to answer (all when None)."""
-        self.out = out
-        self.log = log
-        self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("reference_vllm.py")), str(model), str(images), str(out)]
-            + (["--videos"] if videos else []) + (["--cases", ",".join(cases)] if cases is not None else []),
-            cwd=REPO_ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-        )
-        self._results: dict | None = None
 
-    def results(self) -> dict:
-        if self._results is None:
-            if self.process.wait(timeout=600) != 0:
-                raise RuntimeError(f"vLLM reference run failed; the end of {self.log}:\n{log_tail(self.log)}")
-            self._results = json.loads(self.out.read_text())
-        return self._results
+def session_stack(config: pytest.Config) -> SessionStack:
+    """The session's stack and reference runner (tests/integration/prestart.py), made once."""
+    if _SESSION not in config.stash:
+        runner = ReferenceRunner()
+        config.stash[_SESSION] = session = SessionStack(config._tmp_path_factory, runner, STACK_OVERRIDES)
+        config.add_cleanup(runner.stop)  # also when no test got to use them (an interrupted run)
+        config.add_cleanup(session.stop)
+    return config.stash[_SESSION]
 
-    def __getitem__(self, case: str) -> dict:
-        return self.results()[case]
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start what the collected tests will need, in the order they need it: the session's stack and
+    reference, then what each module's `prestart(config, its items)` queues (test_families: its references)."""
+    if session.config.option.collectonly:
+        return
+    if any(_NEEDS_SESSION_STACK & set(getattr(item, "fixturenames", ())) for item in session.items):
+        session_stack(session.config).launch()
+    by_module: dict[object, list[pytest.Item]] = {}
+    for item in session.items:
+        if hasattr(getattr(item, "module", None), "prestart"):
+            by_module.setdefault(item.module, []).append(item)
+    for module, items in by_module.items():
+        module.prestart(session.config, items)
 
 
 @pytest.fixture(scope="session")
-def images(tmp_path_factory) -> dict[str, Path]:
-    return write_images(tmp_path_factory.mktemp("images"))
+def images(pytestconfig) -> dict[str, Path]:
+    return session_stack(pytestconfig).images
 
 
 @pytest.fixture(scope="session")
-def _started(tmp_path_factory, images):
-    ensure_demo_model(RANDOM_MODEL)
-    run_dir = tmp_path_factory.mktemp("stack")
-    reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log")
-    stack = LocalStack(run_dir, STACK_OVERRIDES)
-    try:
-        stack.start()
-        yield stack, reference
-    finally:
-        stack.stop()
-        if reference.process.poll() is None:
-            reference.process.kill()
+def _started(pytestconfig):
+    return session_stack(pytestconfig).started()
 
 
 @pytest.fixture(scope="session")

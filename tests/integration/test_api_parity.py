@@ -9,14 +9,17 @@ service does it and hands vLLM the embeddings."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 from openai import OpenAI
 
-from bench.servers import vllm_server
-from prism.demo_model import RANDOM_MODEL
+from bench.servers import launch_vllm_server
+from common.supervisor import stop_group
+from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+from testing.stack import wait_for_health
 from tests.integration.cases import TEST_MAX_PIXELS, TEST_MIN_PIXELS
-from tests.integration.conftest import MODEL_NAME
+from tests.integration.conftest import MODEL_NAME, session_stack
 from tests.integration.chat_requests import QUESTION, SCENE_SCHEMA, TIME, WEATHER, image_part, loose
 
 # What configs/cpu-demo.yaml sets for the engine, said to vLLM's server.
@@ -32,12 +35,31 @@ SERVER_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0",  # engine.strict_tool_cal
               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+_SERVER = pytest.StashKey[tuple[subprocess.Popen, str]]()
+
+
+def launched_server(config: pytest.Config) -> tuple[subprocess.Popen, str]:
+    """vLLM's server, launched once (the process, its base URL)."""
+    if _SERVER not in config.stash:
+        ensure_demo_model(RANDOM_MODEL)
+        log = session_stack(config).tmp.mktemp("vllm-server") / "server.log"
+        config.stash[_SERVER] = process, _ = launch_vllm_server(RANDOM_MODEL, MODEL_NAME, TEST_MAX_PIXELS, log, max_images=4,
+                                                                dtype="float32", extra=SERVER_FLAGS, env=SERVER_ENV)
+        config.add_cleanup(lambda: stop_group(process, grace_s=60))  # vLLM's engine core is in its group
+    return config.stash[_SERVER]
+
+
+def prestart(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """vLLM's server starts while the unit tests run (tests/integration/prestart.py)."""
+    launched_server(config)
+
+
 @pytest.fixture(scope="module")
-def vllm(stack, tmp_path_factory) -> OpenAI:
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    with vllm_server(RANDOM_MODEL, MODEL_NAME, TEST_MAX_PIXELS, log, max_images=4, dtype="float32",
-                     extra=SERVER_FLAGS, env=SERVER_ENV) as base_url:
-        yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def vllm(stack, pytestconfig) -> OpenAI:
+    process, base_url = launched_server(pytestconfig)
+    wait_for_health(base_url, process, 600)
+    yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stop_group(process, grace_s=60)  # its memory back for the modules after this one
 
 
 def both(client: OpenAI, vllm: OpenAI, **fields):

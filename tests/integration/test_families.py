@@ -48,7 +48,8 @@ from protocol.to_gateway import GenerateFailed, TokenDelta
 from vision_encoder.towers import load_tower
 from testing.video_clips import CONCURRENT_CLIPS, ONE_FRAME_FILE
 from tests.integration.cases import FAMILY_CASES, FAMILY_CONCURRENT_IMAGES, PARITY_IMAGES, TEST_MAX_PIXELS, data_url, matches_reference
-from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE, STACK_OVERRIDES, Reference
+from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE, STACK_OVERRIDES, session_stack
+from tests.integration.prestart import Reference
 from tests.integration.helpers import ask, embeddings_request, metric_total, send_raw
 from tests.integration.reference_video_vllm import FAMILY_CLIPS, SERVED_CLIPS, MAX_TOKENS, MIXED_IMAGE, MIXED_VIDEOS, QUESTION
 
@@ -64,19 +65,36 @@ VIDEO_FAMILIES = {"qwen2.5-vl", "qwen3-vl"}
 WIDTHS = {"qwen2.5-vl": (128, 64, (1, 4, 4)), "qwen3-vl": (384, 128, (1, 4, 4)), "llava-onevision": (128, 64, None), "llava-next": (128, 64, None), "internvl3": (128, 64, None)}
 
 
+_REFERENCES = pytest.StashKey[dict[str, Reference]]()
+
+
+def family_reference(config: pytest.Config, name: str) -> Reference:
+    """The family's vLLM reference run, queued once (tests/integration/prestart.py)."""
+    references = config.stash.setdefault(_REFERENCES, {})
+    if name not in references:
+        session = session_stack(config)
+        run_dir = session.tmp.mktemp(f"{name}-reference")
+        references[name] = session.runner.queue(Reference(
+            run_dir / "reference.json", session.image_dir, run_dir / "reference.log", ensure_tiny_model(name),
+            videos=name in VIDEO_FAMILIES, cases=FAMILY_CASES))
+    return references[name]
+
+
+def prestart(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The references of the families collected, queued while the unit tests run."""
+    names = {item.callspec.params["family"] for item in items if "family" in getattr(getattr(item, "callspec", None), "params", {})}
+    for name in FAMILIES:
+        if name in names:
+            family_reference(config, name)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory, images):
+def family(request, tmp_path_factory):
     checkpoint = ensure_tiny_model(request.param)
-    run_dir = tmp_path_factory.mktemp(request.param)
-    reference = Reference(run_dir / "reference.json", next(iter(images.values())).parent, run_dir / "reference.log", checkpoint,
-                          videos=request.param in VIDEO_FAMILIES, cases=FAMILY_CASES)
-    try:
-        with LocalStack(run_dir, OVERRIDES[request.param] | ONE_PROCESS_ENGINE, model=checkpoint) as stack:
-            client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-            yield client, reference, stack, request.param
-    finally:
-        if reference.process.poll() is None:
-            reference.process.kill()
+    reference = family_reference(request.config, request.param)
+    with LocalStack(tmp_path_factory.mktemp(request.param), OVERRIDES[request.param] | ONE_PROCESS_ENGINE, model=checkpoint) as stack:
+        client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield client, reference, stack, request.param
 
 
 def test_the_parity_images_include_a_strip_and_images_over_the_budget():
