@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from protocol.to_gateway import EncoderTimings, EngineTimings
+from protocol.to_gateway import EncoderTimings, EngineTimings, TokenDelta
 
 TTFT_STAGES = (
     "parse",
@@ -38,6 +38,7 @@ class RequestTimer:
     delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
     completion_tokens: int = 0  # every choice's, as usage counts them
     choices: int = 1  # the request's n: each token step makes one token per choice
+    choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens so far
     visual_tokens: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
 
@@ -62,20 +63,24 @@ class RequestTimer:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
 
-    def mark_delta(self, completion_tokens: int) -> None:
+    def mark_delta(self, delta: TokenDelta) -> None:
         self.delta_times.append(time.perf_counter())
-        self.completion_tokens = completion_tokens
+        self.completion_tokens = delta.completion_tokens
+        for choice in delta.choices:
+            self.choice_tokens[choice.index] = self.choice_tokens.get(choice.index, 0) + choice.tokens
 
     def inter_token_gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.delta_times, self.delta_times[1:])]
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first, per choice (n choices decode side by side)."""
-        per_choice = self.completion_tokens / self.choices
-        if self.first_token_at is None or self.finished_at is None or per_choice < 2:
+        """Mean time per output token after the first. n choices decode side by side, one token
+        each per step, so the steps are the longest choice's tokens (or, from an engine that does
+        not count per choice, the mean choice's)."""
+        steps = max(self.choice_tokens.values(), default=0) or self.completion_tokens / self.choices
+        if self.first_token_at is None or self.finished_at is None or steps < 2:
             return None
-        return (self.finished_at - self.first_token_at) / (per_choice - 1)
+        return (self.finished_at - self.first_token_at) / (steps - 1)
 
     def mark_finished(self) -> None:
         self.finished_at = time.perf_counter()

@@ -83,7 +83,7 @@ class ChoiceStream:
         if fields.get("tool_calls"):
             self.called_tools = True
         reason = self._finish_reason(output.finish_reason) if finished else None
-        return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, **fields)
+        return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, tokens=len(output.token_ids), **fields)
 
     def _parsed(self, output, finished: bool) -> dict:
         if self.parser is None:

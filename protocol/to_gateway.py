@@ -156,6 +156,7 @@ class ChoiceDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
     tool_calls: list[ToolCallDelta] = []
     reasoning: str = ""
+    tokens: int = 0  # tokens this choice made since its last delta
 
 
 class TokenDelta(Message):

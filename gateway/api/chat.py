@@ -149,7 +149,7 @@ class ChatHandler:
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 timer.mark_first_token()
-                timer.mark_delta(delta.completion_tokens)
+                timer.mark_delta(delta)
                 answer.add(delta)
                 last = delta
         timer.mark_finished()
@@ -198,12 +198,12 @@ class ChatHandler:
         async with contextlib.aclosing(deltas):
             try:
                 timer.mark_first_token()
-                timer.mark_delta(first.completion_tokens)
+                timer.mark_delta(first)
                 for event in events_of(first):
                     yield event
                 if not first.finished:
                     async for last in deltas:  # the engine client's stream ends with the finished delta
-                        timer.mark_delta(last.completion_tokens)
+                        timer.mark_delta(last)
                         for event in events_of(last):
                             yield event
             except APIError as exc:  # the stream has started: the error travels as a final event

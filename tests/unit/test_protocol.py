@@ -156,6 +156,7 @@ CASES = [
                     TopLogprob(" bicycle", -0.25, [32, 98, 105]), TopLogprob(" bike", -1.625, [32, 98, 105, 107]),
                 ])],
                 reasoning="The image shows a bicycle.",
+                tokens=2,
             ),
             ChoiceDelta(0, "", "tool_calls", None, [
                 ToolCallDelta(0, "call-7d1", "get_weather", '{"city": "Paris"}'),

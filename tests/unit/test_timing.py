@@ -1,14 +1,27 @@
-"""A request's time per output token: per choice, as its tokens are made."""
+"""A request's time per output token: per decode step, as its tokens are made."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.timing import RequestTimer
+from protocol.to_gateway import ChoiceDelta, TokenDelta
 
 
 @pytest.mark.parametrize("choices,completion_tokens,tpot", [(1, 11, 0.1), (2, 22, 0.1), (4, 4, None)])
 def test_time_per_output_token_counts_each_choice_s_tokens(choices, completion_tokens, tpot):
-    """usage's completion_tokens adds every choice's: with n = 2, 22 tokens are 11 steps of two."""
+    """usage's completion_tokens adds every choice's: with n = 2, 22 tokens are 11 steps of two
+    (an engine that does not count per choice: the mean choice's)."""
     timer = RequestTimer(first_token_at=0.0, finished_at=1.0, completion_tokens=completion_tokens, choices=choices)
     assert timer.tpot_s == pytest.approx(tpot) if tpot is not None else timer.tpot_s is None
+
+
+def test_choices_of_unequal_length_take_as_many_steps_as_the_longest():
+    """n = 2, one choice stops after 1 token and the other makes 11: the request decoded for
+    11 steps (10 after the first token), not for the mean choice's 6."""
+    timer = RequestTimer(first_token_at=0.0, choices=2)
+    timer.mark_delta(TokenDelta("r", [ChoiceDelta(0, tokens=1, finish_reason="stop"), ChoiceDelta(1, tokens=1)], 2, 5))
+    timer.mark_delta(TokenDelta("r", [ChoiceDelta(1, tokens=10, finish_reason="length")], 12, 5, finished=True))
+    timer.finished_at = 1.0
+    assert timer.choice_tokens == {0: 1, 1: 11}
+    assert timer.tpot_s == pytest.approx(0.1)
