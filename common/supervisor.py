@@ -3,6 +3,12 @@ exponential back-off when it dies (its whole group is killed first: vLLM's
 engine-core process must not outlive its engine). Used by the launcher for the
 services and by a multi-worker gateway for its workers.
 
+A child given a `probe` (the launcher's services: a Hello over their socket)
+is also restarted when it stops answering: once it has answered, a silence of
+`liveness_s` gets its group killed, and the exit is handled as any other. A
+hung loop in a live process would otherwise hold its socket for ever, where
+Kubernetes' liveness probe would have restarted it.
+
 Nothing a supervisor started outlives it: a child's group is killed once the
 child has exited, however the child ended, and every child calls
 `stop_with_supervisor` first thing, so that it gets SIGTERM when its
@@ -68,6 +74,8 @@ class Child:
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = 1.0
+    probe: Callable[[], bool] | None = None  # True while it answers (blocking, bounded by its own timeout)
+    answered: tuple[int, float] | None = None  # (pid, when) of the last answer to `probe`
 
     def spawn(self) -> None:
         config = ["--config", str(self.config)] if self.config is not None else []
@@ -86,6 +94,7 @@ class Child:
 
 
 WATCH_INTERVAL_S = 0.5
+PROBE_INTERVAL_S = 5.0  # between two rounds of probes
 
 
 @dataclass
@@ -100,6 +109,8 @@ class Supervisor:
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0  # a child up this long has its back-off reset
     on_exit: Callable[[Child], None] | None = None  # called with a dead child, its restart already scheduled
+    liveness_s: float = 0.0  # a probed child silent this long after answering is killed (0: never)
+    probe_interval_s: float = PROBE_INTERVAL_S
     _stopping: threading.Event = field(default_factory=threading.Event)
     _spawning: threading.Lock = field(default_factory=threading.Lock)  # no child is started once stop() began
     _restart_at: dict[int, float] = field(default_factory=dict)  # by index in children: dead, restarted then
@@ -108,6 +119,8 @@ class Supervisor:
         for child in self.children:
             child.spawn()
         threading.Thread(target=self._watch, name="supervisor", daemon=True).start()
+        if self.liveness_s > 0 and any(child.probe for child in self.children):
+            threading.Thread(target=self._probe_children, name="supervisor-liveness", daemon=True).start()
 
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_INTERVAL_S):
@@ -122,6 +135,32 @@ class Supervisor:
             self._exited(index, child)
         if index in self._restart_at and time.monotonic() >= self._restart_at[index]:
             self._respawn(index, child)
+
+    def _probe_children(self) -> None:
+        """Its own thread: a probe waits up to its timeout, which must not hold up restarts."""
+        while not self._stopping.wait(self.probe_interval_s):
+            for child in self.children:
+                try:
+                    self._probe(child)
+                except Exception:
+                    log.exception("probing %s failed; trying again", child.label)
+
+    def _probe(self, child: Child) -> None:
+        process = child.process
+        if child.probe is None or process.poll() is not None:
+            return
+        if child.probe():
+            if child.answered is None or child.answered[0] != process.pid:
+                log.info("%s (pid %d) answers on its socket; a silence of %.0f s from now restarts it", child.label, process.pid, self.liveness_s)
+            child.answered = (process.pid, time.monotonic())
+            return
+        if child.answered is None or child.answered[0] != process.pid:  # still starting: not judged yet
+            return
+        silent_s = time.monotonic() - child.answered[1]
+        if silent_s >= self.liveness_s and not self._stopping.is_set():
+            log.error("%s (pid %d) has not answered on its socket for %.0f s (gateway.child_liveness_s); killing it for a restart",
+                      child.label, process.pid, silent_s)
+            kill_group(process, signal.SIGKILL)  # the watcher sees the exit and restarts it
 
     def _exited(self, index: int, child: Child) -> None:
         kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too

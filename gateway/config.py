@@ -37,6 +37,9 @@ class GatewayConfig(FrozenConfig):
     # set, it replaces the three keys above. Reloaded on SIGHUP.
     models: dict[str, ModelRoute] = Field(default_factory=dict)
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
+    # `prism serve`: a service that answered on its socket and then stays silent
+    # this long is killed and restarted (common/supervisor.py); 0: never.
+    child_liveness_s: float = Field(60, ge=0)
     encode_timeout_s: float = Field(120, gt=0)
     # Each new image's visual tokens go from the encoder straight to the engine
     # the request will go to, as soon as they are encoded (EncodeRequest.push_to),

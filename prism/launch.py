@@ -17,6 +17,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from common.config import DEFAULT_CONFIG, PROBE, ConfigError, configured_model, load_config, resolve_model
@@ -24,6 +26,8 @@ from common.malloc import HEAP_KEPT_TUNABLES
 from common.supervisor import Child, Supervisor
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.gpu_shares import check_gpu_shares
+from prism.healthcheck import local_address, service_answers
+from protocol.to_gateway import EncoderReady, EngineReady
 from common.logs import setup_logging
 
 log = logging.getLogger("prism.launcher")
@@ -57,6 +61,14 @@ ENGINE_TUNABLES = HEAP_KEPT_TUNABLES
 ENCODER_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=1073741824"
 
 
+PROBE_TIMEOUT_S = 5.0  # a service's answer to the supervisor's Hello (gateway.child_liveness_s)
+
+
+def answers_on(address: str, expected: type) -> Callable[[], bool]:
+    """The supervisor's liveness probe for the service bound to `address`: a Hello, answered."""
+    return partial(service_answers, local_address(address), expected, PROBE_TIMEOUT_S)
+
+
 def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
     """One encoder per encoder address and one engine per engine address of every
     served model (an address shared by several names starts once), each told
@@ -75,11 +87,13 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
                              "(gateway.encoder_addresses: [], or none in its models entry)")
         for i, address in enumerate(route.encoder_addresses):
             child_env = {**env, "PRISM_ENCODER__ADDRESS": address, "GLIBC_TUNABLES": encoder_tunables}
-            children.setdefault(address, Child("vision_encoder", config_path, child_env, f"vision_encoder[{label}:{i}]"))
+            children.setdefault(address, Child("vision_encoder", config_path, child_env, f"vision_encoder[{label}:{i}]",
+                                               probe=answers_on(address, EncoderReady)))
         for i, address in enumerate(route.engine_addresses):
             child_env = {**env, "PRISM_ENGINE__ADDRESS": address, "GLIBC_TUNABLES": engine_tunables,
                          **({"PRISM_ENGINE__SERVED_MODEL_NAME": name} if name else {})}
-            children.setdefault(address, Child("llm_engine", config_path, child_env, f"llm_engine[{label}:{i}]"))
+            children.setdefault(address, Child("llm_engine", config_path, child_env, f"llm_engine[{label}:{i}]",
+                                               probe=answers_on(address, EngineReady)))
     return list(children.values())
 
 
@@ -109,7 +123,7 @@ def serve(config_path: Path) -> None:
         check_service_configs(children)
     except ConfigError as exc:
         raise SystemExit(f"prism serve: {exc}") from None
-    supervisor = Supervisor(children)
+    supervisor = Supervisor(children, liveness_s=gateway_config.child_liveness_s)
     supervisor.start()
     atexit.register(supervisor.stop)
     if gateway_config.workers > 1:

@@ -125,3 +125,30 @@ def test_a_child_waiting_out_a_long_back_off_delays_no_other_restart(supervisors
     os.killpg(first, signal.SIGKILL)
     wait_until(lambda: running.restarts == 1 and running.process.pid != first, 20, "the killed child restarted")
     assert failing.restarts == 0  # still waiting out its own back-off
+
+
+def test_a_child_that_answered_and_then_fell_silent_is_killed_and_restarted(supervisors):
+    """A hung loop in a live process: it would hold its socket for ever (`prism serve` probes
+    its services with a Hello; here the probe is the test's)."""
+    silent: set[int] = set()
+    child = Child(RESTARTED, None, env={"CHILD_SLEEPS": "1"}, name="falls silent")
+    child.probe = lambda: child.process.pid not in silent
+    supervisor = Supervisor([child], liveness_s=0.5, probe_interval_s=0.05)
+    supervisors.append(supervisor)
+    supervisor.start()
+    wait_until(lambda: child.answered is not None, 10, "the child answered its probe")
+    deaf = child.process.pid
+    silent.add(deaf)
+    wait_until(lambda: child.restarts == 1 and child.process.pid != deaf, 20, "the silent child killed and restarted")
+    assert not alive(deaf)
+    wait_until(lambda: child.answered[0] == child.process.pid, 10, "the new child answering")
+
+
+def test_a_child_that_never_answered_is_left_to_start(supervisors):
+    """vLLM takes minutes to start on a GPU host: a child is judged only once it has answered."""
+    child = Child(RESTARTED, None, env={"CHILD_SLEEPS": "1"}, name="still starting", probe=lambda: False)
+    supervisor = Supervisor([child], liveness_s=0.1, probe_interval_s=0.02)
+    supervisors.append(supervisor)
+    supervisor.start()
+    time.sleep(1)  # a window for a wrong kill to land: what is tested is that nothing happens
+    assert child.restarts == 0 and child.process.poll() is None
