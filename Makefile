@@ -2,7 +2,7 @@
 # what it needs first (scripts/install.sh is a no-op once done).
 PY := .venv/bin/python
 
-.PHONY: install install-system serve test test-unit test-containers bench demo-model train-demo accuracy
+.PHONY: install install-system serve test test-unit test-faults test-containers bench demo-model train-demo accuracy
 
 install:
 	@scripts/install.sh
@@ -18,6 +18,11 @@ test: install install-system
 
 test-unit: install
 	$(PY) -m pytest tests/unit
+
+# Services killed, stopped and restarted on stacks of their own (tests/faults/):
+# mostly waiting for restarts, so kept out of `make test`'s time; CI runs it next.
+test-faults: install install-system
+	$(PY) -m pytest tests/faults
 
 # The compose stack built and run for real (tests/containers/): as root, with
 # Docker, debootstrap and tcpdump from Debian's packages, installed when missing.

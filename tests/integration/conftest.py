@@ -47,7 +47,7 @@ STACK_OVERRIDES = {
 # The stacks a test module starts for itself run vLLM with the model in its
 # engine core ("uni"): one process fewer to import vLLM into at every engine
 # start, with the same answers (docs/measurements/test-suite.md). The
-# session's stack, test_faults' and test_demo_model's (`make serve` as it
+# session's stack, tests/faults/test_faults' and test_demo_model's (`make serve` as it
 # runs) keep vLLM's CPU default, a worker process of its own, so that shape
 # stays tested under load and under kills.
 ONE_PROCESS_ENGINE = {"PRISM_ENGINE__DISTRIBUTED_EXECUTOR_BACKEND": "uni"}

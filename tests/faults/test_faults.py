@@ -18,6 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from testing.stack import LocalStack
@@ -27,6 +28,7 @@ from tests.integration.corpus import b64, save
 from tests.integration.helpers import child_pid, log_records, metric_total, scrape, wait_until
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
+CHILD_LIVENESS_S = 8
 BURST_SLO_S = 10  # end-to-end for an admitted 64-token request during a burst (they take ~1-2 s here)
 OVERRIDES = {
     "PRISM_GATEWAY__STATS_INTERVAL_S": "0.5",
@@ -38,6 +40,7 @@ OVERRIDES = {
     "PRISM_ENGINE__MAX_MODEL_LEN": "32768",  # generations long enough to outlast any stall
     "PRISM_GATEWAY__BODY_TIMEOUT_S": "2",
     "PRISM_GATEWAY__STREAM_WRITE_TIMEOUT_S": "2",
+    "PRISM_GATEWAY__CHILD_LIVENESS_S": str(CHILD_LIVENESS_S),
 }
 BODY_TIMEOUT_S = STREAM_WRITE_TIMEOUT_S = 2
 
@@ -184,6 +187,31 @@ def test_encoder_killed_mid_batch(faulty):
         assert response.json()["error"]["type"] == "server_error" and "vision encoder" in response.json()["error"]["message"]
     recovered = wait_until(lambda: outcome(faulty, 1) == "ok", 120, "serving images again")
     print(f"serving images again {recovered:.1f} s after the kill was noticed")
+
+
+def test_a_hung_encoder_process_is_restarted_by_its_launcher(faulty):
+    """A live process that stopped answering (its loop hung; here SIGSTOP): the gateway marks it
+    down at its heartbeat, and `prism serve` kills it once it has been silent
+    gateway.child_liveness_s, so that it is restarted as if it had died."""
+    hung = child_pid(faulty, "vision_encoder")
+    wait_until(lambda: any(r["message"].startswith(f"vision_encoder[prism-demo:0] (pid {hung}) answers on its socket")
+                           for r in log_records(faulty, "gateway")), 30, "the launcher watching the encoder (it answered once)")
+
+    def replaced() -> bool:
+        try:
+            return child_pid(faulty, "vision_encoder") != hung
+        except (LookupError, psutil.Error):  # between the kill and the restart
+            return False
+
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        wait_until(replaced, CHILD_LIVENESS_S + 30, "the hung encoder replaced")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGCONT)
+    assert any("has not answered on its socket" in r["message"] and "gateway.child_liveness_s" in r["message"]
+               for r in log_records(faulty, "gateway"))
+    wait_until(lambda: outcome(faulty, 1) == "ok", 120, "serving images again")
 
 
 def engine_log_lines(stack: LocalStack, request_prefix: str) -> list[dict]:
