@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 
 from common.config import ConfigError
+from vision_encoder.config import EncoderConfig
 
 
 def visible_ordinals(device: str) -> list[int]:
@@ -33,13 +34,13 @@ def physical_gpus(ordinals: list[int], env: Mapping[str, str]) -> list[str]:
 
 
 def check_gpu_shares(services: list[tuple[str, object, Mapping[str, str]]]) -> None:
-    """`services`: (label, its loaded config, its environment) for every child.
+    """`services`: (label, its loaded EncoderConfig or EngineConfig, its environment) for every child.
     Engines count only where an encoder runs on CUDA, because then this is a
     GPU host; on a CPU host vLLM ignores gpu_memory_utilization."""
     shares: dict[str, list[tuple[str, float]]] = defaultdict(list)
     encoders_on_cuda = False
     for label, config, env in services:
-        if hasattr(config, "gpu_memory_fraction"):  # an encoder
+        if isinstance(config, EncoderConfig):
             if not config.device.startswith("cuda"):
                 continue
             encoders_on_cuda = True
