@@ -28,6 +28,7 @@ from gateway.ops.dashboard import DashboardWindow, ServiceSample, finished_reque
 from gateway.errors import APIError
 from gateway.intake.fetch import FetchLimits, ImageFetcher
 from gateway.ops.loop_probe import LoopProbe
+from gateway.ops.retired import RETIRED
 from gateway.intake.images import ImageLimits
 from gateway.api.listener import listening_socket
 from gateway.intake.memory import HeapKeeper, MemoryPlan, mib, process_rss
@@ -155,10 +156,13 @@ class Gateway:
         return [(m.name, m.encoder, m.engine) for m in [*self.models.values(), *self.retired]]
 
     def service_stats(self) -> tuple[list, list]:
-        """The latest stats polled from every encoder and every engine replica."""
+        """The latest stats polled from every encoder and every engine replica, and the counters
+        of those that are gone (gateway/ops/retired.py)."""
         pools = self.pools()
         encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
         engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
+        encoders += [RETIRED.encoder] if RETIRED.encoder is not None else []
+        engines += [RETIRED.engine] if RETIRED.engine is not None else []
         return encoders, engines
 
     def finished(self, timer: RequestTimer, ok: bool) -> None:
@@ -174,6 +178,8 @@ class Gateway:
             await asyncio.sleep(interval_s)
             if self.heap is not None:
                 await self.heap.check()
+            if self.slot.count > 1 and self.slot.index == 0:
+                metrics.publish_services(self.stats_collector)
             encoders, engines = self.service_stats()
             in_flight = self.limiter.in_flight
             if self.siblings is not None:

@@ -8,12 +8,14 @@ With several gateway workers, PROMETHEUS_MULTIPROC_DIR is set (by
 gateway/ops/workers.py) and each worker's metrics live in files there: a scrape,
 whichever worker answers, sums every worker's counters and histograms and the
 live workers' gauges (prometheus-client's multiprocess mode). What the gateway
-polls from the services is the same in every worker and is exported once.
+polls from the services is exported once, as the first worker polled it
+(`SERVICES_FILE`).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -69,13 +71,37 @@ PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets
                      ["peer", "direction"])
 
 
+# In PROMETHEUS_MULTIPROC_DIR: the polled services' metrics as the first worker
+# exports them. Every worker answers scrapes with these, not with its own polls:
+# two scrapes answered by different workers would otherwise see sums from polls a
+# stats interval apart, and a sum that falls reads as a reset.
+SERVICES_FILE = "services.prom"
+
+
 def exposition(service_stats) -> bytes:
     """One scrape: this process's metrics, or every worker's (multiprocess
-    mode), plus `service_stats` (the polled services) once."""
+    mode), plus the polled services' (`service_stats`, or the first worker's) once."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return generate_latest(REGISTRY)
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
+    try:
+        services = (Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) / SERVICES_FILE).read_bytes()
+    except FileNotFoundError:  # the first worker has not polled yet
+        services = _services_exposition(service_stats)
+    return generate_latest(registry) + services
+
+
+def publish_services(service_stats) -> None:
+    """The first worker, after each poll: its services' metrics for every worker's scrapes."""
+    path = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) / SERVICES_FILE
+    written = path.with_name(f"{SERVICES_FILE}.{os.getpid()}")
+    written.write_bytes(_services_exposition(service_stats))
+    os.replace(written, path)  # a scrape reads the old file or the new, never half of one
+
+
+def _services_exposition(service_stats) -> bytes:
+    registry = CollectorRegistry()
     registry.register(service_stats)
     return generate_latest(registry)
 

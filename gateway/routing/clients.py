@@ -28,6 +28,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from gateway.ops import metrics
+from gateway.ops.retired import RETIRED
 from gateway.errors import APIError
 from gateway.intake.memory import MemoryHold, current_hold
 from protocol.base import Hello, Message
@@ -125,6 +126,8 @@ class ServiceClient:
 
     def _heartbeat(self, stats) -> None:
         restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
+        if restarted:  # the new process counts from zero: the old one's counters stay in the sums
+            RETIRED.retire(self.stats)
         self.stats = stats
         self.stats_received_at = asyncio.get_running_loop().time()
         if restarted:
@@ -231,6 +234,9 @@ class ServiceClient:
         self._streams.pop(request_id, None)
 
     async def close(self) -> None:
+        if self.stats is not None:  # its counters stay in the sums; what it holds goes with it
+            RETIRED.retire(self.stats)
+            self.stats = None
         for task in self._tasks:
             task.cancel()
         self.socket.socket.disable_monitor()

@@ -262,6 +262,5 @@ class ReplicaPool(Generic[C]):
                 self._free.add(index)
                 replica = self.replicas[index]
                 replica.up = False
-                replica.stats = None  # its last numbers must not count in the totals (queue depth: the autoscaler's)
-                await replica.close()
+                await replica.close()  # its counters stay in the sums, its gauges (queue depth: the autoscaler's) go
                 log.info("%s at %s closed", replica.name, replica.address)

@@ -192,7 +192,8 @@ def test_encoder_killed_mid_batch(faulty):
 def test_a_hung_encoder_process_is_restarted_by_its_launcher(faulty):
     """A live process that stopped answering (its loop hung; here SIGSTOP): the gateway marks it
     down at its heartbeat, and `prism serve` kills it once it has been silent
-    gateway.child_liveness_s, so that it is restarted as if it had died."""
+    gateway.child_liveness_s, so that it is restarted as if it had died. The encoder's counters
+    in the gateway's sums do not fall with it."""
     hung = child_pid(faulty, "vision_encoder")
     wait_until(lambda: any(r["message"].startswith(f"vision_encoder[prism-demo:0] (pid {hung}) answers on its socket")
                            for r in log_records(faulty, "gateway")), 30, "the launcher watching the encoder (it answered once)")
@@ -203,6 +204,7 @@ def test_a_hung_encoder_process_is_restarted_by_its_launcher(faulty):
         except (LookupError, psutil.Error):  # between the kill and the restart
             return False
 
+    counted = scrape(faulty)
     os.kill(hung, signal.SIGSTOP)
     try:
         wait_until(replaced, CHILD_LIVENESS_S + 30, "the hung encoder replaced")
@@ -212,6 +214,15 @@ def test_a_hung_encoder_process_is_restarted_by_its_launcher(faulty):
     assert any("has not answered on its socket" in r["message"] and "gateway.child_liveness_s" in r["message"]
                for r in log_records(faulty, "gateway"))
     wait_until(lambda: outcome(faulty, 1) == "ok", 120, "serving images again")
+    assert not fallen_sums(counted, scrape(faulty))  # the new process counts from zero; the sums go on
+
+
+def fallen_sums(before: dict, after: dict) -> dict:
+    """Counter samples summed over replicas (no replica label: a replica's own series may reset)
+    that are lower in `after` than in `before`: Prometheus would read each as a reset of the sum."""
+    monotonic = ("_total", "_bucket", "_count", "_sum")
+    return {key: (value, after.get(key)) for key, value in before.items()
+            if key[0].endswith(monotonic) and "replica" not in dict(key[1]) and after.get(key, 0.0) < value}
 
 
 def engine_log_lines(stack: LocalStack, request_prefix: str) -> list[dict]:

@@ -97,6 +97,25 @@ def test_both_workers_serve_and_one_scrape_counts_every_request(workers):
                10, "every worker's dashboard shows all 16 requests")
 
 
+SERVICE_SUMS = [("prism_engine_steps_total", ()), ("prism_cache_events_total", (("event", "miss"),)),
+                ("prism_encoder_batch_images_count", ())]
+
+
+def test_scrapes_answered_by_either_worker_see_the_services_sums_only_grow(workers):
+    """Each worker polls the services on its own clock; the services' part of a scrape is the
+    first worker's, whichever worker answers, so a sum never falls between two scrapes (a fall
+    reads as a reset, and rate() as a burst of everything counted so far)."""
+    seen = []
+    with ThreadPoolExecutor(1) as pool:  # one at a time: the gateway's limit here is one request per worker
+        load = [pool.submit(chat, workers.url, with_image(f"sums-{i}"), max_tokens=16) for i in range(12)]
+        while not all(future.done() for future in load):
+            found = scrape(workers.url)  # a new connection each time: either worker answers
+            seen.append(tuple(found.get(key, 0.0) for key in SERVICE_SUMS))
+    assert all(f.result().status_code == 200 for f in load)
+    fallen = [(a, b) for a, b in zip(seen, seen[1:]) if any(y < x for x, y in zip(a, b))]
+    assert any(y > x for x, y in zip(seen[0], seen[-1])) and not fallen, fallen
+
+
 def test_the_concurrency_limit_holds_for_the_whole_gateway(workers):
     long = {"ignore_eos": True, "max_tokens": 300}
     with ThreadPoolExecutor(6) as pool:

@@ -1,0 +1,82 @@
+"""The counters of service processes that are gone, kept in the gateway's sums.
+
+The gateway exports the services' counters summed over replicas (cache hits,
+images fetched, batches). A replica that restarts counts from zero again, and
+one that leaves the set takes its numbers with it: either way the sum would
+fall. Prometheus reads a fall as a reset of the whole sum, and `rate()` then
+counts every other replica's total again as new, a burst as large as all the
+traffic so far. So the last numbers a gone process reported stay here, and the
+sums add them (`Gateway.service_stats`). What it counted between its last
+heartbeat and its end is lost: a stats interval's worth.
+
+Every field of the stats messages is either a counter (carried) or a gauge
+(what a gone process holds is nothing): `tests/unit/test_retired_stats.py`
+fails on a field that is neither, so a new one must be placed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from protocol.stats import EncoderStats, EngineStats, HistogramSnapshot, SharedTierStats
+
+# What a process holds or is, not what it has done.
+GAUGES = {
+    EncoderStats: {"boot_id", "queue_depth", "in_flight", "cache_bytes", "cache_capacity_bytes", "cache_entries", "state",
+                   "vit_batches_now", "vit_batches_most"},
+    EngineStats: {"boot_id", "in_flight", "waiting", "state"},
+    SharedTierStats: {"up"},
+}
+
+
+def counters(stats):
+    """`stats` with every gauge at nothing (its default, 0, or "retired" for a boot id): a gone
+    process's contribution to the sums."""
+    gauges = {field.name: _nothing(field) for field in msgspec.structs.fields(stats) if field.name in GAUGES[type(stats)]}
+    if getattr(stats, "shared_cache", None) is not None:
+        gauges["shared_cache"] = counters(stats.shared_cache)
+    return msgspec.structs.replace(stats, **gauges)
+
+
+def _nothing(field: msgspec.structs.FieldInfo):
+    if field.default is not msgspec.NODEFAULT:
+        return field.default
+    return "retired" if field.type is str else 0
+
+
+def added(total, stats):
+    """The counters of `total` (None: none yet) plus those of `stats`, gauges at nothing."""
+    stats = counters(stats)
+    if total is None:
+        return stats
+    return msgspec.structs.replace(stats, **{name: _sum(getattr(total, name), value)
+                                             for name, value in msgspec.structs.asdict(stats).items()
+                                             if name not in GAUGES[type(stats)]})
+
+
+def _sum(a, b):
+    if a is None or b is None:  # an optional part (the shared tier) that one side lacks
+        return b if a is None else a
+    if isinstance(b, HistogramSnapshot):
+        return HistogramSnapshot(b.bounds, tuple(x + y for x, y in zip(a.counts, b.counts)), a.total + b.total)
+    if isinstance(b, SharedTierStats):
+        return added(a, b)
+    return a + b
+
+
+class RetiredTotals:
+    """The counters of every encoder and engine process this gateway process saw go."""
+
+    def __init__(self) -> None:
+        self.encoder: EncoderStats | None = None
+        self.engine: EngineStats | None = None
+
+    def retire(self, stats) -> None:
+        """The last stats of a process that restarted or left the set."""
+        if isinstance(stats, EncoderStats):
+            self.encoder = added(self.encoder, stats)
+        elif isinstance(stats, EngineStats):
+            self.engine = added(self.engine, stats)
+
+
+RETIRED = RetiredTotals()  # one per gateway process: its sums cover every model

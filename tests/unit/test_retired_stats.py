@@ -1,0 +1,61 @@
+"""A service process that restarts or leaves keeps its counters in the gateway's sums
+(gateway/ops/retired.py); what it held (queues, cache bytes) goes with it."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gateway.ops.retired import GAUGES, RetiredTotals, counters
+from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, EngineStats, HistogramCounter, SharedTierStats
+
+# Every field that is not a gauge is carried. A new field must be placed in one or the other.
+COUNTED = {
+    EncoderStats: {"cache_hits", "cache_misses", "cache_joins", "cache_evictions", "cache_collisions", "batches", "images_encoded",
+                   "jobs_dropped", "batch_images", "batch_patches", "shared_cache", "stalls", "fetches", "fetch_misses", "pushes",
+                   "push_refusals", "oom_splits"},
+    EngineStats: {"finished", "failed", "steps", "stalls", "embedding_cache_hits", "embeddings_fetched", "fetched_bytes",
+                  "embedding_fetch_joins", "embeddings_pushed", "pushed_bytes"},
+    SharedTierStats: {"hits", "misses", "corrupt", "collisions", "errors", "writes", "writes_skipped", "reattaches"},
+}
+
+
+@pytest.mark.parametrize("struct", list(COUNTED), ids=lambda s: s.__name__)
+def test_every_stats_field_is_a_counter_or_a_gauge(struct):
+    fields = {field.name for field in msgspec.structs.fields(struct)}
+    assert not GAUGES[struct] & COUNTED[struct]
+    assert fields == GAUGES[struct] | COUNTED[struct], fields ^ (GAUGES[struct] | COUNTED[struct])
+
+
+def histogram(bounds, *values):
+    counter = HistogramCounter(bounds)
+    for value in values:
+        counter.observe(value)
+    return counter.snapshot()
+
+
+def encoder(boot: str, hits: int, queue: int, shared_hits: int | None) -> EncoderStats:
+    return EncoderStats(
+        boot_id=boot, queue_depth=queue, in_flight=3, cache_bytes=1000, cache_capacity_bytes=4000, cache_entries=2,
+        cache_hits=hits, cache_misses=1, cache_joins=0, cache_evictions=0, cache_collisions=0, batches=2, images_encoded=5,
+        jobs_dropped=0, batch_images=histogram(BATCH_IMAGE_BUCKETS, 1, 4), batch_patches=histogram(BATCH_PATCH_BUCKETS, 300),
+        shared_cache=None if shared_hits is None else SharedTierStats(up=False, hits=shared_hits), vit_batches_now=1,
+    )
+
+
+def test_gone_processes_add_their_counters_and_none_of_their_gauges():
+    retired = RetiredTotals()
+    retired.retire(encoder("a", hits=10, queue=7, shared_hits=None))
+    retired.retire(encoder("b", hits=5, queue=2, shared_hits=4))
+    retired.retire(EngineStats("c", in_flight=2, waiting=1, finished=9, failed=1, steps=100))
+    total = retired.encoder
+    assert (total.cache_hits, total.batches, total.images_encoded, total.shared_cache.hits) == (15, 4, 10, 4)
+    assert total.batch_images.counts == tuple(2 * c for c in histogram(BATCH_IMAGE_BUCKETS, 1, 4).counts)
+    assert (total.queue_depth, total.in_flight, total.cache_bytes, total.cache_entries, total.vit_batches_now) == (0, 0, 0, 0, 0)
+    assert total.boot_id == "retired"
+    assert (retired.engine.finished, retired.engine.steps, retired.engine.in_flight, retired.engine.waiting) == (9, 100, 0, 0)
+
+
+def test_a_gone_process_s_counters_alone_are_its_stats_less_its_gauges():
+    gone = counters(encoder("a", hits=10, queue=7, shared_hits=3))
+    assert (gone.cache_hits, gone.queue_depth, gone.shared_cache.hits, gone.shared_cache.up) == (10, 0, 3, True)
