@@ -8,8 +8,8 @@ is a miss, counted as corrupt) and the identity (a hash collision is a miss,
 counted as one), so a shared value is trusted no more than a local one.
 
 Redis is an optimisation, never a dependency. A failed call, or a lookup
-slower than `timeout_s` in all (a slow link whose every read meets the
-socket timeout), marks the tier down for `retry_s` with one logged warning;
+slower in all than `timeout_s` plus its bytes at `SLOW_LINK_BYTES_PER_S` (a
+slow link whose every read meets the socket timeout), marks the tier down for `retry_s` with one logged warning;
 meanwhile lookups miss and writes are skipped, and the first call after it
 probes again. Writes go through one
 background thread and a bounded queue, so a reply never waits on Redis.
@@ -37,6 +37,9 @@ from protocol.tensors import ArrayMeta, to_frame, to_torch
 log = logging.getLogger("prism.cache")
 NAMESPACE = b"prism:vt:v1:"
 _LENGTH = struct.Struct("<I")
+# A lookup slower than this per byte (after the call's timeout) marks the tier down: a 1 MP
+# image's tokens at 7B widths (9.6 MB) may take 0.1 s beyond the timeout, not longer.
+SLOW_LINK_BYTES_PER_S = 100e6
 
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -95,10 +98,12 @@ class SharedTier:
         except redis.RedisError as exc:
             self._failed(exc)
             return [None] * len(keys)
-        if (took_s := time.monotonic() - started) > self.timeout_s:
+        took_s, budget_s = time.monotonic() - started, self.lookup_budget_s(blobs)
+        if took_s > budget_s:
             # Each socket read met the timeout, the whole lookup did not: the caller's loop
             # waited all along, so a slow link is down like a dead one (this reply still counts).
-            self._failed(TimeoutError(f"a lookup took {took_s:.2f} s, over shared_cache_timeout_ms"))
+            self._failed(TimeoutError(f"a lookup took {took_s:.2f} s, over its {budget_s:.2f} s "
+                                      f"(shared_cache_timeout_ms, plus its bytes at {SLOW_LINK_BYTES_PER_S / 1e6:g} MB/s)"))
         else:
             self._succeeded()
         found = [self._read(blob, identity) for blob, identity in zip(blobs, identities)]
@@ -107,6 +112,11 @@ class SharedTier:
             self.stats.hits += hits
             self.stats.misses += len(found) - hits
         return found
+
+    def lookup_budget_s(self, blobs: list[bytes | None]) -> float:
+        """How long a lookup that brought `blobs` may take: the call's timeout, plus the time its
+        bytes take on a link slower than any this tier is worth using over."""
+        return self.timeout_s + sum(len(blob) for blob in blobs if blob) / SLOW_LINK_BYTES_PER_S
 
     def _read(self, blob: bytes | None, identity: bytes) -> CachedEmbedding | None:
         if blob is None:

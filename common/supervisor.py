@@ -157,7 +157,9 @@ class Supervisor:
         if child.answered is None or child.answered[0] != process.pid:  # still starting: not judged yet
             return
         silent_s = time.monotonic() - child.answered[1]
-        if silent_s >= self.liveness_s and not self._stopping.is_set():
+        # The probe took seconds: the process must still be the one judged (not exited and replaced).
+        judged = child.process is process and process.poll() is None
+        if silent_s >= self.liveness_s and judged and not self._stopping.is_set():
             log.error("%s (pid %d) has not answered on its socket for %.0f s (gateway.child_liveness_s); killing it for a restart",
                       child.label, process.pid, silent_s)
             kill_group(process, signal.SIGKILL)  # the watcher sees the exit and restarts it

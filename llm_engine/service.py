@@ -46,6 +46,9 @@ log = logging.getLogger("prism.engine")
 WATCH_INTERVAL_S = 0.25  # how often the watchdog looks (at most; a quarter of the stall timeout if shorter)
 DEAD_LINGER_S = 1.0  # a dead engine keeps answering heartbeats (DEAD) this long before it exits
 LAST_REPLIES_LINGER_MS = 1000  # closing the socket: the last answers still leave
+# A stream dropped on a gateway that did not read: how long its 503 waits for that gateway
+# to read again (past the gateway's own generate_timeout_s default, its client has gone).
+DROPPED_NOTICE_WAIT_S = 600.0
 
 
 def engine_args(config: EngineConfig, family: Family):
@@ -485,17 +488,18 @@ class EngineService:
                 first = False
         return completion_tokens
 
-    async def _send(self, peer: bytes, message, wait: bool = True) -> bool:
+    async def _send(self, peer: bytes, message, wait: bool = True, wait_s: float | None = None) -> bool:
         """False when the peer is gone (ROUTER_MANDATORY: a gateway that restarted has a new identity).
-        `wait`: False from the receive loop, which must not wait on a peer that stopped reading."""
+        `wait`: False from the receive loop, which must not wait on a peer that stopped reading;
+        `wait_s`: how long a waiting send waits for a full peer (None: the router's wait)."""
         try:
-            await self.router.send(peer, message, wait=wait)
+            await self.router.send(peer, message, wait=wait, wait_s=wait_s)
             return True
         except zmq.Again:
             log.warning("dropping a %s: its gateway is not reading (its queue stayed full)", type(message).__name__)
-            if isinstance(message, TokenDelta):  # its stream ends here: say so once the gateway reads again, or it waits out generate_timeout_s
+            if isinstance(message, TokenDelta):  # its stream ends here: say so once the gateway reads again
                 dropped = GenerateFailed(message.request_id, "LLM engine dropped this stream: the gateway did not read it in time; retry", 503, STREAM_DROPPED)
-                self._in_background(self._send(peer, dropped))
+                self._in_background(self._send(peer, dropped, wait_s=DROPPED_NOTICE_WAIT_S))
             return False
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)

@@ -117,20 +117,21 @@ class AsyncRouter(_Typed[In]):
         self._now = zmq.Socket.shadow(socket.underlying)  # the same socket, sent on synchronously
         self.full_peer_wait_s = full_peer_wait_s
 
-    async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = (), wait: bool = True) -> None:
+    async def send(self, peer: bytes, message: Message, frames: Sequence[Any] = (), wait: bool = True,
+                   wait_s: float | None = None) -> None:
         """`wait` False: sent now or never (zmq.Again while the peer's queue is
         full), so a loop that serves every peer never waits behind one: pyzmq's
         asyncio socket queues a send behind any still pending, NOBLOCK or not,
         so this one goes through the socket itself. `wait` True: in turn after
-        those, waiting up to `full_peer_wait_s` for a peer whose queue is full
-        (a gateway that stalled a moment), then zmq.Again. A peer that is gone
+        those, waiting up to `wait_s` (`full_peer_wait_s` when None) for a peer
+        whose queue is full (a gateway that stalled a moment), then zmq.Again. A peer that is gone
         fails it at once (ROUTER_MANDATORY: zmq.ZMQError)."""
         parts = [peer, *pack(message, frames)]
         if not wait:
             self._now.send_multipart(parts, zmq.NOBLOCK, copy=False)
             return
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.full_peer_wait_s
+        deadline = loop.time() + (self.full_peer_wait_s if wait_s is None else wait_s)
         pause, longest = _RETRY_PAUSE_S
         while True:
             try:

@@ -161,9 +161,8 @@ class Gateway:
         pools = self.pools()
         encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
         engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
-        encoders += [RETIRED.encoder] if RETIRED.encoder is not None else []
-        engines += [RETIRED.engine] if RETIRED.engine is not None else []
-        return encoders, engines
+        gone_encoders, gone_engines = RETIRED.totals(encoders + engines)
+        return encoders + [gone_encoders] * (gone_encoders is not None), engines + [gone_engines] * (gone_engines is not None)
 
     def finished(self, timer: RequestTimer, ok: bool) -> None:
         """A request ended: into the dashboard window, this worker's and the others'."""
@@ -211,6 +210,10 @@ class Gateway:
             await served.close()
         self.ctx.term()
 
+
+# With several workers, the services' part of a scrape is the first worker's while it published it
+# within this many stats intervals (gateway/ops/metrics.py, SERVICES_FILE).
+PUBLISHED_FRESH_POLLS = 5
 
 STOP_POLL_S = 0.2  # how often start-up looks whether uvicorn was told to stop
 
@@ -297,7 +300,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.exposition(gateway.stats_collector), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(gateway.stats_collector, PUBLISHED_FRESH_POLLS * gateway.config.stats_interval_s), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> FileResponse:

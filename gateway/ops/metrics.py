@@ -15,6 +15,7 @@ polls from the services is exported once, as the first worker polled it
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -78,18 +79,26 @@ PEER_BYTES = Counter("prism_gateway_peer_bytes", "Bytes on the gateway's sockets
 SERVICES_FILE = "services.prom"
 
 
-def exposition(service_stats) -> bytes:
+def exposition(service_stats, fresh_s: float) -> bytes:
     """One scrape: this process's metrics, or every worker's (multiprocess
-    mode), plus the polled services' (`service_stats`, or the first worker's) once."""
+    mode), plus the polled services' once: the first worker's, published within
+    `fresh_s`, else this worker's own (`service_stats`: the first worker has not
+    polled yet, or it died and its successor has not)."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return generate_latest(REGISTRY)
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
+    return generate_latest(registry) + (_published(fresh_s) or _services_exposition(service_stats))
+
+
+def _published(fresh_s: float) -> bytes | None:
+    path = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) / SERVICES_FILE
     try:
-        services = (Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) / SERVICES_FILE).read_bytes()
-    except FileNotFoundError:  # the first worker has not polled yet
-        services = _services_exposition(service_stats)
-    return generate_latest(registry) + services
+        if time.time() - path.stat().st_mtime <= fresh_s:
+            return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    return None
 
 
 def publish_services(service_stats) -> None:

@@ -58,6 +58,8 @@ def _sum(a, b):
     if a is None or b is None:  # an optional part (the shared tier) that one side lacks
         return b if a is None else a
     if isinstance(b, HistogramSnapshot):
+        if a.bounds != b.bounds:  # a process of another version, other buckets: the newer one's alone
+            return b
         return HistogramSnapshot(b.bounds, tuple(x + y for x, y in zip(a.counts, b.counts)), a.total + b.total)
     if isinstance(b, SharedTierStats):
         return added(a, b)
@@ -65,18 +67,30 @@ def _sum(a, b):
 
 
 class RetiredTotals:
-    """The counters of every encoder and engine process this gateway process saw go."""
+    """The last counters of every encoder and engine process this gateway process stopped
+    hearing from, by boot id. A process is counted here only while no replica reports it:
+    a client closed while its process lives on (a routing map reloaded, a pod that left the
+    DNS answer for a moment) must not count it twice."""
 
     def __init__(self) -> None:
-        self.encoder: EncoderStats | None = None
-        self.engine: EngineStats | None = None
+        self._last: dict[str, EncoderStats | EngineStats] = {}
 
     def retire(self, stats) -> None:
-        """The last stats of a process that restarted or left the set."""
-        if isinstance(stats, EncoderStats):
-            self.encoder = added(self.encoder, stats)
-        elif isinstance(stats, EngineStats):
-            self.engine = added(self.engine, stats)
+        """The last stats of a client whose process restarted, or that was closed."""
+        self._last[stats.boot_id] = counters(stats)
+
+    def totals(self, live: list) -> tuple[EncoderStats | None, EngineStats | None]:
+        """(encoders', engines') counters of the processes no stats in `live` come from."""
+        reporting = {stats.boot_id for stats in live}
+        encoder = engine = None
+        for boot_id, stats in self._last.items():
+            if boot_id in reporting:
+                continue
+            if isinstance(stats, EncoderStats):
+                encoder = added(encoder, stats)
+            else:
+                engine = added(engine, stats)
+        return encoder, engine
 
 
 RETIRED = RetiredTotals()  # one per gateway process: its sums cover every model

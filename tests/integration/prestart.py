@@ -3,10 +3,11 @@ unit tests run (they keep about one core busy) rather than in front of the
 first test that needs it.
 
 - The vLLM reference runs (`Reference`): one at a time, in the order they were
-  queued, on a thread of their own (`ReferenceRunner`). Two vLLM runs at once
-  would only share the spare core.
-- The session's stack (`SessionStack`): launched beside the references, and
-  waited for by the first test that uses it.
+  queued, on a thread of their own (`ReferenceRunner`), so that they add one
+  vLLM run to what starts at once, not six.
+- The session's stack (`SessionStack`): launched beside the first reference
+  (and test_api_parity's vLLM server), and waited for by the first test that
+  uses it.
 
 `conftest.pytest_collection_finish` queues what the collected tests need. A
 fixture asks for the same objects and waits for them; a test run alone
@@ -42,16 +43,22 @@ class Reference:
                         + (["--videos"] if videos else []) + (["--cases", ",".join(cases)] if cases is not None else []))
         self.process: subprocess.Popen | None = None
         self.launched = threading.Event()
+        self.launch_error: OSError | None = None
         self._results: dict | None = None
 
     def launch(self) -> None:
-        self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        try:
+            self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
+        except OSError as exc:  # told to its test, which would otherwise wait for a run that never comes
+            self.launch_error = exc
         self.launched.set()
 
     def results(self) -> dict:
         if self._results is None:
             if not self.launched.wait(timeout=REFERENCE_TIMEOUT_S * 4):  # the runs queued before it
                 raise TimeoutError(f"vLLM reference run for {self.out} never started")
+            if self.launch_error is not None:
+                raise RuntimeError(f"vLLM reference run for {self.out} could not start: {self.launch_error}")
             if self.process.wait(timeout=REFERENCE_TIMEOUT_S) != 0:
                 raise RuntimeError(f"vLLM reference run failed; the end of {self.log}:\n{log_tail(self.log)}")
             self._results = json.loads(self.out.read_text())
@@ -71,6 +78,8 @@ class ReferenceRunner:
     def __init__(self) -> None:
         self._queue: queue.Queue[Reference | None] = queue.Queue()
         self._all: list[Reference] = []
+        self._lock = threading.Lock()  # a run launches, or the runner stops: never both at once
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name="vllm-references", daemon=True)
         self._thread.start()
 
@@ -81,13 +90,17 @@ class ReferenceRunner:
 
     def _run(self) -> None:
         while (reference := self._queue.get()) is not None:
-            reference.launch()
-            reference.process.wait()
+            with self._lock:
+                if self._stopped:
+                    return
+                reference.launch()
+            if reference.process is not None:
+                reference.process.wait()
 
     def stop(self) -> None:
         """Nothing further starts; what runs is killed."""
-        while not self._queue.empty():
-            self._queue.get_nowait()
+        with self._lock:
+            self._stopped = True
         self._queue.put(None)
         for reference in self._all:
             reference.stop()

@@ -161,7 +161,7 @@ def test_a_lookup_slower_than_the_timeout_in_all_marks_the_tier_down(server, tie
             (found,) = slow.get_many([b"big"], [entry.identity])
         assert found is not None and torch.equal(found.embeddings, entry.embeddings)  # what came is used
         assert not slow.stats.up and slow.stats.errors == 1
-        assert any("over shared_cache_timeout_ms" in r.getMessage() for r in caplog.records)
+        assert any("(shared_cache_timeout_ms, plus its bytes at" in r.getMessage() for r in caplog.records)
         server.stop()  # a call now would fail and count a second error
         assert slow.get_many([b"big"], [entry.identity]) == [None]
         assert slow.stats.errors == 1  # down: no call was made

@@ -46,7 +46,7 @@ async def _a_stream_to_a_gateway_that_stopped_reading():
         service = _service(router)
         delta = TokenDelta(request_id="r1", choices=[], completion_tokens=3, prompt_tokens=5)
         assert not await service._send(peer, delta)  # given up: the stream ends (vLLM aborts it)
-        router.full_peer_wait_s = 5.0  # the gateway reads again within this
+        await asyncio.sleep(0.6)  # past the router's own wait: the notice waits longer than a token does
         told = [m for m in await _read_all(gateway) if isinstance(m, GenerateFailed)]
         assert [(m.request_id, m.status, m.code) for m in told] == [("r1", 503, STREAM_DROPPED)]
         assert not service._background  # the notice's send is done

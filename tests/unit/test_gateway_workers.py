@@ -14,6 +14,7 @@ import textwrap
 import zmq.asyncio
 
 from common.config import REPO_ROOT
+from gateway.ops import metrics
 from gateway.ops.workers import WorkerSlot
 from gateway.ops.dashboard import DashboardWindow, finished_request
 from gateway.ops.siblings import Siblings
@@ -64,7 +65,7 @@ SCRAPE = textwrap.dedent("""
         def collect(self):
             from prometheus_client.core import GaugeMetricFamily
             yield GaugeMetricFamily("prism_polled", "from the services", value=7)
-    print(metrics.exposition(Polled()).decode())
+    print(metrics.exposition(Polled(), fresh_s=5.0).decode())
 """)
 
 
@@ -86,3 +87,28 @@ def test_one_scrape_sums_every_workers_metrics_and_drops_a_dead_workers_gauges(t
     after = python(SCRAPE).stdout
     assert 'prism_requests_total{reason="ok",status="200"} 7.0' in after  # a dead worker's requests still count
     assert 'prism_in_flight_requests{service="gateway"} 3.0' in after or 'prism_in_flight_requests{service="gateway"} 4.0' in after
+
+
+PUBLISH = textwrap.dedent("""
+    from gateway.ops import metrics
+    class Polled:
+        def collect(self):
+            from prometheus_client.core import GaugeMetricFamily
+            yield GaugeMetricFamily("prism_polled", "from the services", value=9)
+    metrics.publish_services(Polled())
+""")
+
+
+def test_every_worker_scrapes_the_first_worker_s_services_while_it_publishes_them(tmp_path):
+    """The services' part of any worker's scrape is what the first worker published; once that is
+    older than `fresh_s` (the first worker died and its successor has not polled), a worker's own."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+
+    def python(code: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+
+    python(PUBLISH)
+    assert "prism_polled 9.0" in python(SCRAPE)
+    published = tmp_path / metrics.SERVICES_FILE
+    os.utime(published, (published.stat().st_atime, published.stat().st_mtime - 60))
+    assert "prism_polled 7.0" in python(SCRAPE)

@@ -48,12 +48,24 @@ def test_gone_processes_add_their_counters_and_none_of_their_gauges():
     retired.retire(encoder("a", hits=10, queue=7, shared_hits=None))
     retired.retire(encoder("b", hits=5, queue=2, shared_hits=4))
     retired.retire(EngineStats("c", in_flight=2, waiting=1, finished=9, failed=1, steps=100))
-    total = retired.encoder
+    total, engine = retired.totals(live=[])
     assert (total.cache_hits, total.batches, total.images_encoded, total.shared_cache.hits) == (15, 4, 10, 4)
     assert total.batch_images.counts == tuple(2 * c for c in histogram(BATCH_IMAGE_BUCKETS, 1, 4).counts)
     assert (total.queue_depth, total.in_flight, total.cache_bytes, total.cache_entries, total.vit_batches_now) == (0, 0, 0, 0, 0)
     assert total.boot_id == "retired"
-    assert (retired.engine.finished, retired.engine.steps, retired.engine.in_flight, retired.engine.waiting) == (9, 100, 0, 0)
+    assert (engine.finished, engine.steps, engine.in_flight, engine.waiting) == (9, 100, 0, 0)
+
+
+def test_a_process_another_client_still_hears_from_is_not_counted_twice():
+    """A routing map reloaded (new clients to the same processes, the old ones closed), or a pod
+    back in the DNS answer after a moment out of it: its stats come live again."""
+    retired = RetiredTotals()
+    retired.retire(encoder("a", hits=10, queue=0, shared_hits=None))
+    retired.retire(encoder("a", hits=12, queue=0, shared_hits=None))  # closed twice: its latest numbers, once
+    retired.retire(encoder("b", hits=5, queue=0, shared_hits=None))
+    assert retired.totals(live=[])[0].cache_hits == 17
+    assert retired.totals(live=[encoder("a", hits=13, queue=1, shared_hits=None)])[0].cache_hits == 5
+    assert retired.totals(live=[encoder("a", hits=13, queue=1, shared_hits=None), encoder("b", hits=6, queue=0, shared_hits=None)]) == (None, None)
 
 
 def test_a_gone_process_s_counters_alone_are_its_stats_less_its_gauges():
