@@ -9,9 +9,9 @@ counted as one), so a shared value is trusted no more than a local one.
 
 Redis is an optimisation, never a dependency. A failed call, or a lookup
 slower in all than `timeout_s` plus its bytes at `SLOW_LINK_BYTES_PER_S` (a
-slow link whose every read meets the socket timeout), marks the tier down for `retry_s` with one logged warning;
-meanwhile lookups miss and writes are skipped, and the first call after it
-probes again. Writes go through one
+slow link whose every read meets the socket timeout), marks the tier down
+for `retry_s` with one logged warning; meanwhile lookups miss and writes are
+skipped, and the first call after it probes again. Writes go through one
 background thread and a bounded queue, so a reply never waits on Redis.
 """
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import msgspec
 
+from gateway.ops.metrics import merge_histograms
 from protocol.stats import EncoderStats, EngineStats, HistogramSnapshot, SharedTierStats
 
 # What a process holds or is, not what it has done.
@@ -58,9 +59,8 @@ def _sum(a, b):
     if a is None or b is None:  # an optional part (the shared tier) that one side lacks
         return b if a is None else a
     if isinstance(b, HistogramSnapshot):
-        if a.bounds != b.bounds:  # a process of another version, other buckets: the newer one's alone
-            return b
-        return HistogramSnapshot(b.bounds, tuple(x + y for x, y in zip(a.counts, b.counts)), a.total + b.total)
+        # A process of another version, other buckets: the newer one's alone.
+        return merge_histograms([a, b]) if a.bounds == b.bounds else b
     if isinstance(b, SharedTierStats):
         return added(a, b)
     return a + b

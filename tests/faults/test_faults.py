@@ -18,14 +18,13 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import psutil
 import pytest
 
 from testing.stack import LocalStack
 from loadtest.synthetic import make_image
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.helpers import child_pid, log_records, metric_total, scrape, wait_until
+from tests.integration.helpers import child_pid, log_records, metric_total, scrape, service_pid, wait_until
 
 CLIENT_TIMEOUT_S = 90  # a request still unanswered after this counts as hung
 CHILD_LIVENESS_S = 8
@@ -197,17 +196,10 @@ def test_a_hung_encoder_process_is_restarted_by_its_launcher(faulty):
     hung = child_pid(faulty, "vision_encoder")
     wait_until(lambda: any(r["message"].startswith(f"vision_encoder[prism-demo:0] (pid {hung}) answers on its socket")
                            for r in log_records(faulty, "gateway")), 30, "the launcher watching the encoder (it answered once)")
-
-    def replaced() -> bool:
-        try:
-            return child_pid(faulty, "vision_encoder") != hung
-        except (LookupError, psutil.Error):  # between the kill and the restart
-            return False
-
     counted = scrape(faulty)
     os.kill(hung, signal.SIGSTOP)
     try:
-        wait_until(replaced, CHILD_LIVENESS_S + 30, "the hung encoder replaced")
+        wait_until(lambda: service_pid(faulty, "vision_encoder") not in (hung, None), CHILD_LIVENESS_S + 30, "the hung encoder replaced")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung, signal.SIGCONT)

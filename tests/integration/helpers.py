@@ -53,13 +53,18 @@ def child_pid(stack, module: str, address: str | None = None) -> int:
     raise LookupError(f"{module} {address or ''}")
 
 
+def service_pid(stack, module: str, address: str | None = None) -> int | None:
+    """`child_pid`, or None between the old process's exit and the launcher's restart."""
+    try:
+        return child_pid(stack, module, address)
+    except (LookupError, psutil.Error):
+        return None
+
+
 def engine_pid(stack, address: str | None = None) -> int | None:
     """An engine service's pid (by the address it binds when several run); None
     between the old process's exit and the launcher's restart."""
-    try:
-        return child_pid(stack, "llm_engine", address)
-    except (LookupError, psutil.Error):
-        return None
+    return service_pid(stack, "llm_engine", address)
 
 
 def engine_core(stack, address: str | None = None) -> psutil.Process:
