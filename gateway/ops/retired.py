@@ -68,29 +68,42 @@ def _sum(a, b):
 
 class RetiredTotals:
     """The last counters of every encoder and engine process this gateway process stopped
-    hearing from, by boot id. A process is counted here only while no replica reports it:
-    a client closed while its process lives on (a routing map reloaded, a pod that left the
-    DNS answer for a moment) must not count it twice."""
+    hearing from. A process is counted here only while no replica reports it: a client
+    closed while its process lives on (a routing map reloaded, a pod that left the DNS
+    answer for a moment) must not count it twice, so those are kept by boot id. A process
+    that restarted is gone for good: once no client reports it, its counters fold into one
+    total, so a crash-looping service costs a boot id here per restart, not its stats."""
 
     def __init__(self) -> None:
         self._last: dict[str, EncoderStats | EngineStats] = {}
+        self._ended: set[str] = set()  # boot ids in _last whose process restarted
+        self._folded: dict[type, EncoderStats | EngineStats] = {}
+        self._folded_ids: set[str] = set()
 
-    def retire(self, stats) -> None:
-        """The last stats of a client whose process restarted, or that was closed."""
+    def retire(self, stats, restarted: bool = False) -> None:
+        """The last stats of a client that was closed, or (`restarted`) whose process restarted."""
+        if stats.boot_id in self._folded_ids:  # a second client hearing of the same restart
+            return
         self._last[stats.boot_id] = counters(stats)
+        if restarted:
+            self._ended.add(stats.boot_id)
 
     def totals(self, live: list) -> tuple[EncoderStats | None, EngineStats | None]:
         """(encoders', engines') counters of the processes no stats in `live` come from."""
         reporting = {stats.boot_id for stats in live}
-        encoder = engine = None
+        self._fold(self._ended - reporting)
+        total = dict(self._folded)
         for boot_id, stats in self._last.items():
-            if boot_id in reporting:
-                continue
-            if isinstance(stats, EncoderStats):
-                encoder = added(encoder, stats)
-            else:
-                engine = added(engine, stats)
-        return encoder, engine
+            if boot_id not in reporting:
+                total[type(stats)] = added(total.get(type(stats)), stats)
+        return total.get(EncoderStats), total.get(EngineStats)
+
+    def _fold(self, boot_ids: set[str]) -> None:
+        for boot_id in boot_ids:
+            stats = self._last.pop(boot_id)
+            self._folded[type(stats)] = added(self._folded.get(type(stats)), stats)
+            self._folded_ids.add(boot_id)
+        self._ended -= boot_ids
 
 
 RETIRED = RetiredTotals()  # one per gateway process: its sums cover every model

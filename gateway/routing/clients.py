@@ -127,7 +127,7 @@ class ServiceClient:
     def _heartbeat(self, stats) -> None:
         restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
         if restarted:  # the new process counts from zero: the old one's counters stay in the sums
-            RETIRED.retire(self.stats)
+            RETIRED.retire(self.stats, restarted=True)
         self.stats = stats
         self.stats_received_at = asyncio.get_running_loop().time()
         if restarted:

@@ -71,3 +71,25 @@ def test_a_process_another_client_still_hears_from_is_not_counted_twice():
 def test_a_gone_process_s_counters_alone_are_its_stats_less_its_gauges():
     gone = counters(encoder("a", hits=10, queue=7, shared_hits=3))
     assert (gone.cache_hits, gone.queue_depth, gone.shared_cache.hits, gone.shared_cache.up) == (10, 0, 3, True)
+
+
+def test_a_crash_looping_service_folds_into_one_total_and_each_restart_counts_once():
+    """A restart is for good: once no client reports the old process, its counters fold
+    into one total (a service restarting for days must not grow the gateway), and a second
+    client that hears of the same restart later does not add it again."""
+    retired = RetiredTotals()
+    for boot in range(1000):
+        retired.retire(encoder(f"boot-{boot}", hits=2, queue=1, shared_hits=None), restarted=True)
+        assert retired.totals(live=[])[0].cache_hits == 2 * (boot + 1)
+    assert retired._last == {} and len(retired._folded) == 1
+    retired.retire(encoder("boot-999", hits=3, queue=0, shared_hits=None), restarted=True)
+    assert retired.totals(live=[])[0].cache_hits == 2000
+
+
+def test_a_restarted_process_another_client_still_reports_waits_for_it():
+    retired = RetiredTotals()
+    retired.retire(encoder("a", hits=10, queue=0, shared_hits=None), restarted=True)
+    assert retired.totals(live=[encoder("a", hits=11, queue=0, shared_hits=None)]) == (None, None)
+    retired.retire(encoder("a", hits=11, queue=0, shared_hits=None), restarted=True)  # that client hears of it too
+    assert retired.totals(live=[])[0].cache_hits == 11
+    assert retired._last == {}
