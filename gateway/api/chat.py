@@ -67,6 +67,9 @@ class ChatHandler:
         except APIError as exc:
             ticket.release()
             return self.refuse(exc, record)
+        except Exception:
+            ticket.release()
+            return self.refuse(internal_error(), record)
         except BaseException:
             ticket.release()
             raise
@@ -110,8 +113,7 @@ class ChatHandler:
         timer = record.timer
         ok = status == 200 and reason == "ok"
         metrics.REQUESTS.labels(str(status), reason).inc()
-        if ok:
-            metrics.observe(timer)
+        metrics.observe(timer, ok)
         self.gateway.finished(timer, ok)
         ttft = timer.ttft_s
         log.info(
@@ -206,15 +208,23 @@ class ChatHandler:
                         timer.mark_delta(last)
                         for event in events_of(last):
                             yield event
-            except APIError as exc:  # the stream has started: the error travels as a final event
-                record.outcome = (exc.status, exc.code or "error")
-                yield responses.sse(exc.body())
+            except Exception as exc:  # the stream has started: the error travels as a final event
+                error = exc if isinstance(exc, APIError) else internal_error()
+                record.outcome = (error.status, error.code or "error")
+                yield responses.sse(error.body())
                 yield responses.sse("[DONE]")
                 return
         if options.include_usage:
             total = responses.usage(last, timer.visual_tokens)
             yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": total})
         yield responses.sse("[DONE]")
+
+
+def internal_error() -> APIError:
+    """A failure of the gateway's own (a bug, not the input): logged with its traceback, counted,
+    and answered in OpenAI's shape like every other error."""
+    log.exception("the gateway failed on this request")
+    return APIError(500, "the gateway failed on this request; its log has the details under this request's id", code="internal_error")
 
 
 async def _wait_for_disconnect(http_request: Request, body_read: asyncio.Event) -> None:

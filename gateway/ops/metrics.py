@@ -120,12 +120,15 @@ def image_size_bucket(width: int, height: int) -> str:
     return next(label for bound, label in IMAGE_SIZE_BUCKETS if megapixels <= bound)
 
 
-def observe(timer) -> None:
-    """Record one successful request's timings."""
-    for stage, seconds in timer.stages.items():
-        STAGE_SECONDS.labels(stage).observe(seconds)
+def observe(timer, ok: bool) -> None:
+    """Record one finished request's timings: its TTFT once it had a first token (as vLLM counts
+    it: a stream that failed or was dropped later still had one), the rest when it succeeded."""
     if timer.ttft_s is not None:
         TTFT_SECONDS.observe(timer.ttft_s)
+    if not ok:
+        return
+    for stage, seconds in timer.stages.items():
+        STAGE_SECONDS.labels(stage).observe(seconds)
     if (tpot := timer.tpot_s) is not None:
         TPOT_SECONDS.observe(tpot)
     for gap in timer.inter_token_gaps():
