@@ -151,16 +151,20 @@ class Gateway:
         await served.retire(self.config.drain_timeout_s)
         self.retired.remove(served)
 
-    def pools(self):
-        """(model name, encoder pool, engine pool) of every model, retiring ones included."""
-        return [(m.name, m.encoder, m.engine) for m in [*self.models.values(), *self.retired]]
+    def pools(self, retiring: bool = True):
+        """(model name, encoder pool, engine pool) of every model, those draining after a reload
+        included unless `retiring` is false."""
+        models = [*self.models.values(), *(self.retired if retiring else [])]
+        return [(m.name, m.encoder, m.engine) for m in models]
 
     def service_stats(self) -> tuple[list, list]:
-        """The latest stats polled from every encoder and every engine replica, and the counters
-        of those that are gone (gateway/ops/retired.py)."""
+        """The latest stats of every encoder and engine process, and the counters of those that
+        are gone (gateway/ops/retired.py). A process is counted once however many clients hear
+        from it: a reload's new clients and the old ones draining beside them, or two models
+        routed to one encoder."""
         pools = self.pools()
-        encoders = [r.stats for _, pool, _ in pools for r in pool.replicas if r.stats is not None]
-        engines = [r.stats for _, _, pool in pools for r in pool.replicas if r.stats is not None]
+        encoders = _each_process([r for _, pool, _ in pools for r in pool.replicas])
+        engines = _each_process([r for _, _, pool in pools for r in pool.replicas])
         gone_encoders, gone_engines = RETIRED.totals(encoders + engines)
         return encoders + [gone_encoders] * (gone_encoders is not None), engines + [gone_engines] * (gone_engines is not None)
 
@@ -233,6 +237,14 @@ async def started_unless_stopped(gateway: Gateway, app: FastAPI) -> bool:
             return False
     starting.result()  # what start-up raised, if anything
     return True
+
+
+def _each_process(replicas) -> list:
+    """The newest stats of each process (by boot id) that `replicas` heard from."""
+    newest = {}
+    for replica in sorted((r for r in replicas if r.stats is not None), key=lambda r: r.stats_received_at or 0):
+        newest[replica.stats.boot_id] = replica.stats
+    return list(newest.values())
 
 
 def readiness(models: dict) -> tuple[dict, int]:

@@ -166,7 +166,7 @@ class ServiceStatsCollector:
         for service, stats in (("encoder", encoders), ("engine", engines)):
             stalls.add_metric([service], sum(s.stalls for s in stats))
         yield stalls
-        yield from _replica_metrics(self.gateway.pools())
+        yield from _replica_metrics(self.gateway.pools(retiring=False))  # a reload's old pools share the labels
         yield in_flight
         yield queue
 

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import types
+
 import msgspec
 import pytest
 
+from gateway.api.app import Gateway
+from gateway.config import GatewayConfig
 from gateway.ops.retired import GAUGES, RetiredTotals, counters
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, EngineStats, HistogramCounter, SharedTierStats
 
@@ -93,3 +97,29 @@ def test_a_restarted_process_another_client_still_reports_waits_for_it():
     retired.retire(encoder("a", hits=11, queue=0, shared_hits=None), restarted=True)  # that client hears of it too
     assert retired.totals(live=[])[0].cache_hits == 11
     assert retired._last == {}
+
+
+class Replica:
+    def __init__(self, stats, received_at: float) -> None:
+        self.stats, self.stats_received_at = stats, received_at
+
+
+class Pools:
+    """A served model's pools, as `Gateway.pools` reads them."""
+
+    def __init__(self, name: str, encoders: list[Replica], engines: list[Replica]) -> None:
+        self.name = name
+        self.encoder, self.engine = types.SimpleNamespace(replicas=encoders), types.SimpleNamespace(replicas=engines)
+
+
+def test_a_process_two_clients_hear_from_is_summed_once():
+    """A routing map reloaded: the new model's clients and the old one's, draining, hear from the
+    same processes for up to drain_timeout_s; the sums must not double (and then fall back)."""
+    gateway = Gateway(GatewayConfig())
+    engine = EngineStats("e", in_flight=1, waiting=0, finished=9, failed=0, steps=100)
+    gateway.models = {"m": Pools("m", [Replica(encoder("a", hits=12, queue=1, shared_hits=None), 2.0)], [Replica(engine, 2.0)])}
+    gateway.retired = [Pools("m", [Replica(encoder("a", hits=10, queue=1, shared_hits=None), 1.0)], [Replica(engine, 1.0)])]
+    encoders, engines = gateway.service_stats()
+    assert [e.cache_hits for e in encoders] == [12]
+    assert [e.finished for e in engines] == [9]
+    assert len(gateway.pools(retiring=False)) == 1
