@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def parser() -> argparse.ArgumentParser:
     work.add_argument("--prompt-words", type=int, default=0, help="filler words added to each question")
     work.add_argument("--max-tokens", type=int, default=16)
     work.add_argument("--system-prompts", choices=("none", "fixed", "unique"), default="none")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--seed", type=int, default=0, help="sizes, formats, repeats and arrivals")
+    work.add_argument("--image-salt", type=int, default=None,
+                      help="mixed into every image's pixels (default: a new one each run, so a server that stays up "
+                           "sees new images; the report gives it, to send the same images again)")
     video = p.add_argument_group("videos (a share of the requests carry one clip instead of images)")
     video.add_argument("--videos", default=None,
                        help="clip lengths with weights: short (4 s), long (30 s) or <seconds>s, e.g. short=3,long=1,60s=1")
@@ -99,7 +103,7 @@ def workload(args) -> WorkloadSpec:
         buckets=parse_buckets(args.buckets), images_per_request=parse_distribution(args.images_per_request),
         png_fraction=args.png_fraction, repeat_ratio=args.repeat_ratio, pool_size=args.pool_size,
         prompt_words=args.prompt_words, max_tokens=args.max_tokens, system_prompts=args.system_prompts, seed=args.seed,
-        videos=video_mix(args),
+        image_salt=random.getrandbits(48) if args.image_salt is None else args.image_salt, videos=video_mix(args),
     )
 
 
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.requests, args.duration_s, args.warmup, args.image_transport, args.image_host, progress=not args.quiet)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     console = Console()
+    console.print(f"images and clips salted with {spec.image_salt} (--image-salt {spec.image_salt} sends the same ones again)")
     if args.sweep_concurrency or args.sweep_rate:
         kind = "concurrency" if args.sweep_concurrency else "rate"
         result = sweep(target, spec, args.sweep_concurrency or args.sweep_rate, kind, plan, slo, args.slo_attainment)

@@ -41,3 +41,15 @@ def test_a_video_mix_is_taken_by_flags_and_bad_ones_are_refused(tmp_path, capsys
     assert main(argv) == 1  # nothing listens: every request fails, by kind
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["workload"]["videos"]["sample_fps"] == 2 and set(result["by_bucket"]) == {"video-2s-new"}
+
+
+def test_each_run_sends_new_images_unless_given_a_salt(tmp_path):
+    """Against a server that stays up, a second run with the same seed must not be all cache
+    hits while its report says no image repeats; the salt it used reproduces it."""
+    salts = []
+    for name in ("first", "second"):
+        assert main([*DEAD, "--requests", "1", "--out-dir", str(tmp_path), "--name", name]) == 1
+        salts.append(json.loads((tmp_path / f"{name}.json").read_text())["workload"]["image_salt"])
+    assert salts[0] != salts[1]
+    assert main([*DEAD, "--requests", "1", "--image-salt", str(salts[0]), "--out-dir", str(tmp_path), "--name", "again"]) == 1
+    assert json.loads((tmp_path / "again.json").read_text())["workload"]["image_salt"] == salts[0]
