@@ -89,11 +89,16 @@ class RequestTimer:
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.arrived
 
+    @property
+    def unaccounted_s(self) -> float | None:
+        """What of the TTFT no stage covers."""
+        return None if self.first_token_at is None else self.ttft_s - sum(self.stages.values())
+
     def stages_ms(self) -> dict[str, float]:
         """Stages in ms, then TTFT, the unaccounted remainder and E2E when known."""
         ms = {name: round(value * 1000, 3) for name, value in self.stages.items()}
         if (ttft := self.ttft_s) is not None:
-            ms["unaccounted"] = round((ttft - sum(self.stages.values())) * 1000, 3)
+            ms["unaccounted"] = round(self.unaccounted_s * 1000, 3)
             ms["ttft"] = round(ttft * 1000, 3)
         if self.finished_at is not None:
             ms["e2e"] = round((self.finished_at - self.arrived) * 1000, 3)

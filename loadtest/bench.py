@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from loadtest.client import Target
 from loadtest.runner import Arrival, RunResult, image_urls, run
-from loadtest.stats import SLO, by_bucket, stage_medians, stage_percentiles, summarize
+from loadtest.stats import SLO, by_bucket, stage_means, stage_medians, stage_percentiles, summarize
 from loadtest.workload import WorkloadSpec, generate
 
 
@@ -35,6 +35,7 @@ def build_report(target: Target, spec: WorkloadSpec, arrival: Arrival, outcome: 
         "summary": summarize(outcome.results, outcome.duration_s, slo),
         "by_bucket": by_bucket(outcome.results, outcome.duration_s, slo),
         "stages": stage_medians(outcome.results),
+        "stage_means": stage_means(outcome.results),
         "stage_percentiles": stage_percentiles(outcome.results),
         "samples": {"ttft_ms": [r.ttft_s * 1000 for r in done], "e2el_ms": [r.e2e_s * 1000 for r in done]},
     }

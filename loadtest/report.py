@@ -111,15 +111,15 @@ def plot_cdf(report: dict, path: Path) -> Path:
 
 def plot_stages(report: dict, path: Path) -> Path:
     plt = _pyplot()
-    buckets = list(report["stages"])
-    names = list(next(iter(report["stages"].values())))
+    buckets = list(report["stage_means"])
+    names = list(next(iter(report["stage_means"].values())))
     fig, ax = plt.subplots(figsize=(8, 4))
     bottoms = [0.0] * len(buckets)
     for name in names:
-        heights = [report["stages"][b].get(name, 0.0) for b in buckets]
+        heights = [report["stage_means"][b].get(name, 0.0) for b in buckets]
         ax.bar(buckets, heights, bottom=bottoms, label=name)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_ylabel("median ms")
+    ax.set_ylabel("mean ms (adds up to the mean TTFT)")
     ax.set_title("Where TTFT goes, per kind of request")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -14,6 +14,7 @@ from gateway.timing import TTFT_STAGES, RequestTimer
 from protocol.siblings import FinishedRequest
 
 STAGES = (*TTFT_STAGES, "unaccounted")
+BAND = 0.05  # of the window's requests, around a percentile's rank (breakdown_near)
 
 
 def finished_request(timer: RequestTimer, ok: bool) -> FinishedRequest:
@@ -44,19 +45,39 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def breakdown_near(ok: list[FinishedRequest], q: float) -> dict | None:
+    """Where the time went for the requests whose TTFT is near its q-th percentile (the
+    nearest `BAND` of them by rank): their mean stages, which add up to their mean TTFT.
+    Each stage's own percentiles do not add up to anything: the slowest 5 % of encodes and
+    of engine queues are rarely the same requests."""
+    timed = sorted((r for r in ok if r.ttft_ms is not None), key=lambda r: r.ttft_ms)
+    if not timed:
+        return None
+    rank = max(0, math.ceil(q / 100 * len(timed)) - 1)
+    half = round(len(timed) * BAND / 2)
+    near = timed[max(0, rank - half):rank + half + 1]
+    return {"ttft": _round(sum(r.ttft_ms for r in near) / len(near)), "requests": len(near),
+            "stages": {s: _round(sum(r.stages_ms.get(s, 0.0) for r in near) / len(near)) for s in STAGES}}
+
+
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
 class DashboardWindow:
+    """Finished requests over the last `span_s`: every one counted (per second, so throughput
+    is exact at any rate), the latest `max_records` kept whole for percentiles."""
+
     def __init__(self, span_s: float = 300, bucket_s: float = 5, max_records: int = 50_000) -> None:
         self.span_s = span_s
         self.bucket_s = bucket_s
         self.records: deque[FinishedRequest] = deque(maxlen=max_records)
+        self.counts: dict[int, list[int]] = {}  # second -> [answered, failed]
         self.samples: deque[ServiceSample] = deque(maxlen=int(span_s) * 4)
 
     def add(self, record: FinishedRequest) -> None:
         self.records.append(record)
+        self.counts.setdefault(int(record.at), [0, 0])[0 if record.ok else 1] += 1
 
     def add_sample(self, sample: ServiceSample) -> None:
         self.samples.append(sample)
@@ -64,37 +85,49 @@ class DashboardWindow:
     def _recent(self, now: float) -> list[FinishedRequest]:
         return [r for r in self.records if r.at >= now - self.span_s]
 
+    def _counted(self, now: float) -> dict[int, list[int]]:
+        for second in [s for s in self.counts if s + 1 <= now - self.span_s]:  # wholly out of the window
+            del self.counts[second]
+        return self.counts
+
     def snapshot(self) -> dict:
         now = time.time()
         recent = self._recent(now)
+        counts = self._counted(now)
+        answered, failed = sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())
         ok = [r for r in recent if r.ok]
         hits = sum(r.cache_hits for r in recent)
         lookups = hits + sum(r.cache_misses for r in recent)
         return {
             "window_s": self.span_s,
-            "requests": len(recent),
-            "errors": len(recent) - len(ok),
-            "throughput_rps": _round(len(recent) / self.span_s),
+            "requests": answered + failed,
+            "errors": failed,
+            "throughput_rps": _round(answered / self.span_s),
             "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
             "stages": {s: {"p50": _round(percentile([r.stages_ms[s] for r in ok], 50)), "p95": _round(percentile([r.stages_ms[s] for r in ok], 95))} for s in STAGES},
+            "breakdown": {f"p{q}": breakdown_near(ok, q) for q in (50, 95)},
             "ttft": {"p50": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 50)), "p95": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 95))},
-            "series": self._series(now, recent),
+            "series": self._series(now, recent, counts),
             "services": self._service_series(now),
         }
 
-    def _series(self, now: float, recent: list[FinishedRequest]) -> list[dict]:
+    def _series(self, now: float, recent: list[FinishedRequest], counts: dict[int, list[int]]) -> list[dict]:
         buckets: dict[int, list[FinishedRequest]] = {}
         for record in recent:
             buckets.setdefault(int((now - record.at) // self.bucket_s), []).append(record)
+        answered: dict[int, int] = {}
+        for second, (done, _) in counts.items():
+            age = int((now - second) // self.bucket_s)
+            answered[age] = answered.get(age, 0) + done
         series = []
-        for age in sorted(buckets, reverse=True):
-            rows = buckets[age]
+        for age in sorted(buckets.keys() | answered.keys(), reverse=True):
+            rows = buckets.get(age, [])
             ttft = [r.ttft_ms for r in rows if r.ok and r.ttft_ms is not None]
             tpot = [r.tpot_ms for r in rows if r.ok and r.tpot_ms is not None]
             hits = sum(r.cache_hits for r in rows)
             lookups = hits + sum(r.cache_misses for r in rows)
             series.append({
-                "t": round(now - age * self.bucket_s), "rps": round(len(rows) / self.bucket_s, 3),
+                "t": round(now - age * self.bucket_s), "rps": round(answered.get(age, 0) / self.bucket_s, 3),
                 "ttft_p50": _round(percentile(ttft, 50)), "ttft_p95": _round(percentile(ttft, 95)),
                 "tpot_p50": _round(percentile(tpot, 50)), "tpot_p95": _round(percentile(tpot, 95)),
                 "cache_hit_rate": None if not lookups else round(hits / lookups, 4),

@@ -17,18 +17,21 @@ function fit(canvas) {
 
 function fmt(value, digits = 1) { return value === null || value === undefined ? "–" : Number(value).toFixed(digits); }
 
-function stackedBars(canvas, stages, data) {
+// One bar per TTFT percentile: the mean stages of the requests near it, which add up to
+// their TTFT (each stage's own percentiles would not: the table beside shows those).
+function stackedBars(canvas, stages, breakdown) {
   const { ctx, width, height } = fit(canvas);
   ctx.clearRect(0, 0, width, height);
   const rows = ["p50", "p95"], left = 40, top = 8, barHeight = 34, gap = 14;
-  const totals = rows.map(q => stages.reduce((sum, s) => sum + (data[s][q] || 0), 0));
+  const totals = rows.map(q => breakdown[q] ? breakdown[q].ttft : 0);
   const scale = (width - left - 10) / Math.max(1, ...totals);
   rows.forEach((q, row) => {
     const y = top + row * (barHeight + gap);
     ctx.fillStyle = MUTED; ctx.fillText(q, 4, y + barHeight / 2 + 4);
     let x = left;
+    if (!breakdown[q]) { ctx.fillText("no requests yet", x, y + barHeight / 2 + 4); return; }
     stages.forEach((stage, i) => {
-      const w = (data[stage][q] || 0) * scale;
+      const w = Math.max(0, breakdown[q].stages[stage] || 0) * scale;
       ctx.fillStyle = COLORS[i % COLORS.length]; ctx.fillRect(x, y, w, barHeight);
       x += w;
     });
@@ -96,7 +99,7 @@ function render(d) {
   document.getElementById("ttft").textContent = `${fmt(d.ttft.p50, 0)} / ${fmt(d.ttft.p95, 0)} ms`;
   document.getElementById("cache-hit-rate").textContent = d.cache_hit_rate === null ? "–" : `${(d.cache_hit_rate * 100).toFixed(1)}%`;
   document.getElementById("errors").textContent = d.errors;
-  stackedBars(document.getElementById("stages"), stages, d.stages);
+  stackedBars(document.getElementById("stages"), stages, d.breakdown);
   renderTable(stages, d.stages);
   lineChart(document.getElementById("ttft-chart"), d.series, [{ key: "ttft_p50", label: "p50" }, { key: "ttft_p95", label: "p95" }]);
   lineChart(document.getElementById("tpot-chart"), d.series, [{ key: "tpot_p50", label: "p50" }, { key: "tpot_p95", label: "p95" }]);

@@ -1,0 +1,50 @@
+"""The numbers /dashboard draws (gateway/ops/dashboard.py): a stacked bar must add up to the
+TTFT it stands for, and throughput must count requests answered, at any rate."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.ops.dashboard import STAGES, DashboardWindow
+from protocol.siblings import FinishedRequest
+
+
+def request(at: float, ok: bool = True, **stages_ms: float) -> FinishedRequest:
+    stages = dict.fromkeys(STAGES, 0.0) | stages_ms
+    ttft = sum(stages.values())
+    return FinishedRequest(at=at, ok=ok, stages_ms=stages if ok else {}, ttft_ms=ttft if ok else None, tpot_ms=None,
+                           cache_hits=0, cache_misses=1)
+
+
+def test_each_percentile_s_bar_is_the_stages_of_the_requests_at_that_ttft():
+    """60 % of the requests wait 200 ms for the engine, 40 % spend 300 ms encoding. Each stage's
+    own p95 (200 + 300) adds up to a TTFT no request had; the bar at the p95 is the encodes'."""
+    window, now = DashboardWindow(), time.time()
+    for i in range(100):
+        window.add(request(now, engine_queue=200.0) if i % 5 < 3 else request(now, encode=300.0))
+    snapshot = window.snapshot()
+    assert snapshot["stages"]["engine_queue"]["p95"] + snapshot["stages"]["encode"]["p95"] == 500
+    p95, p50 = snapshot["breakdown"]["p95"], snapshot["breakdown"]["p50"]
+    assert (p95["ttft"], p95["stages"]["encode"], p95["stages"]["engine_queue"]) == (300, 300, 0)
+    assert (p50["ttft"], p50["stages"]["engine_queue"]) == (200, 200)
+    for bar in (p50, p95):
+        assert sum(bar["stages"].values()) == pytest.approx(bar["ttft"])
+
+
+def test_throughput_counts_every_answer_and_no_refusal_past_the_kept_records():
+    window, now = DashboardWindow(span_s=10, bucket_s=5, max_records=100), time.time()
+    for i in range(800):
+        window.add(request(now - i / 100))  # 100 answered a second for the last 8 s of the 10
+    for _ in range(50):
+        window.add(request(now, ok=False))
+    snapshot = window.snapshot()
+    assert (snapshot["requests"], snapshot["errors"]) == (850, 50)
+    assert snapshot["throughput_rps"] == 80
+    assert sum(point["rps"] * 5 for point in snapshot["series"]) == pytest.approx(800)
+    assert len(window.records) == 100
+
+
+def test_an_empty_window_draws_no_bar():
+    assert DashboardWindow().snapshot()["breakdown"] == {"p50": None, "p95": None}
