@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from transformers import AutoImageProcessor
 
@@ -120,3 +121,12 @@ def test_tiled_features_have_the_counted_length_as_sent_by_the_gateway(anyres):
 def test_a_qwen_pixel_budget_stops_a_tiled_family_at_start_up(family):
     with pytest.raises(ValueError, match=r"encoder.min_pixels / encoder.max_pixels set a Qwen pixel budget; (LLaVA-OneVision|InternVL3) tiles"):
         load_tower(str(ensure_tiny_model(family)), "float32", "cpu", max_pixels=200704)
+
+
+def test_a_three_pixel_tall_image_is_read_channels_last(anyres):
+    """(3, w, 3) pixels look channels-first to a processor that guesses; vLLM gives it a PIL
+    image, whose layout is never guessed. The tower's pixels must be those."""
+    pixels = np.random.default_rng(3).integers(0, 256, (3, 300, 3), dtype=np.uint8)
+    ours = anyres.preprocess([TowerImage(pixels, (3, 300))]).pixel_values
+    theirs = anyres.processor(images=[Image.fromarray(pixels)], return_tensors="pt")["pixel_values"]
+    assert ours.shape == theirs.shape and torch.allclose(ours.float(), theirs.float(), atol=1e-5)

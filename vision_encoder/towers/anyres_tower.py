@@ -110,7 +110,9 @@ class AnyresTower(VisionTower):
 
     def preprocess(self, images: list[TowerImage]) -> Preprocessed:
         with self.io.preparing():
-            out = self.processor(images=[image.pixels for image in images], return_tensors="pt", **self.processor_device)
+            # channels_last said, not guessed: a (3, w, 3) image would be read as channels first
+            out = self.processor(images=[image.pixels for image in images], input_data_format="channels_last", return_tensors="pt",
+                                 **self.processor_device)
             pixels = out["pixel_values"].to(self.dtype)
             ready = self.io.prepared()
         # The tiles come from the pixels as sent; the unpadding follows the original

@@ -118,8 +118,8 @@ class TilesTower(VisionTower):
             for image in images:  # each image held to its own tile count: one processor call each
                 count = self.layout.tiles(*image.original_size)
                 crops = count - 1 if count > 1 else 1
-                out = self.processor(images=[image.pixels], min_patches=crops, max_patches=crops, return_tensors="pt",
-                                     **self.processor_device)
+                out = self.processor(images=[image.pixels], min_patches=crops, max_patches=crops, input_data_format="channels_last",
+                                     return_tensors="pt", **self.processor_device)  # said, not guessed: (3, w, 3) is ambiguous
                 if out["pixel_values"].shape[0] != count:
                     raise ValueError(f"image of original size {image.original_size}: {out['pixel_values'].shape[0]} tiles, expected {count}")
                 pixels.append(out["pixel_values"].to(self.dtype))
