@@ -17,7 +17,8 @@ from protocol.video import VideoKnobs
 
 def video_limits(config: GatewayConfig) -> VideoLimits:
     return VideoLimits(config.max_video_bytes, config.max_video_frame_pixels, config.max_video_frames,
-                       config.max_video_duration_s, config.max_video_sampled_frames, config.max_video_decode_s)
+                       config.max_video_duration_s, config.max_video_sampled_frames, config.max_video_decode_s,
+                       config.max_aspect_ratio)
 
 
 def video_refs(request: ChatCompletionRequest) -> list[VideoRef]:

@@ -233,3 +233,10 @@ def test_a_decode_told_to_stop_ends_before_its_next_frame(clip12):
     with pytest.raises(Stopped):
         decode(inspect(clip12, WHERE, VideoSampling(), LIMITS), stop=stop)
     assert len(asked) == 3  # two frames read, then no more
+
+
+def test_frames_past_the_aspect_ratio_limit_are_refused_before_decoding():
+    """Qwen's video processors refuse frames past 200:1 inside the encoder, where the error used to
+    fail every request batched with the clip."""
+    error = refusal(clip(width=4032, height=16, fps=10.0, num_frames=4))
+    assert error.status == 400 and "4032×16: aspect ratio 252 exceeds the model's limit of 200" in error.message

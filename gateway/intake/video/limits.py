@@ -23,6 +23,7 @@ class VideoLimits:
     max_duration_s: float  # the duration the header claims
     max_sampled_frames: int  # frames kept after sampling (what the encoder would see)
     max_decode_s: float = 120.0  # one video's decode, in an intake thread
+    max_aspect_ratio: float = 200.0  # the frames' long side over their short: Qwen's processors refuse past 200
 
     def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
         """The image limits' interface (gateway/intake.py ImageLimits), so the fetcher caps video downloads too."""
@@ -35,6 +36,10 @@ class VideoLimits:
         """Header checks: a stream with frames of a sane size, count and length."""
         if source.width <= 0 or source.height <= 0:
             raise refused(where, "has no video stream (no frame size in its header)")
+        if max(source.width, source.height) / min(source.width, source.height) > self.max_aspect_ratio:
+            ratio = max(source.width, source.height) / min(source.width, source.height)
+            raise refused(where, f"frames are {source.width}×{source.height}: aspect ratio {ratio:.0f} exceeds the model's "
+                          f"limit of {self.max_aspect_ratio:g}")
         pixels = source.width * source.height
         if pixels > self.max_frame_pixels:
             raise refused(where, f"frames are {source.width}×{source.height} = {pixels} pixels; "
