@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -246,7 +247,7 @@ def towers(args, device, peak: float, budget: Budget) -> None:
         for mix, sizes in chosen.items():
             measure_mix(tower, mix, sizes, device, peak, args.rounds)
         del tower
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_device_memory()
 
 
 # ---------------------------------------------------------------- out of memory
@@ -320,19 +321,34 @@ def compiled(args, device: torch.device, peak: float, budget: Budget) -> None:
         if budget.left() < 60:
             log(section="tower-compiled", family=name, skipped="out of time")
             continue
-        options = RunOptions(attention=attention, graph_max_patches=args.graph_max_patches, max_batch_images=32,
-                             compile_blocks=True)
-        tower = load(name, args.root, device, options)
-        graphed = [f"{tower.attention}+graphs"] if tower.graphs is not None else []
-        # the chosen attention only: another attention function would recompile every block.
-        # On a CPU, also the path it ships with (the loop, eagerly).
-        shipped = ["loop+eager"] if device.type == "cpu" else []
-        variants = [*shipped, f"{tower.attention}+eager", tower.attention, *graphed]
-        for mix in names:
-            measure_mix(tower, mix, mixes[mix], device, peak, args.rounds, variants, "tower-compiled")
-            log(section="compile-dynamo", family=name, mix=mix, block_graphs=block_graphs(tower), **dynamo_counters())
-        del tower  # its graphs' memory pools too, before the next tower loads (as `towers` does)
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        try:  # one family's failure (a capture, a compile) must not cost the others their measurement
+            compiled_family(args, name, device, peak, attention, mixes, names)
+        except Exception as exc:  # logged with the family, and the next one runs
+            log(section="tower-compiled", family=name, error=repr(exc)[:500], trace=traceback.format_exc()[-3000:])
+        free_device_memory()
+
+
+def compiled_family(args, name: str, device: torch.device, peak: float, attention: str, mixes: dict, names) -> None:
+    options = RunOptions(attention=attention, graph_max_patches=args.graph_max_patches, max_batch_images=32,
+                         compile_blocks=True)
+    tower = load(name, args.root, device, options)
+    graphed = [f"{tower.attention}+graphs"] if tower.graphs is not None else []
+    # the chosen attention only: another attention function would recompile every block.
+    # On a CPU, also the path it ships with (the loop, eagerly).
+    shipped = ["loop+eager"] if device.type == "cpu" else []
+    variants = [*shipped, f"{tower.attention}+eager", tower.attention, *graphed]
+    for mix in names:
+        measure_mix(tower, mix, mixes[mix], device, peak, args.rounds, variants, "tower-compiled")
+        log(section="compile-dynamo", family=name, mix=mix, block_graphs=block_graphs(tower), **dynamo_counters())
+
+
+def free_device_memory() -> None:
+    """What the last tower held, its graphs' memory pools too, before the next one loads: a
+    tower and its graphs hold each other (the graphs run the tower's bound forward), so only a
+    collection frees them."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def block_graphs(tower) -> dict:

@@ -2,8 +2,11 @@
 # bench.gpu_encoder on the device machine, from the project's root, with the
 # wheels its image lacks carried in .whl (docs/gpu.md says which):
 #   bash bench/gpu_run.sh [bench.gpu_encoder arguments]
+#   bash bench/gpu_run.sh -m bench.tower_load [its arguments]   (another module, the same environment)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
-python3 -m bench.gpu_encoder "$@" 2>&1 | tee "${OUT:-/tmp}/log.txt" | grep -v -i warn
+module=bench.gpu_encoder
+if [ "${1:-}" = "-m" ]; then module=$2; shift 2; fi
+python3 -m "$module" "$@" 2>&1 | tee -a "${OUT:-/tmp}/log.txt" | grep -v -i warn
