@@ -130,3 +130,34 @@ def test_a_three_pixel_tall_image_is_read_channels_last(anyres):
     ours = anyres.preprocess([TowerImage(pixels, (3, 300))]).pixel_values
     theirs = anyres.processor(images=[Image.fromarray(pixels)], return_tensors="pt")["pixel_values"]
     assert ours.shape == theirs.shape and torch.allclose(ours.float(), theirs.float(), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen_7b_budget():
+    """Qwen2.5-VL's tower at configs/qwen2.5-vl-7b.yaml's pixel budget."""
+    return load_tower(str(ensure_tiny_model("qwen2.5-vl")), "float32", "cpu", min_pixels=200_704, max_pixels=1_003_520)
+
+
+@pytest.mark.parametrize("height,width,budget", [
+    (16_000, 100, None),  # a banner: rounding its short side up passes 200:1, which smart_resize refuses
+    (1_080, 1_920, PixelBudget(200_704, 200_704)),  # a request's max_pixels: sized below the deployment's min
+    (1_000, 999, PixelBudget(200_704, 200_704)),
+    (3_000, 4_000, None),  # the deployment's budget, scaled down: as before
+])
+def test_an_image_the_gateway_sized_keeps_the_grid_vllm_gives_its_original(qwen_7b_budget, height, width, budget):
+    """vLLM sizes the original once, under the request's budget. The gateway sends that size; the
+    encoder must not size it again under the deployment's."""
+    tower = qwen_7b_budget
+    policy = IntakePolicy(tower.processor_info, LIMITS)
+    budget = budget or policy.default_budget
+    original = np.random.default_rng(height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    target_h, target_w = policy.target(height, width, budget)
+    sent = TowerImage(resize_pixels(Image.fromarray(original), target_w, target_h), (height, width))
+    size = {"shortest_edge": budget.min_pixels, "longest_edge": budget.max_pixels}  # a request's mm_processor_kwargs
+    vllm_grid = tower.processor(images=[Image.fromarray(original)], size=size, return_tensors="pt")["image_grid_thw"][0].tolist()
+    batch = tower.preprocess([sent, TowerImage(original[:300, :400].copy(), (300, 400))])  # beside one it sizes itself
+    assert batch.grid_thw[0].tolist() == vllm_grid
+    assert tower.patches_of(sent) == vllm_grid[1] * vllm_grid[2]
+    assert batch.pixel_values.shape[0] == sum(int(np.prod(grid)) for grid in batch.grid_thw.tolist())
+    tokens = [len(t) for t, _ in tower.encode(batch)]
+    assert tokens[0] == policy.visual_tokens(height, width, (target_h, target_w)) == vllm_grid[1] * vllm_grid[2] // 4

@@ -67,6 +67,13 @@ def plan_of(model: torch.nn.Module, grid_thw: torch.Tensor) -> dict[str, Any]:
     return plan
 
 
+def _in_order(parts: dict[bool, tuple[torch.Tensor, torch.Tensor]], sized: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two processor calls' (pixels, grids), resized and not, put back in the batch's order."""
+    chunks = {flag: iter(zip(pixels.split(grids.prod(dim=1).tolist()), grids)) for flag, (pixels, grids) in parts.items()}
+    ordered = [next(chunks[flag]) for flag in sized]
+    return torch.cat([pixels for pixels, _ in ordered]), torch.stack([grid for _, grid in ordered])
+
+
 class QwenTower(VisionTower):
     def __init__(self, model_id: str, path: Path, config: Any, family: Family, dtype: str, device: str,
                  min_pixels: int | None = None, max_pixels: int | None = None, options: RunOptions = RunOptions()) -> None:
@@ -129,14 +136,36 @@ class QwenTower(VisionTower):
         h, w = smart_resize(height, width, info.patch_size * info.merge_size, info.min_pixels, info.max_pixels)
         return (h // info.patch_size) * (w // info.patch_size)
 
+    def gateway_sized(self, image: TowerImage) -> bool:
+        """The gateway resized the image to its grid: the size vLLM's processor makes of the
+        original under the request's budget. Sizing it again would apply the deployment's budget
+        (a request's own, or `detail: low`, may be smaller) and smart_resize's checks to a size
+        they were not meant for: its rounding can land outside the budget it was given, and a
+        rounded-up short side can push the aspect ratio past the 200 it refuses."""
+        height, width = image.pixels.shape[:2]
+        factor = self.processor.patch_size * self.processor.merge_size
+        return (height, width) != tuple(image.original_size) and height % factor == 0 and width % factor == 0
+
+    def patches_of(self, image: TowerImage) -> int:
+        if not self.gateway_sized(image):
+            return super().patches_of(image)
+        height, width = image.pixels.shape[:2]
+        return (height // self.processor.patch_size) * (width // self.processor.patch_size)
+
     def preprocess(self, images: list[TowerImage]) -> Preprocessed:
+        sized = [self.gateway_sized(image) for image in images]
         with self.io.preparing():
-            out = self.processor(images=[channels_first_view(image.pixels) for image in images], input_data_format="channels_first",
-                                 return_tensors="pt", **self.processor_device)
-            grid_thw = out["image_grid_thw"].cpu()
-            pixels = out["pixel_values"].to(self.dtype)
+            parts = {flag: self._process([image for image, s in zip(images, sized) if s == flag], resize=not flag)
+                     for flag in set(sized)}
+            pixels, grid_thw = parts[sized[0]] if len(parts) == 1 else _in_order(parts, sized)
+            pixels = pixels.to(self.dtype)
             ready = self.io.prepared()
         return Preprocessed(pixels, grid_thw, plan_of(self.model, grid_thw), ready)
+
+    def _process(self, images: list[TowerImage], resize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.processor(images=[channels_first_view(image.pixels) for image in images], input_data_format="channels_first",
+                             return_tensors="pt", **({} if resize else {"do_resize": False}), **self.processor_device)
+        return out["pixel_values"], out["image_grid_thw"].cpu()
 
     def _forward(self, pixels: torch.Tensor, plan: dict[str, Any]) -> torch.Tensor:
         """The tower on device inputs: the merger's tokens (+ DeepStack features), one row per token."""

@@ -196,6 +196,10 @@ class VisionTower:
         """The ViT's work for an image of this size, in patches (batching and the stall bound)."""
         raise NotImplementedError
 
+    def patches_of(self, image: TowerImage) -> int:
+        """`num_patches` of the image as the gateway sent it (a family may size a resized one otherwise)."""
+        return self.num_patches(*image.pixels.shape[:2])
+
     def preprocess(self, images: list[TowerImage]) -> Any:
         """The processor's output, pixels already cast to the tower's dtype: the
         cast runs here on the preprocessing thread, not on the ViT's (the
