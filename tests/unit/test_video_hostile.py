@@ -240,3 +240,57 @@ def test_frames_past_the_aspect_ratio_limit_are_refused_before_decoding():
     fail every request batched with the clip."""
     error = refusal(clip(width=4032, height=16, fps=10.0, num_frames=4))
     assert error.status == 400 and "4032×16: aspect ratio 252 exceeds the model's limit of 200" in error.message
+
+
+def one_keyframe(raw: bytes) -> bytes:
+    """The mp4 with a sync-sample table naming its first frame alone: OpenCV's end-of-stream seek
+    (vLLM's frame-count check) then decodes every frame from the first."""
+    data = bytearray(raw)
+    parents = []
+
+    def find(start: int, end: int, path: list[bytes]) -> tuple[int, int]:
+        at = start
+        while at < end:
+            size, name = struct.unpack(">I4s", data[at:at + 8])
+            if name == path[0]:
+                parents.append(at)
+                return (at, size) if len(path) == 1 else find(at + 8, at + size, path[1:])
+            at += size
+        raise AssertionError(f"no {path[0]!r} box")
+
+    stbl, size = find(0, len(data), [b"moov", b"trak", b"mdia", b"minf", b"stbl"])
+    assert data.index(b"mdat") < stbl, "moov after mdat: inserting into it moves no sample offset"
+    stss = struct.pack(">I4sIII", 20, b"stss", 0, 1, 1)
+    data[stbl + size:stbl + size] = stss
+    for parent in parents:
+        data[parent:parent + 4] = struct.pack(">I", struct.unpack(">I", data[parent:parent + 4])[0] + len(stss))
+    return bytes(data)
+
+
+@pytest.fixture(scope="module")
+def sparse_keyframes() -> bytes:
+    return one_keyframe(clip(width=320, height=240, fps=30.0, num_frames=300))
+
+
+def test_the_frame_count_check_stops_reading_when_told(sparse_keyframes):
+    """The end-of-stream seek decodes the whole of this clip, reading as it goes; told to stop,
+    it reads nothing more."""
+    from gateway.intake.video.decode import open_video, probe, visible_frames
+
+    seeking = False
+    with open_video(sparse_keyframes, lambda: seeking) as video:
+        claimed = probe(video).total_frames
+        before = video.stream.reads
+        seeking = True
+        visible_frames(video, claimed)
+        assert video.stream.reads - before <= 2  # the reads that found the stop
+    with open_video(sparse_keyframes, lambda: False) as video:
+        before = video.stream.reads
+        visible_frames(video, claimed)
+        assert video.stream.reads - before > 10  # not told: it reads on through the stream
+    assert claimed == 300
+
+
+def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes):
+    error = refusal(sparse_keyframes, limits=dataclasses.replace(LIMITS, max_decode_s=1e-6))
+    assert error.status == 413 and "s to read (gateway.max_video_decode_s)" in error.message

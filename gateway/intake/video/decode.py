@@ -45,6 +45,22 @@ def _stream_backend() -> int | None:
     return None
 
 
+class StoppableStream(io.BytesIO):
+    """The bytes as the capture reads them, ending (EOF) once `stop` says so. A seek is not
+    interruptible from Python, but it reads as it decodes: OpenCV seeks to the keyframe before
+    its target and decodes forward, so in a clip whose only keyframe is its first, the
+    end-of-stream seek (`visible_frames`) decodes the whole stream."""
+
+    def __init__(self, data: bytes, stop: Callable[[], bool]) -> None:
+        super().__init__(data)
+        self.stop = stop
+        self.reads = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.reads += 1
+        return b"" if self.stop() else super().read(size)
+
+
 @dataclass
 class OpenVideo:
     """A capture over the bytes; close it (or use `with`)."""
@@ -59,8 +75,9 @@ class OpenVideo:
         self.capture.release()
 
 
-def open_video(data: bytes) -> OpenVideo:
-    stream = io.BytesIO(data)
+def open_video(data: bytes, stop: Callable[[], bool] | None = None) -> OpenVideo:
+    """`stop`: asked at each read of the bytes; True ends them there (StoppableStream)."""
+    stream = io.BytesIO(data) if stop is None else StoppableStream(data, stop)
     capture = cv2.VideoCapture(stream, _stream_backend(), [])
     if not capture.isOpened():
         capture.release()
@@ -69,8 +86,7 @@ def open_video(data: bytes) -> OpenVideo:
 
 
 def probe(video: OpenVideo) -> SourceInfo:
-    """The header's figures, edit-list corrected as vLLM's get_video_metadata does; nothing is decoded
-    but, where the header claims frames, one seek to the end (which reads no frame data)."""
+    """The header's figures as the container declares them; nothing is decoded."""
     cap = video.capture
     width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
     total, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
@@ -79,7 +95,8 @@ def probe(video: OpenVideo) -> SourceInfo:
 
 def visible_frames(video: OpenVideo, claimed: int) -> int:
     """vLLM's cross-check of the header's count by an end-of-stream seek: an mp4 edit list can
-    hide frames the header counts. Run it only once the claim passed the limits (it grabs one frame)."""
+    hide frames the header counts. Run it only once the claim passed the limits (it decodes from
+    the last keyframe on: open the video with a `stop`)."""
     cap = video.capture
     if claimed > 0 and cap.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
         visible = int(cap.get(cv2.CAP_PROP_POS_FRAMES))

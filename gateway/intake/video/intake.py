@@ -133,16 +133,30 @@ def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits
 
 
 def _read_header(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits) -> SourceInfo:
-    """The container's figures, checked against the limits, as the loader will read them."""
+    """The container's figures, checked against the limits, as the loader will read them; within
+    `max_decode_s` (the frame count's check decodes from the last keyframe, which can be the first)."""
+    deadline = time.monotonic() + limits.max_decode_s
+
+    def past_deadline() -> bool:  # asked at every read of the bytes
+        return time.monotonic() > deadline
+
     try:
-        with open_video(raw) as video:
+        with open_video(raw, past_deadline) as video:
             source = probe(video)
             limits.check_source(source, where)
             total = visible_frames(video, source.total_frames)
     except Unreadable as exc:
+        if past_deadline():
+            raise _too_slow(where, limits, "read") from None
         raise refused(where, f"cannot be read: {exc}") from None
+    if past_deadline():  # the reads ended early: the count is not the stream's
+        raise _too_slow(where, limits, "read")
     return prepared_source(SourceInfo(total, source.fps, total / source.fps if source.fps > 0 else 0,
                                       source.width, source.height), sampling.loader)
+
+
+def _too_slow(where: str, limits: VideoLimits, what: str) -> APIError:
+    return refused(where, f"took more than {limits.max_decode_s:g} s to {what} (gateway.max_video_decode_s)", 413, "video_too_long")
 
 
 def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int]:
@@ -225,8 +239,7 @@ class VideoIntake:
                 await asyncio.wait({decoding})
                 raise
             except Stopped:
-                raise refused(item.where, f"took more than {self.limits.max_decode_s:g} s to decode "
-                              "(gateway.max_video_decode_s)", 413, "video_too_long") from None
+                raise _too_slow(item.where, self.limits, "decode") from None
         hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
         return video
 
