@@ -219,10 +219,11 @@ class ChatPipeline:
         self._check_image_count(len(refs))
         videos = []
         if video_parts := video_refs(request):
+            if self.policy is not None:  # before a byte is fetched (a text-only model's refusal is take_videos')
+                self.request_budget(request)  # mm_processor_kwargs reach the video processor too: within the deployment's budget
+                self.encoder.require_up()
             videos = await take_videos(self.videos, request, video_parts, record.timer, self.config, self.model_name,
                                        None if self.policy is None else self.policy.processor)
-            self.request_budget(request)  # mm_processor_kwargs reach the video processor too: within the deployment's budget
-            self.encoder.require_up()
         chat = engine_chat(request)
         if not refs and not videos:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
