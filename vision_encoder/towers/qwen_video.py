@@ -247,10 +247,13 @@ def sampled_fps(clip: VideoClip, indices: list[int]) -> float:
 def join(tower: QwenTower, batches: list[Preprocessed]) -> Preprocessed:
     """Images' and videos' preprocessed inputs as one forward (batching by patch budget):
     the tower attends within each grid row's temporal patches, so each item's tokens are
-    what it gets alone; `tower.encode` splits them back in this order. The current
-    stream waits for each batch's preprocessing (on a GPU) before joining them."""
-    for batch in batches:
-        tower.io.wait_for(batch.ready, [batch.pixel_values])
-    grid = torch.cat([b.grid_thw for b in batches])
-    pixels = torch.cat([b.pixel_values for b in batches])
-    return Preprocessed(pixels, grid, plan_of(tower.model, grid))
+    what it gets alone; `tower.encode` splits them back in this order. The join runs on the
+    preprocessing stream (on a GPU), after each batch's work there: on the ViT's stream it
+    would hold the batch still running there behind this one's preprocessing."""
+    with tower.io.preparing():
+        for batch in batches:
+            tower.io.wait_for(batch.ready, [batch.pixel_values])
+        grid = torch.cat([b.grid_thw for b in batches])
+        pixels = torch.cat([b.pixel_values for b in batches])
+        ready = tower.io.prepared()
+    return Preprocessed(pixels, grid, plan_of(tower.model, grid), ready)
