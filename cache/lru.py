@@ -12,10 +12,14 @@ from typing import Any
 
 
 def owning(tensor: Any) -> Any:
-    """The tensor on memory of its own. A batch's tokens are split into one view per image: kept in
-    a cache that counts the view's bytes, each view would keep the whole batch's buffer (pinned
-    host memory, on a GPU) alive for as long as it stays, up to a batch's images times the count."""
-    return tensor if tensor.untyped_storage().nbytes() == tensor.nbytes else tensor.clone()
+    """The tensor on pageable memory of its own. A batch's tokens are split into one view per image:
+    kept in a cache that counts the view's bytes, each view would keep the whole batch's buffer
+    alive for as long as it stays, up to a batch's images times the count. On a GPU that buffer is
+    pinned, which even a one-image batch must not keep: torch's pinned blocks are rounded up to a
+    power of two, and pinned pages are the copy stream's to reuse."""
+    if tensor.untyped_storage().nbytes() == tensor.nbytes and not tensor.is_pinned():
+        return tensor
+    return tensor.clone()
 
 
 @dataclass(frozen=True)
