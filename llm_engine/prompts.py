@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from llm_engine.templates import ChatTemplate
 from llm_engine.videos import check_video, embeds_of, video_data
 from protocol.to_engine import GenerateRequest
 
 _FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
+OPENAI_CONTENT = ChatTemplate(None)  # content as a list of parts, with the tokenizer's own template
 
 
 class InvalidPrompt(ValueError):
@@ -36,17 +38,20 @@ class ModelShape:
     max_images: int | None = None
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """The conversation as vLLM's renderer hands it to an HF chat template
-    (`content_format` "openai"): content as a list of parts, tool results as
-    one string, tool-call arguments as objects."""
+def template_messages(messages: list[dict], template: ChatTemplate = OPENAI_CONTENT) -> list[dict]:
+    """The conversation as vLLM's renderer hands it to an HF chat template: content as a
+    list of parts (`content_format` "openai") or as one string (a template that reads it so),
+    tool results as one string, tool-call arguments as objects."""
     from vllm.renderers.chat_utils import _postprocess_messages
 
     out = []
+    counts = {"image": 0, "video": 0}  # vLLM numbers a request's images and videos across its messages
     for message in messages:
         content = message.get("content")
         parts = [] if content is None else [{"type": "text", "text": content}] if isinstance(content, str) else content
         rendered = {"role": message["role"], "content": [_template_part(p) for p in parts]}
+        if template.content_format == "string":
+            rendered["content"] = _as_string(rendered["content"], counts, template.placeholder)
         if message["role"] == "tool":
             rendered["content"] = "\n".join(p["text"] for p in parts if p.get("type") == "text")
             if "tool_call_id" in message:
@@ -60,6 +65,21 @@ def template_messages(messages: list[dict]) -> list[dict]:
         out.append(rendered)
     _postprocess_messages(out)  # vLLM's: arguments JSON text -> object, as templates expect
     return out
+
+
+def _as_string(parts: list[dict], counts: dict[str, int], placeholder) -> str:
+    """One message's parts as vLLM's "string" content format joins them: its texts on lines,
+    after the model's placeholder for each image and video (vllm/renderers/chat_utils.py)."""
+    from vllm.renderers.chat_utils import _get_full_multimodal_text_prompt
+
+    texts = [part["text"] for part in parts if part["type"] == "text"]
+    storage: dict[str, list[str]] = {}
+    for part in parts:
+        if part["type"] in counts:
+            counts[part["type"]] += 1
+            if (text := placeholder(part["type"], counts[part["type"]])) is not None:
+                storage.setdefault(part["type"], []).append(text)
+    return _get_full_multimodal_text_prompt(storage, texts, interleave_strings=False) if storage else "\n".join(texts)
 
 
 def _template_part(part: dict) -> dict:
@@ -147,16 +167,23 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def render_prompt(chat, tokenizer, template_kwargs: dict) -> list[int]:
+def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate | None = None) -> list[int]:
     """The chat template's token ids, one placeholder token per image (vLLM
-    expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest."""
-    tools = [tool.model_dump() for tool in chat.tools] if chat.tools else None
+    expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest;
+    `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's)."""
+    tools = request_tools(chat)
     text = tokenizer.apply_chat_template(
-        template_messages(chat.messages), tools=tools, tokenize=False, add_generation_prompt=True, **template_kwargs,
+        template_messages(chat.messages, template or OPENAI_CONTENT), tools=tools, tokenize=False, add_generation_prompt=True,
+        **({} if template is None else {"chat_template": template.text}), **template_kwargs,
     )
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def request_tools(chat) -> list[dict] | None:
+    """The request's tools as a chat template takes them."""
+    return [tool.model_dump() for tool in chat.tools] if chat.tools else None
 
 
 def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,

@@ -128,7 +128,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def template_kwargs(chat, tokenizer) -> dict:
+def template_kwargs(chat, tokenizer, template: str | None) -> dict:
     """`chat_template_kwargs` (e.g. Qwen3's `enable_thinking`), each checked
     against the variables the chat template uses (vLLM's
     resolve_chat_template_kwargs). vLLM's server drops a key the template does
@@ -140,7 +140,7 @@ def template_kwargs(chat, tokenizer) -> dict:
 
     if reserved := sorted(asked.keys() & RESERVED_TEMPLATE_KWARGS):
         raise InvalidPrompt(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through the template's arguments")
-    accepted = resolve_chat_template_kwargs(tokenizer, tokenizer.chat_template, asked, raise_on_unexpected=False)
+    accepted = resolve_chat_template_kwargs(tokenizer, template, asked, raise_on_unexpected=False)
     if unused := sorted(asked.keys() - accepted.keys()):
         raise InvalidPrompt(f"chat_template_kwargs: this model's chat template does not use {', '.join(unused)}")
     return accepted

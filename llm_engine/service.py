@@ -30,9 +30,10 @@ from vllm.exceptions import VLLMClientError
 from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_images, render_prompt
+from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_images, render_prompt, request_tools
 from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
+from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
 from common.families import Family, family_of
 from common.logs import request_id_var
@@ -184,6 +185,7 @@ class EngineService:
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
         self.tokenizer = None
+        self.templates: ChatTemplates | None = None  # which chat template renders a request, as vLLM's server picks it
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
         self.waiting: set[str] = set()  # submitted, no token yet
@@ -212,6 +214,7 @@ class EngineService:
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
+        service.templates = ChatTemplates(service.tokenizer, engine.model_config)
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
                                          config.strict_tool_calling)
         return service
@@ -398,11 +401,12 @@ class EngineService:
         task.add_done_callback(self._background.discard)
 
     def _read(self, request: GenerateRequest):
-        """(vLLM's request, template kwargs, parser factory), every check that
-        needs no tensor done: a bad request is refused before anything is fetched."""
+        """(vLLM's request, its chat template, template kwargs, parser factory), every check
+        that needs no tensor done: a bad request is refused before anything is fetched."""
         chat = read_chat(request.chat)
-        kwargs = template_kwargs(chat, self.tokenizer)
-        check_tool_choice(chat, self.parsing, getattr(self.tokenizer, "chat_template", None))
+        template = self.templates.for_request(request_tools(chat))
+        kwargs = template_kwargs(chat, self.tokenizer, template.text)
+        check_tool_choice(chat, self.parsing, template.text)
         check_images(chat, request, self.shape)
 
         def new_parser():
@@ -410,7 +414,7 @@ class EngineService:
 
         if (parser := new_parser()) is not None:
             chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
-        return chat, kwargs, new_parser
+        return chat, template, kwargs, new_parser
 
     def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
@@ -426,8 +430,8 @@ class EngineService:
         rid = request.request_id
         request_id_var.set(rid)
         try:
-            chat, kwargs, new_parser = self._read(request)
-            token_ids = render_prompt(chat, self.tokenizer, kwargs)
+            chat, template, kwargs, new_parser = self._read(request)
+            token_ids = render_prompt(chat, self.tokenizer, kwargs, template)
             fetch_started = time.monotonic()
             tensors = await self.images.tensors([*request.images, *request.videos])  # a video's tokens are found as an image's
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0

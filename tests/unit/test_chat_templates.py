@@ -1,0 +1,105 @@
+"""The engine renders a request with the chat template vLLM's server would pick, and hands it
+the content as that template reads it (llm_engine/templates.py): the prompt's token ids are
+those vLLM's own renderer makes (vllm/renderers), for a text-only model whose template joins
+content to strings, for a checkpoint whose processor and tokenizer carry different templates,
+and for a vision model whose template takes one string per message."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+from PIL import Image
+
+from llm_engine.prompts import render_prompt, request_tools
+from llm_engine.requests import read_chat
+from llm_engine.templates import ChatTemplates
+from prism.tiny_models import ensure_tiny_model
+from protocol.to_engine import IMAGE_PLACEHOLDER
+
+# Qwen2.5's text-only template: content joined to strings (vLLM's "string" content format).
+STRING_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def checkpoint(tmp_path: Path, family: str, tokenizer_template: str | None, processor_template: str | None) -> Path:
+    """A copy of the tiny checkpoint with the templates given: the tokenizer's in
+    tokenizer_config.json, the processor's in chat_template.json (as llava-hf ships them)."""
+    out = tmp_path / family
+    shutil.copytree(ensure_tiny_model(family), out)
+    (out / "chat_template.jinja").unlink()
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if tokenizer_template is not None:
+        config["chat_template"] = tokenizer_template
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    if processor_template is not None:
+        (out / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}))
+    return out
+
+
+def png_url() -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (56, 56), (200, 30, 30)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def both_renders(path: Path, messages: list[dict]) -> tuple[list[int], list[int], str]:
+    """(Prism's token ids, vLLM's, the content format) for `messages`, images as the gateway sends them."""
+    from transformers import AutoTokenizer
+    from vllm.config import ModelConfig
+    from vllm.renderers.chat_utils import parse_chat_messages
+    from vllm.renderers.hf import safe_apply_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model_config = ModelConfig(model=str(path))
+    as_sent = json.loads(json.dumps(messages).replace(png_url(), IMAGE_PLACEHOLDER))
+    chat = read_chat(msgspec.json.encode({"messages": as_sent, "max_tokens": 4}))
+    template = ChatTemplates(tokenizer, model_config).for_request(request_tools(chat))
+    ours = render_prompt(chat, tokenizer, {}, template)
+    conversation, _, _ = parse_chat_messages(messages, model_config, content_format=template.content_format)
+    text = safe_apply_chat_template(model_config, tokenizer, conversation, tools=None, tokenize=False, add_generation_prompt=True)
+    return ours, tokenizer.encode(text, add_special_tokens=False), template.content_format
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Name a colour."}, {"type": "text", "text": "One word."}]},
+    {"role": "assistant", "content": "Red."},
+    {"role": "user", "content": "Another?"},
+]
+
+
+def test_a_text_only_template_that_joins_strings_gets_strings(tmp_path):
+    path = checkpoint(tmp_path, "qwen2-text", STRING_TEMPLATE, None)
+    ours, theirs, content_format = both_renders(path, CONVERSATION)
+    assert content_format == "string" and ours == theirs
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl"])
+def test_the_processor_s_template_comes_before_the_tokenizer_s(tmp_path, family):
+    """A llava-hf checkpoint carries its language model's text template in the tokenizer and
+    the vision one in the processor: vLLM renders with the processor's."""
+    from prism.demo_model import CHAT_TEMPLATE
+
+    path = checkpoint(tmp_path, family, STRING_TEMPLATE, CHAT_TEMPLATE)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}},
+                                             {"type": "text", "text": "What colour?"}]}]
+    ours, theirs, content_format = both_renders(path, messages)
+    assert content_format == "openai" and ours == theirs
+
+
+def test_a_vision_template_of_strings_gets_the_model_s_image_placeholders(tmp_path):
+    path = checkpoint(tmp_path, "qwen2.5-vl", STRING_TEMPLATE, STRING_TEMPLATE)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Compare"},
+                                             {"type": "image_url", "image_url": {"url": png_url()}},
+                                             {"type": "image_url", "image_url": {"url": png_url()}}]}]
+    ours, theirs, content_format = both_renders(path, messages)
+    assert content_format == "string" and ours == theirs
