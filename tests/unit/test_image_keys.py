@@ -9,15 +9,24 @@ import shutil
 import pytest
 
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+from prism.tiny_models import ensure_tiny_model
 from vision_encoder.towers import load_tower
 
 
-@pytest.mark.parametrize("change", [{"do_normalize": False}, {"do_rescale": False}, {"do_convert_rgb": False},
-                                    {"image_mean": [0.5, 0.5, 0.5]}])
-def test_a_checkpoint_whose_processor_differs_only_there_keys_its_images_apart(tmp_path, change):
-    base = load_tower(str(ensure_demo_model(RANDOM_MODEL)), "float32", "cpu").preprocessing_params()
+@pytest.mark.parametrize("family,change", [
+    ("qwen2-vl", {"do_normalize": False}), ("qwen2-vl", {"do_rescale": False}), ("qwen2-vl", {"do_convert_rgb": False}),
+    ("qwen2-vl", {"image_mean": [0.5, 0.5, 0.5]}),
+    ("llava-next", {"do_center_crop": False}), ("llava-next", {"crop_size": {"height": 40, "width": 40}}),
+])
+def test_a_checkpoint_whose_processor_differs_only_there_keys_its_images_apart(tmp_path, family, change):
+    original = ensure_demo_model(RANDOM_MODEL) if family == "qwen2-vl" else ensure_tiny_model(family)
+    base = load_tower(str(original), "float32", "cpu").preprocessing_params()
     copy = tmp_path / "copy"
-    shutil.copytree(RANDOM_MODEL, copy)
-    config = json.loads((copy / "preprocessor_config.json").read_text())
-    (copy / "preprocessor_config.json").write_text(json.dumps({**config, **change}))
+    shutil.copytree(original, copy)
+    if (path := copy / "preprocessor_config.json").exists():
+        path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    else:  # transformers 5 keeps the image processor's settings inside the processor's
+        path = copy / "processor_config.json"
+        config = json.loads(path.read_text())
+        path.write_text(json.dumps({**config, "image_processor": {**config["image_processor"], **change}}))
     assert load_tower(str(copy), "float32", "cpu").preprocessing_params() != base

@@ -182,8 +182,11 @@ class VisionTower:
             "rescale_factor": float(p.rescale_factor),
             "image_mean": list(map(float, p.image_mean)),
             "image_std": list(map(float, p.image_std)),
+            # LLaVA-NeXT's processor crops each tile to its centre (the others have no crop).
+            "crop_size": None if getattr(p, "crop_size", None) is None else dict(p.crop_size),
             # A switch that is off skips its step whatever the values above say.
-            **{switch: getattr(p, switch, None) for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")},
+            **{switch: getattr(p, switch, None)
+               for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop")},
             "dtype": str(self.dtype),
             **self.family_params(),
         }
