@@ -95,13 +95,17 @@ def timed(fn, warmup: int, rounds: int) -> float:
     return statistics.median(times)
 
 
-def images_of(sizes: list[tuple[int, int]], seed: int = 0) -> list[TowerImage]:
+def images_of(sizes: list[tuple[int, int]], seed: int = 0, tower=None) -> list[TowerImage]:
+    """Random images of `sizes`, at the budget as the gateway sends them to `tower` (its patch
+    times merge size: 32 for Qwen3-VL, 28 otherwise)."""
     from gateway.intake.resize import smart_resize
 
+    processor = getattr(tower, "processor", None)
+    factor = processor.patch_size * processor.merge_size if hasattr(processor, "merge_size") else 28
     rng = np.random.default_rng(seed)
     out = []
-    for h, w in sizes:  # at the budget, as the gateway sends them
-        rh, rw = smart_resize(h, w, 28, real_towers.QWEN_MIN_PIXELS, real_towers.QWEN_MAX_PIXELS)
+    for h, w in sizes:
+        rh, rw = smart_resize(h, w, factor, real_towers.QWEN_MIN_PIXELS, real_towers.QWEN_MAX_PIXELS)
         out.append(TowerImage(rng.integers(0, 255, (rh, rw, 3), dtype=np.uint8), (h, w)))
     return out
 
@@ -184,7 +188,7 @@ def variants_for(tower, device: torch.device) -> list[str]:
 
 def measure_mix(tower, name: str, sizes, device, peak: float, rounds: int, variants: list[str] | None = None,
                 section_name: str = "tower") -> None:
-    images = images_of(sizes)
+    images = images_of(sizes, tower=tower)
     entry = {"section": section_name, "family": tower.family.name, "mix": name, "images": len(images)}
     cpu_options = replace(tower.options, preprocess_on_device=False)
     gpu_options = tower.options
@@ -258,7 +262,7 @@ def oom(args, device: torch.device) -> None:
 
     tower = load("qwen2.5-vl-7b", args.root, device, RunOptions(graph_max_patches=0))
     count = 4 if args.small else 32
-    images = images_of([(1000, 1000)] * count, seed=3)
+    images = images_of([(1000, 1000)] * count, seed=3, tower=tower)
     jobs = [Job(bytes([i]), image, tower.num_patches(*image.pixels.shape[:2]), 0.0) for i, image in enumerate(images)]
     quarter = [tower.encode(tower.preprocess(images[i:i + count // 4])) for i in range(0, count, count // 4)]
     expected = [item for part in quarter for item in part]
@@ -298,7 +302,7 @@ def profile(args, device: torch.device) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tower.io.cuda else [])
     sort = "self_device_time_total" if tower.io.cuda else "self_cpu_time_total"
     for mix in (("8x1mp", "1x256") if not args.small else ("1x256",)):
-        batch = tower.preprocess(images_of(MIXES.get(mix, [(256, 256)])))
+        batch = tower.preprocess(images_of(MIXES.get(mix, [(256, 256)]), tower=tower))
         tower.encode(batch)
         with torch_profile(activities=activities) as prof:
             tower.encode(batch)
