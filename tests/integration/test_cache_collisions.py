@@ -1,8 +1,9 @@
 """A forced hash collision never serves the wrong tokens.
 
-An encoder alone, with its test hook truncating cache keys to one byte: 48
-different images must collide. Every later lookup either returns that image's
-own embeddings or asks for its pixels again; never another image's tokens.
+An encoder alone, with its test hook truncating cache keys to one byte: 96
+different images collide (48 would have no two alike for about one fingerprint
+in 80). Every later lookup either returns that image's own embeddings or asks
+for its pixels again; never another image's tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeNeedsPixels, EncodeResult, GatewayInbound
 from tests.integration.encoder_socket import fetch_tokens, handshake, reply_to
 
-IMAGES = 48
+IMAGES = 96
 
 
 @pytest.fixture(scope="module")

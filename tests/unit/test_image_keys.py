@@ -30,3 +30,11 @@ def test_a_checkpoint_whose_processor_differs_only_there_keys_its_images_apart(t
         config = json.loads(path.read_text())
         path.write_text(json.dumps({**config, "image_processor": {**config["image_processor"], **change}}))
     assert load_tower(str(copy), "float32", "cpu").preprocessing_params() != base
+
+
+def test_one_checkpoint_at_two_paths_is_one_encoder(tmp_path):
+    """Replicas mount a checkpoint where they do: the gateway requires their fingerprints equal,
+    and a shared cache tier is keyed by them."""
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(ensure_demo_model(RANDOM_MODEL), copy)
+    assert load_tower(str(copy), "float32", "cpu").fingerprint == load_tower(str(RANDOM_MODEL), "float32", "cpu").fingerprint

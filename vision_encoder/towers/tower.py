@@ -123,8 +123,10 @@ class VisionTower:
         # re-trained checkpoint of the same shapes gets new keys (file sizes
         # would not change). Read once at start-up; xxh3 keeps that a small part of
         # loading the weights (its bytes are the checkpoint's, not a client's: cache/keys.py).
+        # Not the checkpoint's path: replicas that mount one checkpoint at different
+        # paths are the same encoder, for the gateway's check and for a shared cache.
         config_bytes = (path / "config.json").read_bytes()
-        self.fingerprint = content_key(self.model_id, config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
+        self.fingerprint = content_key(config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
 
     def _vision_state(self, files: list[Path]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
