@@ -112,9 +112,10 @@ class Pools:
         self.encoder, self.engine = types.SimpleNamespace(replicas=encoders), types.SimpleNamespace(replicas=engines)
 
 
-def test_a_process_two_clients_hear_from_is_summed_once():
+def test_a_process_two_clients_hear_from_is_summed_once(monkeypatch):
     """A routing map reloaded: the new model's clients and the old one's, draining, hear from the
     same processes for up to drain_timeout_s; the sums must not double (and then fall back)."""
+    monkeypatch.setattr("gateway.api.app.RETIRED", RetiredTotals())  # none of other tests' gone processes
     gateway = Gateway(GatewayConfig())
     engine = EngineStats("e", in_flight=1, waiting=0, finished=9, failed=0, steps=100)
     gateway.models = {"m": Pools("m", [Replica(encoder("a", hits=12, queue=1, shared_hits=None), 2.0)], [Replica(engine, 2.0)])}
