@@ -215,6 +215,7 @@ class EngineService:
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
         service.templates = ChatTemplates(service.tokenizer, engine.model_config)
+        service.templates.for_request(None)  # loads the processor's template now, not on the first request
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
                                          config.strict_tool_calling)
         return service
