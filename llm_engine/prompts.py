@@ -187,7 +187,7 @@ def request_tools(chat) -> list[dict] | None:
 
 
 def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,
-                 max_model_len: int) -> Prompt:
+                 max_model_len: int, generation_defaults: dict | None = None) -> Prompt:
     """`token_ids`: render_prompt's; `tensors`: each image's embeddings, then
     each video's, checked (check_images) and fetched (llm_engine/images.py)."""
     inputs: dict = {"prompt_token_ids": token_ids}
@@ -207,17 +207,18 @@ def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: 
         visual_tokens += sum(video.embeddings.shape[0] for video in request.videos) - len(request.videos)
     num_tokens = len(token_ids) + visual_tokens
     requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
-    return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len))
+    return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len, generation_defaults or {}))
 
 
-def _output_budget(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+def _output_budget(requested: int | None, prompt_tokens: int, max_model_len: int, generation_defaults: dict) -> int:
+    """vLLM's server's: a limit over the context length, or a prompt that leaves no room, is refused;
+    otherwise the completion gets what was asked (else the checkpoint's max_new_tokens), at most
+    what the context has left (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens)."""
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    if requested is not None and requested > max_model_len:
+        raise InvalidPrompt(f"max_tokens={requested} cannot be greater than this model's context length, {max_model_len} tokens: "
+                            "request fewer output tokens")
     if prompt_tokens >= max_model_len:
         raise InvalidPrompt(f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens}")
-    if requested is None:
-        return max_model_len - prompt_tokens
-    if prompt_tokens + requested > max_model_len:
-        raise InvalidPrompt(
-            f"this model's maximum context length is {max_model_len} tokens; you requested {prompt_tokens + requested} "
-            f"({prompt_tokens} in the prompt, {requested} for the completion): reduce max_tokens or the input"
-        )
-    return requested
+    return get_max_tokens(max_model_len, requested, prompt_tokens, generation_defaults)

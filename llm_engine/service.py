@@ -419,7 +419,7 @@ class EngineService:
 
     def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
-        prompt = build_prompt(chat, token_ids, request, tensors, self.shape, self.config.max_model_len)
+        prompt = build_prompt(chat, token_ids, request, tensors, self.shape, self.config.max_model_len, self.generation_defaults)
         try:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault

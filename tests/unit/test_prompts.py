@@ -150,10 +150,23 @@ def test_output_budget_defaults_to_the_rest_of_the_context(max_tokens, budget):
     assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).max_tokens == budget
 
 
-def test_prompt_plus_output_over_the_context_is_refused():
-    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], max_tokens=30)
-    with pytest.raises(InvalidPrompt, match="maximum context length is 32"):
+def test_an_output_limit_past_the_context_left_is_cut_to_it_as_vllm_s_server_does():
+    """vLLM's server gives a completion what the context has left, refusing only a limit over the
+    whole context or a prompt that fills it (vllm/entrypoints/serve/utils/api_utils.py)."""
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], max_tokens=30)  # a 5-token prompt
+    assert build_prompt(req, frames, FakeTemplate(), SHAPE, 32).max_tokens == 27
+    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], max_tokens=33)
+    with pytest.raises(InvalidPrompt, match="max_tokens=33 cannot be greater than this model's context length, 32"):
         build_prompt(req, frames, FakeTemplate(), SHAPE, 32)
+    req, frames = request_with([torch.randn(40, 128)], [(1, 40, 4)], max_tokens=3)
+    with pytest.raises(InvalidPrompt, match="maximum context length is 32 tokens; the prompt has 41"):
+        build_prompt(req, frames, FakeTemplate(), SHAPE, 32)
+
+
+def test_the_checkpoint_s_max_new_tokens_is_the_default_limit():
+    req, frames = request_with([], [], max_tokens=None)
+    chat = read_chat(req.chat)
+    assert build(chat, render_prompt(chat, FakeTemplate(), {}), req, [], SHAPE, 4096, {"max_tokens": 512}).max_tokens == 512
 
 
 def test_a_message_of_images_alone_counts_every_image():
