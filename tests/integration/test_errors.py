@@ -40,7 +40,7 @@ BAD_REQUESTS = [
     ("unknown-model", body(model="gpt-nothing"), 404, "gpt-nothing"),
     ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),
     ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "the limit is 8 (gateway.max_images_per_request)"),
-    ("prompt-too-long", body(max_tokens=4096), 400, "max"),
+    ("max-tokens-over-the-context", body(max_tokens=4097), 400, "max_tokens=4097 cannot be greater than this model's context length"),
     # Each error names the field as the request spells it, in the union branch the value took.
     ("image-url-as-string", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": png_url()}]}]), 422,
      "'messages.0.content.0.image_url': Input should be an object"),
