@@ -11,7 +11,9 @@ structured-output schema, and parses tool calls out of the text).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from llm_engine.prompts import InvalidPrompt
 
@@ -51,6 +53,27 @@ class Parsing:
         if self.parser_cls is None or not (self.reasoning_parser or uses_tools(chat)):
             return None
         return self.parser_cls(tokenizer, chat.tools, model_config=model_config, chat_template_kwargs=template_kwargs)
+
+
+@dataclass(frozen=True)
+class Read:
+    """One request as the engine reads it, before any tensor is fetched."""
+
+    chat: Any  # vLLM's ChatCompletionRequest (adjusted by its parser: a forced call is a schema)
+    template: Any  # llm_engine/templates.py's ChatTemplate
+    template_kwargs: dict
+    parser: Any  # vLLM's Parser for the request's first choice; None: it needs none
+    new_parser: Callable[[], Any]  # one more (they are stateful: one per choice)
+
+    def reasoning(self, prompt_token_ids: list[int]) -> dict:
+        """generate()'s `reasoning_ended` and `reasoning_parser_kwargs`, as vLLM's server passes
+        them: with a reasoning parser, structured outputs hold the answer after the reasoning
+        (from the first token when the prompt already ended it, as `enable_thinking: false` does)."""
+        reasoning_parser = getattr(self.parser, "reasoning_parser", None)
+        return {
+            "reasoning_ended": self.chat.resolve_reasoning_ended(self.parser, prompt_token_ids),
+            "reasoning_parser_kwargs": None if reasoning_parser is None else {"chat_template_kwargs": self.template_kwargs},
+        }
 
 
 def uses_tools(chat) -> bool:

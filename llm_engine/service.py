@@ -30,8 +30,8 @@ from vllm.exceptions import VLLMClientError
 from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt, check_images, render_prompt, request_tools
-from llm_engine.requests import Parsing, check_tool_choice, read_chat, sampling_params, template_kwargs
+from llm_engine.prompts import InvalidPrompt, ModelShape, Prompt, build_prompt, check_images, render_prompt, request_tools
+from llm_engine.requests import Parsing, Read, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
@@ -82,6 +82,8 @@ def engine_args(config: EngineConfig, family: Family):
         enable_chunked_prefill=config.enable_chunked_prefill,
         kv_transfer_config=KVTransferConfig(**config.kv_transfer_config) if config.kv_transfer_config else None,
         seed=config.seed,
+        # Structured outputs then hold the answer after the reasoning, not the reasoning itself (vLLM's server copies it so).
+        **({"reasoning_parser": config.reasoning_parser} if config.reasoning_parser else {}),
         **multimodal,
         structured_outputs_config=StructuredOutputsConfig(**config.structured_outputs),
         disable_log_stats=False,  # RequestOutput.metrics carries the engine timestamps only then
@@ -401,9 +403,9 @@ class EngineService:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _read(self, request: GenerateRequest):
-        """(vLLM's request, its chat template, template kwargs, parser factory), every check
-        that needs no tensor done: a bad request is refused before anything is fetched."""
+    def _read(self, request: GenerateRequest) -> Read:
+        """The request read, every check that needs no tensor done: a bad request is refused
+        before anything is fetched."""
         chat = read_chat(request.chat)
         template = self.templates.for_request(request_tools(chat))
         kwargs = template_kwargs(chat, self.tokenizer, template.text)
@@ -415,7 +417,7 @@ class EngineService:
 
         if (parser := new_parser()) is not None:
             chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
-        return chat, template, kwargs, new_parser
+        return Read(chat, template, kwargs, parser, new_parser)
 
     def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
@@ -431,13 +433,13 @@ class EngineService:
         rid = request.request_id
         request_id_var.set(rid)
         try:
-            chat, template, kwargs, new_parser = self._read(request)
-            token_ids = render_prompt(chat, self.tokenizer, kwargs, template)
+            read = self._read(request)
+            token_ids = render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template)
             fetch_started = time.monotonic()
             tensors = await self.images.tensors([*request.images, *request.videos])  # a video's tokens are found as an image's
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
-            prompt, params = self._plan(chat, token_ids, request, tensors)
-            tokens = await self._stream(peer, rid, prompt.inputs, params, (received, fetch_s), chat, new_parser)
+            prompt, params = self._plan(read.chat, token_ids, request, tensors)
+            tokens = await self._stream(peer, rid, prompt, params, (received, fetch_s), read, read.reasoning(token_ids))
             if tokens is None:
                 log.info("aborted: the gateway that sent it is gone")
                 return
@@ -461,14 +463,16 @@ class EngineService:
             log.exception("failed")
             await self._send(peer, GenerateFailed(rid, f"engine error: {exc}", status=500))
 
-    async def _stream(self, peer: bytes, rid: str, prompt: dict, params, arrival: tuple[float, float], chat, new_parser) -> int | None:
+    async def _stream(self, peer: bytes, rid: str, prompt: Prompt, params, arrival: tuple[float, float], read: Read,
+                      reasoning: dict) -> int | None:
         """Tokens generated (all choices), or None if the gateway went away (then
         vLLM aborts it). `arrival`: (received, seconds spent fetching its tokens)."""
+        chat, new_parser = read.chat, read.new_parser
         completion_tokens = 0
         first = True
         first_ready = 0.0
         choices: dict[int, ChoiceStream] = {}
-        async with contextlib.aclosing(self.engine.generate(prompt, params, rid)) as outputs:
+        async with contextlib.aclosing(self.engine.generate(prompt.inputs, params, rid, **reasoning)) as outputs:
             async for output in outputs:
                 self.waiting.discard(rid)
                 deltas = []

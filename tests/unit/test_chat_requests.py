@@ -82,3 +82,31 @@ def test_a_strict_tool_under_auto_with_an_output_constraint_the_tags_cannot_carr
     check_tool_choice(chat(tools=[STRICT_TOOL], structured_outputs={"regex": "[ab]+"}), tagged, CHAT_TEMPLATE)
     with pytest.raises(InvalidPrompt, match=r"tools\[0\]\.function\.strict: .*xgrammar compiles"):
         check_tool_choice(chat(tools=[STRICT_TOOL], structured_outputs={"regex": "(?=a)a"}), tagged, CHAT_TEMPLATE)  # a lookahead
+
+
+def test_a_reasoning_parser_holds_structured_outputs_until_the_reasoning_ends():
+    """vLLM's server tells its engine where the reasoning ends (the grammar applies after it) and
+    names the reasoning parser in its structured-output config: without them a reasoning model's
+    JSON was held from its first token, so it could not think, and its answer was filed as reasoning."""
+    from transformers import AutoTokenizer
+
+    from llm_engine.config import EngineConfig
+    from llm_engine.requests import Read
+    from llm_engine.service import engine_args
+    from common.families import FAMILIES
+    from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+
+    args = engine_args(EngineConfig(model="/models/qwen3", reasoning_parser="qwen3"), FAMILIES[0])
+    assert args.create_structured_outputs_config().reasoning_parser == "qwen3"
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_demo_model(RANDOM_MODEL))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    parsing = Parsing.create(None, "qwen3", tokenizer, "demo")
+    request = chat(response_format={"type": "json_object"})
+    read = Read(request, None, {"enable_thinking": False}, parsing.for_request(request, tokenizer, None, {}), lambda: None)
+    thought = tokenizer.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    thinking = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    assert read.reasoning(thought) == {"reasoning_ended": True, "reasoning_parser_kwargs": {"chat_template_kwargs": {"enable_thinking": False}}}
+    assert read.reasoning(thinking)["reasoning_ended"] is False
+    plain = Read(request, None, {}, None, lambda: None)
+    assert plain.reasoning(thinking) == {"reasoning_ended": None, "reasoning_parser_kwargs": None}
