@@ -69,5 +69,5 @@ def sweep(
         result = load_test(target, replace(spec, seed=spec.seed + 1000 * i), arrival, plan, slo)
         points.append({"load": load, "summary": result["summary"], "by_bucket": result["by_bucket"]})
     meeting = [p["load"] for p in points if p["summary"]["slo_attainment"] >= attainment]
-    return {"target": target.base_url, "kind": kind, "slo": asdict(slo), "attainment": attainment,
+    return {"target": target.base_url, "kind": kind, "workload": asdict(spec), "slo": asdict(slo), "attainment": attainment,
             "points": points, "best_load": max(meeting) if meeting else None}

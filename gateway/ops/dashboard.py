@@ -72,12 +72,28 @@ class DashboardWindow:
         self.span_s = span_s
         self.bucket_s = bucket_s
         self.records: deque[FinishedRequest] = deque(maxlen=max_records)
-        self.counts: dict[int, list[int]] = {}  # second -> [answered, failed]
+        self.counts: deque[tuple[int, list[int]]] = deque()  # (second, [answered, failed]), oldest first
         self.samples: deque[ServiceSample] = deque(maxlen=int(span_s) * 4)
 
     def add(self, record: FinishedRequest) -> None:
         self.records.append(record)
-        self.counts.setdefault(int(record.at), [0, 0])[0 if record.ok else 1] += 1
+        second = int(record.at)
+        if not self.counts or self.counts[-1][0] < second:
+            self.counts.append((second, [0, 0]))
+            self._forget_before(record.at)  # so the counts stay a window's, whether or not anyone looks
+        slot = self.counts[-1][1] if self.counts[-1][0] == second else self._slot_of(second)
+        slot[0 if record.ok else 1] += 1
+
+    def _slot_of(self, second: int) -> list[int]:
+        """A second's counts, for a record that arrives after a later one (another worker's)."""
+        index = len(self.counts)
+        while index > 0 and self.counts[index - 1][0] > second:
+            index -= 1
+        if index > 0 and self.counts[index - 1][0] == second:
+            return self.counts[index - 1][1]
+        slot = [0, 0]
+        self.counts.insert(index, (second, slot))
+        return slot
 
     def add_sample(self, sample: ServiceSample) -> None:
         self.samples.append(sample)
@@ -85,10 +101,13 @@ class DashboardWindow:
     def _recent(self, now: float) -> list[FinishedRequest]:
         return [r for r in self.records if r.at >= now - self.span_s]
 
+    def _forget_before(self, now: float) -> None:
+        while self.counts and self.counts[0][0] + 1 <= now - self.span_s:  # wholly out of the window
+            self.counts.popleft()
+
     def _counted(self, now: float) -> dict[int, list[int]]:
-        for second in [s for s in self.counts if s + 1 <= now - self.span_s]:  # wholly out of the window
-            del self.counts[second]
-        return self.counts
+        self._forget_before(now)
+        return dict(self.counts)
 
     def snapshot(self) -> dict:
         now = time.time()

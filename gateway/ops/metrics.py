@@ -26,8 +26,9 @@ from protocol.stats import HistogramSnapshot, ServiceState
 # ms to tens of seconds: CPU demo and GPU deployments both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60)
 # A decode step: a few ms on a GPU to a few hundred on two cores, finely enough
-# that a quantile is not one wide bucket's interpolation.
-DECODE_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
+# that a quantile is not one wide bucket's interpolation; seconds where another
+# request's prefill holds every stream's next step.
+DECODE_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # A request's visual tokens: one image at the 7B budget is 256-1,280, so the
 # buckets step by about 1.5x through the range most requests fall in.
 TOKEN_BUCKETS = (16, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 3072, 4096, 8192, 16384, 32768)

@@ -48,3 +48,16 @@ def test_throughput_counts_every_answer_and_no_refusal_past_the_kept_records():
 
 def test_an_empty_window_draws_no_bar():
     assert DashboardWindow().snapshot()["breakdown"] == {"p50": None, "p95": None}
+
+
+def test_counts_keep_to_the_window_with_no_one_looking_and_take_late_records():
+    """Each request adds to its second's count; seconds past the window go as new ones come,
+    not only when /dashboard/data is read. Another worker's record may come after a later one."""
+    window, start = DashboardWindow(span_s=10), time.time() - 100
+    for i in range(100):
+        window.add(request(start + i))
+    assert len(window.counts) <= 12
+    window.add(request(start + 95.5))  # late, into a second still held
+    window.add(request(start + 50))  # late, past the window: forgotten with the rest
+    assert sum(slot[0] for _, slot in window.counts if _ == int(start + 95)) == 2
+    assert [at for at, _ in window.counts] == sorted(at for at, _ in window.counts)

@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import os
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -291,6 +292,20 @@ def test_the_frame_count_check_stops_reading_when_told(sparse_keyframes):
     assert claimed == 300
 
 
-def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes):
-    error = refusal(sparse_keyframes, limits=dataclasses.replace(LIMITS, max_decode_s=1e-6))
+def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypatch):
+    """The container opened and probed in time; its time runs out in the frame-count check's seek,
+    which the cut-off bytes end, and the count it leaves is not taken."""
+    seek = video_intake.visible_frames
+    seeks = []
+
+    def seek_late(video, claimed):
+        time.sleep(0.6)  # past max_decode_s: the seek's first read finds the stop
+        seeks.append(video.stream.reads)
+        visible = seek(video, claimed)
+        seeks[-1] = video.stream.reads - seeks[-1]
+        return visible
+
+    monkeypatch.setattr(video_intake, "visible_frames", seek_late)
+    error = refusal(sparse_keyframes, limits=dataclasses.replace(LIMITS, max_decode_s=0.5))
     assert error.status == 413 and "s to read (gateway.max_video_decode_s)" in error.message
+    assert seeks and seeks[0] <= 2  # the reads that found the stop, no more
