@@ -111,6 +111,10 @@ def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
         raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them")
     if parsing.tool_parser is None:
         raise InvalidPrompt("tools: this engine has no tool-call parser (engine.tool_call_parser)")
+    if chat.tool_choice != "auto" and chat.extract_structured_outputs() is not None:
+        # vLLM's parser puts the call's own schema in their place and drops them, saying nothing.
+        raise InvalidPrompt("response_format / structured_outputs: with tool_choice 'required' or a named tool the answer "
+                            "is the call, held to the tool's schema; an output format cannot apply to it: send one or the other")
     strict = [i for i, tool in enumerate(chat.tools) if tool.function.strict]
     if chat.tool_choice != "auto" or not strict:
         return

@@ -97,6 +97,17 @@ class Message(_Strict):
     # sent back with it; the chat template decides whether the model sees it, as on vLLM.
     reasoning: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_content(cls, data: Any) -> Any:
+        """`reasoning_content`, the older name clients still send it back under, is `reasoning` (as vLLM reads it)."""
+        if isinstance(data, dict) and "reasoning_content" in data:
+            data = dict(data)
+            renamed = data.pop("reasoning_content")
+            if data.get("reasoning") is None:
+                data["reasoning"] = renamed
+        return data
+
     @model_validator(mode="after")
     def _role_fields(self) -> "Message":
         if self.tool_calls and self.role != "assistant":
@@ -252,7 +263,7 @@ class ChatCompletionRequest(_Strict):
     # checkpoint's generation_config.json value, else vLLM's default.
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's bound
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

@@ -110,3 +110,11 @@ def test_a_reasoning_parser_holds_structured_outputs_until_the_reasoning_ends():
     assert read.reasoning(thinking)["reasoning_ended"] is False
     plain = Read(request, None, {}, None, lambda: None)
     assert plain.reasoning(thinking) == {"reasoning_ended": None, "reasoning_parser_kwargs": None}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"])
+def test_an_output_format_beside_a_forced_call_is_refused_not_dropped(tool_choice):
+    """vLLM's parser replaces the format with the call's schema without a word."""
+    with pytest.raises(InvalidPrompt, match="an output format cannot apply to it"):
+        check_tool_choice(chat(tools=[TOOL], tool_choice=tool_choice, response_format={"type": "json_object"}), HERMES, CHAT_TEMPLATE)
+    check_tool_choice(chat(tools=[TOOL], tool_choice=tool_choice), HERMES, CHAT_TEMPLATE)
