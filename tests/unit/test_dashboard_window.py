@@ -53,7 +53,7 @@ def test_an_empty_window_draws_no_bar():
 def test_counts_keep_to_the_window_with_no_one_looking_and_take_late_records():
     """Each request adds to its second's count; seconds past the window go as new ones come,
     not only when /dashboard/data is read. Another worker's record may come after a later one."""
-    window, start = DashboardWindow(span_s=10), time.time() - 100
+    window, start = DashboardWindow(span_s=10), int(time.time()) - 100  # whole seconds: start + 95.5 is in second start + 95
     for i in range(100):
         window.add(request(start + i))
     assert len(window.counts) <= 12
