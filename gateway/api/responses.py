@@ -72,9 +72,10 @@ class _Choice:
         self.finish_reason = delta.finish_reason or self.finish_reason
 
     def body(self, index: int) -> dict:
-        text = "".join(self.text)
-        message: dict = {"role": "assistant", "content": text if text or not self.calls else None}
-        if reasoning := "".join(self.reasoning):
+        text, reasoning = "".join(self.text), "".join(self.reasoning)
+        # null beside calls or reasoning with no text after them (cut off while reasoning), as vLLM answers
+        message: dict = {"role": "assistant", "content": text if text or not (self.calls or reasoning) else None}
+        if reasoning:
             message["reasoning"] = reasoning
         if self.calls:
             message["tool_calls"] = [self.calls[i].body() for i in sorted(self.calls)]

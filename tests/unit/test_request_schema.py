@@ -19,3 +19,15 @@ def test_reasoning_sent_back_under_its_older_name_is_the_reasoning():
 
 def test_a_repetition_penalty_vllm_takes_is_taken():
     assert request(repetition_penalty=2.5).repetition_penalty == 2.5
+
+
+def test_an_answer_of_reasoning_alone_has_null_content_as_vllm_s():
+    from gateway.api.responses import Answer
+    from protocol.to_gateway import ChoiceDelta, TokenDelta
+
+    answer = Answer()
+    answer.add(TokenDelta("r", [ChoiceDelta(0, reasoning="hmm", finish_reason="length", tokens=1)], 1, 3, finished=True))
+    answer.add(TokenDelta("r", [ChoiceDelta(1, text="", finish_reason="length", tokens=1)], 2, 3, finished=True))
+    reasoned, empty = answer.choices()
+    assert reasoned["message"] == {"role": "assistant", "content": None, "reasoning": "hmm"}
+    assert empty["message"]["content"] == ""
