@@ -20,6 +20,9 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
     # (height, width) before the gateway downscaled it: LLaVA-OneVision cuts the
     # padding of its tiles by the original aspect ratio, as vLLM does on the raw image.
     original_size: tuple[int, int] | None = None
+    # The pixels are at the size vLLM's processor makes of the original under the
+    # request's budget: a Qwen family's encoder must not size them again under its own.
+    sized: bool = False
 
 
 class EncodeRequest(Message):

@@ -289,7 +289,7 @@ class EncoderService:
                 pixels = to_numpy(image.pixels, frame)
                 if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8" or 0 in pixels.shape:
                     raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, h and w at least 1, got {image.pixels}")
-                tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]))
+                tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]), image.sized)
                 patches = self.tower.patches_of(tower_image)
                 self.batcher.add(key, tower_image, patches, (state, index), self._identity(image.digest))
         except ValueError as exc:

@@ -153,6 +153,9 @@ class Inspected:
 class PreparedImage:
     pixels: np.ndarray  # uint8 (h, w, 3), C-contiguous
     original_size: tuple[int, int]  # (width, height) after EXIF transpose
+    # At the size vLLM's processor makes of the original under the request's budget (a Qwen
+    # family's, resized or already there): the encoder must not size it again under its own.
+    sized: bool = False
 
 
 def _b64decode(payload: str) -> bytes:
@@ -281,18 +284,20 @@ def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy) -> tuple[
     return (height, width) if _sides_swap(opened) else (width, height)
 
 
-def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy, original: tuple[int, int] | None = None) -> np.ndarray:
-    """The RGB image's uint8 (h, w, 3) pixels at the size the encoder takes."""
+def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy, original: tuple[int, int] | None = None) -> tuple[np.ndarray, bool]:
+    """The RGB image's uint8 (h, w, 3) pixels at the size the encoder takes, and whether that is
+    the final size (PreparedImage.sized)."""
     width, height = image.size
+    sized = policy.tiling is None  # a tiling family's encoder tiles by the original size whatever it is sent
     if original is not None:  # drafted: to the original's target (the drafted size would round to another grid)
         target_h, target_w = policy.target(original[1], original[0], item.budget)
-        return resize_pixels(image, target_w, target_h)
+        return resize_pixels(image, target_w, target_h), sized
     if policy.tiling is None and item.budget == policy.default_budget and width * height <= item.budget.max_pixels:
         # Within the encoder's own budget: its processor does the final rounding,
         # exactly as vLLM's would on the raw image.
-        return np.asarray(image)
+        return np.asarray(image), False
     target_h, target_w = policy.target(height, width, item.budget)
-    return np.asarray(image) if (target_w, target_h) == (width, height) else resize_pixels(image, target_w, target_h)
+    return (np.asarray(image) if (target_w, target_h) == (width, height) else resize_pixels(image, target_w, target_h)), sized
 
 
 def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:
@@ -312,7 +317,7 @@ def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
                 image = ImageOps.exif_transpose(opened, in_place=True) or opened  # in place: no copy of a full-size image
                 image.load()
                 original_size = drafted_from or image.size
-                pixels = _fit(to_rgb(image), item, policy, drafted_from)
+                pixels, sized = _fit(to_rgb(image), item, policy, drafted_from)
     except _DECODE_ERRORS as exc:
         raise _invalid(item.where, f"cannot decode the {item.format} image ({_reason(exc)})") from None
-    return PreparedImage(np.ascontiguousarray(pixels, dtype=np.uint8), original_size)
+    return PreparedImage(np.ascontiguousarray(pixels, dtype=np.uint8), original_size, sized)

@@ -288,13 +288,13 @@ class ImageHandoff:
         async def ask(route: Route, pixels: dict[int, PreparedImage], retry: bool) -> EncodeResult | EncodeNeedsPixels:
             inputs, frames = [], []
             for index, digest in enumerate(images.digests):
-                meta, original = None, None
+                meta, original, sized = None, None, False
                 if index in pixels:
                     meta, frame = to_frame(pixels[index].pixels)
                     frames.append(frame)
                     width, height = pixels[index].original_size
-                    original = (height, width)
-                inputs.append(ImageInput(digest, meta, original))
+                    original, sized = (height, width), pixels[index].sized
+                inputs.append(ImageInput(digest, meta, original, sized))
             return await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry, push_to)
 
         reply, source = await self._rounds(images.digests, decode, ask, timer)

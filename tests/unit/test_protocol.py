@@ -97,7 +97,7 @@ CASES = [
     (EncoderInbound, EncodeRequest(
         "chatcmpl-41",
         [
-            ImageInput(bytes(range(16)), ArrayMeta("uint8", (476, 644, 3)), (1512, 2048)),
+            ImageInput(bytes(range(16)), ArrayMeta("uint8", (476, 644, 3)), (1512, 2048), sized=True),
             ImageInput(bytes(range(16, 32))),  # look-up only
         ],
         retry=True,

@@ -161,3 +161,23 @@ def test_an_image_the_gateway_sized_keeps_the_grid_vllm_gives_its_original(qwen_
     assert batch.pixel_values.shape[0] == sum(int(np.prod(grid)) for grid in batch.grid_thw.tolist())
     tokens = [len(t) for t, _ in tower.encode(batch)]
     assert tokens[0] == policy.visual_tokens(height, width, (target_h, target_w)) == vllm_grid[1] * vllm_grid[2] // 4
+
+
+def test_an_image_already_at_its_request_s_size_is_said_to_be_and_kept():
+    """`detail: low` under a deployment whose min_pixels is over detail_low_max_pixels: a 448²
+    image is already what the low budget makes of it, so the gateway sends it as it is; the
+    encoder used to take an image the gateway did not resize for one to size under its own
+    budget (644², 529 tokens, where the gateway counted 256)."""
+    from gateway.intake.images import decode, inspect
+    from loadtest.synthetic import encode, make_image
+
+    tower = load_tower(str(ensure_tiny_model("qwen2.5-vl")), "float32", "cpu", min_pixels=401_408, max_pixels=1_003_520)
+    policy = IntakePolicy(tower.processor_info, ImageLimits(2**24, 2**26, 2, 200))
+    low = PixelBudget(200_704, 200_704)
+    raw = encode(make_image("low", (448, 448)), "PNG")
+    prepared = decode(inspect(raw, "image", policy, low), policy)
+    assert prepared.sized and prepared.pixels.shape[:2] == (448, 448)
+    assert not decode(inspect(raw, "image", policy, policy.default_budget), policy).sized  # its processor rounds it
+    sent = TowerImage(prepared.pixels, (448, 448), prepared.sized)
+    (tokens, grid), = tower.encode(tower.preprocess([sent]))
+    assert grid == (1, 32, 32) and len(tokens) == policy.visual_tokens(448, 448, (448, 448)) == 256

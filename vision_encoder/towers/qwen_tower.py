@@ -137,14 +137,16 @@ class QwenTower(VisionTower):
         return (h // info.patch_size) * (w // info.patch_size)
 
     def gateway_sized(self, image: TowerImage) -> bool:
-        """The gateway resized the image to its grid: the size vLLM's processor makes of the
-        original under the request's budget. Sizing it again would apply the deployment's budget
-        (a request's own, or `detail: low`, may be smaller) and smart_resize's checks to a size
-        they were not meant for: its rounding can land outside the budget it was given, and a
-        rounded-up short side can push the aspect ratio past the 200 it refuses."""
+        """The gateway sent the image at the size vLLM's processor makes of the original under
+        the request's budget (it says so; a sender that does not, resized it to the grid). Sizing
+        it again would apply the deployment's budget (a request's own, or `detail: low`, may be
+        smaller) and smart_resize's checks to a size they were not meant for: its rounding can
+        land outside the budget it was given, and a rounded-up short side can push the aspect
+        ratio past the 200 it refuses."""
         height, width = image.pixels.shape[:2]
         factor = self.processor.patch_size * self.processor.merge_size
-        return (height, width) != tuple(image.original_size) and height % factor == 0 and width % factor == 0
+        on_grid = height % factor == 0 and width % factor == 0
+        return on_grid and (image.sized or (height, width) != tuple(image.original_size))
 
     def patches_of(self, image: TowerImage) -> int:
         if not self.gateway_sized(image):

@@ -40,6 +40,7 @@ class RunOptions:
 class TowerImage:
     pixels: np.ndarray  # uint8 (h, w, 3), as the gateway sent it
     original_size: tuple[int, int]  # (height, width) before the gateway downscaled it
+    sized: bool = False  # the gateway says the pixels are at their final size (ImageInput.sized)
 
 
 def local_checkpoint(model: str) -> Path:
