@@ -171,10 +171,10 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
     """The chat template's token ids, one placeholder token per image (vLLM
     expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest;
     `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's)."""
-    tools = request_tools(chat)
+    template = template or OPENAI_CONTENT
     text = tokenizer.apply_chat_template(
-        template_messages(chat.messages, template or OPENAI_CONTENT), tools=tools, tokenize=False, add_generation_prompt=True,
-        **({} if template is None else {"chat_template": template.text}), **template_kwargs,
+        template_messages(chat.messages, template), tools=request_tools(chat), chat_template=template.text, tokenize=False,
+        add_generation_prompt=True, **template_kwargs,
     )
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).

@@ -104,21 +104,22 @@ def stage_medians(results: list[RequestResult]) -> dict[str, dict[str, float]]:
 def stage_means(results: list[RequestResult]) -> dict[str, dict[str, float]]:
     """Mean ms of each Prism stage, per bucket: stacked, they add up to the bucket's mean TTFT
     (the stages' medians do not add up to anything)."""
-    out: dict[str, dict[str, float]] = {}
-    for bucket in sorted({r.bucket for r in results}):
-        staged = [r.stages_ms for r in results if r.ok and r.bucket == bucket and r.stages_ms]
-        if staged:
-            names = [k for k in staged[0] if k not in ("ttft", "e2e")]
-            out[bucket] = {name: sum(s.get(name, 0.0) for s in staged) / len(staged) for name in names}
-    return out
+    return {bucket: {name: sum(values) / len(values) for name, values in stages.items()}
+            for bucket, stages in _stages_by_bucket(results).items()}
 
 
 def stage_percentiles(results: list[RequestResult], percentiles=(50, 90)) -> dict[str, dict[str, dict[str, float]]]:
     """bucket → Prism stage → {"p50": ms, ...} (empty when the target is not Prism)."""
-    out: dict[str, dict[str, dict[str, float]]] = {}
+    return {bucket: {name: {f"p{p:g}": percentile(values, p) for p in percentiles} for name, values in stages.items()}
+            for bucket, stages in _stages_by_bucket(results).items()}
+
+
+def _stages_by_bucket(results: list[RequestResult]) -> dict[str, dict[str, list[float]]]:
+    """bucket → Prism stage → its ms in each successful request (no bucket where the target is not Prism)."""
+    out: dict[str, dict[str, list[float]]] = {}
     for bucket in sorted({r.bucket for r in results}):
         staged = [r.stages_ms for r in results if r.ok and r.bucket == bucket and r.stages_ms]
         if staged:
             names = [k for k in staged[0] if k not in ("ttft", "e2e")]
-            out[bucket] = {name: {f"p{p:g}": percentile([s.get(name, 0.0) for s in staged], p) for p in percentiles} for name in names}
+            out[bucket] = {name: [s.get(name, 0.0) for s in staged] for name in names}
     return out

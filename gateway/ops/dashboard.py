@@ -81,11 +81,11 @@ class DashboardWindow:
         if not self.counts or self.counts[-1][0] < second:
             self.counts.append((second, [0, 0]))
             self._forget_before(record.at)  # so the counts stay a window's, whether or not anyone looks
-        slot = self.counts[-1][1] if self.counts[-1][0] == second else self._slot_of(second)
-        slot[0 if record.ok else 1] += 1
+        self._slot_of(second)[0 if record.ok else 1] += 1
 
     def _slot_of(self, second: int) -> list[int]:
-        """A second's counts, for a record that arrives after a later one (another worker's)."""
+        """A second's counts: the newest, or an earlier one for a record that arrives after a
+        later one (another worker's)."""
         index = len(self.counts)
         while index > 0 and self.counts[index - 1][0] > second:
             index -= 1
