@@ -1,5 +1,6 @@
 """The request body: read under a byte cap, validated, errors mapped to
-OpenAI's shape (400 for "Prism does not do this", 422 for bad values)."""
+OpenAI's shape: 400, coded unsupported_parameter for "Prism does not do this"
+and invalid_value for a bad value (OpenAI and vLLM answer both with 400)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> 
     if first["type"] in _UNSUPPORTED:
         what = "unsupported parameter" if first["type"] == "extra_forbidden" else "unsupported value"
         return APIError(400, f"{what} '{param}': {first['msg']}", param=param, code="unsupported_parameter")
-    return APIError(422, f"invalid '{param}': {first['msg']}", param=param, code="invalid_value")
+    return APIError(400, f"invalid '{param}': {first['msg']}", param=param, code="invalid_value")
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}

@@ -111,7 +111,7 @@ class ChatPipeline:
             raise APIError(400, "mm_processor_kwargs: a pixel budget applies to Qwen-family models; this model tiles each image its own way", param="mm_processor_kwargs", code="unsupported_parameter")
         budget = PixelBudget(overrides.min_pixels or default.min_pixels, overrides.max_pixels or default.max_pixels)
         if not default.min_pixels <= budget.min_pixels <= budget.max_pixels <= default.max_pixels:
-            raise APIError(422, f"mm_processor_kwargs: pixel budget [{budget.min_pixels}, {budget.max_pixels}] must lie within the deployment's [{default.min_pixels}, {default.max_pixels}] with min <= max", param="mm_processor_kwargs", code="invalid_value")
+            raise APIError(400, f"mm_processor_kwargs: pixel budget [{budget.min_pixels}, {budget.max_pixels}] must lie within the deployment's [{default.min_pixels}, {default.max_pixels}] with min <= max", param="mm_processor_kwargs", code="invalid_value")
         return budget
 
     def image_budget(self, ref: ImageRef, request_budget: PixelBudget) -> PixelBudget:

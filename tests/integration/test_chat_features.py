@@ -217,16 +217,16 @@ def test_chat_template_kwargs_change_the_prompt(client):
 REFUSED = [
     ("unused-template-kwarg", {"chat_template_kwargs": {"no_such_switch": True}}, 400, "does not use no_such_switch"),
     ("reserved-template-kwarg", {"chat_template_kwargs": {"add_generation_prompt": False}}, 400, "add_generation_prompt"),
-    ("top-logprobs-alone", {"top_logprobs": 3}, 422, "top_logprobs needs logprobs"),
-    ("too-many-top-logprobs", {"logprobs": True, "top_logprobs": 21}, 422, "top_logprobs"),
+    ("top-logprobs-alone", {"top_logprobs": 3}, 400, "top_logprobs needs logprobs"),
+    ("too-many-top-logprobs", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("n-over-limit", {"n": 9}, 400, "gateway.max_n"),
-    ("unknown-named-tool", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 422, "'nope', which is not among the tools"),
-    ("required-without-tools", {"tool_choice": "required"}, 422, "needs tools"),
-    ("two-constraints", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 422, "exactly one of"),
+    ("unknown-named-tool", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "'nope', which is not among the tools"),
+    ("required-without-tools", {"tool_choice": "required"}, 400, "needs tools"),
+    ("two-constraints", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "exactly one of"),
     ("bad-response-format", {"response_format": {"type": "yaml"}}, 400, "response_format"),
-    ("tool-without-id", {"messages": QUESTION + [{"role": "tool", "content": "x"}]}, 422, "tool_call_id"),
+    ("tool-without-id", {"messages": QUESTION + [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
     ("image-in-tool-result", {"messages": QUESTION + [{"role": "tool", "tool_call_id": "c", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 422, "text only"),
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "text only"),
     ("bad-schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "no-such-type"}}}}, 400, ""),
     # The demo's engine.strict_tool_calling is off: `auto` calls are not held to the schema a strict tool asks for.
     ("strict-tool-under-auto", {"tools": [loose(TIME), WEATHER]}, 400, "tools[1].function.strict"),

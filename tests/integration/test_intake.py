@@ -77,10 +77,10 @@ def test_detail_low_and_per_request_budget_cost_fewer_tokens(stack):
     assert high == auto > narrowed > low  # low: 50176 px, narrowed: 100352 px
 
 
-def test_per_request_budget_outside_deployment_bounds_is_422(stack):
+def test_per_request_budget_outside_deployment_bounds_is_400(stack):
     url = b64(save(scene((64, 48), "bounds"), "PNG"))
     response = chat(stack, image_then_text(url), mm_processor_kwargs={"max_pixels": 10**9})
-    assert response.status_code == 422 and "within the deployment's" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "within the deployment's" in response.json()["error"]["message"]
     response = chat(stack, image_then_text(url), mm_processor_kwargs={"do_resize": False})
     assert response.status_code == 400 and "mm_processor_kwargs.do_resize" in response.json()["error"]["message"]
 

@@ -61,7 +61,7 @@ def test_repetition_penalty_and_min_p_change_the_answer(client):
 
 @pytest.mark.parametrize("field,value", [("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0), ("logit_bias", {"5": 101})])
 def test_values_out_of_range_are_refused_naming_the_field(client, field, value):
-    with pytest.raises(openai.UnprocessableEntityError, match=field):
+    with pytest.raises(openai.BadRequestError, match=field):
         answer(client, **{field: value})
 
 

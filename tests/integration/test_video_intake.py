@@ -100,8 +100,8 @@ def test_every_video_of_every_turn_is_checked(client):
 
 
 @pytest.mark.parametrize("knobs, field, status", [
-    ({"fps": 0}, "media_io_kwargs.video.fps", 422),
-    ({"min_frames": 8, "max_frames": 2}, "media_io_kwargs.video", 422),
+    ({"fps": 0}, "media_io_kwargs.video.fps", 400),
+    ({"min_frames": 8, "max_frames": 2}, "media_io_kwargs.video", 400),
     ({"num_frames": 8}, "media_io_kwargs.video.num_frames", 400),  # Qwen's loaders sample by fps
     ({"frame_recovery": True}, "media_io_kwargs.video.frame_recovery", 400),
 ])

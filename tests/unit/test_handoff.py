@@ -360,4 +360,4 @@ async def _video_budget(tmp_path) -> APIError:
 
 def test_a_video_s_pixel_knobs_stay_within_the_deployment_s_budget(tmp_path):
     error = asyncio.run(_video_budget(tmp_path))
-    assert error.status == 422 and error.param == "mm_processor_kwargs"
+    assert error.status == 400 and error.param == "mm_processor_kwargs"

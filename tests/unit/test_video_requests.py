@@ -47,7 +47,7 @@ def test_a_video_part_takes_no_unknown_field():
 
 def test_a_tool_message_carries_no_video():
     error = refused(messages=[{"role": "tool", "tool_call_id": "c", "content": [VIDEO]}])
-    assert error.status == 422 and "tool message carries text only" in error.message
+    assert error.status == 400 and "tool message carries text only" in error.message
 
 
 def test_sampling_defaults_are_the_loaders():
@@ -71,7 +71,7 @@ def test_sampling_knobs_reach_the_loader():
 ])
 def test_bad_knob_values_name_the_field(knobs, field):
     error = refused(media_io_kwargs={"video": knobs})
-    assert error.status == 422 and error.param == field
+    assert error.status == 400 and error.param == field
 
 
 @pytest.mark.parametrize("body, field", [
