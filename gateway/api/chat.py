@@ -10,6 +10,7 @@ dashboard window and one log line. Its state travels in one RequestRecord
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import re
@@ -180,21 +181,23 @@ class ChatHandler:
         timer = record.timer
         rid, model, created = record.id, record.model, int(time.time())
         started: set[int] = set()  # choices that have sent their first chunk (with the role)
+        made = collections.Counter()  # tokens each choice has made so far
+        # vLLM's: usage in every chunk, counting that chunk's choice, only beside include_usage
+        continuous = options.include_usage and options.continuous_usage_stats
 
         def events_of(delta: TokenDelta) -> list[bytes]:
-            entries = []
+            chunks = []
             for choice in delta.choices:
+                made[choice.index] += choice.tokens
                 if (entry := responses.stream_choice(choice, choice.index not in started)) is not None:
                     started.add(choice.index)
-                    entries.append(entry)
-            extra = {"usage": responses.usage(delta, timer.visual_tokens)} if options.continuous_usage_stats else {}
+                    usage = responses.usage(delta, timer.visual_tokens, made[choice.index])
+                    chunks.append(responses.chunk(rid, model, created, [entry], **({"usage": usage} if continuous else {})))
             if delta.finished:
                 timer.mark_finished()
-                extra["prism"] = timer.breakdown()
-            # One chunk per choice, as OpenAI streams them; the request's last
-            # chunk carries Prism's timings.
-            return [responses.sse(responses.chunk(rid, model, created, [entry], **(extra if i == len(entries) - 1 else {})))
-                    for i, entry in enumerate(entries)]
+                if chunks:
+                    chunks[-1]["prism"] = timer.breakdown()  # the request's last chunk carries Prism's timings
+            return [responses.sse(chunk) for chunk in chunks]  # one chunk per choice, as OpenAI streams them
 
         last = first
         async with contextlib.aclosing(deltas):

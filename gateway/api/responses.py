@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 from protocol.to_gateway import ChoiceDelta, TokenDelta, ToolCallDelta
 
 
-def usage(delta: TokenDelta, image_tokens: int) -> dict:
-    """OpenAI's usage from the latest token delta (all choices together):
-    vLLM's prefix-cache hits as `cached_tokens`, and Prism's own count of the
-    prompt's visual tokens."""
+def usage(delta: TokenDelta, image_tokens: int, completion_tokens: int | None = None) -> dict:
+    """OpenAI's usage from the latest token delta (all choices together, unless
+    `completion_tokens` counts one): vLLM's prefix-cache hits as `cached_tokens`,
+    and Prism's own count of the prompt's visual tokens."""
+    completion_tokens = delta.completion_tokens if completion_tokens is None else completion_tokens
     return {
         "prompt_tokens": delta.prompt_tokens,
-        "completion_tokens": delta.completion_tokens,
-        "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": delta.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": delta.cached_tokens, "image_tokens": image_tokens},
     }
 

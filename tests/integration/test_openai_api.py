@@ -110,6 +110,20 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_continuous_usage_counts_each_chunks_own_choice_and_needs_include_usage(client):
+    """As vLLM's server: a chunk's usage counts the tokens its choice has made;
+    the final usage chunk counts all choices; continuous_usage_stats alone adds nothing."""
+    def chunks(**stream_options):
+        return list(client.chat.completions.create(
+            model=MODEL_NAME, max_tokens=6, n=2, seed=3, temperature=1.0, stream=True, messages=[{"role": "user", "content": "Tell me a story."}],
+            stream_options=stream_options, extra_body={"ignore_eos": True}))
+
+    continuous = chunks(include_usage=True, continuous_usage_stats=True)
+    last_of = {c.choices[0].index: c.usage.completion_tokens for c in continuous if c.choices}
+    assert last_of == {0: 6, 1: 6} and continuous[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks(continuous_usage_stats=True))
+
+
 def test_an_idle_keep_alive_connection_outlasts_the_clients_own_expiry(stack):
     # httpx (so the openai client) reuses a connection idle for up to 5 s; a
     # server closing it at the same moment fails the next request with
