@@ -23,7 +23,7 @@ example encoder-cache connector, behind bench/epd_proxy.py); --no-epd skips it.
 Every scenario also records the server's CPU seconds per request: the whole
 machine's busy time (/proc/stat) during it, less this client process's own.
 Resolutions are mixed evenly over 256², 720p, 1080p and 4K (JPEG), 16
-output tokens, streaming. Writes docs/comparison.md (or --out).
+output tokens, streaming. Writes docs/measurements/compare-latest.md (or --out).
 
 Run: .venv/bin/python -m bench.compare
 """
@@ -130,9 +130,13 @@ def _ratio(prism: float, vllm: float) -> str:
 def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> str:
     vllm, prism = results["vllm"], results["prism"]
     lines = [
-        "# Prism vs vLLM's own server",
+        "# Prism vs vLLM's own server: the latest run",
         "",
-        f"Produced by `{command}` on {time.strftime('%Y-%m-%d')} ({platform.machine()}, "
+        "Each run replaces this file; [compare.md](compare.md) keeps the record of runs.",
+        "",
+        f"## {time.strftime('%Y-%m-%d')}",
+        "",
+        f"Produced by `{command}` ({platform.machine()}, "
         f"{_cpu_count()} CPU cores, no GPU), demo checkpoint, bf16, pixel budget {MAX_PIXELS:,}, 16 output tokens, "
         f"streaming. SLO for goodput: TTFT ≤ {slo.ttft_ms:.0f} ms. Each system ran alone, with the same seeded requests.",
         "",
@@ -212,7 +216,7 @@ def open_loop_table(vllm: dict, prism: dict) -> list[str]:
 
 
 def goals(vllm: dict, prism: dict) -> list[str]:
-    """Issue #18's goals, each as measured in this run."""
+    """The comparison's goals (docs/measurements/compare.md), each as measured in this run."""
     worst_open = max(max(ratio_of(p, v, "median_ttft_ms"), ratio_of(p, v, "p90_ttft_ms")) for v, p in zip(vllm["f"], prism["f"]))
     small = max(p["by_bucket"].get("256x256", {}).get("median_ttft_ms", 0.0) for p in prism["f"]) / (_small_alone(prism) or 1)
     rows = [
@@ -223,12 +227,12 @@ def goals(vllm: dict, prism: dict) -> list[str]:
         ("TPOT p50, unique images, concurrency 8", "≤ 0.20×", ratio_of(prism["a8"], vllm["a8"], "median_tpot_ms")),
         ("throughput with 50 % repeated images (b)", "≥ 1.50×", ratio_of(prism["b"], vllm["b"], "request_throughput")),
     ]
-    return ["", "Issue #18's goals in this run:", "", "| goal | target | measured |", "|---|---|---|",
+    return ["", "The goals in this run:", "", "| goal | target | measured |", "|---|---|---|",
             *[f"| {name} | {target} | {value:.2f}× |" for name, target, value in rows]]
 
 
 def disaggregated_table(vllm: dict, epd: dict, prism: dict) -> list[str]:
-    """The three systems side by side on the figures that decide (issue #18)."""
+    """The three systems side by side on the figures that decide."""
     def summary(key: str, metric: str, fmt: str):
         return lambda r: fmt.format(r[key]["summary"][metric])
 
@@ -268,7 +272,7 @@ def main() -> None:
     parser.add_argument("--rates", default="1,2,4,8", help="offered loads for the sweep, req/s")
     parser.add_argument("--sweep-requests", type=int, default=24)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000)
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "comparison.md")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "measurements" / "compare-latest.md")
     parser.add_argument("--no-epd", action="store_true", help="skip vLLM's disaggregated encoder")
     args = parser.parse_args()
     ensure_demo_model(MODEL)

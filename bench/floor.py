@@ -32,7 +32,7 @@ image is 25 visual tokens and the model's own work takes milliseconds):
    and 1080p JPEGs (new images) and a repeated image. TTFT as the client sees
    it, Prism's as its gateway measures it (arrival → first token), and
    Prism's stage medians beside their floors.
-3. Concurrency 8, the README's mixed workload through both: TTFT p50, and
+3. Concurrency 8, the mixed workload (docs/testing.md, "Load tests") through both: TTFT p50, and
    Prism's `parse` p90 per resolution bucket; and how long new work waited
    for the gateway's event loop meanwhile (`prism_gateway_loop_lag_seconds`).
 
@@ -71,7 +71,7 @@ from loadtest.synthetic import encode, make_image
 MODEL = SHAPES_MODEL
 IMAGES = {"4k": (3840, 2160), "1080p": (1920, 1080)}
 MAX_PIXELS = 140 * 140  # the demo model's own budget (preprocessor_config.json)
-MIXED = WorkloadSpec(  # the README's `prism bench` example
+MIXED = WorkloadSpec(  # the `prism bench` example in docs/testing.md, "Load tests"
     buckets=parse_buckets("256x256=1,720p=1,1080p=1,4k=1,wide-strip=0.5"),
     images_per_request=parse_distribution("1=0.8,2=0.2"), png_fraction=0.2, repeat_ratio=0.5, seed=21,
 )
@@ -374,7 +374,7 @@ def report(floor: dict, vllm: dict | None, prism: dict, prism_stages: dict, vllm
                 floor_ms = None  # a hit: nothing to decode or encode
             ratio = f"{got / floor_ms:.2f}×" if floor_ms else ""
             lines.append(f"| {name} | {stage} | {got:.2f} ms | {'' if floor_ms is None else f'{floor_ms:.2f} ms'} | {ratio} |")
-    lines += ["", "## Concurrency 8, the README's mixed workload", "",
+    lines += ["", "## Concurrency 8, the mixed workload", "",
               "| | vLLM server | Prism | Prism / vLLM |", "|---|---|---|---|"]
     for key, label in (("p50_ttft_ms", "TTFT p50"), ("p90_ttft_ms", "TTFT p90"), ("request_throughput", "requests/s")):
         p = prism_mixed["summary"][key]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench.gpu_encoder on the device machine, from the project's root, with the
-# wheels its image lacks carried in .whl (docs/gpu.md says which):
+# wheels its image lacks carried in .whl (docs/measurements/gpu-encoder.md says which):
 #   bash bench/gpu_run.sh [bench.gpu_encoder arguments]
 #   bash bench/gpu_run.sh -m bench.tower_load [its arguments]   (another module, the same environment)
 set -uo pipefail
