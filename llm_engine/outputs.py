@@ -83,7 +83,8 @@ class ChoiceStream:
         if fields.get("tool_calls"):
             self.called_tools = True
         reason = self._finish_reason(output.finish_reason) if finished else None
-        return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, tokens=len(output.token_ids), **fields)
+        return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, tokens=len(output.token_ids),
+                           stop_reason=output.stop_reason if finished else None, **fields)
 
     def _parsed(self, output, finished: bool) -> dict:
         if self.parser is None:
@@ -111,7 +112,11 @@ class ChoiceStream:
         return fields
 
     def _finish_reason(self, reason: str) -> str:
-        if self.called_tools and reason == "stop" and not self.named:
+        """vLLM's server's: "tool_calls" once a call was made, except for a function named by
+        tool_choice ("stop"); a non-streamed answer in auto mode says so even when cut off."""
+        if not self.called_tools or self.named:
+            return reason
+        if reason == "stop" or (not self.chat.stream and self.chat.tool_choice in (None, "auto")):
             return "tool_calls"
         return reason
 

@@ -171,14 +171,29 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
     """The chat template's token ids, one placeholder token per image (vLLM
     expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest;
     `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's)."""
+    from vllm.renderers.hf import _template_error_reason
+
     template = template or OPENAI_CONTENT
-    text = tokenizer.apply_chat_template(
-        template_messages(chat.messages, template), tools=request_tools(chat), chat_template=template.text, tokenize=False,
-        add_generation_prompt=True, **template_kwargs,
-    )
+    messages = _developer_messages(template_messages(chat.messages, template), template.text or getattr(tokenizer, "chat_template", None))
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tools=request_tools(chat), chat_template=template.text, tokenize=False, add_generation_prompt=True, **template_kwargs,
+        )
+    except Exception as exc:  # a template refusing the conversation (roles out of order, no user turn): the request's fault
+        raise InvalidPrompt(f"the chat template refused this conversation: {_template_error_reason(exc)}") from None
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _developer_messages(messages: list[dict], template_text: str | None) -> list[dict]:
+    """vLLM's server's: `developer` messages stay so for a template that names the role;
+    otherwise they become `system`, and every system message is merged into the first."""
+    from vllm.renderers.hf import _consolidate_system_messages, _convert_developer_to_system, _detect_developer_role_support
+
+    if not any(m["role"] == "developer" for m in messages) or (template_text and _detect_developer_role_support(template_text)):
+        return messages
+    return _consolidate_system_messages(_convert_developer_to_system(messages))
 
 
 def request_tools(chat) -> list[dict] | None:

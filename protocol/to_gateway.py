@@ -157,6 +157,7 @@ class ChoiceDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     tool_calls: list[ToolCallDelta] = []
     reasoning: str = ""
     tokens: int = 0  # tokens this choice made since its last delta
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id that ended it
 
 
 class TokenDelta(Message):

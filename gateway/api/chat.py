@@ -143,11 +143,11 @@ class ChatHandler:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
             body = self._stream(first, deltas, record, request.stream_options or StreamOptions())
             return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
-        return await self._complete(deltas, record)
+        return await self._complete(deltas, record, forced_call=request.tool_choice not in (None, "none", "auto"))
 
-    async def _complete(self, deltas: AsyncIterator[TokenDelta], record: RequestRecord) -> Response:
+    async def _complete(self, deltas: AsyncIterator[TokenDelta], record: RequestRecord, forced_call: bool) -> Response:
         timer = record.timer
-        answer = responses.Answer()
+        answer = responses.Answer(forced_call)
         last = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
@@ -180,19 +180,21 @@ class ChatHandler:
         event, and sets the record's outcome."""
         timer = record.timer
         rid, model, created = record.id, record.model, int(time.time())
-        started: set[int] = set()  # choices that have sent their first chunk (with the role)
         made = collections.Counter()  # tokens each choice has made so far
         # vLLM's: usage in every chunk, counting that chunk's choice, only beside include_usage
         continuous = options.include_usage and options.continuous_usage_stats
 
-        def events_of(delta: TokenDelta) -> list[bytes]:
-            chunks = []
+        def chunk_of(entry: dict, delta: TokenDelta) -> dict:
+            usage = responses.usage(delta, timer.visual_tokens, made[entry["index"]])
+            return responses.chunk(rid, model, created, [entry], **({"usage": usage} if continuous else {}))
+
+        def events_of(delta: TokenDelta, opening: bool = False) -> list[bytes]:
+            # each choice's role first, all of them before any token (vLLM's order)
+            chunks = [chunk_of(responses.role_entry(index), delta) for index in range(timer.choices)] if opening else []
             for choice in delta.choices:
                 made[choice.index] += choice.tokens
-                if (entry := responses.stream_choice(choice, choice.index not in started)) is not None:
-                    started.add(choice.index)
-                    usage = responses.usage(delta, timer.visual_tokens, made[choice.index])
-                    chunks.append(responses.chunk(rid, model, created, [entry], **({"usage": usage} if continuous else {})))
+                if (entry := responses.stream_choice(choice)) is not None:
+                    chunks.append(chunk_of(entry, delta))
             if delta.finished:
                 timer.mark_finished()
                 if chunks:
@@ -204,7 +206,7 @@ class ChatHandler:
             try:
                 timer.mark_first_token()
                 timer.mark_delta(first)
-                for event in events_of(first):
+                for event in events_of(first, opening=True):
                     yield event
                 if not first.finished:
                     async for last in deltas:  # the engine client's stream ends with the finished delta

@@ -34,9 +34,6 @@ from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
 from protocol.to_gateway import TokenDelta
 
 
-_ROLES = {"developer": "system"}
-
-
 @dataclass(frozen=True)
 class Prepared:
     """A request ready for the engine."""
@@ -74,10 +71,9 @@ def engine_chat(request: ChatCompletionRequest) -> bytes:
     """The request as the engine reads it (vLLM's ChatCompletionRequest): what
     the client set, each image's URL replaced by a placeholder (its embeddings
     travel beside, in order; OpenAI's part shape keeps vLLM's validation
-    happy), `developer` as `system` (chat templates know no `developer`)."""
+    happy)."""
     body = request.model_dump(mode="json", exclude_unset=True, by_alias=True, exclude=_GATEWAY_ONLY)
     for message in body["messages"]:
-        message["role"] = _ROLES.get(message["role"], message["role"])
         if isinstance(message.get("content"), list):
             message["content"] = [_PLACEHOLDERS.get(p["type"], p) for p in message["content"]]
     return msgspec.json.encode(body)

@@ -60,6 +60,7 @@ class _Choice:
     logprobs: list[dict] | None = None
     calls: dict[int, _Call] = field(default_factory=dict)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
@@ -71,31 +72,34 @@ class _Choice:
         for piece in delta.tool_calls:
             self.calls.setdefault(piece.index, _Call()).add(piece)
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
 
-    def body(self, index: int) -> dict:
+    def body(self, index: int, forced_call: bool) -> dict:
         text, reasoning = "".join(self.text), "".join(self.reasoning)
-        # null beside calls or reasoning with no text after them (cut off while reasoning), as vLLM answers
-        message: dict = {"role": "assistant", "content": text if text or not (self.calls or reasoning) else None}
+        # as vLLM answers: null beside calls or reasoning with no text after them (cut off while
+        # reasoning), but a string whenever tool_choice forced a call
+        message: dict = {"role": "assistant", "content": text if text or forced_call or not (self.calls or reasoning) else None}
         if reasoning:
             message["reasoning"] = reasoning
         if self.calls:
             message["tool_calls"] = [self.calls[i].body() for i in sorted(self.calls)]
         logprobs = None if self.logprobs is None else {"content": self.logprobs}
-        return {"index": index, "message": message, "finish_reason": self.finish_reason, "logprobs": logprobs}
+        return {"index": index, "message": message, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "logprobs": logprobs}
 
 
 class Answer:
     """A non-streamed answer: every delta of every choice, summed."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced_call: bool = False) -> None:
         self._choices: dict[int, _Choice] = {}
+        self._forced_call = forced_call  # tool_choice required or a named function
 
     def add(self, delta: TokenDelta) -> None:
         for choice in delta.choices:
             self._choices.setdefault(choice.index, _Choice()).add(choice)
 
     def choices(self) -> list[dict]:
-        return [self._choices[i].body(i) for i in sorted(self._choices)]
+        return [self._choices[i].body(i, self._forced_call) for i in sorted(self._choices)]
 
 
 def completion(request_id: str, model: str, choices: list[dict], usage_: dict, timings: dict) -> dict:
@@ -110,11 +114,16 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict, t
     }
 
 
-def stream_choice(choice: ChoiceDelta, first: bool) -> dict | None:
+def role_entry(index: int) -> dict:
+    """A choice's first chunk entry, before any of its tokens (as OpenAI and vLLM's server send it)."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+
+
+def stream_choice(choice: ChoiceDelta) -> dict | None:
     """One choice's chunk entry; None when it says nothing (e.g. tool-call
-    markup the parser held back). A choice's first entry carries the role."""
-    delta: dict = {"role": "assistant"} if first else {}
-    if choice.text or first:
+    markup the parser held back)."""
+    delta: dict = {}
+    if choice.text:
         delta["content"] = choice.text
     if choice.reasoning:
         delta["reasoning"] = choice.reasoning
@@ -124,7 +133,10 @@ def stream_choice(choice: ChoiceDelta, first: bool) -> dict | None:
     if not delta and content is None and choice.finish_reason is None:
         return None
     logprobs = None if content is None else {"content": content}
-    return {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+    entry = {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+    if choice.finish_reason is not None:
+        entry["stop_reason"] = choice.stop_reason
+    return entry
 
 
 def _tool_call_piece(piece: ToolCallDelta) -> dict:

@@ -316,6 +316,15 @@ class ChatCompletionRequest(_Strict):
             raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
         return self
 
+    @model_validator(mode="after")
+    def _options_that_need_each_other(self) -> "ChatCompletionRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")  # as vLLM's server says
+        # vLLM's server would let the response_format replace the structured output's constraint
+        if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format and structured_outputs each constrain the output: send one")
+        return self
+
     @field_validator("top_logprobs")
     @classmethod
     def _logprobs_asked(cls, value: int | None, info: ValidationInfo) -> int | None:

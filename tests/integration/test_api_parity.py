@@ -85,7 +85,42 @@ def test_forced_tool_calls_are_identical(client, vllm, tool_choice):
     prism, reference = both(client, vllm, max_tokens=120, tools=[WEATHER, TIME], tool_choice=tool_choice)
     assert calls(prism) and calls(prism) == calls(reference)
     assert prism.choices[0].finish_reason == reference.choices[0].finish_reason
+    assert prism.choices[0].message.content == reference.choices[0].message.content  # "" beside a forced call
     assert prism.usage.prompt_tokens == reference.usage.prompt_tokens  # the same prompt, tools rendered alike
+
+
+def test_a_call_cut_off_after_it_closed_finishes_alike(client, vllm):
+    """Auto mode, non-streamed: a whole call and then text up to max_tokens."""
+    markup = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Rome"\}\}\n</tool_call>( [a-z]+)+'
+    prism, reference = both(client, vllm, max_tokens=160, tools=[loose(WEATHER)], extra_body={"structured_outputs": {"regex": markup}})
+    assert calls(prism) == calls(reference) and reference.choices[0].finish_reason == "tool_calls"
+    assert prism.choices[0].finish_reason == reference.choices[0].finish_reason
+
+
+def test_stop_reason_and_developer_messages_as_vllm(client, vllm):
+    """A developer message mid-conversation is merged into the system prompt when the
+    template has no such role; the stop string that ended an answer is its stop_reason."""
+    messages = [{"role": "system", "content": "Be brief."}, *QUESTION, {"role": "developer", "content": "Answer in one word."}]
+    prism, reference = both(client, vllm, messages=messages, max_tokens=40, extra_body={"structured_outputs": {"regex": "red end blue"}},
+                            stop=[" end"])
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens
+    assert prism.choices[0].message.content == reference.choices[0].message.content == "red"
+    assert prism.choices[0].model_extra["stop_reason"] == reference.choices[0].model_extra["stop_reason"] == " end"
+
+
+def test_streamed_chunks_are_shaped_alike(client, vllm):
+    """Each choice's role comes alone in its first chunk, before any token."""
+    def shape(c):
+        return list(c.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=5, n=2, seed=7, temperature=1.0, stream=True))
+
+    def fields(chunks):
+        return [(c.choices[0].index, c.choices[0].delta.role, c.choices[0].delta.content, c.choices[0].finish_reason,
+                 (c.choices[0].model_extra or {}).get("stop_reason")) for c in chunks if c.choices]
+    def by_choice(chunks):  # how the two choices' chunks interleave is the engine's timing
+        return {index: [f for f in fields(chunks) if f[0] == index] for index in (0, 1)}
+    prism, reference = shape(client), shape(vllm)
+    assert fields(prism)[:2] == fields(reference)[:2] == [(0, "assistant", "", None, None), (1, "assistant", "", None, None)]
+    assert by_choice(prism) == by_choice(reference)
 
 
 def test_auto_tool_calls_are_parsed_alike(client, vllm):

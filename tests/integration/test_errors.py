@@ -41,6 +41,8 @@ BAD_REQUESTS = [
     ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),
     ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "the limit is 8 (gateway.max_images_per_request)"),
     ("max-tokens-over-the-context", body(max_tokens=4097), 400, "max_tokens=4097 cannot be greater than this model's context length"),
+    ("stream-options-without-stream", body(stream_options={"include_usage": True}), 400, "stream_options needs stream: true"),
+    ("two-output-constraints", body(response_format={"type": "json_object"}, structured_outputs={"regex": "a+"}), 400, "send one"),
     # Each error names the field as the request spells it, in the union branch the value took.
     ("image-url-as-string", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": png_url()}]}]), 400,
      "'messages.0.content.0.image_url': Input should be an object"),

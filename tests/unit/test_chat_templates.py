@@ -103,3 +103,24 @@ def test_a_vision_template_of_strings_gets_the_model_s_image_placeholders(tmp_pa
                                              {"type": "image_url", "image_url": {"url": png_url()}}]}]
     ours, theirs, content_format = both_renders(path, messages)
     assert content_format == "string" and ours == theirs
+
+
+# A template that knows the `developer` role, and one that refuses a conversation as Qwen3's does.
+DEVELOPER_TEMPLATE = STRING_TEMPLATE.replace("message['role']", "('dev' if message['role'] == 'developer' else message['role'])")
+REFUSING_TEMPLATE = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('No user query found in messages.') }}{% endif %}" + STRING_TEMPLATE
+WITH_DEVELOPER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."},
+                  {"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "A colour?"}]
+
+
+@pytest.mark.parametrize("template", [STRING_TEMPLATE, DEVELOPER_TEMPLATE], ids=["becomes-system", "kept"])
+def test_developer_messages_are_rendered_as_vllm_renders_them(tmp_path, template):
+    """A template that does not name the role gets them as system, merged into the first system message."""
+    ours, theirs, _ = both_renders(checkpoint(tmp_path, "qwen2-text", template, None), WITH_DEVELOPER)
+    assert ours == theirs
+
+
+def test_a_template_that_refuses_the_conversation_is_the_request_s_fault(tmp_path):
+    from llm_engine.prompts import InvalidPrompt
+
+    with pytest.raises(InvalidPrompt, match="No user query found in messages"):
+        both_renders(checkpoint(tmp_path, "qwen2-text", REFUSING_TEMPLATE, None), CONVERSATION)

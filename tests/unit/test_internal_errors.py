@@ -72,7 +72,8 @@ def test_a_failure_after_the_first_token_is_counted_as_the_gateway_s(stream):
     response = client_with(FailingPipeline(before_first_token=False)).post("/v1/chat/completions", json={**CHAT, "stream": stream})
     if stream:
         events = [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
-        assert json.loads(events[0])["choices"][0]["delta"]["content"] == "Hel"
+        assert json.loads(events[0])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert json.loads(events[1])["choices"][0]["delta"]["content"] == "Hel"
         assert json.loads(events[-2])["error"]["code"] == "internal_error"
         assert events[-1] == "[DONE]"
     else:
