@@ -65,8 +65,7 @@ class _Encoder:
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, count) -> None:
         self.address = address
-        self.socket = AsyncDealer(ctx, address, FetchInbound, count)
-        self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued for an encoder that is not there
+        self.socket = AsyncDealer(ctx, address, FetchInbound, count, immediate=True)  # nothing queued for an encoder that is not there
         self.waiting: dict[str, asyncio.Future] = {}
         self.reader = asyncio.create_task(self._read())
 
@@ -200,8 +199,10 @@ class EngineImages:
         if arrived:
             del self._arrived[slot]
         cached = self.cache.get(image.key, image.identity, record=not arrived)
-        self.pushed += arrived and cached is not None
-        return None if cached is None else cached.embeddings
+        if cached is None or not _as_referenced(cached.embeddings, image):
+            return None
+        self.pushed += arrived
+        return cached.embeddings
 
     def _push_on_its_way(self, image: ImageEmbedding) -> bool:
         """Pushed, and neither here yet nor arrived and evicted since (then only a fetch brings it)."""
@@ -220,8 +221,8 @@ class EngineImages:
             await asyncio.wait(awaited.values(), timeout=self.push_wait_s)  # never cancels them: others may wait too
         finally:
             for index, future in awaited.items():
-                if future.done():
-                    found[index] = future.result()
+                if future.done() and _as_referenced(tensor := future.result(), images[index]):
+                    found[index] = tensor
                     self.pushed += 1
                 elif self._awaited.get(slot := (images[index].key, images[index].identity)) is future:
                     del self._awaited[slot]  # not come: if it comes later, the LRU keeps it
@@ -248,7 +249,7 @@ class EngineImages:
         results = await asyncio.gather(*(asyncio.shield(future) for future in joining.values()))
         again: dict[str, list[int]] = {}
         for index, tensor in zip(joining, results):
-            if tensor is None:
+            if tensor is None or not _as_referenced(tensor, images[index]):
                 again.setdefault(images[index].source, []).append(index)
             else:
                 found[index] = tensor
@@ -274,21 +275,33 @@ class EngineImages:
                 "engine.embed_fetch_timeout_s); retry shortly")
 
     async def _from_encoder(self, address: str, indices: list[int], images: Sequence[ImageEmbedding], found: list) -> None:
+        """What the encoder still holds; an entry that is not what the request references (another
+        shape, a missing or short frame) counts as not held: the encoder's fault, not the request's."""
         refs = [images[i] for i in indices]
         reply, frames = await self._encoder(address).fetch(f"fetch-{next(self._ids)}", refs)
+        if len(reply.found) != len(refs) or sum(meta is not None for meta in reply.found) != len(frames):
+            log.warning("a fetch reply from %s was dropped: %d entries and %d frames for %d images",
+                        address, len(reply.found), len(frames), len(refs))
+            return
         tensors = iter(frames)
         for index, ref, meta in zip(indices, refs, reply.found):
             if meta is None:
                 continue
-            if meta != ref.embeddings:
-                raise ValueError(f"image {index}: the encoder holds {meta} under its key, the request says {ref.embeddings}")
-            self._keep(index, ref, to_torch(meta, next(tensors)), found)
+            frame = next(tensors)
+            try:
+                if meta != ref.embeddings:
+                    raise ValueError(f"it holds {meta} under the key, the request references {ref.embeddings}")
+                tensor = to_torch(meta, frame)
+            except ValueError as exc:
+                log.warning("image %d from %s taken as not held: %s", index, address, exc)
+                continue
+            self._keep(index, ref, tensor, found)
 
     async def _from_shared(self, indices: list[int], images: Sequence[ImageEmbedding], found: list) -> None:
         refs = [images[i] for i in indices]
         values = await asyncio.to_thread(self.shared.get_many, [r.key for r in refs], [r.identity for r in refs])
         for index, ref, value in zip(indices, refs, values):
-            if value is not None and meta_of(value.embeddings) == ref.embeddings:
+            if value is not None and _as_referenced(value.embeddings, ref):
                 self._keep(index, ref, value.embeddings, found)
 
     def _keep(self, index: int, ref: ImageEmbedding, tensor, found: list) -> None:
@@ -301,3 +314,13 @@ class EngineImages:
             encoder.close()
         if self.shared is not None:
             self.shared.close()
+
+
+def _as_referenced(tensor, ref: ImageEmbedding) -> bool:
+    """Whether a tensor found under the reference's key has the dtype and shape it says: one
+    that does not (a push or a cached entry gone wrong) is looked for elsewhere, never handed
+    to vLLM, whose engine core dies of some shapes."""
+    if (meta := meta_of(tensor)) == ref.embeddings:
+        return True
+    log.warning("visual tokens found as %s where the request references %s: looked for elsewhere", meta, ref.embeddings)
+    return False

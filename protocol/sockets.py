@@ -76,11 +76,14 @@ class _Typed(Generic[In]):
 class AsyncDealer(_Typed[In]):
     """One side of a request/reply stream to a ROUTER (gateway → service).
     `count(direction, nbytes)`, if given, hears of every message's size
-    ("sent" or "received")."""
+    ("sent" or "received"). `immediate`: nothing is queued for a peer that is not
+    connected, so a restarted service never receives what its predecessor was sent
+    (a send waits for the peer instead); zmq takes it only before connect."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any,
-                 count: Callable[[str, int], None] | None = None) -> None:
+                 count: Callable[[str, int], None] | None = None, immediate: bool = False) -> None:
         socket = ctx.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IMMEDIATE, int(immediate))
         socket.connect(address)
         super().__init__(socket, inbound)
         self._count = count
@@ -215,7 +218,11 @@ class Pusher:
             socket.setsockopt(zmq.IMMEDIATE, 1)
             socket.setsockopt(zmq.SNDHWM, self.queue_limit)
             socket.setsockopt(zmq.LINGER, 0)  # best effort: an exiting encoder never waits on a push
-            socket.connect(address)
+            try:
+                socket.connect(address)
+            except zmq.ZMQError:  # an address zmq cannot take: nothing is pushed, the receiver asks instead
+                socket.close()
+                return False
             self._sockets[address] = socket
             while len(self._sockets) > self.addresses_kept:
                 self._sockets.popitem(last=False)[1].close()

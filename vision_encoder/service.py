@@ -289,6 +289,8 @@ class EncoderService:
                 pixels = to_numpy(image.pixels, frame)
                 if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8" or 0 in pixels.shape:
                     raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, h and w at least 1, got {image.pixels}")
+                if image.original_size is not None and min(image.original_size) < 1:
+                    raise ValueError(f"image {index}: original_size must be (h, w), each at least 1, got {image.original_size}")
                 tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]), image.sized)
                 patches = self.tower.patches_of(tower_image)
                 self.batcher.add(key, tower_image, patches, (state, index), self._identity(image.digest))

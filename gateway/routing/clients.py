@@ -61,10 +61,8 @@ class ServiceClient:
         self.address = address
         self.heartbeat_timeout_s = heartbeat_timeout_s
         counters = {direction: metrics.PEER_BYTES.labels(self.peer, direction) for direction in ("sent", "received")}
-        self.socket = AsyncDealer(ctx, address, GatewayInbound, lambda direction, nbytes: counters[direction].inc(nbytes))
-        # Never queue messages for a peer that is not connected: a restarted
-        # service must not receive requests its predecessor was sent.
-        self.socket.socket.setsockopt(zmq.IMMEDIATE, 1)
+        # immediate: a restarted service must not receive requests its predecessor was sent
+        self.socket = AsyncDealer(ctx, address, GatewayInbound, lambda direction, nbytes: counters[direction].inc(nbytes), immediate=True)
         self._monitor = self.socket.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None

@@ -20,7 +20,7 @@ from protocol.sockets import AsyncDealer, pack
 from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_engine import GenerateRequest, PushedEmbedding
-from protocol.to_gateway import EncodeFailed, EncoderReady, EngineReady, GatewayInbound, GenerateFailed
+from protocol.to_gateway import EncodeFailed, EncoderReady, EncodeResult, EngineReady, GatewayInbound, GenerateFailed
 from tests.integration.helpers import ask, chat_json, child_pid, engine_pid, final_reply
 
 # Neither service takes these: empty, not msgpack, a message with an unknown tag, another service's message.
@@ -39,7 +39,13 @@ def hostile_images() -> list[tuple[str, ImageInput, bytes]]:
         ("unknown-dtype", ImageInput(os.urandom(16), ArrayMeta("no_such_dtype", (1, 1, 3))), b"\x00" * 3),
         ("negative-shape", ImageInput(os.urandom(16), ArrayMeta("uint8", (-1, -1, 3))), b"\x00" * 3),
         ("empty-image", ImageInput(os.urandom(16), ArrayMeta("uint8", (0, 4, 3))), b""),
+        # readable pixels, but an original size no image has: refused alone, not with the batch it would join
+        ("zero-original-size", ImageInput(os.urandom(16), ArrayMeta("uint8", (28, 28, 3)), original_size=(0, 0)), b"\x00" * 28 * 28 * 3),
     ]
+
+
+# A request to push its tokens to an address zmq cannot connect to: encoded and answered, not pushed.
+BAD_PUSH = ("bad-push-address", ImageInput(os.urandom(16), ArrayMeta("uint8", (28, 28, 3))), b"\x80" * 28 * 28 * 3)
 
 
 async def still_answers(socket: AsyncDealer, ready_type: type) -> None:
@@ -57,9 +63,11 @@ async def hostile_encoder_traffic(address: str) -> dict[str, object]:
         replies = {}
         for rid, image, frame in hostile_images():
             await socket.send(EncodeRequest(rid, [image]), [frame])
-        while len(replies) < len(hostile_images()):
-            message, _ = await asyncio.wait_for(socket.recv(), 10)
-            if isinstance(message, EncodeFailed):
+        rid, image, frame = BAD_PUSH
+        await socket.send(EncodeRequest(rid, [image], push_to="tcp://engine-without-port"), [frame])
+        while len(replies) < len(hostile_images()) + 1:
+            message, _ = await asyncio.wait_for(socket.recv(), 60)
+            if isinstance(message, (EncodeFailed, EncodeResult)):
                 replies[message.request_id] = message
         await still_answers(socket, EncoderReady)
         return replies
@@ -88,7 +96,9 @@ async def hostile_engine_traffic(address: str) -> object:
 def test_unreadable_messages_and_unreadable_pixels_never_stop_the_encoder(stack, client, images):
     encoder = child_pid(stack, "vision_encoder")
     replies = asyncio.run(hostile_encoder_traffic(stack.encoder_addresses[0]))
+    assert isinstance(replies.pop(BAD_PUSH[0]), EncodeResult)
     assert {rid: reply.status for rid, reply in replies.items()} == {rid: 400 for rid, _, _ in hostile_images()}, replies
+    assert "original_size" in replies["zero-original-size"].message
     assert "negative dimension" in replies["negative-shape"].message
     assert "at least 1" in replies["empty-image"].message
     assert ask(client, "image-square", images).choices[0].message.content  # an image through that encoder

@@ -134,6 +134,21 @@ def test_pushed_tokens_are_used_whether_they_come_before_or_after_the_request_an
     asyncio.run(_pushes())
 
 
+async def _tokens_not_as_referenced() -> None:
+    source = "inproc://encoder-wrong"
+    wrong = torch.randn(3, 5)
+    async with encoder_and_fetcher(source, {b"w": TOKENS, b"v": wrong}, push_wait_s=0.3) as (encoder, fetcher):
+        push(fetcher, b"w", wrong)  # a push of another dtype and shape than the request references: fetched instead
+        got = await fetcher.tensors([pushed_reference(b"w", source)])
+        assert torch.equal(got[0], TOKENS) and encoder.asked == [[b"w"]] and fetcher.pushed == 0
+        with pytest.raises(EmbeddingsUnavailable):  # an encoder holding another shape: not held (a 503), not the request's fault
+            await fetcher.tensors([reference(b"v", source)])
+
+
+def test_tokens_that_are_not_what_the_request_references_are_never_used():
+    asyncio.run(_tokens_not_as_referenced())
+
+
 async def _evicted_push() -> None:
     source = "inproc://encoder-evicted"
     async with encoder_and_fetcher(source, {b"x": TOKENS}, capacity_bytes=TOKENS.numel() * 2, push_wait_s=5) as (encoder, fetcher):  # holds one

@@ -15,6 +15,7 @@ import importlib
 import inspect
 import pkgutil
 import threading
+import tempfile
 
 import msgspec
 import numpy as np
@@ -616,3 +617,39 @@ async def _a_waiting_send_gives_up(other_peer: bool):
 @pytest.mark.parametrize("other_peer", [False, True], ids=["alone", "beside-another-peer"])
 def test_a_waiting_send_to_a_peer_that_never_reads_gives_up_after_its_wait(other_peer):
     asyncio.run(_a_waiting_send_gives_up(other_peer))
+
+
+async def _nothing_is_queued_for_a_peer_not_there(immediate: bool) -> bool:
+    """Whether a message sent while no service listened reached the service that came up after."""
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tempfile.mkdtemp()}/service"
+    dealer = AsyncDealer(ctx, address, GatewayInbound, immediate=immediate)
+    router = None
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await dealer.send(Hello("sent while nobody listened"))
+        router = AsyncRouter(ctx, address, EncoderInbound)
+        await dealer.send(Hello("after"))
+        _, message, _ = await asyncio.wait_for(router.recv(), 5)
+        return message != Hello("after")
+    finally:
+        for socket in (dealer, router):
+            if socket is not None:
+                socket.close()
+        ctx.term()
+
+
+def test_an_immediate_dealer_queues_nothing_for_a_service_that_is_not_up():
+    assert not asyncio.run(_nothing_is_queued_for_a_peer_not_there(immediate=True))
+    assert asyncio.run(_nothing_is_queued_for_a_peer_not_there(immediate=False))  # what zmq does without it
+
+
+def test_a_pusher_given_an_address_zmq_cannot_take_sends_nothing_and_keeps_no_socket():
+    ctx = zmq.Context()
+    pusher = Pusher(ctx, queue_limit=4)
+    try:
+        assert pusher.send("tcp://engine-without-port", Hello("push")) is False and pusher.addresses == []
+    finally:
+        pusher.close()
+        ctx.term()
