@@ -115,6 +115,15 @@ def test_the_dashboard_and_metrics_are_served_and_scraped(stack):
     wait_until(gateway_scraped, 120, "Prometheus's container to scrape the gateway's", 1)
 
 
+def test_the_encoder_reaches_the_shared_cache_in_redis(stack):
+    """Debian's redis-server refuses clients from other hosts unless told not to (protected mode)."""
+    def up() -> bool:
+        values = [v for (name, _), v in scrape(stack.base_url).items() if name == "prism_shared_cache_up"]
+        return bool(values) and all(v == 1 for v in values)
+
+    wait_until(up, 60, "the encoder to reach the shared cache tier in Redis's container", 1)
+
+
 def test_the_prism_containers_run_unprivileged_without_build_tools(stack):
     assert docker("image", "inspect", "-f", "{{.Config.User}}", IMAGE).strip() == "10001:10001"  # numeric: runAsNonRoot
     for service in PRISM_SERVICES:

@@ -379,3 +379,11 @@ def test_what_each_service_may_hold_fits_its_containers_memory_limit(overlay, tm
         else:
             caches = (config.kv_cache_memory_mb or 0) + config.embedding_cache_mb  # KV: host memory on a CPU
             assert ENGINE_OWN + caches * 2**20 <= limit, deployment["metadata"]["name"]
+
+
+def test_compose_and_kubernetes_run_redis_alike(tmp_path):
+    """One shared tier, one size and one network policy, whichever deploys it."""
+    compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())["services"]["redis"]["command"]
+    (deployment,) = [d for d in of_kind(render(OVERLAYS[0]), "Deployment") if d["metadata"]["name"].endswith("redis")]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"] == compose
+    assert compose[compose.index("--protected-mode") + 1] == "no"  # Debian's build refuses other hosts' clients
