@@ -12,7 +12,9 @@ slower in all than `timeout_s` plus its bytes at `SLOW_LINK_BYTES_PER_S` (a
 slow link whose every read meets the socket timeout), marks the tier down
 for `retry_s` with one logged warning; meanwhile lookups miss and writes are
 skipped, and the first call after it probes again. Writes go through one
-background thread and a bounded queue, so a reply never waits on Redis.
+background thread and a bounded queue, so a reply never waits on Redis; that
+thread's calls may take as long as the largest value takes at
+`SLOW_LINK_BYTES_PER_S`, and values over `MAX_VALUE_BYTES` are not shared.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ _LENGTH = struct.Struct("<I")
 # A lookup slower than this per byte (after the call's timeout) marks the tier down: a 1 MP
 # image's tokens at 7B widths (9.6 MB) may take 0.1 s beyond the timeout, not longer.
 SLOW_LINK_BYTES_PER_S = 100e6
+# Larger values stay local: one would hold the writer for seconds, and Redis takes
+# no string over 512 MB (proto-max-bulk-len).
+MAX_VALUE_BYTES = 256 * 2**20
 
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
@@ -78,15 +83,16 @@ class SharedTier:
     max_pending_writes: int = 64
 
     def __post_init__(self) -> None:
-        # No client-side retries: an outage must cost one timeout, not several.
-        self.client = redis.Redis.from_url(
-            self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0)
-        )
+        self.client = self._client(self.timeout_s)
         self.stats = SharedTierStats()
         self._down_until = 0.0
         self._writes: queue.Queue = queue.Queue(self.max_pending_writes)
         self._writer: threading.Thread | None = None  # started by the first write: a reader (an engine) has none
         self._writer_lock = threading.Lock()
+
+    def _client(self, timeout_s: float) -> redis.Redis:
+        # No client-side retries: an outage must cost one timeout, not several.
+        return redis.Redis.from_url(self.url, socket_timeout=timeout_s, socket_connect_timeout=self.timeout_s, retry=Retry(NoBackoff(), 0))
 
     def get_many(self, keys: list[bytes], identities: list[bytes], record: bool = True) -> list[CachedEmbedding | None]:
         """One round trip for all keys; a miss (None) for anything not found or not trusted."""
@@ -134,7 +140,7 @@ class SharedTier:
 
     def put(self, key: bytes, value: CachedEmbedding) -> None:
         """Store in the background; skipped (and counted) when Redis is down or behind."""
-        if not self._available():
+        if not self._available() or value.embeddings.nbytes > MAX_VALUE_BYTES:
             self.stats.writes_skipped += 1
             return
         self._start_writer()
@@ -146,6 +152,8 @@ class SharedTier:
     def _start_writer(self) -> None:
         with self._writer_lock:  # the encoder's lanes may write at once
             if self._writer is None:
+                # its own connection: a write may take what its bytes take on a slow link, a lookup may not
+                self._writer_client = self._client(self.timeout_s + MAX_VALUE_BYTES / SLOW_LINK_BYTES_PER_S)
                 self._writer = threading.Thread(target=self._write_loop, name="shared-cache-writer", daemon=True)
                 self._writer.start()
 
@@ -156,6 +164,9 @@ class SharedTier:
                 if key is None:
                     return
                 self._write(key, blob)
+            except Exception:  # never the thread: a dead writer would leave the tier up with every write skipped
+                self.stats.errors += 1
+                log.exception("a shared cache write failed")
             finally:
                 self._writes.task_done()
 
@@ -164,7 +175,7 @@ class SharedTier:
             self.stats.writes_skipped += 1
             return
         try:
-            self.client.set(NAMESPACE + key, blob, px=int(self.ttl_s * 1000))
+            self._writer_client.set(NAMESPACE + key, blob, px=int(self.ttl_s * 1000))
         except redis.RedisError as exc:
             self._failed(exc)
             return
@@ -181,6 +192,7 @@ class SharedTier:
         if self._writer is not None:
             self._writes.put((None, None))
             self._writer.join(timeout=2)
+            self._writer_client.close()
         self.client.close()
 
     def _available(self) -> bool:

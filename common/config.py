@@ -4,7 +4,9 @@ The YAML file has one section per service (`gateway`, `encoder`, `engine`) and
 top-level keys shared by all of them (`model`). An environment variable
 `PRISM_<SECTION>__<KEY>` (or `PRISM_<KEY>` for a shared key) overrides the
 file; its value is parsed as YAML, so `PRISM_ENGINE__MAX_MODEL_LEN=2048` is an
-int. Validation errors name the offending key, e.g. `engine.max_model_len`.
+int, except for a key that takes a string, which keeps the value as written
+(`PRISM_GATEWAY__HOST=::`, a key with `#` in it). Validation errors name the
+offending key, e.g. `engine.max_model_len`, or the variable.
 """
 
 from __future__ import annotations
@@ -54,16 +56,29 @@ def check_redis_url(url: str | None) -> str | None:
     return url
 
 
-def _env_overrides(section: str, env: Mapping[str, str]) -> dict[str, object]:
+def _env_overrides(model: type[pydantic.BaseModel], section: str, env: Mapping[str, str]) -> dict[str, object]:
     values: dict[str, object] = {}
     for key in SHARED_KEYS:
-        if (raw := env.get(f"{ENV_PREFIX}{key.upper()}")) is not None:
-            values[key] = yaml.safe_load(raw)
+        if (raw := env.get(name := f"{ENV_PREFIX}{key.upper()}")) is not None:
+            values[key] = _env_value(name, raw, model.model_fields.get(key))
     prefix = f"{ENV_PREFIX}{section.upper()}__"
     for name, raw in env.items():
         if name.startswith(prefix):
-            values[name[len(prefix) :].lower()] = yaml.safe_load(raw)
+            key = name[len(prefix) :].lower()
+            values[key] = _env_value(name, raw, model.model_fields.get(key))
     return values
+
+
+def _env_value(name: str, raw: str, field: pydantic.fields.FieldInfo | None) -> object:
+    """A variable's value as YAML reads it; a string key's as written (YAML would make `::` a
+    mapping, `2024` a number, and cut `abc #1` at its comment), but null stays null."""
+    if field is not None and field.annotation in (str, str | None) and raw not in ("null", "~"):
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = str(exc).splitlines()[0]
+        raise ConfigError(f"{name}: not a YAML value ({problem}); quote the parts that are strings, e.g. '[\"@key\"]'") from None
 
 
 # What Kubernetes sets in every pod for a Service named prism-gateway (PRISM_GATEWAY_PORT=tcp://10.0.0.1:8000).
@@ -131,7 +146,7 @@ def load_config(
             values.setdefault(key, data[key])
     env = os.environ if env is None else env
     _check_env_spelling(model, section, env)
-    overrides = _env_overrides(section, env)
+    overrides = _env_overrides(model, section, env)
     values.update({k: v for k, v in overrides.items() if k in model.model_fields or k not in SHARED_KEYS})
     if isinstance(values.get("model"), str):
         values["model"] = resolve_model(values["model"])

@@ -53,8 +53,8 @@ class EngineConfig(FrozenConfig):
     # The encoders' shared Redis tier (encoder.shared_cache_url), asked when an
     # encoder no longer holds an image's tokens. None: encoders only.
     shared_cache_url: str | None = None
-    shared_cache_timeout_ms: float = Field(100, gt=0)
-    shared_cache_retry_s: float = Field(5, gt=0)
+    shared_cache_timeout_ms: float = Field(100, gt=0, allow_inf_nan=False)
+    shared_cache_retry_s: float = Field(5, gt=0, allow_inf_nan=False)
     max_waiting_requests: int = Field(256, ge=1)  # submitted with no token yet; past it: 429
     drain_timeout_s: float = Field(30, ge=0)  # on SIGTERM, requests in flight get this long to finish
     # Stall watchdog (llm_engine/watchdog.py): requests in vLLM and no engine

@@ -50,9 +50,9 @@ class EncoderConfig(FrozenConfig):
     handoff_ttl_s: float = Field(30, gt=0)
     # Second cache tier shared by every replica (redis://host:port/db); None: local only.
     shared_cache_url: str | None = None
-    shared_cache_timeout_ms: float = Field(100, gt=0)  # per Redis call; past it the tier is down
-    shared_cache_retry_s: float = Field(5, gt=0)  # how long an outage lasts before the next probe
-    shared_cache_ttl_s: float = Field(86400, gt=0)
+    shared_cache_timeout_ms: float = Field(100, gt=0, allow_inf_nan=False)  # per Redis call; past it the tier is down
+    shared_cache_retry_s: float = Field(5, gt=0, allow_inf_nan=False)  # how long an outage lasts before the next probe
+    shared_cache_ttl_s: float = Field(86400, ge=0.001, allow_inf_nan=False)  # Redis keeps milliseconds
     # Pixel budget; None keeps the checkpoint's processor setting.
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)

@@ -117,10 +117,12 @@ def test_an_outage_degrades_to_misses_with_one_warning_and_recovers(tier, server
 class SlowLink:
     """A loopback TCP relay that hands Redis's replies on in small pieces, a
     pause apart: every socket read meets the client's timeout, a whole
-    lookup of a large value does not."""
+    lookup of a large value does not. `request_pause_s`: the same for what the
+    client sends (a write)."""
 
-    def __init__(self, upstream_port: int, piece: int = 4096, pause_s: float = 0.02) -> None:
+    def __init__(self, upstream_port: int, piece: int = 4096, pause_s: float = 0.02, request_pause_s: float = 0.0) -> None:
         self.piece, self.pause_s, self.upstream_port = piece, pause_s, upstream_port
+        self.request_pause_s = request_pause_s
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -132,7 +134,7 @@ class SlowLink:
             except OSError:  # closed
                 return
             server = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, self.request_pause_s), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, self.pause_s), daemon=True).start()
 
     def _pump(self, source: socket.socket, sink: socket.socket, pause_s: float) -> None:
@@ -168,3 +170,20 @@ def test_a_lookup_slower_than_the_timeout_in_all_marks_the_tier_down(server, tie
     finally:
         slow.close()
         link.close()
+
+
+def test_a_write_slower_than_a_lookup_may_be_is_stored_and_leaves_the_tier_up(server, tier):
+    """A 7B model's tokens take longer to write than a lookup's timeout allows on a link a
+    lookup would still use: the write must not count as an outage."""
+    entry = value(tokens=4096)  # 128 KiB: 32 pieces, 0.6 s or more through the link
+    link = SlowLink(server.port, pause_s=0.0, request_pause_s=0.02)
+    slow = SharedTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.2, retry_s=60, ttl_s=60)
+    try:
+        stored(slow, b"written-slowly", entry)
+        assert (slow.stats.writes, slow.stats.errors) == (1, 0) and slow.stats.up
+        (found,) = tier.get_many([b"written-slowly"], [entry.identity])
+        assert found is not None and torch.equal(found.embeddings, entry.embeddings)
+    finally:
+        slow.close()
+        link.close()
+

@@ -65,6 +65,26 @@ def test_environment_overrides_the_file_with_typed_values(tmp_path):
     assert (config.max_model_len, config.enforce_eager, config.model) == (1024, False, "/abs/ckpt")
 
 
+def test_a_string_key_from_the_environment_is_taken_as_written(tmp_path):
+    path = write(tmp_path, "model: m\ngateway: {}\nencoder: {}\n")
+    config = load_config(GatewayConfig, "gateway", path, env={"PRISM_GATEWAY__HOST": "::"})  # YAML: a mapping
+    assert config.host == "::"
+    url = "redis://:pa#ss@redis:6379/0"  # YAML: cut at the comment
+    assert load_config(EncoderConfig, "encoder", path, env={"PRISM_ENCODER__SHARED_CACHE_URL": url}).shared_cache_url == url
+    assert load_config(EncoderConfig, "encoder", path, env={"PRISM_ENCODER__SHARED_CACHE_URL": "null"}).shared_cache_url is None
+
+
+def test_an_environment_value_yaml_cannot_read_names_its_variable(tmp_path):
+    with pytest.raises(ConfigError, match=r"PRISM_GATEWAY__API_KEYS: not a YAML value .*quote"):
+        load_config(GatewayConfig, "gateway", write(tmp_path, "gateway: {}\n"), env={"PRISM_GATEWAY__API_KEYS": "[@admin-key]"})
+
+
+@pytest.mark.parametrize("ttl", ["0.0001", ".inf"])
+def test_a_shared_cache_ttl_redis_cannot_keep_is_refused(tmp_path, ttl):
+    with pytest.raises(ConfigError, match=r"encoder\.shared_cache_ttl_s"):
+        load_config(EncoderConfig, "encoder", write(tmp_path, f"encoder:\n  shared_cache_ttl_s: {ttl}\n"), env={})
+
+
 def test_the_launcher_reads_the_shared_model_from_the_file_or_prism_model(tmp_path):
     path = write(tmp_path, "model: /ckpt/a\nencoder:\n  model: /ckpt/other\n")
     assert configured_model(path, env={}) == "/ckpt/a"
