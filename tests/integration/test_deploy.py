@@ -137,7 +137,7 @@ def test_the_gpu_override_reserves_devices_and_builds_the_gpu_flavour():
     for name in ("vision-encoder", "llm-engine"):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
-        assert services[name]["environment"]["PRISM_ENCODER__DEVICE"] == "cuda"
+        assert services[name]["environment"]["PRISM_CONFIG"] == "/opt/prism/configs/qwen2.5-vl-7b.yaml"  # encoder.device: cuda
     cpu = compose_config(BASE)["services"]
     for name in PRISM_SERVICES:
         assert services[name]["build"] == {**cpu[name]["build"], "args": {**cpu[name]["build"]["args"], "FLAVOUR": "gpu"}}
@@ -164,6 +164,23 @@ def test_the_gpu_override_gives_each_service_a_gpu_of_its_own_and_the_gpu_pods_a
         assert any(volume.split(":")[1] == "/var/cache/prism" for volume in service["volumes"]), name
         startup = container["startupProbe"]
         assert seconds(service["healthcheck"]["start_period"]) == startup["periodSeconds"] * startup["failureThreshold"], name
+
+
+@pytest.mark.parametrize("service,section", [("gateway", "gateway"), ("vision-encoder", "encoder"), ("llm-engine", "engine")])
+def test_the_gpu_override_runs_the_configs_the_gpu_overlay_runs(service, section, tmp_path):
+    """One 7B deployment, whichever deploys it: the profile's tuning, the stack's addresses. The
+    drain timeout belongs to Kubernetes' grace periods."""
+    binary("kubectl")
+    from tests.unit.test_kubernetes import SERVICES, container_config, prism_containers, render
+
+    env = {k: str(v) for k, v in compose_config(GPU)["services"][service]["environment"].items()}
+    module, model = next((m, SERVICES[m][1]) for m, (s, _) in SERVICES.items() if s == section)
+    compose = load_config(model, section, REPO_ROOT / env["PRISM_CONFIG"].removeprefix("/opt/prism/"), env)
+    objects = render("gpu-qwen2.5-vl-7b")
+    deployment, container, _ = next(c for c in prism_containers(objects) if c[2] == module)
+    kubernetes = container_config(objects, deployment, container, module, tmp_path)
+    differing = {k for k in model.model_fields if getattr(compose, k) != getattr(kubernetes, k)}
+    assert differing <= {"drain_timeout_s"}, {k: (getattr(compose, k), getattr(kubernetes, k)) for k in differing}
 
 
 def test_the_flavours_differ_in_their_lock_file_alone():
