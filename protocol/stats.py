@@ -96,6 +96,7 @@ class EncoderStats(Message):
     oom_splits: int = 0  # batches (or halves) split in two for want of device memory
     vit_batches_now: int = 0  # the main lane's batches in their ViT stage now
     vit_batches_most: int = 0  # the most that ever were at once (at most encoder.vit_threads)
+    pins_dropped: int = 0  # tokens pinned for an engine's fetch let go early, past encoder.handoff_max_mb
 
 
 class EngineStats(Message):

@@ -48,6 +48,7 @@ class EncoderConfig(FrozenConfig):
     # Tokens handed out by reference stay pinned until an engine fetches them,
     # or this long (vision_encoder/handoff.py).
     handoff_ttl_s: float = Field(30, gt=0)
+    handoff_max_mb: int = Field(1024, ge=1)  # the most the pinned tokens take; past it the oldest go
     # Second cache tier shared by every replica (redis://host:port/db); None: local only.
     shared_cache_url: str | None = None
     shared_cache_timeout_ms: float = Field(100, gt=0, allow_inf_nan=False)  # per Redis call; past it the tier is down

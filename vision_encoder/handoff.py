@@ -18,7 +18,9 @@ here by one of two ways. The gateway's side chooses the way
   by the engine's fetch, or after `ttl_s` for references never fetched (the
   engine had the tokens in its own LRU, or the request ended before it reached
   an engine). A pinned value is the object the LRU holds too, so a pin costs
-  memory only once it was evicted.
+  memory only once it was evicted; past `max_bytes` of pinned values (a fast
+  turnover with references never fetched), the oldest pins are dropped, and
+  their fetch, if it ever comes, finds them only in the LRU.
 
 A pushed image is not pinned: its engine has it. If that push is lost, or the
 request fails over to another engine, the fetch that follows finds it only in
@@ -53,12 +55,19 @@ class _Held:
     holds: int
     expires: float
 
+    @property
+    def nbytes(self) -> int:
+        return self.value.embeddings.nbytes
+
 
 class Handoff:
-    def __init__(self, ttl_s: float, pusher: Pusher) -> None:
+    def __init__(self, ttl_s: float, pusher: Pusher, max_bytes: int) -> None:
         self.ttl_s = ttl_s
         self.pusher = pusher
+        self.max_bytes = max_bytes  # of pinned values; past it the oldest pins go
         self._held: OrderedDict[bytes, _Held] = OrderedDict()  # by expiry: a refreshed entry moves to the end
+        self.held_bytes = 0
+        self.pins_dropped = 0  # pins let go before their fetch or ttl, for want of room
         self.pushes = 0  # images pushed to an engine
         self.push_refusals = 0  # pushes the connection did not take: fetched instead
         self.fetches = 0  # images engines fetched from here
@@ -104,9 +113,19 @@ class Handoff:
     def hold(self, key: bytes, value: CachedEmbedding, now: float) -> None:
         """One more hold on `key`. The same image may come as another object (from the shared tier,
         or encoded again after the LRU let it go): the holds already given out still count."""
-        held = self._held.pop(key, None)
+        held = self._pop(key)
         holds = held.holds + 1 if held is not None and held.value.identity == value.identity else 1
         self._held[key] = _Held(value, holds, now + self.ttl_s)
+        self.held_bytes += self._held[key].nbytes
+        while self.held_bytes > self.max_bytes and len(self._held) > 1:
+            self._pop(next(iter(self._held)))
+            self.pins_dropped += 1
+
+    def _pop(self, key: bytes) -> _Held | None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self.held_bytes -= held.nbytes
+        return held
 
     def take(self, key: bytes, identity: bytes) -> CachedEmbedding | None:
         """The value held for `key` (one hold released), or None."""
@@ -115,7 +134,7 @@ class Handoff:
             return None
         held.holds -= 1
         if held.holds <= 0:
-            del self._held[key]
+            self._pop(key)
         return held.value
 
     def answer(self, fetch: FetchEmbeddings, cached: Lookup) -> tuple[FetchedEmbeddings, list]:
@@ -138,7 +157,7 @@ class Handoff:
 
     def expire(self, now: float) -> None:
         while self._held and next(iter(self._held.values())).expires <= now:
-            self._held.popitem(last=False)
+            self._pop(next(iter(self._held)))
 
     def __len__(self) -> int:
         return len(self._held)

@@ -105,7 +105,7 @@ class EncoderService:
             vit=Lanes(ctx, "vit", config.vit_threads, config.extra_vit_nice),
             express_lane=Lanes(ctx, "express"),
             watch=BatchWatch(config.stall_factor, config.stall_min_s, config.stall_restart_s),
-            handoff=Handoff(config.handoff_ttl_s, Pusher(ctx, PUSH_QUEUE_LIMIT)),
+            handoff=Handoff(config.handoff_ttl_s, Pusher(ctx, PUSH_QUEUE_LIMIT), config.handoff_max_mb * 2**20),
             shared=shared,
         )
 
@@ -247,6 +247,7 @@ class EncoderService:
             fetch_misses=self.handoff.fetch_misses,
             pushes=self.handoff.pushes,
             push_refusals=self.handoff.push_refusals,
+            pins_dropped=self.handoff.pins_dropped,
             oom_splits=self.oom_splits,
             vit_batches_now=self.vit.in_vit.now,
             vit_batches_most=self.vit.in_vit.most,

@@ -218,6 +218,7 @@ def _handoff_metrics(encoders: list, engines: list):
     pushes.add_metric(["refused"], sum(e.push_refusals for e in encoders))  # not connected yet, or queue full: fetched
     yield pushes
     yield CounterMetricFamily("prism_encoder_fetch_misses", "Fetches of tokens an encoder no longer held (the gateway re-encodes them)", value=sum(e.fetch_misses for e in encoders))
+    yield CounterMetricFamily("prism_encoder_pins_dropped", "Tokens pinned for an engine's fetch let go early, past encoder.handoff_max_mb", value=sum(e.pins_dropped for e in encoders))
 
 
 def _replica_metrics(pools):

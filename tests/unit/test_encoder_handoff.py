@@ -33,7 +33,7 @@ def ctx():
 
 
 def test_a_pin_lasts_until_each_reference_is_fetched_or_it_expires(ctx):
-    handoff = Handoff(10, Pusher(ctx, 1))
+    handoff = Handoff(10, Pusher(ctx, 1), 2**30)
     handoff.hold(b"k", VALUE, now=0)
     handoff.hold(b"k", VALUE, now=1)  # two requests handed the same image
     assert handoff.take(b"k", b"other") is None  # another identity: a collision, never served
@@ -48,12 +48,23 @@ def test_a_pin_lasts_until_each_reference_is_fetched_or_it_expires(ctx):
 def test_a_pin_counts_every_reference_when_the_image_comes_back_as_another_object(ctx):
     """The LRU let the image go between two requests, and the second got it from the shared tier
     (or encoded again): the first request's hold still counts, or its engine's fetch comes too late."""
-    handoff = Handoff(10, Pusher(ctx, 1))
+    handoff = Handoff(10, Pusher(ctx, 1), 2**30)
     again = CachedEmbedding(TOKENS.clone(), (1, 4, 6), b"id")
     handoff.hold(b"k", VALUE, now=0)
     handoff.hold(b"k", again, now=1)
     assert handoff.take(b"k", b"id") is again and handoff.take(b"k", b"id") is again
     assert handoff.take(b"k", b"id") is None
+
+
+def test_pins_past_their_byte_budget_go_oldest_first(ctx):
+    """References never fetched (the engine had the tokens) pile up at a fast turnover: bounded."""
+    handoff = Handoff(10, Pusher(ctx, 1), max_bytes=2 * TOKENS.nbytes)
+    for now, key in enumerate([b"a", b"b", b"c"]):
+        handoff.hold(key, CachedEmbedding(TOKENS.clone(), (1, 4, 6), b"id"), now=now)
+    assert (len(handoff), handoff.held_bytes, handoff.pins_dropped) == (2, 2 * TOKENS.nbytes, 1)
+    assert handoff.take(b"a", b"id") is None and handoff.take(b"c", b"id") is not None
+    handoff.expire(now=100)
+    assert (len(handoff), handoff.held_bytes) == (0, 0)
 
 
 def encoded(request_id: str, push_to: str) -> tuple[Job, PendingRequest]:
@@ -74,7 +85,7 @@ def test_a_pushed_image_is_not_pinned_and_one_the_engine_did_not_take_is(ctx, tm
     engine_address = f"ipc://{tmp_path}/engine.sock"
     engine = ctx.socket(zmq.ROUTER)
     engine.bind(engine_address)
-    handoff = Handoff(10, Pusher(ctx, 4))
+    handoff = Handoff(10, Pusher(ctx, 4), 2**30)
     # Nobody at this address: the push is refused, so the reference is pinned for the engine's fetch.
     job, state = encoded("nobody", f"ipc://{tmp_path}/nobody.sock")
     handoff.push(job, VALUE)
@@ -98,7 +109,7 @@ def test_a_pushed_image_is_not_pinned_and_one_the_engine_did_not_take_is(ctx, tm
 
 
 def test_a_fetch_is_answered_from_the_pins_then_the_lru_and_what_is_gone_is_none(ctx):
-    handoff = Handoff(10, Pusher(ctx, 1))
+    handoff = Handoff(10, Pusher(ctx, 1), 2**30)
     handoff.hold(b"pinned", VALUE, now=0)
     lru = {b"cached": VALUE}
     answer, frames = handoff.answer(FetchEmbeddings("f", [b"pinned", b"cached", b"gone"], [b"id"] * 3),

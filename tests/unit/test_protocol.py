@@ -201,6 +201,7 @@ CASES = [
         oom_splits=1,
         vit_batches_now=1,
         vit_batches_most=2,
+        pins_dropped=1,
     )),
     (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
     (SiblingInbound, WorkerLoad(3, 17)),
