@@ -77,6 +77,7 @@ class Gateway:
         self._sampler: asyncio.Task | None = None
         self._loop_probe: LoopProbe | None = None
         self._reloading = asyncio.Lock()
+        self._reloads: set[asyncio.Task] = set()  # SIGHUP's, cancelled by stop()
         self.auth = Authenticator(config.api_keys)
         self.limiter = ConcurrencyLimiter.for_worker(
             config.max_concurrent_requests, config.max_concurrent_requests_per_key, config.max_visual_tokens_in_flight, slot,
@@ -123,6 +124,12 @@ class Gateway:
                  mib(plan.kept_heap))
         return plan
 
+    def request_reload(self) -> None:
+        """SIGHUP: reload in the background; a stop meanwhile cancels it."""
+        task = asyncio.create_task(self.reload())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
     async def reload(self) -> None:
         """Re-read the routing map (`models`) from the config file: drain → update → retire.
         Other settings take effect at the next start."""
@@ -135,11 +142,14 @@ class Gateway:
             if None in routes and len(self.models) == 1:  # an unnamed model keeps the engine's name
                 routes = {next(iter(self.models)): routes[None]}
             keep = {name: served for name, served in self.models.items() if routes.get(name) == served.route}
-            try:
-                fresh = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep))
-            except Exception as exc:  # noqa: BLE001 - a model that cannot start leaves the running map as it is
-                log.error("reload failed, the running map stays: %s", exc)
+            started = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep),
+                                           return_exceptions=True)
+            if failed := [result for result in started if isinstance(result, BaseException)]:
+                # a model that cannot start leaves the running map as it is; those that did are let go
+                await asyncio.gather(*(served.close() for served in started if not isinstance(served, BaseException)))
+                log.error("reload failed, the running map stays: %s", failed[0])
                 return
+            fresh = started
             retiring = [served for name, served in self.models.items() if name not in keep]
             self.models = {**keep, **{served.name: served for served in fresh}}
             for served in retiring:
@@ -201,6 +211,10 @@ class Gateway:
         self.ctx.destroy(linger=0)
 
     async def stop(self) -> None:
+        for task in list(self._reloads):  # one waiting on handshakes would hold sockets term() waits for
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if self._sampler is not None:
             self._sampler.cancel()
         if self._loop_probe is not None:
@@ -212,7 +226,7 @@ class Gateway:
         await self.fetcher.close()
         for served in [*self.models.values(), *self.retired]:
             await served.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # and whatever a cancelled reload's handshakes left open
 
 
 # With several workers, the services' part of a scrape is the first worker's while it published it
@@ -283,9 +297,10 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
         gc.freeze()
         gateway.plan_memory()  # from what the process holds now, started
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(gateway.reload()))
+        loop.add_signal_handler(signal.SIGHUP, gateway.request_reload)
         yield
         loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default, which kills: the stop is under way
         await gateway.stop()
 
     app = FastAPI(title="Prism", lifespan=lifespan)
@@ -356,6 +371,9 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
           run_dir: Path | None = None) -> None:
     """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
     One of several workers shares the port with the others (gateway/ops/workers.py)."""
+    # SIGHUP reloads the routing map once serving (`lifespan`); before that its default would kill
+    # the gateway (and a single-worker launcher's whole stack) while it waits for its services.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     # Images are resized with torch on the intake threads (gateway/intake/resize.py), which
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)

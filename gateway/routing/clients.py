@@ -175,7 +175,8 @@ class ServiceClient:
                     # meanwhile is no evidence: ask again before judging.
                     continue
                 silent_for = loop.time() - (self.stats_received_at or 0)
-                if self.up and silent_for > self.heartbeat_timeout_s:
+                # a draining replica is not `up`, but the requests it still holds wait on it
+                if (self.up or self._streams) and silent_for > self.heartbeat_timeout_s:
                     self._mark_down(f"stopped answering ({silent_for:.1f} s > gateway.heartbeat_timeout_s)")
 
         self._tasks.append(asyncio.create_task(beat()))
@@ -192,6 +193,8 @@ class ServiceClient:
             raise self.unavailable(f"{self.name} is unavailable; retry shortly")
 
     async def _send_quietly(self, message: Message) -> bool:
+        if self.socket.socket.closed:  # closed (its model retired): nothing to tell
+            return False
         try:
             async with asyncio.timeout(SEND_TIMEOUT_S):
                 await self.socket.send(message)
@@ -232,6 +235,9 @@ class ServiceClient:
         self._streams.pop(request_id, None)
 
     async def close(self) -> None:
+        if self._streams:  # past a retired model's drain: they end now, not at their own timeouts
+            self.up = False
+            self._fail_in_flight(f"{self.name} was disconnected (its model was reloaded away)")
         if self.stats is not None:  # its counters stay in the sums; what it holds goes with it
             RETIRED.retire(self.stats)
             self.stats = None

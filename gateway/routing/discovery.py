@@ -30,8 +30,11 @@ Update = Callable[[list[str], float], Awaitable[None]]  # (every replica's addre
 
 
 def dns_lookup(host: str, port: int) -> list[str]:
-    """The system resolver (a blocking call: run it in a thread)."""
-    return [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    """The system resolver (a blocking call: run it in a thread). IPv4 where the name has it: the
+    services listen on tcp://0.0.0.0, so a dual-stack name's IPv6 addresses would never answer."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    v4 = [info[4][0] for info in infos if info[0] == socket.AF_INET]
+    return v4 or [info[4][0] for info in infos]
 
 
 def host_and_port(address: str) -> tuple[str, int] | None:

@@ -15,7 +15,7 @@ import socket
 import pytest
 import zmq.asyncio
 
-from gateway.routing.discovery import replica_addresses, resolve_all
+from gateway.routing.discovery import dns_lookup, replica_addresses, resolve_all
 from gateway.routing.encoder_pool import EncoderPool
 from gateway.routing.engine_pool import EnginePool
 from protocol.base import Hello
@@ -255,3 +255,12 @@ def test_addresses_other_than_names_stand_for_themselves_and_names_for_every_rec
         assert replica_addresses(address, records.lookup) == [address]
     with pytest.raises(OSError):
         replica_addresses("tcp://other.name:5555", records.lookup)
+
+
+def test_a_dual_stack_name_resolves_to_its_ipv4_addresses(monkeypatch):
+    """The services listen on tcp://0.0.0.0: a replica found at its IPv6 address would never answer."""
+    answers = {"both": [(socket.AF_INET6, "fd00::7"), (socket.AF_INET, "10.0.0.7")], "v6-only": [(socket.AF_INET6, "fd00::8")]}
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port, type: [
+        (family, socket.SOCK_STREAM, 6, "", (ip, port)) for family, ip in answers[host]])
+    assert dns_lookup("both", 5555) == ["10.0.0.7"]
+    assert dns_lookup("v6-only", 5555) == ["fd00::8"]

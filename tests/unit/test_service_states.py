@@ -6,15 +6,18 @@ DEALER/ROUTER pair; the 'engine' side answers by hand."""
 from __future__ import annotations
 
 import asyncio
+import time
 
+import pytest
 import zmq.asyncio
 
+from gateway.errors import APIError
 from gateway.routing.clients import EngineClient
 from protocol.base import Hello
 from protocol.sockets import AsyncRouter
 from protocol.stats import EngineStats, ServiceState, StatsRequest
-from protocol.to_engine import EngineInbound
-from protocol.to_gateway import EngineReady
+from protocol.to_engine import EngineInbound, GenerateRequest
+from protocol.to_gateway import EngineReady, TokenDelta
 from tests.waiting import wait_until_async
 
 
@@ -22,6 +25,7 @@ class FakeEngine:
     def __init__(self, router: AsyncRouter) -> None:
         self.router, self.boot_id, self.state, self.model = router, "boot-1", ServiceState.SERVING, "m"
         self.handshakes = 0
+        self.answers_stats = True
 
     async def serve(self) -> None:
         while True:
@@ -29,8 +33,10 @@ class FakeEngine:
             if isinstance(message, Hello):
                 self.handshakes += 1
                 await self.router.send(peer, EngineReady(self.model, 4096))
-            elif isinstance(message, StatsRequest):
+            elif isinstance(message, StatsRequest) and self.answers_stats:
                 await self.router.send(peer, EngineStats(self.boot_id, 0, 0, 0, 0, self.state))
+            elif isinstance(message, GenerateRequest):  # one token, then nothing more
+                await self.router.send(peer, TokenDelta(message.request_id, [], 1, 1))
 
 
 async def follow_states(tmp_path) -> None:
@@ -65,3 +71,41 @@ async def follow_states(tmp_path) -> None:
 
 def test_the_client_routes_only_to_a_serving_service_and_a_restart_rejoins_after_the_handshake(tmp_path):
     asyncio.run(follow_states(tmp_path))
+
+
+async def _in_flight_when(tmp_path, happening: str) -> tuple[APIError, float]:
+    """A request with its first token, then `happening`: how its wait ended, and after how long."""
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/engine.sock"
+    engine = FakeEngine(AsyncRouter(ctx, address, EngineInbound))
+    serving = asyncio.create_task(engine.serve())
+    client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=0.5)
+    try:
+        await client.connect(timeout_s=5)
+        client.start_heartbeat(0.1)
+        tokens = client.generate(GenerateRequest("r", b"{}"), timeout_s=60)
+        await anext(tokens)
+        started = time.monotonic()
+        if happening == "closed":  # its model reloaded away, past the drain
+            await client.close()
+        else:  # draining, then silent without dropping the connection
+            engine.state = ServiceState.DRAINING
+            await wait_until_async(lambda: not client.up, 5, "the client off the draining engine")
+            engine.answers_stats = False
+        with pytest.raises(APIError) as ended:
+            await anext(tokens)
+        return ended.value, time.monotonic() - started
+    finally:
+        serving.cancel()
+        if happening != "closed":
+            await client.close()
+        engine.router.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("happening", ["closed", "draining-then-silent"])
+def test_a_request_in_flight_ends_with_a_503_when_its_engine_goes_away_not_at_its_own_timeout(tmp_path, happening):
+    error, waited_s = asyncio.run(_in_flight_when(tmp_path, happening))
+    assert error.status == 503, error.message
+    assert waited_s < 30  # not the request's own 60 s timeout: a generous bound on "did not wait it out"
+
