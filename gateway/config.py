@@ -112,6 +112,7 @@ class GatewayConfig(FrozenConfig):
     max_image_pixels: int = Field(50_000_000, ge=1)  # declared width × height (bombs)
     min_image_side: int = Field(2, ge=1)
     max_aspect_ratio: float = Field(200, gt=1)  # Qwen2-VL's own limit
+    max_image_decode_s: float = Field(10, gt=0)  # one image's decode; past it a 413 (it holds an intake thread)
     max_visual_tokens_per_request: int = Field(16384, ge=1)
     detail_low_max_pixels: int = Field(256 * 28 * 28, ge=1)  # `detail: low` budget
     # Videos (gateway/intake/video/): limits checked on the container's header before

@@ -46,7 +46,8 @@ STATIC = Path(__file__).with_name("static")
 
 
 def image_limits(config: GatewayConfig) -> ImageLimits:
-    return ImageLimits(config.max_image_bytes, config.max_image_pixels, config.min_image_side, config.max_aspect_ratio)
+    return ImageLimits(config.max_image_bytes, config.max_image_pixels, config.min_image_side, config.max_aspect_ratio,
+                       config.max_image_decode_s)
 
 
 def fetch_limits(config: GatewayConfig) -> FetchLimits:

@@ -20,6 +20,7 @@ import base64
 import binascii
 import functools
 import io
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class ImageLimits:
     max_pixels: int  # declared width × height, checked before decoding
     min_side: int
     max_aspect_ratio: float
+    max_decode_s: float = 10.0  # one image's decode (gateway.max_image_decode_s)
 
     def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
         """413 past `max_bytes`; `qualifier` says how `size` is known ("about", "more than")."""
@@ -126,10 +128,43 @@ class IntakePolicy:
         }
 
 
-# What a decode holds at its peak, per pixel decoded: measured 10 bytes for a
-# 4K RGB JPEG or PNG (the decoded image, the array `_fit` takes of it, the
-# resize's own) and 15 for an RGBA PNG (converted onto a canvas first).
+# What a decode holds at its peak, per pixel of the larger of the decoded image and
+# the one sent on (docs/measurements/gateway-memory-burst.md): the decoded image, the
+# array `_fit` takes of it, the resize's own; an alpha channel or an EXIF turn adds a
+# full-size copy, and WebP decodes through RGBA buffers of its own.
 DECODE_BYTES_PER_PIXEL = 16
+TURNED_OR_ALPHA_BYTES_PER_PIXEL = 18
+WEBP_BYTES_PER_PIXEL = 26
+# A header parses in milliseconds; one that takes longer was built to (millions of empty
+# markers or chunks, each parsed in Python).
+HEADER_READ_S = 1.0
+# Progressive JPEGs have about ten scans; libjpeg decodes every one, so thousands of
+# repeated scans make a small file take minutes.
+MAX_JPEG_SCANS = 100
+
+
+class _TooSlow(Exception):
+    pass
+
+
+class _Deadline(io.BytesIO):
+    """The image's bytes, not to be read past a deadline: Pillow parses headers and feeds
+    its decoders from reads, so a file built to be slow stops at its next read."""
+
+    def __init__(self, data: bytes, seconds: float) -> None:
+        super().__init__(data)
+        self.deadline = time.monotonic() + seconds
+
+    def read(self, size: int | None = -1) -> bytes:
+        if time.monotonic() > self.deadline:
+            raise _TooSlow()
+        return super().read(size)
+
+
+def _opened(raw: bytes, fmt: str, seconds: float) -> Image.Image:
+    image = Image.open(_Deadline(raw, seconds), formats=[fmt])
+    image.decodermaxblock = 16384  # a decode reads (and so meets its deadline) every 16 KB
+    return image
 
 
 @dataclass(frozen=True)
@@ -142,11 +177,12 @@ class Inspected:
     target: tuple[int, int]  # (height, width) the encoder will be sent
     visual_tokens: int
     decoded_pixels: int = 0  # what `decode` decodes: fewer than stored where a JPEG is drafted
+    bytes_per_pixel: int = DECODE_BYTES_PER_PIXEL
 
     @property
     def decoding_bytes(self) -> int:
-        """The gateway memory its decode takes (gateway/intake/memory.py)."""
-        return self.decoded_pixels * DECODE_BYTES_PER_PIXEL
+        """The gateway memory its decode takes (gateway/intake/memory.py), upscaled or not."""
+        return max(self.decoded_pixels, self.target[0] * self.target[1]) * self.bytes_per_pixel
 
 
 @dataclass(frozen=True)
@@ -203,21 +239,33 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
     fmt = sniff(raw)
     if fmt is None:
         raise _invalid(where, f"unsupported image format ({describe_refused(raw)}); allowed: {', '.join(ALLOWED_NAMES)}", 415, "unsupported_image_format")
+    if fmt == "JPEG" and (scans := raw.count(b"\xff\xda")) > MAX_JPEG_SCANS:  # a start-of-scan marker, which no data repeats
+        raise _invalid(where, f"the JPEG has {scans} scans; at most {MAX_JPEG_SCANS} are decoded")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(raw), formats=[fmt]) as image:
+            with _opened(raw, fmt, HEADER_READ_S) as image:
                 width, height = image.size
                 _check_declared_size(where, width, height, policy.limits)
                 target = policy.target(height, width, budget)
                 _scale_down(image, fmt, target, policy)  # the header only: nothing is decoded
                 decoded_pixels = image.size[0] * image.size[1]
+                bytes_per_pixel = _bytes_per_pixel(image, fmt)
     except APIError:
         raise
+    except _TooSlow:
+        raise _invalid(where, f"its {fmt} header took more than {HEADER_READ_S:g} s to read", 413, "image_too_complex") from None
     except _DECODE_ERRORS as exc:
         raise _invalid(where, f"cannot read the {fmt} header ({_reason(exc)})") from None
     return Inspected(raw, where, fmt, (width, height), budget, target, policy.visual_tokens(height, width, target),
-                     decoded_pixels)
+                     decoded_pixels, bytes_per_pixel)
+
+
+def _bytes_per_pixel(opened: Image.Image, fmt: str) -> int:
+    if fmt == "WEBP":
+        return WEBP_BYTES_PER_PIXEL
+    alpha = opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info
+    return TURNED_OR_ALPHA_BYTES_PER_PIXEL if alpha or _orientation(opened) != 1 else DECODE_BYTES_PER_PIXEL
 
 
 def _check_declared_size(where: str, width: int, height: int, limits: ImageLimits) -> None:
@@ -241,11 +289,13 @@ def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
+    """As vLLM's convert_image_mode: transparency (an alpha channel, or a tRNS colour in a palette or
+    greyscale image) onto white. 16-bit greyscale is scaled to 8 bits, where vLLM clips it at 255."""
     if image.mode == "RGB":
         return image
     if image.mode.startswith("I") or image.mode == "F":
         return _high_bit_depth_to_l(image).convert("RGB")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or (image.mode == "P" and "transparency" in image.info):
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         canvas = Image.new("RGB", rgba.size, BACKGROUND)
         canvas.paste(rgba, mask=rgba.getchannel("A"))
@@ -253,9 +303,17 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def _orientation(opened: Image.Image) -> int:
+    """The EXIF orientation (1: as stored); 1 where the EXIF cannot be read, as vLLM then turns nothing."""
+    try:
+        return opened.getexif().get(ExifTags.Base.Orientation, 1)
+    except _DECODE_ERRORS:
+        return 1
+
+
 def _sides_swap(opened: Image.Image) -> bool:
     """Whether the EXIF orientation turns the image by 90° (what exif_transpose will do)."""
-    return opened.getexif().get(ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)
+    return _orientation(opened) in (5, 6, 7, 8)
 
 
 def _scale_down(opened: Image.Image, fmt: str, target: tuple[int, int], policy: IntakePolicy) -> bool:
@@ -270,7 +328,7 @@ def _scale_down(opened: Image.Image, fmt: str, target: tuple[int, int], policy: 
     return opened.size != size
 
 
-def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy) -> tuple[int, int] | None:
+def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy, turn: bool = True) -> tuple[int, int] | None:
     """Let libjpeg decode at 1/2, 1/4 or 1/8 scale, never below the target
     size: a 4K JPEG's decode then skips most of its work (docs/measurements/intake.md).
     The DCT's scaling is not a full decode
@@ -281,7 +339,7 @@ def _draft(opened: Image.Image, item: Inspected, policy: IntakePolicy) -> tuple[
     width, height = opened.size
     if not _scale_down(opened, item.format, item.target, policy):
         return None
-    return (height, width) if _sides_swap(opened) else (width, height)
+    return (height, width) if turn and _sides_swap(opened) else (width, height)
 
 
 def _fit(image: Image.Image, item: Inspected, policy: IntakePolicy, original: tuple[int, int] | None = None) -> tuple[np.ndarray, bool]:
@@ -308,16 +366,37 @@ def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:
 
 def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
     """Decode and normalise one inspected image (CPU-bound: run it off the event loop)."""
+    seconds = policy.limits.max_decode_s
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Image.open(io.BytesIO(item.raw), formats=[item.format]) as opened:
-                opened.seek(0)  # animated images: the first frame
-                drafted_from = _draft(opened, item, policy)
-                image = ImageOps.exif_transpose(opened, in_place=True) or opened  # in place: no copy of a full-size image
-                image.load()
-                original_size = drafted_from or image.size
-                pixels, sized = _fit(to_rgb(image), item, policy, drafted_from)
+            try:
+                return _decoded(item, policy, seconds, turn=True)
+            except _ExifUnusable:  # as vLLM: an EXIF block exif_transpose cannot apply turns nothing
+                return _decoded(item, policy, seconds, turn=False)
+    except _TooSlow:
+        raise _invalid(item.where, f"took more than {seconds:g} s to decode (gateway.max_image_decode_s)", 413, "image_too_complex") from None
     except _DECODE_ERRORS as exc:
         raise _invalid(item.where, f"cannot decode the {item.format} image ({_reason(exc)})") from None
+
+
+class _ExifUnusable(Exception):
+    pass
+
+
+def _decoded(item: Inspected, policy: IntakePolicy, seconds: float, turn: bool) -> PreparedImage:
+    with _opened(item.raw, item.format, seconds) as opened:
+        opened.seek(0)  # animated images: the first frame
+        drafted_from = _draft(opened, item, policy, turn)
+        image = opened
+        if turn:
+            try:
+                image = ImageOps.exif_transpose(opened, in_place=True) or opened  # in place: no copy of a full-size image
+            except _TooSlow:
+                raise
+            except _DECODE_ERRORS as exc:  # in place, it may have turned the pixels before failing: decoded afresh
+                raise _ExifUnusable() from exc
+        image.load()
+        original_size = drafted_from or image.size
+        pixels, sized = _fit(to_rgb(image), item, policy, drafted_from)
     return PreparedImage(np.ascontiguousarray(pixels, dtype=np.uint8), original_size, sized)
