@@ -22,6 +22,7 @@ from gateway.routing.engine_pool import EnginePool
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import ImageLimits, IntakePolicy
 from gateway.api.pipeline import ChatPipeline
+from gateway.routing.handoff import KnownTokens
 from gateway.routing.replicas import expand_addresses
 
 log = logging.getLogger("prism.gateway")
@@ -53,6 +54,7 @@ class ServedModel:
                                "list no encoder addresses for a text-only model")
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
         self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
+        self.encoder.on_new_info(lambda info: self._new_encoders(info, limits, config.jpeg_draft))
         limit, key = self.pipeline.image_limit()
         if key != "gateway.max_images_per_request":
             log.warning("model %r: at most %d images per request (%s), below gateway.max_images_per_request (%d)",
@@ -62,6 +64,12 @@ class ServedModel:
         self._idle.set()
         log.info("model %r: %d encoder(s), %d engine(s) (%s)", self.name, len(self.encoder.replicas),
                  len(self.engine.replicas), engine_info.model)
+
+    def _new_encoders(self, info, limits: ImageLimits, jpeg_draft: bool) -> None:
+        """Every encoder now serves another fingerprint (a rolling change of config): images are sized
+        by the new processor, and no reference handed out by the old encoders is reused."""
+        self.pipeline.policy = IntakePolicy(info.processor, limits, jpeg_draft)
+        self.pipeline.handoff.known = KnownTokens()
 
     @property
     def takes_images(self) -> bool:

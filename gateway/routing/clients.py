@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import zmq
@@ -68,6 +68,9 @@ class ServiceClient:
         self._ready: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
         self.info: Any = None
+        # The pool's judgement of a handshake answer (ReplicaPool.accepts); None: it must equal `info`
+        self.accepts: Callable[[Any], bool] | None = None
+        self._refused: Any = None  # the last answer refused, logged once
         self.stats: Any = None  # latest EncoderStats / EngineStats
         self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
         self.up = False
@@ -145,10 +148,14 @@ class ServiceClient:
             self.up = True
 
     def _rejoin(self, info) -> None:
-        """A restarted process answered the handshake: used again if it serves what its predecessor did."""
-        if info != self.info:
-            log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
+        """A restarted process answered the handshake: used again if it serves what its predecessor
+        did, or what its pool now takes (ReplicaPool.accepts: the others changed too, or are gone)."""
+        if info != self.info and not (self.accepts is not None and self.accepts(info)):
+            if info != self._refused:
+                log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
+                self._refused = info
             return
+        self.info, self._refused = info, None
         self.rejoining = False
         if self.stats.state == ServiceState.SERVING:
             log.warning("%s is back", self.name)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import socket
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import xxhash
 import zmq.asyncio
@@ -74,6 +75,9 @@ class ReplicaPool(Generic[C]):
         self.heartbeat_timeout_s = heartbeat_timeout_s
         names = [f"{self.kind} {i}" if len(addresses) > 1 else self.kind for i in range(len(addresses))]
         self.replicas: list[C] = [self.client(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)]
+        for index, replica in enumerate(self.replicas):
+            replica.accepts = functools.partial(self.accepts, index=index)
+        self._new_info_hooks: list[Callable[[Any], None]] = []
         self.model = ""  # the served model's name, a metric label: set once the engine has said it
         self.info = None  # the handshake answer replicas joining later must match
         self.retired: set[int] = set()  # left the set: no new requests, closed once idle
@@ -94,6 +98,25 @@ class ReplicaPool(Generic[C]):
                 f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
         self.info = infos[0]
         return infos[0]
+
+    def accepts(self, info, index: int) -> bool:
+        """Whether replica `index`, answering the handshake as `info`, may serve: it agrees with the
+        pool on `same`; or none of the others serves any more (a rolling change of config replaced
+        them all), and then the pool takes its answer as the one later replicas must match."""
+        if self.info is None or getattr(info, self.same) == getattr(self.info, self.same):
+            return True
+        if any(r.up for i, r in enumerate(self.replicas) if i != index and i not in self.retired):
+            return False
+        log.warning("no %s serves %s=%s any more: %s at %s serves %s, taken as the pool's now", self.kind, self.same,
+                    getattr(self.info, self.same), self.replicas[index].name, self.replicas[index].address, getattr(info, self.same))
+        self.info = info
+        for hook in self._new_info_hooks:
+            hook(info)
+        return True
+
+    def on_new_info(self, hook: Callable[[Any], None]) -> None:
+        """`hook(info)` once the pool takes a new handshake answer (`accepts`)."""
+        self._new_info_hooks.append(hook)
 
     def serving(self) -> list[tuple[int, C]]:
         """(index, replica) of every replica not yet closed; a closed index waits for a newcomer."""
@@ -211,6 +234,7 @@ class ReplicaPool(Generic[C]):
     def _join(self, address: str, timeout_s: float) -> None:
         index = min(self._free) if self._free else len(self.replicas)
         replica = self.client(self.ctx, address, f"{self.kind} {index}", self.heartbeat_timeout_s)
+        replica.accepts = functools.partial(self.accepts, index=index)
         if index < len(self.replicas):
             self._free.discard(index)
             self.replicas[index] = replica
@@ -231,7 +255,7 @@ class ReplicaPool(Generic[C]):
         except RuntimeError as exc:  # no answer within the timeout
             log.error("%s; it is left out", exc)
         else:
-            if self.info is None or getattr(info, self.same) == getattr(self.info, self.same):
+            if self.accepts(info, index):
                 if self._heartbeat_interval_s is not None:  # else it starts with everyone's
                     replica.start_heartbeat(self._heartbeat_interval_s)
                 log.warning("%s at %s joined", replica.name, replica.address)

@@ -109,3 +109,45 @@ def test_a_request_in_flight_ends_with_a_503_when_its_engine_goes_away_not_at_it
     assert error.status == 503, error.message
     assert waited_s < 30  # not the request's own 60 s timeout: a generous bound on "did not wait it out"
 
+
+
+async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
+    """Two engines restarted one after the other with another model: (up, up, the pool's model) as it goes."""
+    from gateway.routing.engine_pool import EnginePool
+
+    ctx = zmq.asyncio.Context()
+    addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
+    engines = [FakeEngine(AsyncRouter(ctx, address, EngineInbound)) for address in addresses]
+    serving = [asyncio.create_task(engine.serve()) for engine in engines]
+    pool = EnginePool(ctx, addresses, heartbeat_timeout_s=30)
+    seen = []
+
+    def state() -> tuple[bool, bool, str]:
+        return pool.replicas[0].up, pool.replicas[1].up, pool.info.model
+
+    try:
+        await pool.connect(timeout_s=5)
+        pool.start_heartbeat(0.05)
+        await wait_until_async(lambda: all(r.stats is not None for r in pool.replicas), 5, "both engines' first stats")
+        for index in (0, 1):
+            engines[index].boot_id, engines[index].model = "boot-2", "m2"
+            await wait_until_async(lambda: pool.replicas[index].stats.boot_id == "boot-2", 5, f"engine {index}'s restart seen")
+            if index == 0:  # refused while engine 1 serves m: asked again at each heartbeat
+                await wait_until_async(lambda: engines[0].handshakes >= 3, 5, "engine 0 handshaken again")
+            else:
+                await wait_until_async(lambda: all(r.up for r in pool.replicas), 5, "both engines serving m2")
+            seen.append(state())
+        return seen
+    finally:
+        for task in serving:
+            task.cancel()
+        await pool.close()
+        for engine in engines:
+            engine.router.close()
+        ctx.destroy(linger=0)
+
+
+def test_replicas_restarted_with_another_model_are_taken_once_none_serves_the_old_one(tmp_path):
+    """A rolling change of config: the first restarted engine waits while the other serves the old
+    model; once neither does, the pool takes the new answer and both serve."""
+    assert asyncio.run(_a_rolling_change_of_model(tmp_path)) == [(False, True, "m"), (True, True, "m2")]
