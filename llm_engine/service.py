@@ -50,6 +50,10 @@ LAST_REPLIES_LINGER_MS = 1000  # closing the socket: the last answers still leav
 # A stream dropped on a gateway that did not read: how long its 503 waits for that gateway
 # to read again (past the gateway's own generate_timeout_s default, its client has gone).
 DROPPED_NOTICE_WAIT_S = 600.0
+# Messages each peer may have queued for this loop to read: an encoder's pushes past it are
+# refused at the encoder (it counts them; the engine fetches those), a gateway's requests wait
+# on its side (its send timeout). zmq's 1,000 held a gigabyte of pushed tokens per encoder.
+RECEIVE_LIMIT = 64
 
 
 def engine_args(config: EngineConfig, family: Family):
@@ -212,7 +216,7 @@ class EngineService:
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = start_vllm(config, family, [step_clock_factory(watch)])
-        router = AsyncRouter(ctx, config.address, EngineInbound)
+        router = AsyncRouter(ctx, config.address, EngineInbound, receive_limit=RECEIVE_LIMIT)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()

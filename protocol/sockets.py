@@ -112,9 +112,14 @@ _RETRY_PAUSE_S = (0.001, 0.05)  # the first and the longest pause between tries 
 class AsyncRouter(_Typed[In]):
     """The service side: many peers (gateways, encoders pushing) may connect."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any, full_peer_wait_s: float = FULL_PEER_WAIT_S) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any, full_peer_wait_s: float = FULL_PEER_WAIT_S,
+                 receive_limit: int | None = None) -> None:
+        """`receive_limit`: messages queued per peer for this side to read (zmq's RCVHWM; its
+        default, 1,000, is a gigabyte of a 7B model's visual tokens pushed while the loop is busy)."""
         socket = ctx.socket(zmq.ROUTER)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if receive_limit is not None:
+            socket.setsockopt(zmq.RCVHWM, receive_limit)
         bind(socket, address)
         super().__init__(socket, inbound)
         self._now = zmq.Socket.shadow(socket.underlying)  # the same socket, sent on synchronously

@@ -15,6 +15,7 @@ import importlib
 import inspect
 import pkgutil
 import threading
+import time
 import tempfile
 
 import msgspec
@@ -26,6 +27,7 @@ import zmq.asyncio
 
 import protocol
 from tests.unit.test_video_protocol import VIDEO_CASES, VIDEO_SOCKETS
+from tests.waiting import wait_until
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, pack
 from protocol.stats import (
@@ -654,3 +656,27 @@ def test_a_pusher_given_an_address_zmq_cannot_take_sends_nothing_and_keeps_no_so
     finally:
         pusher.close()
         ctx.term()
+
+
+def test_pushes_to_a_router_that_does_not_read_stop_at_its_receive_limit(tmp_path):
+    """An engine's loop busy elsewhere: what an encoder may push into it is bounded by the engine's
+    receive limit and the pusher's own queue, not by zmq's default of 1,000 messages."""
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/engine"
+    router = AsyncRouter(ctx, address, EncoderInbound, receive_limit=8)
+    pusher = Pusher(zmq.Context.instance(), queue_limit=4)
+    try:
+        wait_until(lambda: pusher.send(address, Hello("connected")), 10, "the pusher connected", every_s=0.01)
+        frame, taken, refused_since = b"\x00" * 2**18, 0, None
+        while taken < 1000:  # push until refused for a while: zmq's I/O thread moves what it can meanwhile
+            if pusher.send(address, Hello("push"), [frame]):
+                taken, refused_since = taken + 1, None
+            elif time.monotonic() - (refused_since := refused_since or time.monotonic()) > 0.3:
+                break
+            else:
+                time.sleep(0.005)
+        assert taken < 64, taken  # 8 + 4 queued, and what the kernel's buffers hold (without the limit: 1,000)
+    finally:
+        pusher.close()
+        router.close()
+        ctx.destroy(linger=0)
