@@ -1,5 +1,5 @@
-"""Wire messages for videos (issue 46): gateway → encoder, encoder → gateway,
-encoder → engine. Frames and tokens travel as raw frames beside the header
+"""Wire messages for videos: gateway → encoder, encoder → gateway, and the
+references the engine is sent (GenerateRequest.videos). Frames and tokens travel as raw frames beside the header
 (protocol/tensors.py), never pickled.
 
 A video travels as the frames the gateway's loader kept (uint8 (T, H, W, 3),
@@ -83,8 +83,8 @@ class VideosEncodeResult(Message):
 
 
 class VideoEmbedding(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One video's tokens as the engine takes them (llm_engine/videos.py): by reference
-    (`source`), or as a frame of the message (`source` "")."""
+    """One video's tokens as the engine takes them (llm_engine/videos.py): by reference, fetched
+    from the encoder at `source` unless they were pushed (a GenerateRequest's `videos`)."""
 
     embeddings: ArrayMeta
     grid_thw: tuple[int, int, int]
@@ -101,15 +101,3 @@ def video_reference(video: EncodedVideo, source: str) -> VideoEmbedding:
     return VideoEmbedding(video.embeddings, video.grid_thw, video.second_per_grid_t, video.timestamps, video.key, source,
                           video.identity, video.pushed)
 
-
-class VideosEncoded(Message):
-    """Encoder → engine: a request's video references (as ImagesEncoded for images)."""
-
-    request_id: str
-    videos: list[VideoEmbedding]
-
-
-# The messages each socket's union gains when the services take videos.
-TO_ENCODER = EncodeVideos
-TO_GATEWAY = VideosEncodeResult
-TO_ENGINE = VideosEncoded

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 
 import protocol
-from tests.unit.test_video_protocol import VIDEO_CASES, VIDEO_SOCKETS
+from tests.unit.test_video_protocol import VIDEO_CASES
 from tests.waiting import wait_until
 from protocol.base import Hello, Message
 from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, pack
@@ -212,9 +212,7 @@ CASES = [
 
 SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbound: "to_gateway", FetchInbound: "fetch",
           SiblingInbound: "siblings"}
-# The video messages (protocol/video.py), each through its socket's union with them added
-CASES += VIDEO_CASES
-SOCKET |= VIDEO_SOCKETS
+CASES += VIDEO_CASES  # the video messages (protocol/video.py)
 
 
 @pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])
