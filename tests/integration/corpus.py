@@ -58,12 +58,15 @@ def exif_rotated_png() -> tuple[bytes, bytes]:
     return save(image, "PNG", exif=exif.tobytes()), save(image.transpose(Image.Transpose.ROTATE_270), "PNG")
 
 
-def animated_gif() -> tuple[bytes, bytes]:
-    """(a two-frame GIF, a PNG of its first frame as Prism sees it)."""
+def animated_gif() -> tuple[bytes, bytes, bytes]:
+    """(a two-frame GIF, PNGs of its first and second frames as Prism would see them)."""
     first = scene((96, 64), "gif-a").quantize(64)
     second = scene((96, 64), "gif-b").quantize(64)
     gif = save(first, "GIF", save_all=True, append_images=[second], duration=100, loop=0)
-    return gif, save(Image.open(io.BytesIO(gif)).convert("RGB"), "PNG")
+    frames = Image.open(io.BytesIO(gif))
+    first_frame = save(frames.convert("RGB"), "PNG")
+    frames.seek(1)
+    return gif, first_frame, save(frames.convert("RGB"), "PNG")
 
 
 def sixteen_bit_png() -> bytes:

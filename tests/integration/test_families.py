@@ -213,9 +213,10 @@ def test_a_video_matches_vllm_s_raw_video_path(video_family, name):
 
 
 @video_tests
-def test_the_pixel_budget_shrinks_a_video_as_vllm_s_does(video_family):
-    """The over-budget clip has fewer prompt tokens under the budget than at the video
-    processor's own size, in vLLM; Prism's count is the budgeted one (the test above)."""
+def test_the_over_budget_clip_is_one_the_budget_shrinks_in_vllm(video_family):
+    """The premise of the test above's over-budget case: in vLLM the clip has fewer prompt tokens
+    under the budget than at the video processor's own size, so Prism matching it there shows
+    Prism shrank it as vLLM does."""
     _, reference, _, _ = video_family
     assert reference["video-over-budget"]["prompt_tokens"] < reference["video-over-budget-unbudgeted"]["prompt_tokens"]
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import re
+import select
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,12 +24,14 @@ from testing.stack import free_port
 from tests.integration.conftest import ALLOWED_LOOPBACK, MAX_IMAGE_BYTES, MODEL_NAME
 from tests.integration.corpus import b64, save, scene
 from tests.integration.helpers import metric_total
+from tests.waiting import wait_until
 
 PNG = save(scene((120, 90), "fetched"), "PNG")
 
 
 class ImageServer(BaseHTTPRequestHandler):
     refused_port = 0  # the 127.0.0.1 server's port, for redirects into it
+    slow_fates: list[str] = []  # per /slow request: "hung up" (the client gave up first) or "answered"
 
     def log_message(self, *args) -> None:
         pass
@@ -59,10 +63,27 @@ class ImageServer(BaseHTTPRequestHandler):
         elif path == "/gzipped":  # served compressed whatever was asked: a 64 KiB body could inflate to gigabytes
             self._send(200, gzip.compress(PNG), {"Content-Encoding": "gzip", "Content-Type": "image/png"})
         elif path == "/slow":
-            time.sleep(6)  # a slow server is the behaviour under test: past the gateway's fetch timeouts
-            self._send(200, PNG)
+            self._slow()
         else:
             self._send(404, b"not here")
+
+    def _slow(self) -> None:
+        """Answers after 6 s, past the gateway's fetch timeouts (the behaviour under test),
+        unless the client hangs up first; which of the two happened goes in `slow_fates`."""
+        deadline = time.monotonic() + 6
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([self.connection], [], [], left)[0]:
+                break
+            try:
+                hung_up = self.connection.recv(1, socket.MSG_PEEK) == b""
+            except ConnectionError:
+                hung_up = True
+            if hung_up:
+                ImageServer.slow_fates.append("hung up")
+                return
+            time.sleep(max(0.0, deadline - time.monotonic()))  # bytes from the client, not a hang-up: wait it out
+        ImageServer.slow_fates.append("answered")
+        self._send(200, PNG)
 
     def _stream_huge(self) -> None:
         self.send_response(200)
@@ -144,11 +165,13 @@ def test_byte_cap_is_enforced_while_streaming(stack, servers, path):
 
 def test_slow_server_is_a_504_within_the_total_timeout(stack, servers):
     allowed, _ = servers
-    started = time.monotonic()
+    ImageServer.slow_fates.clear()
     response = fetch_through(stack, f"{allowed}/slow")
     message = response.json()["error"]["message"]
     assert response.status_code == 504 and "timed out" in message and re.search(r"gateway\.fetch_(read|total)_timeout_s", message)
-    assert time.monotonic() - started < 5.5  # total timeout 4 s, the server would take 6
+    # The gateway gave up (total timeout 4 s) before the server answered (6 s): it hung up first.
+    wait_until(lambda: ImageServer.slow_fates, 10, "the slow server seeing the fetch end")
+    assert ImageServer.slow_fates and set(ImageServer.slow_fates) == {"hung up"}, ImageServer.slow_fates
 
 
 def test_upstream_error_status_is_a_clear_400(stack, servers):

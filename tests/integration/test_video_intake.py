@@ -19,6 +19,7 @@ from loadtest.clips import clip
 from tests.integration.conftest import (ALLOWED_LOOPBACK, MAX_VIDEO_BYTES, MAX_VIDEO_FRAME_PIXELS,
                                         MAX_VIDEO_SAMPLED_FRAMES, MODEL_NAME)
 from tests.integration.corpus import b64, save, scene
+from tests.integration.helpers import metric_total
 
 CLIP = clip(width=160, height=120, fps=10.0, num_frames=12, seed=46)
 
@@ -74,9 +75,11 @@ def assert_still_serving(client) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_video_gets_its_4xx_naming_the_part_and_the_limit(client, name):
+def test_hostile_video_gets_its_4xx_naming_the_part_and_the_limit(stack, client, name):
     raw, status, needle = HOSTILE[name]
+    served = [metric_total(stack, f"prism_{service}_replica_requests_total") for service in ("encoder", "engine")]
     error = refusal(client, video_then_text(data_url(raw)))
+    assert [metric_total(stack, f"prism_{service}_replica_requests_total") for service in ("encoder", "engine")] == served
     assert error.status_code == status, error.message
     body = error.body
     assert body["param"] == "messages[0].content[1]" and body["message"].startswith("messages[0].content[1]: ")

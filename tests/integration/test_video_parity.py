@@ -19,7 +19,6 @@ to 32, one sampled to a single frame, and two videos in one prompt.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,16 +55,18 @@ def clips():
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def engine(request):
-    """vLLM with its vision tower (raw videos) and embeddings input, in this process."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
+    """vLLM with its vision tower (raw videos) and embeddings input, in this process: the
+    variable stays set while the engine is made, used and let go, and is unset after."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
 
-    path = checkpoint(request.param)
-    llm = LLM(str(path), dtype="float32", max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 2},
-              enable_mm_embeds=True, kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, seed=0)
-    video = QwenVideo(load_tower(str(path), "float32", "cpu"))
-    yield request.param, llm, video
-    del llm
+        path = checkpoint(request.param)
+        llm = LLM(str(path), dtype="float32", max_model_len=4096, limit_mm_per_prompt={"image": 1, "video": 2},
+                  enable_mm_embeds=True, kv_cache_memory_bytes=128 * 2**20, enforce_eager=True, seed=0)
+        video = QwenVideo(load_tower(str(path), "float32", "cpu"))
+        yield request.param, llm, video
+        del llm
 
 
 def prompt_for(llm, videos: int, parts: list[dict] | None = None) -> str:

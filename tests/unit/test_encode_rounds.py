@@ -23,6 +23,7 @@ from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest
 from protocol.to_gateway import EncodedImage, EncodeNeedsPixels, EncoderTimings, EncodeResult
 from tests.unit.by_hand import EncoderByHand
+from tests.waiting import wait_until_async
 
 POLICY = qwen_policy(140 * 140)
 
@@ -116,8 +117,7 @@ async def _repeat_in_flight(tmp_path) -> None:
         items = [inspect(png((10, 200, 10)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
         digests = [digest_of(item, POLICY) for item in items]
         first = asyncio.create_task(pipeline.handoff.deliver("first", items, digests, RequestTimer()))
-        while not encoder.waiting:  # the first request's pixels are at the encoder
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: encoder.waiting, 10, "the first request's pixels at the encoder")
         repeat = pipeline.handoff.deliver("repeat", items, digests, RequestTimer())
         answered = await asyncio.wait_for(asyncio.gather(first, repeat), timeout=10)
         assert encoder.rounds == [[True], [False]]  # the repeat went by digest alone: not decoded, not sent

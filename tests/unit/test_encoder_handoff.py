@@ -5,8 +5,6 @@ in tests/integration/test_embedding_handoff.py."""
 
 from __future__ import annotations
 
-import time
-
 import msgspec
 import pytest
 import torch
@@ -17,6 +15,7 @@ from protocol.base import Hello
 from protocol.sockets import Pusher
 from protocol.to_encoder import FetchEmbeddings
 from protocol.to_engine import PushedEmbedding
+from tests.waiting import wait_until
 from vision_encoder.batcher import Job
 from vision_encoder.handoff import Handoff
 from vision_encoder.work import PendingRequest
@@ -75,10 +74,7 @@ def encoded(request_id: str, push_to: str) -> tuple[Job, PendingRequest]:
 
 def connected(pusher: Pusher, address: str) -> None:
     """Until the pusher's connection to `address` takes a message (it is made at first use)."""
-    deadline = time.monotonic() + 10
-    while not pusher.send(address, Hello("test")):
-        assert time.monotonic() < deadline, f"no connection to {address}"
-        time.sleep(0.01)
+    wait_until(lambda: pusher.send(address, Hello("test")), 10, f"a connection to {address}", every_s=0.01)
 
 
 def test_a_pushed_image_is_not_pinned_and_one_the_engine_did_not_take_is(ctx, tmp_path):

@@ -154,9 +154,17 @@ async def _evicted_push() -> None:
     async with encoder_and_fetcher(source, {b"x": TOKENS}, capacity_bytes=TOKENS.numel() * 2, push_wait_s=5) as (encoder, fetcher):  # holds one
         push(fetcher, b"x", TOKENS)
         push(fetcher, b"y", TOKENS * 2)  # evicts x
-        started = time.monotonic()
+        waits_for_pushes = []  # each time the request would wait (up to push_wait_s) for pushes on their way
+        await_pushes = fetcher._await_pushes
+
+        async def watched(images, awaited, found) -> None:
+            waits_for_pushes.append([images[index].key for index in awaited])
+            await await_pushes(images, awaited, found)
+
+        fetcher._await_pushes = watched
         got = await fetcher.tensors([pushed_reference(b"x", source)])
-        assert torch.equal(got[0], TOKENS) and time.monotonic() - started < 2 and encoder.asked == [[b"x"]]
+        assert torch.equal(got[0], TOKENS) and encoder.asked == [[b"x"]]
+        assert waits_for_pushes == [] and fetcher.pushed == 0 and not fetcher._awaited  # fetched at once, no push awaited
 
 
 def test_a_push_that_arrived_and_was_evicted_is_fetched_without_waiting_for_it():

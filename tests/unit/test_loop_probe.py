@@ -18,9 +18,11 @@ async def _probed(hold_s: float) -> list[float]:
 
 
 def test_a_held_loop_is_seen():
-    seen = asyncio.run(_probed(0.2))
+    hold_s = 0.2
+    seen = asyncio.run(_probed(hold_s))
     assert max(seen) >= 0.15  # the probe posted during the hold waited it out
-    assert sorted(seen)[len(seen) // 2] < 0.01  # the rest of the time the loop was free
+    # The rest of the time the loop was free: relative to the hold, not an absolute lag (loaded cores).
+    assert sorted(seen)[len(seen) // 2] < hold_s / 4
 
 
 def test_one_probe_at_a_time():

@@ -6,6 +6,7 @@ DEALER/ROUTER pair; the 'engine' side answers by hand."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -39,15 +40,28 @@ class FakeEngine:
                 await self.router.send(peer, TokenDelta(message.request_id, [], 1, 1))
 
 
-async def follow_states(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def engine_and_client(tmp_path, heartbeat_timeout_s: float, interval_s: float):
+    """A fake engine and the gateway's client of it, handshaken and heartbeating; closed after."""
     ctx = zmq.asyncio.Context()
     address = f"ipc://{tmp_path}/engine.sock"
     engine = FakeEngine(AsyncRouter(ctx, address, EngineInbound))
     serving = asyncio.create_task(engine.serve())
-    client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=30)
+    client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=heartbeat_timeout_s)
     try:
         await client.connect(timeout_s=5)
-        client.start_heartbeat(0.05)
+        client.start_heartbeat(interval_s)
+        yield engine, client
+    finally:
+        serving.cancel()
+        if not client.socket.socket.closed:
+            await client.close()
+        engine.router.close()
+        ctx.destroy(linger=0)
+
+
+async def follow_states(tmp_path) -> None:
+    async with engine_and_client(tmp_path, heartbeat_timeout_s=30, interval_s=0.05) as (engine, client):
         for state in (ServiceState.STALLED, ServiceState.DEAD, ServiceState.DRAINING):
             engine.state = state
             await wait_until_async(lambda: not client.up, 5, f"the client off a {state.name} engine")
@@ -62,11 +76,6 @@ async def follow_states(tmp_path) -> None:
         engine.model = "m"  # the handshake now matches its predecessor's
         await wait_until_async(lambda: client.up, 5, "the restarted engine rejoined")
         assert not client.rejoining
-    finally:
-        serving.cancel()
-        await client.close()
-        engine.router.close()
-        ctx.term()
 
 
 def test_the_client_routes_only_to_a_serving_service_and_a_restart_rejoins_after_the_handshake(tmp_path):
@@ -75,14 +84,7 @@ def test_the_client_routes_only_to_a_serving_service_and_a_restart_rejoins_after
 
 async def _in_flight_when(tmp_path, happening: str) -> tuple[APIError, float]:
     """A request with its first token, then `happening`: how its wait ended, and after how long."""
-    ctx = zmq.asyncio.Context()
-    address = f"ipc://{tmp_path}/engine.sock"
-    engine = FakeEngine(AsyncRouter(ctx, address, EngineInbound))
-    serving = asyncio.create_task(engine.serve())
-    client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=0.5)
-    try:
-        await client.connect(timeout_s=5)
-        client.start_heartbeat(0.1)
+    async with engine_and_client(tmp_path, heartbeat_timeout_s=0.5, interval_s=0.1) as (engine, client):
         tokens = client.generate(GenerateRequest("r", b"{}"), timeout_s=60)
         await anext(tokens)
         started = time.monotonic()
@@ -95,12 +97,6 @@ async def _in_flight_when(tmp_path, happening: str) -> tuple[APIError, float]:
         with pytest.raises(APIError) as ended:
             await anext(tokens)
         return ended.value, time.monotonic() - started
-    finally:
-        serving.cancel()
-        if happening != "closed":
-            await client.close()
-        engine.router.close()
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("happening", ["closed", "draining-then-silent"])
@@ -108,7 +104,6 @@ def test_a_request_in_flight_ends_with_a_503_when_its_engine_goes_away_not_at_it
     error, waited_s = asyncio.run(_in_flight_when(tmp_path, happening))
     assert error.status == 503, error.message
     assert waited_s < 30  # not the request's own 60 s timeout: a generous bound on "did not wait it out"
-
 
 
 async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
