@@ -421,17 +421,17 @@ class EncoderService:
         self.express_lane.submit(jobs, lambda: vit(prepared_or_none(preprocess)))
 
     def _finish_batch(self, batch: RunningBatch) -> None:
-        if self.watch.stalled:
+        if self.watch.stalled and batch.submitted == self.watch.stalled_batch:
             log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.submitted)
         try:
             encoded, times = batch.future.result()
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
-            self.watch.finished(batch.patches, time.monotonic() - batch.submitted)
+            self.watch.finished(batch.patches, time.monotonic() - batch.submitted, batch.submitted)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
         self.oom_splits += times.oom_splits
-        self.watch.finished(batch.patches, times.busy_s)
+        self.watch.finished(batch.patches, times.busy_s, batch.submitted)
         self.encodes += len(batch.jobs)
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))

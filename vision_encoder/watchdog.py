@@ -24,18 +24,21 @@ class BatchWatch:
     restart_after_s: float
     seconds_per_patch: float | None = None
     stalled_since: float | None = None
+    stalled_batch: float | None = None  # when the batch that stalled was submitted
     stalls: int = 0
 
     def limit_s(self, patches: int) -> float:
         predicted = 0.0 if self.seconds_per_patch is None else patches * self.seconds_per_patch
         return max(self.min_s, self.factor * predicted)
 
-    def finished(self, patches: int, busy_s: float) -> None:
-        """A batch came back: learn from it, and a stall (if any) is over."""
+    def finished(self, patches: int, busy_s: float, submitted: float) -> None:
+        """A batch came back: learn from it; the stall is over once the batch that stalled is back
+        (another lane's batch returning says nothing of it)."""
         rate = busy_s / max(1, patches)
         average = self.seconds_per_patch
         self.seconds_per_patch = rate if average is None else (1 - SMOOTHING) * average + SMOOTHING * rate
-        self.stalled_since = None
+        if submitted == self.stalled_batch:
+            self.stalled_since = self.stalled_batch = None
 
     @property
     def stalled(self) -> bool:
@@ -45,7 +48,7 @@ class BatchWatch:
         """True once, when the oldest running batch passes its limit."""
         if self.stalled or oldest_started is None or now - oldest_started <= self.limit_s(patches):
             return False
-        self.stalled_since = now
+        self.stalled_since, self.stalled_batch = now, oldest_started
         self.stalls += 1
         return True
 
