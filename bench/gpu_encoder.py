@@ -270,7 +270,7 @@ def oom(args, device: torch.device) -> None:
         log(section="oom", skipped="no CUDA device")
         return
     index = torch.cuda.current_device()
-    whole = tower.preprocess(images)  # held on the device while the parts run, as in the service
+    box = [tower.preprocess(images)]  # handed over as the service does: let go once the whole batch fails
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
@@ -284,7 +284,7 @@ def oom(args, device: torch.device) -> None:
     try:
         times = StageTimes()
         started = time.perf_counter()
-        out = encode_splitting(tower, jobs, whole, times)
+        out = encode_splitting(tower, jobs, box, times)
         seconds = time.perf_counter() - started
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)

@@ -21,6 +21,7 @@ the process exits for its supervisor to restart it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -50,7 +51,7 @@ from vision_encoder.towers import load_tower
 from vision_encoder.towers.qwen_video import QwenVideo, video_path_of
 from vision_encoder.videos import images_first, video_item
 from vision_encoder.watchdog import BatchWatch
-from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, prepared_or_none, requests_of
+from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, both_stages, prepare_into, requests_of, vit_after
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
@@ -155,8 +156,9 @@ class EncoderService:
 
     def _watch_batches(self) -> None:
         now = time.monotonic()
-        oldest = min(self._in_flight(), key=lambda batch: batch.submitted, default=None)
-        if oldest is not None and self.watch.newly_stalled(now, oldest.submitted, oldest.patches):
+        # judged from when a thread took it: a batch waiting behind another is not stalled
+        oldest = min((b for b in self._in_flight() if b.started is not None), key=lambda batch: batch.started, default=None)
+        if oldest is not None and self.watch.newly_stalled(now, oldest.started, oldest.patches):
             self._on_stall(oldest, now)
         elif self.watch.should_restart(now):
             log.error("the stalled batch has not returned within %g s (encoder.stall_restart_s); exiting for a restart",
@@ -165,7 +167,7 @@ class EncoderService:
 
     def _on_stall(self, batch: RunningBatch, now: float) -> None:
         message = (f"vision encoder stalled: a batch of {len(batch.jobs)} images ({batch.patches} patches) has run "
-                   f"{now - batch.submitted:.1f} s, past {self.watch.limit_s(batch.patches):.1f} s (encoder.stall_factor "
+                   f"{now - batch.started:.1f} s, past {self.watch.limit_s(batch.patches):.1f} s (encoder.stall_factor "
                    f"x its predicted time, at least encoder.stall_min_s); retry shortly")
         log.error("%s; failing %d requests", message, len(self.pending))
         for (peer, request_id), state in list(self.pending.items()):
@@ -404,8 +406,9 @@ class EncoderService:
     def _start_batch(self, jobs: list[Job]) -> None:
         jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit)
-        prepared = self.preprocessor.submit(preprocess)
-        self.vit.submit(jobs, lambda: vit(prepared_or_none(prepared.result)))  # ready by now, unless the ViT was idle
+        box: list = []
+        preprocessed = self.preprocessor.submit(prepare_into, box, preprocess)
+        self.vit.submit(jobs, functools.partial(vit_after, preprocessed, box, vit))  # ready by now, unless the ViT was idle
 
     def _start_express(self) -> None:
         """Small images go at once through the express lane while the main lane
@@ -418,20 +421,20 @@ class EncoderService:
             return
         jobs = images_first(jobs)
         preprocess, vit = batch_stages(self.tower, jobs, self.express_lane.in_vit)
-        self.express_lane.submit(jobs, lambda: vit(prepared_or_none(preprocess)))
+        self.express_lane.submit(jobs, functools.partial(both_stages, preprocess, vit))
 
     def _finish_batch(self, batch: RunningBatch) -> None:
-        if self.watch.stalled and batch.submitted == self.watch.stalled_batch:
-            log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.submitted)
+        if self.watch.stalled and batch.started == self.watch.stalled_batch:
+            log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.started)
         try:
             encoded, times = batch.future.result()
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
-            self.watch.finished(batch.patches, time.monotonic() - batch.submitted, batch.submitted)
+            self.watch.finished(batch.patches, time.monotonic() - batch.started, batch.started)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
         self.oom_splits += times.oom_splits
-        self.watch.finished(batch.patches, times.busy_s, batch.submitted)
+        self.watch.finished(batch.patches, times.busy_s, batch.started)
         self.encodes += len(batch.jobs)
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))

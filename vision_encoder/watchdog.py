@@ -24,20 +24,20 @@ class BatchWatch:
     restart_after_s: float
     seconds_per_patch: float | None = None
     stalled_since: float | None = None
-    stalled_batch: float | None = None  # when the batch that stalled was submitted
+    stalled_batch: float | None = None  # when the batch that stalled was started
     stalls: int = 0
 
     def limit_s(self, patches: int) -> float:
         predicted = 0.0 if self.seconds_per_patch is None else patches * self.seconds_per_patch
         return max(self.min_s, self.factor * predicted)
 
-    def finished(self, patches: int, busy_s: float, submitted: float) -> None:
+    def finished(self, patches: int, busy_s: float, started: float) -> None:
         """A batch came back: learn from it; the stall is over once the batch that stalled is back
         (another lane's batch returning says nothing of it)."""
         rate = busy_s / max(1, patches)
         average = self.seconds_per_patch
         self.seconds_per_patch = rate if average is None else (1 - SMOOTHING) * average + SMOOTHING * rate
-        if submitted == self.stalled_batch:
+        if started == self.stalled_batch:
             self.stalled_since = self.stalled_batch = None
 
     @property

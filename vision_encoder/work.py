@@ -95,8 +95,9 @@ class StageTimes:
 @dataclass
 class RunningBatch:
     jobs: list[Job]
-    future: Future  # the ViT stage's: (embeddings per image, StageTimes)
-    submitted: float = field(default_factory=time.monotonic)
+    future: Future | None = None  # the ViT stage's: (embeddings per image, StageTimes)
+    # When a worker thread took it (None while it waits behind another batch): its time is its own from then
+    started: float | None = None
 
     @property
     def patches(self) -> int:
@@ -144,10 +145,32 @@ def prepared_or_none(prepare: Callable[[], Any]):
         return None
 
 
+def prepare_into(box: list, preprocess: Callable[[], Any]) -> None:
+    """Leave the batch's preprocessed inputs in `box` (nothing where preprocessing ran out of
+    device memory). A box, not a return value: whatever holds a result (a future, a caller's
+    frame) would keep the whole batch's tensors alive while an out-of-memory split runs."""
+    if (inputs := prepared_or_none(preprocess)) is not None:
+        box.append(inputs)
+
+
+def vit_after(preprocessed: Future, box: list, vit: Callable[[list], Any]):
+    """The main lane's ViT stage, once its preprocessing (`prepare_into` on the other thread) is done."""
+    preprocessed.result()  # a failure other than out-of-memory fails the batch
+    return vit(box)
+
+
+def both_stages(preprocess: Callable[[], Any], vit: Callable[[list], Any]):
+    """The express lane's two stages, on one thread."""
+    box: list = []
+    prepare_into(box, preprocess)
+    return vit(box)
+
+
 def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
-    """A batch's two stages, (preprocess, vit(preprocess's result)), recording
-    when each ran and counting it `in_vit` during its ViT stage. The main lane
-    runs them on two threads, the express lane on one."""
+    """A batch's two stages, (preprocess, vit(box)), recording when each ran and
+    counting it `in_vit` during its ViT stage; `box` holds preprocess's result, or
+    nothing (see prepare_into). The main lane runs them on two threads, the
+    express lane on one."""
     times = StageTimes()
 
     def preprocess():
@@ -157,10 +180,10 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
         finally:
             times.preprocess_end = time.monotonic()
 
-    def vit(inputs):
+    def vit(box: list):
         with in_vit.inside():
             times.vit_start = time.monotonic()
-            encoded = encode_splitting(tower, jobs, inputs, times)
+            encoded = encode_splitting(tower, jobs, box, times)
             times.vit_end = time.monotonic()
         # Each image's tokens copied out of the batch's buffer here, off the service's loop (cache.owning).
         return [None if result is None else (owning(result[0]), result[1]) for result in encoded], times
@@ -168,12 +191,13 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
     return preprocess, vit
 
 
-def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
-    """The batch's tokens, one (tensor, grid) per job (`inputs`: its preprocessed
-    batch, or None to make it here). A batch the device has no memory for is
-    encoded as two halves, each split again if it must be: a burst of large
-    images costs smaller batches, never the service. An image that does not fit
-    even alone gets None; the others in its batch are encoded all the same."""
+def encode_splitting(tower, jobs: list[Job], box: list, times: StageTimes) -> list:
+    """The batch's tokens, one (tensor, grid) per job (`box`: [its preprocessed
+    batch], taken out here, or empty to make it here). A batch the device has no
+    memory for is encoded as two halves, each split again if it must be: a burst
+    of large images costs smaller batches, never the service. An image that does
+    not fit even alone gets None; the others in its batch are encoded all the same."""
+    inputs = box.pop() if box else None
     try:
         if inputs is None:  # on the GPU, preprocessing takes device memory too
             inputs = prepare(tower, jobs)
@@ -189,7 +213,7 @@ def encode_splitting(tower, jobs: list[Job], inputs, times: StageTimes) -> list:
     half = len(jobs) // 2
     log.warning("out of device memory for a batch of %d images (%d patches): encoding it as %d + %d",
                 len(jobs), sum(job.patches for job in jobs), half, len(jobs) - half)
-    return [*encode_splitting(tower, jobs[:half], None, times), *encode_splitting(tower, jobs[half:], None, times)]
+    return [*encode_splitting(tower, jobs[:half], [], times), *encode_splitting(tower, jobs[half:], [], times)]
 
 
 class Lanes:
@@ -216,10 +240,15 @@ class Lanes:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._extra_nice)
 
     def submit(self, jobs: list[Job], fn: Callable[[], Any]) -> RunningBatch:
-        future = self._executor.submit(fn)
+        batch = RunningBatch(jobs)
+
+        def run():
+            batch.started = time.monotonic()
+            return fn()
+
+        batch.future = self._executor.submit(run)
         # runs on the worker thread (or here, if it is already done)
-        future.add_done_callback(lambda _: self._sender().send(b""))
-        batch = RunningBatch(jobs, future)
+        batch.future.add_done_callback(lambda _: self._sender().send(b""))
         self.batches.append(batch)
         return batch
 

@@ -8,6 +8,9 @@ GPU with the process's memory limited."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -37,7 +40,7 @@ def test_a_batch_over_the_memory_is_encoded_in_parts_with_the_same_tokens(tower)
     apart = [tower.encode(tower.preprocess([job.image]))[0] for job in jobs]
     limited = OutOfMemoryAbove(tower, rows=900)  # two small images fit, three do not
     times = StageTimes()
-    together = encode_splitting(limited, jobs, limited.preprocess([job.image for job in jobs]), times)
+    together = encode_splitting(limited, jobs, [limited.preprocess([job.image for job in jobs])], times)
     assert times.oom_splits >= 2  # 5 → 2 + 3 → ... : more than one split
     assert [grid for _, grid in together] == [grid for _, grid in apart]
     for (got, _), (expected, _) in zip(together, apart):
@@ -52,11 +55,11 @@ def test_one_image_that_does_not_fit_alone_is_none_and_the_rest_of_its_batch_is_
     jobs.insert(1, Job(b"large", large, tower.num_patches(672, 672), 0.0))
     apart = [tower.encode(tower.preprocess([job.image]))[0] for job in jobs[::2]]
     limited = OutOfMemoryAbove(tower, rows=900)
-    together = encode_splitting(limited, jobs, limited.preprocess([job.image for job in jobs]), StageTimes())
+    together = encode_splitting(limited, jobs, [limited.preprocess([job.image for job in jobs])], StageTimes())
     assert together[1] is None
     for (got, _), (expected, _) in zip(together[::2], apart):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
-    assert encode_splitting(limited, jobs[1:2], None, StageTimes()) == [None]
+    assert encode_splitting(limited, jobs[1:2], [], StageTimes()) == [None]
 
 
 def test_each_image_of_a_batch_comes_out_on_memory_of_its_own(tower):
@@ -64,7 +67,7 @@ def test_each_image_of_a_batch_comes_out_on_memory_of_its_own(tower):
     from vision_encoder.work import AtOnce, batch_stages
 
     preprocess, vit = batch_stages(tower, jobs_of(tower), AtOnce())
-    encoded, _ = vit(preprocess())
+    encoded, _ = vit([preprocess()])
     assert len(encoded) == len(SIZES)
     assert all(tensor.untyped_storage().nbytes() == tensor.nbytes for tensor, _ in encoded)
 
@@ -83,3 +86,60 @@ def test_preprocessing_that_runs_out_of_memory_is_left_to_the_splitting_path():
 
     assert prepared_or_none(out_of_memory) is None and raised[0].__traceback__ is None
     assert prepared_or_none(lambda: "inputs") == "inputs"
+
+
+class _Inputs:
+    """A preprocessed batch whose lifetime the test can see."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class _OutOfMemoryPastOne:
+    """A tower that has memory for one image at a time, and notes whether the whole batch's
+    preprocessed inputs were still alive at each encode."""
+
+    def __init__(self) -> None:
+        self.whole_alive_at: list[bool] = []
+        self.whole = None
+
+    def preprocess(self, images):
+        return _Inputs(len(images))
+
+    def encode(self, inputs):
+        gc.collect()
+        self.whole_alive_at.append(self.whole() is not None)
+        if inputs.count > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return [(torch.zeros(2, 4), (1, 1, 2))]
+
+    def release_memory(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("lane", ["main", "express"])
+def test_a_split_runs_without_the_whole_batch_s_inputs(lane, monkeypatch):
+    """On a GPU the whole batch's pixel values hold device memory its parts need: once it failed, it goes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vision_encoder import work
+
+    tower = _OutOfMemoryPastOne()
+    monkeypatch.setattr(work, "prepare", lambda tower, jobs: tower.preprocess([job.image for job in jobs]))
+    jobs = [Job(bytes([i]), None, 10, 0.0) for i in range(4)]
+    preprocess, vit = work.batch_stages(tower, jobs, work.AtOnce())
+
+    def watched_preprocess():
+        inputs = preprocess()
+        tower.whole = weakref.ref(inputs)
+        return inputs
+
+    if lane == "main":
+        with ThreadPoolExecutor(1) as other_thread:
+            box: list = []
+            preprocessed = other_thread.submit(work.prepare_into, box, watched_preprocess)
+            encoded, times = work.vit_after(preprocessed, box, vit)
+    else:
+        encoded, times = work.both_stages(watched_preprocess, vit)
+    assert len(encoded) == 4 and times.oom_splits == 3
+    assert tower.whole_alive_at[0] and not any(tower.whole_alive_at[1:])

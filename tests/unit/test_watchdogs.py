@@ -38,15 +38,15 @@ def test_a_step_or_an_answer_ends_a_stall_and_a_long_one_asks_for_a_restart():
 def test_a_batch_is_judged_by_its_patch_count_never_before_the_minimum():
     watch = BatchWatch(factor=10, min_s=2, restart_after_s=30)
     assert watch.limit_s(10_000) == 2  # nothing learnt yet: only the floor
-    watch.finished(patches=1000, busy_s=1.0, submitted=-5)  # 1 ms a patch
+    watch.finished(patches=1000, busy_s=1.0, started=-5)  # 1 ms a patch
     assert watch.limit_s(100) == 2 and watch.limit_s(1000) == 10
     assert not watch.newly_stalled(now=9, oldest_started=0, patches=1000)
     assert watch.newly_stalled(now=11, oldest_started=0, patches=1000)
     assert not watch.newly_stalled(now=12, oldest_started=0, patches=1000)  # once
     assert watch.stalls == 1 and not watch.should_restart(40) and watch.should_restart(41)
-    watch.finished(patches=10, busy_s=0.01, submitted=10.5)  # another lane's batch: the stall goes on
+    watch.finished(patches=10, busy_s=0.01, started=10.5)  # another lane's batch: the stall goes on
     assert watch.stalled and watch.should_restart(41)
-    watch.finished(patches=1000, busy_s=20.0, submitted=0)  # the stalled one came back, slowly: over, and the average moves
+    watch.finished(patches=1000, busy_s=20.0, started=0)  # the stalled one came back, slowly: over, and the average moves
     assert not watch.stalled and 1e-3 < watch.seconds_per_patch < 20e-3
 
 
