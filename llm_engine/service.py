@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq
@@ -194,6 +196,9 @@ class EngineService:
         self.templates: ChatTemplates | None = None  # which chat template renders a request, as vLLM's server picks it
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
+        # Reading and rendering a request (chat template, tokenizer) off the loop every stream
+        # and heartbeat shares: a megabyte of text takes seconds. One thread, as vLLM's renderer.
+        self.renderer = ThreadPoolExecutor(1, thread_name_prefix="render")
         self.waiting: set[str] = set()  # submitted, no token yet
         self.boot_id = uuid.uuid4().hex
         self.finished = 0
@@ -260,6 +265,7 @@ class EngineService:
         # The dropped connection tells every gateway at once; they retry such requests elsewhere.
         self.router.close(LAST_REPLIES_LINGER_MS)
         self.images.close()  # its sockets to the encoders, and the shared tier's connection
+        self.renderer.shutdown(wait=False, cancel_futures=True)
 
     def drain(self) -> None:
         """Stop taking requests (503: the gateway sends them to another replica);
@@ -423,6 +429,10 @@ class EngineService:
             chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
         return Read(chat, template, kwargs, parser, new_parser)
 
+    def _read_and_render(self, request: GenerateRequest) -> tuple[Read, list[int]]:
+        read = self._read(request)
+        return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template)
+
     def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
         prompt = build_prompt(chat, token_ids, request, tensors, self.shape, self.config.max_model_len, self.generation_defaults)
@@ -437,8 +447,8 @@ class EngineService:
         rid = request.request_id
         request_id_var.set(rid)
         try:
-            read = self._read(request)
-            token_ids = render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template)
+            read, token_ids = await asyncio.get_running_loop().run_in_executor(
+                self.renderer, contextvars.copy_context().run, self._read_and_render, request)
             fetch_started = time.monotonic()
             tensors = await self.images.tensors([*request.images, *request.videos])  # a video's tokens are found as an image's
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
@@ -513,6 +523,8 @@ class EngineService:
             if isinstance(message, TokenDelta):  # its stream ends here: say so once the gateway reads again
                 dropped = GenerateFailed(message.request_id, "LLM engine dropped this stream: the gateway did not read it in time; retry", 503, STREAM_DROPPED)
                 self._in_background(self._send(peer, dropped, wait_s=DROPPED_NOTICE_WAIT_S))
+            elif isinstance(message, GenerateFailed) and wait and wait_s is None:  # its request's answer: it goes once the gateway reads again
+                self._in_background(self._send(peer, message, wait_s=DROPPED_NOTICE_WAIT_S))
             return False
         except zmq.ZMQError as exc:
             log.warning("dropping message to a gone peer: %s", exc)

@@ -7,6 +7,7 @@ import asyncio
 from types import SimpleNamespace
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -34,7 +35,7 @@ async def _read_all(dealer: zmq.asyncio.Socket) -> list:
     return read
 
 
-async def _a_stream_to_a_gateway_that_stopped_reading():
+async def _a_stream_to_a_gateway_that_stopped_reading(message, expected: tuple):
     ctx = zmq.asyncio.Context()
     router = AsyncRouter(ctx, ADDRESS, EngineInbound, full_peer_wait_s=0.3)
     gateway = ctx.socket(zmq.DEALER)
@@ -44,11 +45,10 @@ async def _a_stream_to_a_gateway_that_stopped_reading():
         peer = (await asyncio.wait_for(router.recv(), 5))[0]
         await _fill(router, peer)
         service = _service(router)
-        delta = TokenDelta(request_id="r1", choices=[], completion_tokens=3, prompt_tokens=5)
-        assert not await service._send(peer, delta)  # given up: the stream ends (vLLM aborts it)
+        assert not await service._send(peer, message)  # given up: a stream ends (vLLM aborts it)
         await asyncio.sleep(0.6)  # past the router's own wait: the notice waits longer than a token does
         told = [m for m in await _read_all(gateway) if isinstance(m, GenerateFailed)]
-        assert [(m.request_id, m.status, m.code) for m in told] == [("r1", 503, STREAM_DROPPED)]
+        assert [(m.request_id, m.status, m.code) for m in told] == [expected]
         assert not service._background  # the notice's send is done
     finally:
         gateway.close(linger=0)
@@ -56,5 +56,9 @@ async def _a_stream_to_a_gateway_that_stopped_reading():
         ctx.term()
 
 
-def test_a_stream_given_up_on_a_full_gateway_ends_with_a_503_once_it_reads_again():
-    asyncio.run(_a_stream_to_a_gateway_that_stopped_reading())
+@pytest.mark.parametrize("message,expected", [
+    (TokenDelta(request_id="r1", choices=[], completion_tokens=3, prompt_tokens=5), ("r1", 503, STREAM_DROPPED)),
+    (GenerateFailed("r1", "the request's own fault", 400), ("r1", 400, None)),  # its answer, not a 504 at the timeout
+], ids=["a-stream", "a-refusal"])
+def test_what_a_full_gateway_could_not_take_reaches_it_once_it_reads_again(message, expected):
+    asyncio.run(_a_stream_to_a_gateway_that_stopped_reading(message, expected))
