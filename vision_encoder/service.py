@@ -435,7 +435,7 @@ class EncoderService:
             return
         self.oom_splits += times.oom_splits
         self.watch.finished(batch.patches, times.busy_s, batch.started)
-        self.encodes += len(batch.jobs)
+        self.encodes += sum(result is not None for result in encoded)  # one that did not fit even alone was not
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
         self.batch_patches.observe(sum(job.patches for job in batch.jobs))
