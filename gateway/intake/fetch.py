@@ -61,8 +61,10 @@ def refusal_reason(address: IPAddress) -> str | None:
     """Why an address may not be fetched from by default, or None if it is public."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return refusal_reason(address.ipv4_mapped)
-    for attribute in ("is_unspecified", "is_loopback", "is_link_local", "is_multicast", "is_private", "is_reserved"):
-        if getattr(address, attribute):
+    # is_site_local: IPv6's deprecated fec0::/10, still routed on some networks, which
+    # Python 3.11 counts as global
+    for attribute in ("is_unspecified", "is_loopback", "is_link_local", "is_site_local", "is_multicast", "is_private", "is_reserved"):
+        if getattr(address, attribute, False):
             return attribute.removeprefix("is_").replace("_", "-")
     if not address.is_global:
         return "non-global"
@@ -115,7 +117,9 @@ class AddressGuard:
         if not (self._domain_allowed(host) or self._domain_allowed(named)):  # listed as written or as punycode
             raise APIError(400, f"{where}: host {host!r} is not in the allowed domains", param=where, code="image_url_refused")
         try:
-            port = parts.port or _DEFAULT_PORTS[parts.scheme]
+            port = _DEFAULT_PORTS[parts.scheme] if parts.port is None else parts.port
+            if port == 0:
+                raise ValueError("port 0")
         except ValueError:
             raise APIError(400, f"{where}: URL has an invalid port", param=where, code="invalid_image_url") from None
         address = await self._resolve_checked(named, port, where)

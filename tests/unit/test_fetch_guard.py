@@ -15,7 +15,7 @@ from gateway.intake.fetch import AddressGuard, refusal_reason
 REFUSED = [
     "127.0.0.1", "127.5.5.5", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1",
     "224.0.0.1", "240.0.0.1", "0.0.0.0", "255.255.255.255", "::", "::1", "fe80::1", "fc00::1", "ff02::1",
-    "::ffff:10.0.0.1", "::ffff:127.0.0.1", "2001:db8::1",
+    "::ffff:10.0.0.1", "::ffff:127.0.0.1", "2001:db8::1", "fec0::1",
 ]
 PUBLIC = ["8.8.8.8", "1.1.1.1", "93.184.216.34", "2606:4700:4700::1111", "::ffff:8.8.8.8"]
 
@@ -60,7 +60,8 @@ def test_domain_allowlist():
         check(guard, "http://evil-example.org/a.png")
 
 
-@pytest.mark.parametrize("url,needle", [("file:///etc/passwd", "scheme 'file'"), ("gopher://x/", "scheme 'gopher'"), ("http:///nohost", "no host"), ("http://h:99999/", "invalid port")])
+@pytest.mark.parametrize("url,needle", [("file:///etc/passwd", "scheme 'file'"), ("gopher://x/", "scheme 'gopher'"), ("http:///nohost", "no host"), ("http://h:99999/", "invalid port"),
+                                        ("http://h:0/", "invalid port")])
 def test_malformed_urls(url, needle):
     with pytest.raises(APIError, match=needle):
         check(AddressGuard((), ()), url)
