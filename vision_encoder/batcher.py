@@ -56,13 +56,13 @@ class Batcher:
             self.joins += 1
         job.waiters.append(waiter)
 
-    def join(self, slot: bytes, waiter: tuple[Any, int]) -> bool:
+    def join(self, slot: bytes, waiter: tuple[Any, int], record: bool = True) -> bool:
         """Wait on the queued job for `slot` (its identity), if there is one."""
         job = self._queue.get(slot)
         if job is None:
             return False
         job.waiters.append(waiter)
-        self.joins += 1
+        self.joins += record
         return True
 
     def drop_waiters(self, request: Any) -> None:

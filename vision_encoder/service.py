@@ -315,7 +315,7 @@ class EncoderService:
             hit = self.cache.get(self._cache_key(state.keys[index]), identity, record=record)
             if hit is not None:
                 state.results[index] = (hit, True)
-            elif not self._join_in_flight(identity, (state, index)):  # a join needs no pixels
+            elif not self._join_in_flight(identity, (state, index), record):  # a join needs no pixels
                 unresolved.append(index)
         if self.shared is None or not unresolved:
             return unresolved
@@ -379,14 +379,15 @@ class EncoderService:
     def _identity(self, digest: bytes) -> bytes:
         return self.tower.fingerprint.encode() + digest
 
-    def _join_in_flight(self, slot: bytes, waiter: tuple[PendingRequest, int]) -> bool:
-        """Wait on an encode of the same image that is queued or running."""
-        if self.batcher.join(slot, waiter):
+    def _join_in_flight(self, slot: bytes, waiter: tuple[PendingRequest, int], record: bool = True) -> bool:
+        """Wait on an encode of the same image that is queued or running (counted unless `record` is
+        false: a retry's joins were counted in its first round)."""
+        if self.batcher.join(slot, waiter, record):
             return True
         for batch in self._in_flight():
             if (running := batch.job_for(slot)) is not None:
                 running.waiters.append(waiter)
-                self.batcher.joins += 1
+                self.batcher.joins += record
                 return True
         return False
 

@@ -37,8 +37,9 @@ def test_same_key_joins_the_waiting_job():
     b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0)
     b.add(b"k", None, 1, ("r1", 0))
     b.add(b"k", None, 1, ("r2", 3))
+    assert b.join(b"k", ("r3", 1)) and b.join(b"k", ("r3", 1), record=False)  # a retry's second round: counted once
     (job,) = b.take()
-    assert job.waiters == [("r1", 0), ("r2", 3)] and b.joins == 1
+    assert job.waiters == [("r1", 0), ("r2", 3), ("r3", 1), ("r3", 1)] and b.joins == 2
 
 
 def test_cancel_drops_jobs_nobody_waits_for():
