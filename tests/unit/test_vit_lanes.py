@@ -96,3 +96,23 @@ def test_batches_in_the_vit_at_once_are_counted_now_and_at_most():
     assert (in_vit.now, in_vit.most) == (0, 2)  # the most is kept: a stats poll between batches still sees it
     with in_vit.inside():
         assert (in_vit.now, in_vit.most) == (1, 2)
+
+
+def test_a_batch_waiting_for_a_thread_has_not_started():
+    """The stall watch judges a batch from `started`: one queued behind a long batch on the lane's
+    only thread is not running, and its wait is not its own (it was declared stalled for it)."""
+    lanes = Lanes(zmq.Context.instance(), "test-started", threads=1)
+    taken, release = threading.Event(), threading.Event()
+
+    def long():
+        taken.set()
+        return release.wait(WAIT_S)
+
+    running = lanes.submit(job("long"), long)
+    queued = lanes.submit(job("next"), lambda: "next")
+    try:
+        assert taken.wait(WAIT_S)
+        assert not queued.future.done() and queued.started is None and running.started is not None
+    finally:
+        release.set()
+    assert queued.future.result(WAIT_S) == "next" and queued.started >= running.started
