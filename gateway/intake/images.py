@@ -304,9 +304,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _orientation(opened: Image.Image) -> int:
-    """The EXIF orientation (1: as stored); 1 where the EXIF cannot be read, as vLLM then turns nothing."""
+    """The EXIF orientation the header carries (1: as stored, or no EXIF there); 1 where it cannot be
+    read, as vLLM then turns nothing. From the header's own bytes, not getexif(): a PNG's decodes
+    the whole image looking for an eXIf chunk past the pixels."""
+    if "exif" not in opened.info:
+        return 1
     try:
-        return opened.getexif().get(ExifTags.Base.Orientation, 1)
+        exif = Image.Exif()
+        exif.load(opened.info["exif"])
+        return exif.get(ExifTags.Base.Orientation, 1)
     except _DECODE_ERRORS:
         return 1
 

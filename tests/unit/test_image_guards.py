@@ -80,6 +80,18 @@ def test_images_that_decode_through_larger_buffers_are_counted_so():
         assert inspect(raw, "img", POLICY, POLICY.default_budget).bytes_per_pixel == per_pixel
 
 
+def test_inspect_reads_the_header_alone_whatever_the_format(monkeypatch):
+    """A PNG's getexif() decodes the whole image: inspect must not ask it, turned or not."""
+    from PIL import ImageFile
+
+    turned = Image.Exif()
+    turned[0x0112] = 6
+    raws = [encoded(Image.new("RGB", (64, 32)), "PNG"), encoded(Image.new("RGB", (64, 32)), "PNG", exif=turned.tobytes())]
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: pytest.fail("inspect decoded the image"))
+    plain, rotated = (inspect(raw, "img", POLICY, POLICY.default_budget) for raw in raws)
+    assert (plain.bytes_per_pixel, rotated.bytes_per_pixel) == (images.DECODE_BYTES_PER_PIXEL, images.TURNED_OR_ALPHA_BYTES_PER_PIXEL)
+
+
 def test_greyscale_with_a_transparent_colour_goes_onto_white_as_vllm_s_loader_puts_it():
     grey = np.zeros((56, 56), np.uint8)
     grey[:, 28:] = 100
