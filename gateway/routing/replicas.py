@@ -74,9 +74,7 @@ class ReplicaPool(Generic[C]):
         self.ctx = ctx
         self.heartbeat_timeout_s = heartbeat_timeout_s
         names = [f"{self.kind} {i}" if len(addresses) > 1 else self.kind for i in range(len(addresses))]
-        self.replicas: list[C] = [self.client(ctx, a, n, heartbeat_timeout_s) for a, n in zip(addresses, names)]
-        for index, replica in enumerate(self.replicas):
-            replica.accepts = functools.partial(self.accepts, index=index)
+        self.replicas: list[C] = [self._new_client(a, n, i) for i, (a, n) in enumerate(zip(addresses, names))]
         self._new_info_hooks: list[Callable[[Any], None]] = []
         self.model = ""  # the served model's name, a metric label: set once the engine has said it
         self.info = None  # the handshake answer replicas joining later must match
@@ -98,6 +96,12 @@ class ReplicaPool(Generic[C]):
                 f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
         self.info = infos[0]
         return infos[0]
+
+    def _new_client(self, address: str, name: str, index: int) -> C:
+        """The client of the replica at `index`, its handshakes judged by the pool (`accepts`)."""
+        replica = self.client(self.ctx, address, name, self.heartbeat_timeout_s)
+        replica.accepts = functools.partial(self.accepts, index=index)
+        return replica
 
     def accepts(self, info, index: int) -> bool:
         """Whether replica `index`, answering the handshake as `info`, may serve: it agrees with the
@@ -233,8 +237,7 @@ class ReplicaPool(Generic[C]):
 
     def _join(self, address: str, timeout_s: float) -> None:
         index = min(self._free) if self._free else len(self.replicas)
-        replica = self.client(self.ctx, address, f"{self.kind} {index}", self.heartbeat_timeout_s)
-        replica.accepts = functools.partial(self.accepts, index=index)
+        replica = self._new_client(address, f"{self.kind} {index}", index)
         if index < len(self.replicas):
             self._free.discard(index)
             self.replicas[index] = replica
