@@ -65,7 +65,8 @@ class _Encoder:
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, count) -> None:
         self.address = address
-        self.socket = AsyncDealer(ctx, address, FetchInbound, count, immediate=True)  # nothing queued for an encoder that is not there
+        # Not IMMEDIATE: zmq would drop the answers still unread when the encoder's connection drops.
+        self.socket = AsyncDealer(ctx, address, FetchInbound, count)
         self.waiting: dict[str, asyncio.Future] = {}
         self.reader = asyncio.create_task(self._read())
 

@@ -76,14 +76,13 @@ class _Typed(Generic[In]):
 class AsyncDealer(_Typed[In]):
     """One side of a request/reply stream to a ROUTER (gateway → service).
     `count(direction, nbytes)`, if given, hears of every message's size
-    ("sent" or "received"). `immediate`: nothing is queued for a peer that is not
-    connected, so a restarted service never receives what its predecessor was sent
-    (a send waits for the peer instead); zmq takes it only before connect."""
+    ("sent" or "received"). Never ZMQ_IMMEDIATE: with it, zmq drops the replies
+    still unread when the connection drops, and a service that answers and then
+    closes (an engine at the end of its drain) sends its last ones just before."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, inbound: Any,
-                 count: Callable[[str, int], None] | None = None, immediate: bool = False) -> None:
+                 count: Callable[[str, int], None] | None = None) -> None:
         socket = ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IMMEDIATE, int(immediate))
         socket.connect(address)
         super().__init__(socket, inbound)
         self._count = count

@@ -51,6 +51,7 @@ from protocol.to_gateway import (
 log = logging.getLogger("prism.gateway")
 RETRY_AFTER_S = 2
 SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is not reading
+LAST_REPLIES_S = 1.0  # a dropped connection: at most this long reading the replies already received
 
 
 class ServiceClient:
@@ -61,8 +62,10 @@ class ServiceClient:
         self.address = address
         self.heartbeat_timeout_s = heartbeat_timeout_s
         counters = {direction: metrics.PEER_BYTES.labels(self.peer, direction) for direction in ("sent", "received")}
-        # immediate: a restarted service must not receive requests its predecessor was sent
-        self.socket = AsyncDealer(ctx, address, GatewayInbound, lambda direction, nbytes: counters[direction].inc(nbytes), immediate=True)
+        # Not IMMEDIATE: zmq would drop the replies still unread when the connection drops, and a
+        # drained engine closes right after its last ones. What is sent while a restarted service
+        # reconnects reaches the new process, which its abort or cancel (sent after) ends.
+        self.socket = AsyncDealer(ctx, address, GatewayInbound, lambda direction, nbytes: counters[direction].inc(nbytes))
         self._monitor = self.socket.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None
@@ -118,7 +121,19 @@ class ServiceClient:
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED and (self.up or self._streams):
+                self.up = False  # nothing new goes to it while what it sent is read
+                await self._read_last_replies()
                 self._mark_down("lost its connection")
+
+    async def _read_last_replies(self) -> None:
+        """Replies already in the socket reach their requests before the drop fails them: a service
+        that answers and then closes (an engine at the end of its drain) sent its last replies just
+        before, and the monitor may tell of the drop before the receive loop has read them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LAST_REPLIES_S
+        while self.socket.socket.get(zmq.EVENTS) & zmq.POLLIN and loop.time() < deadline:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # the receive loop hands on the reply it took last
 
     def _mark_down(self, why: str) -> None:
         self.up = False

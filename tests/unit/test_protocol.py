@@ -620,30 +620,47 @@ def test_a_waiting_send_to_a_peer_that_never_reads_gives_up_after_its_wait(other
     asyncio.run(_a_waiting_send_gives_up(other_peer))
 
 
-async def _nothing_is_queued_for_a_peer_not_there(immediate: bool) -> bool:
-    """Whether a message sent while no service listened reached the service that came up after."""
+async def _replies_read_after_the_service_closed(immediate: bool, replies: int = 50) -> int:
+    """How many of the replies a service sent just before closing its socket the dealer still
+    reads once zmq has seen the connection drop. `immediate`: a raw DEALER with ZMQ_IMMEDIATE
+    (zmq takes it only before connect) instead of this module's AsyncDealer."""
     ctx = zmq.asyncio.Context()
     address = f"ipc://{tempfile.mkdtemp()}/service"
-    dealer = AsyncDealer(ctx, address, GatewayInbound, immediate=immediate)
-    router = None
+    router = AsyncRouter(ctx, address, EncoderInbound)
+    if immediate:
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.IMMEDIATE, 1)
+        raw.connect(address)
+        socket, send, recv = raw, lambda: raw.send_multipart(pack(Hello("gateway"))), raw.recv_multipart
+    else:
+        dealer = AsyncDealer(ctx, address, GatewayInbound)
+        socket, send, recv = dealer.socket, lambda: dealer.send(Hello("gateway")), dealer.recv
+    monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
+        await send()
+        peer, _, _ = await asyncio.wait_for(router.recv(), 5)
+        for _ in range(replies):
+            await router.send(peer, GenerateFailed("r", "a reply"))
+        router.close(linger_ms=1000)
+        await asyncio.wait_for(monitor.recv_multipart(), 5)  # the drop, seen
+        read = 0
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(0.3):
-                await dealer.send(Hello("sent while nobody listened"))
-        router = AsyncRouter(ctx, address, EncoderInbound)
-        await dealer.send(Hello("after"))
-        _, message, _ = await asyncio.wait_for(router.recv(), 5)
-        return message != Hello("after")
+            while True:
+                async with asyncio.timeout(0.3):
+                    await recv()
+                read += 1
+        return read
     finally:
-        for socket in (dealer, router):
-            if socket is not None:
-                socket.close()
+        socket.disable_monitor()
+        monitor.close()
+        socket.close(linger=0)
         ctx.term()
 
 
-def test_an_immediate_dealer_queues_nothing_for_a_service_that_is_not_up():
-    assert not asyncio.run(_nothing_is_queued_for_a_peer_not_there(immediate=True))
-    assert asyncio.run(_nothing_is_queued_for_a_peer_not_there(immediate=False))  # what zmq does without it
+def test_a_dealer_reads_the_replies_a_service_sent_just_before_it_closed():
+    """A drained engine answers its last requests and closes at once; those answers must still be read."""
+    assert asyncio.run(_replies_read_after_the_service_closed(immediate=False)) == 50
+    assert asyncio.run(_replies_read_after_the_service_closed(immediate=True)) == 0  # why the dealers leave IMMEDIATE off
 
 
 def test_a_pusher_given_an_address_zmq_cannot_take_sends_nothing_and_keeps_no_socket():

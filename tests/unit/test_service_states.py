@@ -27,10 +27,13 @@ class FakeEngine:
         self.router, self.boot_id, self.state, self.model = router, "boot-1", ServiceState.SERVING, "m"
         self.handshakes = 0
         self.answers_stats = True
+        self.gateway = b""  # the peer that last wrote
+
 
     async def serve(self) -> None:
         while True:
             peer, message, _ = await self.router.recv()
+            self.gateway = peer
             if isinstance(message, Hello):
                 self.handshakes += 1
                 await self.router.send(peer, EngineReady(self.model, 4096))
@@ -46,7 +49,7 @@ async def engine_and_client(tmp_path, heartbeat_timeout_s: float, interval_s: fl
     ctx = zmq.asyncio.Context()
     address = f"ipc://{tmp_path}/engine.sock"
     engine = FakeEngine(AsyncRouter(ctx, address, EngineInbound))
-    serving = asyncio.create_task(engine.serve())
+    serving = engine.serving = asyncio.create_task(engine.serve())
     client = EngineClient(ctx, address, "engine", heartbeat_timeout_s=heartbeat_timeout_s)
     try:
         await client.connect(timeout_s=5)
@@ -56,7 +59,8 @@ async def engine_and_client(tmp_path, heartbeat_timeout_s: float, interval_s: fl
         serving.cancel()
         if not client.socket.socket.closed:
             await client.close()
-        engine.router.close()
+        if not engine.router.socket.closed:
+            engine.router.close()
         ctx.destroy(linger=0)
 
 
@@ -104,6 +108,38 @@ def test_a_request_in_flight_ends_with_a_503_when_its_engine_goes_away_not_at_it
     error, waited_s = asyncio.run(_in_flight_when(tmp_path, happening))
     assert error.status == 503, error.message
     assert waited_s < 30  # not the request's own 60 s timeout: a generous bound on "did not wait it out"
+
+
+async def _endings_when_a_drained_engine_closes(tmp_path, requests: int, tokens: int) -> list[str]:
+    """Requests in flight on a draining engine, which streams each to its end and closes its
+    socket at once, as llm_engine does once drained (its last replies lingering out): how each
+    request's stream ended ("finished", or the error's status)."""
+    async with engine_and_client(tmp_path, heartbeat_timeout_s=30, interval_s=0.05) as (engine, client):
+        streams = [client.generate(GenerateRequest(f"r{i}", b"{}"), timeout_s=30) for i in range(requests)]
+        for stream in streams:
+            await anext(stream)  # each has its first token
+        engine.state = ServiceState.DRAINING
+        await wait_until_async(lambda: not client.up, 5, "the client off the draining engine")
+        engine.serving.cancel()
+        for count in range(2, tokens + 1):
+            for i in range(requests):
+                await engine.router.send(engine.gateway, TokenDelta(f"r{i}", [], count, 1, finished=count == tokens))
+        engine.router.close(linger_ms=1000)  # llm_engine.service.LAST_REPLIES_LINGER_MS
+        endings = []
+        for stream in streams:
+            try:
+                endings.append("finished" if [delta async for delta in stream][-1].finished else "cut short")
+            except APIError as error:
+                endings.append(str(error.status))
+        return endings
+
+
+def test_a_drained_engine_s_last_replies_reach_their_requests_before_its_close_fails_them(tmp_path):
+    """The replies are in the client's socket when the connection drops: zmq must keep them
+    (no IMMEDIATE on a dealer that receives) and the client must read them before it fails
+    what is still in flight."""
+    for attempt in range(10):  # the close lands at once after the last reply: a race, tried over and over
+        assert asyncio.run(_endings_when_a_drained_engine_closes(tmp_path, requests=3, tokens=20)) == ["finished"] * 3, attempt
 
 
 async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
