@@ -38,7 +38,8 @@ class GatewayConfig(FrozenConfig):
     models: dict[str, ModelRoute] = Field(default_factory=dict)
     startup_timeout_s: float = Field(300, gt=0)  # waiting for the encoder and engine
     # `prism serve`: a service that answered on its socket and then stays silent
-    # this long is killed and restarted (common/supervisor.py); 0: never.
+    # this long is killed and restarted (common/supervisor.py), as is a gateway
+    # worker that stops publishing its load (gateway/ops/workers.py); 0: never.
     child_liveness_s: float = Field(60, ge=0)
     encode_timeout_s: float = Field(120, gt=0)
     # Each new image's visual tokens go from the encoder straight to the engine

@@ -187,23 +187,32 @@ class Gateway:
             self.siblings.finished(record)
 
     async def _sample_every(self, interval_s: float) -> None:
-        """The dashboard's service samples: the latest polled stats, summed over models and replicas."""
+        """The dashboard's service samples, every interval. This worker's load goes to the
+        others first, whatever fails after: it is how its supervisor sees it live (gateway/ops/workers.py)."""
         while True:
             await asyncio.sleep(interval_s)
-            if self.heap is not None:
-                await self.heap.check()
-            if self.slot.count > 1 and self.slot.index == 0:
-                metrics.publish_services(self.stats_collector)
-            encoders, engines = self.service_stats()
-            in_flight = self.limiter.in_flight
             if self.siblings is not None:
-                self.siblings.load(in_flight)
-                in_flight += self.siblings.in_flight_elsewhere
-            self.window.add_sample(ServiceSample(
-                at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
-                engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=in_flight,
-                batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
-            ))
+                self.siblings.load(self.limiter.in_flight)
+            try:
+                await self._sample()
+            except Exception:
+                log.exception("the dashboard's sample failed; sampling again in %g s", interval_s)
+
+    async def _sample(self) -> None:
+        """One sample: the latest polled stats, summed over models and replicas."""
+        if self.heap is not None:
+            await self.heap.check()
+        if self.slot.count > 1 and self.slot.index == 0:
+            metrics.publish_services(self.stats_collector)
+        encoders, engines = self.service_stats()
+        in_flight = self.limiter.in_flight
+        if self.siblings is not None:
+            in_flight += self.siblings.in_flight_elsewhere
+        self.window.add_sample(ServiceSample(
+            at=time.time(), encoder_queue=sum(s.queue_depth for s in encoders),
+            engine_waiting=sum(s.waiting for s in engines), gateway_in_flight=in_flight,
+            batches=sum(s.batches for s in encoders), images_encoded=sum(s.images_encoded for s in encoders),
+        ))
 
     async def abandon(self) -> None:
         """Stopped during start-up: whatever the cancelled handshakes left open is closed with the

@@ -17,14 +17,10 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from gateway.ops.workers import WorkerSlot
+from gateway.ops.workers import WorkerSlot, worker_address
 from gateway.ops.dashboard import DashboardWindow
 from protocol.siblings import FinishedRequest, SiblingInbound, WorkerLoad
 from protocol.sockets import AsyncSubscriber, Publisher
-
-
-def worker_address(run_dir: Path, index: int) -> str:
-    return f"ipc://{run_dir}/worker-{index}.sock"
 
 
 class Siblings:

@@ -15,12 +15,18 @@ What stays right across workers, with nothing shared but that directory:
 - the dashboard: every worker's window holds every worker's requests
   (gateway/ops/siblings.py).
 
-A worker that dies is restarted (its gauges leave the sums first); SIGHUP is
-passed on to every worker (each reloads its routing map); SIGTERM drains them.
+A worker that dies is restarted (its gauges leave the sums first), and so is
+one whose event loop hangs: the kernel would go on handing it its share of the
+connections, and a liveness probe through the port reaches a worker at random.
+Each worker publishes its load to the others every `stats_interval_s`, from its
+loop; the supervisor listens for that (`publishes`) and kills a worker silent
+for `child_liveness_s`. SIGHUP is passed on to every worker (each reloads its
+routing map); SIGTERM drains them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -31,6 +37,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import zmq
 from prometheus_client import multiprocess
 
 from common.supervisor import Child, Supervisor
@@ -40,6 +47,7 @@ log = logging.getLogger("prism.gateway")
 
 WORKER_ENV = "PRISM_GATEWAY_WORKER"  # the worker's index; set only in workers
 RUN_DIR_ENV = "PRISM_GATEWAY_RUN_DIR"
+PROBE_TIMEOUT_S = 5.0  # the least a probe listens for a worker's load (gateway.child_liveness_s)
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,23 @@ def this_worker(config: GatewayConfig) -> tuple[WorkerSlot, Path | None]:
     return WorkerSlot(int(index), config.workers), Path(os.environ[RUN_DIR_ENV])
 
 
+def worker_address(run_dir: Path, index: int) -> str:
+    """Where worker `index` publishes to its siblings (gateway/ops/siblings.py)."""
+    return f"ipc://{run_dir}/worker-{index}.sock"
+
+
+def publishes(address: str, timeout_s: float) -> bool:
+    """The supervisor's liveness probe of a worker: whether it publishes anything within `timeout_s`
+    (its load goes out every stats interval from its event loop, which a hang stops)."""
+    socket = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        socket.setsockopt(zmq.SUBSCRIBE, b"")
+        socket.connect(address)
+        return bool(socket.poll(int(timeout_s * 1000)))
+    finally:
+        socket.close(linger=0)
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to the port (port 0: one the kernel picks) and never
     listening: it keeps the port for the workers' listening sockets, which
@@ -89,8 +114,12 @@ def serve_workers(config: GatewayConfig, config_path: Path | None) -> None:
     metrics_dir = run_dir / "metrics"
     metrics_dir.mkdir()
     shared = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), RUN_DIR_ENV: str(run_dir), "PRISM_GATEWAY__PORT": str(port)}
-    workers = [Child("gateway", config_path, {**shared, WORKER_ENV: str(i)}, f"gateway worker {i}") for i in range(config.workers)]
-    supervisor = Supervisor(workers, on_exit=lambda child: multiprocess.mark_process_dead(child.process.pid, str(metrics_dir)))
+    probe_timeout_s = max(PROBE_TIMEOUT_S, 3 * config.stats_interval_s)  # a few of its loads
+    workers = [Child("gateway", config_path, {**shared, WORKER_ENV: str(i)}, f"gateway worker {i}",
+                     probe=functools.partial(publishes, worker_address(run_dir, i), probe_timeout_s))
+               for i in range(config.workers)]
+    supervisor = Supervisor(workers, on_exit=lambda child: multiprocess.mark_process_dead(child.process.pid, str(metrics_dir)),
+                            liveness_s=config.child_liveness_s)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

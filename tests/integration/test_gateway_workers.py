@@ -2,8 +2,8 @@
 session stack's encoder and engine: both workers take connections on the one
 port, one scrape counts every worker's requests, the dashboard shows them all
 from either worker, the concurrency limit holds for the gateway as a whole, a
-killed worker is replaced while the other keeps serving, SIGHUP reaches every
-worker, and SIGTERM lets a request in flight finish before all exit."""
+killed worker is replaced while the other keeps serving, so is a hung one,
+SIGHUP reaches every worker, and SIGTERM lets a request in flight finish before all exit."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ class Workers:
         self.log_path = run_dir / "workers.log"
         env = dict(os.environ, PRISM_GATEWAY__WORKERS="2", PRISM_GATEWAY__MAX_CONCURRENT_REQUESTS="2",
                    PRISM_GATEWAY__PORT=str(self.port), PRISM_GATEWAY__STATS_INTERVAL_S="0.5",
+                   PRISM_GATEWAY__CHILD_LIVENESS_S="3",  # judged after a probe's 5 s of silence
                    PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(stack.encoder_addresses),
                    PRISM_GATEWAY__ENGINE_ADDRESSES=json.dumps(stack.engine_addresses))
         self.supervisor = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env=env,
@@ -47,10 +48,12 @@ class Workers:
     def pids(self) -> set[int]:
         return {child.pid for child in psutil.Process(self.supervisor.pid).children()}
 
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
     def logged(self, prefix: str) -> set[int]:
         """The pids of the gateway processes that logged a message starting with `prefix`."""
-        records = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-        return {r["pid"] for r in records if r.get("service") == "gateway" and r["message"].startswith(prefix)}
+        return {r["pid"] for r in self.records() if r.get("service") == "gateway" and r["message"].startswith(prefix)}
 
     def all_ready(self) -> bool:
         """Every worker answers (each connection may reach either)."""
@@ -140,6 +143,17 @@ def test_a_killed_worker_is_replaced_and_its_requests_still_count(workers):
     wait_until(lambda: victim not in workers.pids() and workers.all_ready(), 60, "a new worker in its place")
     assert scrape(workers.url)[OK] - before == 4  # the dead worker's counts are kept, not lost or doubled
     assert chat(workers.url, with_image("after-restart")).status_code == 200
+
+
+def test_a_hung_worker_is_replaced(workers):
+    """A stopped worker (SIGSTOP: a hung loop) keeps its listening socket, and the kernel its share of
+    new connections; its supervisor hears no load from it and kills it for another."""
+    victim = min(workers.pids())
+    os.kill(victim, signal.SIGSTOP)
+    wait_until(lambda: not psutil.pid_exists(victim), 30, "the hung worker killed and reaped")
+    assert any(f"(pid {victim}) has not answered" in r["message"] for r in workers.records())
+    wait_until(lambda: victim not in workers.pids() and workers.all_ready(), 60, "a new worker in its place")
+    assert chat(workers.url, with_image("after-hang")).status_code == 200
 
 
 def test_sighup_reaches_every_worker(workers):
