@@ -20,6 +20,7 @@ import base64
 import binascii
 import functools
 import io
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -135,12 +136,17 @@ class IntakePolicy:
 DECODE_BYTES_PER_PIXEL = 16
 TURNED_OR_ALPHA_BYTES_PER_PIXEL = 18
 WEBP_BYTES_PER_PIXEL = 26
-# A header parses in milliseconds; one that takes longer was built to (millions of empty
-# markers or chunks, each parsed in Python).
+# A header parses in milliseconds of CPU; one that takes longer was built to (millions of
+# empty markers or chunks, each parsed in Python).
 HEADER_READ_S = 1.0
 # Progressive JPEGs have about ten scans; libjpeg decodes every one, so thousands of
 # repeated scans make a small file take minutes.
 MAX_JPEG_SCANS = 100
+# Markers walked to count them; a file with more is left to the header's deadline.
+MAX_JPEG_MARKERS = 2000
+# The next marker from within a scan's data: not a stuffed 0xFF00, a restart marker or fill.
+_JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+JPEG_SOS, JPEG_EOI, JPEG_TEM = 0xDA, 0xD9, 0x01
 
 
 class _TooSlow(Exception):
@@ -149,14 +155,16 @@ class _TooSlow(Exception):
 
 class _Deadline(io.BytesIO):
     """The image's bytes, not to be read past a deadline: Pillow parses headers and feeds
-    its decoders from reads, so a file built to be slow stops at its next read."""
+    its decoders from reads, so a file built to be slow stops at its next read. The time
+    is the reading thread's CPU time: waiting for the GIL or for a busy machine is not the
+    image's doing."""
 
     def __init__(self, data: bytes, seconds: float) -> None:
         super().__init__(data)
-        self.deadline = time.monotonic() + seconds
+        self.deadline = time.thread_time() + seconds
 
     def read(self, size: int | None = -1) -> bytes:
-        if time.monotonic() > self.deadline:
+        if time.thread_time() > self.deadline:
             raise _TooSlow()
         return super().read(size)
 
@@ -231,6 +239,25 @@ def _invalid(where: str, message: str, status: int = 400, code: str = "invalid_i
     return APIError(status, f"{where}: {message}", param=where, code=code)
 
 
+def jpeg_scans(raw: bytes) -> int:
+    """The JPEG's own scans, counted from its markers (the count stops past MAX_JPEG_SCANS).
+    Segments are skipped by their length and nothing after the end-of-image marker is read:
+    an EXIF thumbnail, or the video or pictures a motion or multi-picture photo carries after
+    its image, have scans of their own."""
+    scans, position = 0, 2  # past the start-of-image marker
+    for _ in range(MAX_JPEG_MARKERS):
+        if (found := _JPEG_MARKER.search(raw, position)) is None:
+            break
+        marker, position = found[0][1], found.end()
+        if marker == JPEG_EOI:
+            break
+        if marker != JPEG_TEM:  # every other marker here has a length (and a scan's data follows its header)
+            position += int.from_bytes(raw[position:position + 2], "big")
+        if marker == JPEG_SOS and (scans := scans + 1) > MAX_JPEG_SCANS:
+            break
+    return scans
+
+
 def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -> Inspected:
     """Header-only checks; nothing is decoded. (The byte limit was checked where
     the bytes arrived: decode_data_url, ImageFetcher.)"""
@@ -239,8 +266,8 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
     fmt = sniff(raw)
     if fmt is None:
         raise _invalid(where, f"unsupported image format ({describe_refused(raw)}); allowed: {', '.join(ALLOWED_NAMES)}", 415, "unsupported_image_format")
-    if fmt == "JPEG" and (scans := raw.count(b"\xff\xda")) > MAX_JPEG_SCANS:  # a start-of-scan marker, which no data repeats
-        raise _invalid(where, f"the JPEG has {scans} scans; at most {MAX_JPEG_SCANS} are decoded")
+    if fmt == "JPEG" and jpeg_scans(raw) > MAX_JPEG_SCANS:
+        raise _invalid(where, f"the JPEG has more than {MAX_JPEG_SCANS} scans; at most {MAX_JPEG_SCANS} are decoded")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

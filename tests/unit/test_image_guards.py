@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 
 from gateway.errors import APIError
 from gateway.intake import images
@@ -46,6 +46,19 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded():
         inspect(with_repeated_scans(1000), "img", POLICY, POLICY.default_budget)
     assert refused.value.status == 400
     assert prism_pixels(with_repeated_scans(20)).shape == (64, 64, 3)  # a few more than usual: decoded
+
+
+def test_only_the_jpeg_s_own_scans_count():
+    """A motion photo carries its video after the image's end marker, where any two bytes may read
+    as a start of scan, and an EXIF thumbnail has a scan of its own: neither is the image's."""
+    photo = Image.new("RGB", (64, 64), (200, 30, 30))
+    thumbnail = encoded(Image.new("RGB", (16, 16)), "JPEG")
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 1
+    with_thumbnail = encoded(photo, "JPEG", progressive=True, exif=exif.tobytes() + thumbnail)
+    motion_photo = with_thumbnail + b"ftypmp42" + b"\xff\xda\x00\x04\x01\x02" * 500
+    assert images.jpeg_scans(motion_photo) == images.jpeg_scans(encoded(photo, "JPEG", progressive=True)) < 20
+    assert np.array_equal(prism_pixels(motion_photo), vllm_pixels(motion_photo))
 
 
 def test_a_header_built_to_take_long_is_refused_at_its_deadline(monkeypatch):
