@@ -200,6 +200,9 @@ class EngineService:
         # and heartbeat shares: a megabyte of text takes seconds. One thread, as vLLM's renderer.
         self.renderer = ThreadPoolExecutor(1, thread_name_prefix="render")
         self.waiting: set[str] = set()  # submitted, no token yet
+        # Handed to vLLM and not finished: only these wait on its steps (the stall watch's "busy");
+        # a request still rendering or fetching its tokens does not.
+        self.generating: set[str] = set()
         self.boot_id = uuid.uuid4().hex
         self.finished = 0
         self.failed = 0
@@ -316,7 +319,6 @@ class EngineService:
         if len(self.waiting) >= self.config.max_waiting_requests:
             await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429), wait=False)
             return
-        self.watch.note_work_arrived(time.monotonic(), was_idle=not self.requests)
         # Counted now, not when its task first runs: a burst already queued on the socket is
         # read without a turn of the event loop, and must meet max_waiting_requests all the same.
         self.waiting.add(rid)
@@ -367,7 +369,7 @@ class EngineService:
                 return
             if loop.time() - asked_at > 2 * interval + 1:
                 continue  # our own timer woke late (this process was not run): no verdict on this round
-            verdict = self.watch.check(time.monotonic(), busy=bool(self.requests))
+            verdict = self.watch.check(time.monotonic(), busy=bool(self.generating))
             if verdict is Verdict.STALLED:
                 self._on_stall()
             elif verdict is Verdict.RESTART:
@@ -486,7 +488,7 @@ class EngineService:
         first = True
         first_ready = 0.0
         choices: dict[int, ChoiceStream] = {}
-        async with contextlib.aclosing(self.engine.generate(prompt.inputs, params, rid, **reasoning)) as outputs:
+        async with self._in_vllm(rid), contextlib.aclosing(self.engine.generate(prompt.inputs, params, rid, **reasoning)) as outputs:
             async for output in outputs:
                 self.waiting.discard(rid)
                 deltas = []
@@ -510,6 +512,16 @@ class EngineService:
                     return None  # closing the generator aborts the request in vLLM
                 first = False
         return completion_tokens
+
+    @contextlib.asynccontextmanager
+    async def _in_vllm(self, rid: str):
+        """The request in vLLM's hands: the stall watch's clock starts if vLLM had nothing to do."""
+        self.watch.note_work_arrived(time.monotonic(), was_idle=not self.generating)
+        self.generating.add(rid)
+        try:
+            yield
+        finally:
+            self.generating.discard(rid)
 
     async def _send(self, peer: bytes, message, wait: bool = True, wait_s: float | None = None) -> bool:
         """False when the peer is gone (ROUTER_MANDATORY: a gateway that restarted has a new identity).
