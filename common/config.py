@@ -71,8 +71,10 @@ def _env_overrides(model: type[pydantic.BaseModel], section: str, env: Mapping[s
 
 def _env_value(name: str, raw: str, field: pydantic.fields.FieldInfo | None) -> object:
     """A variable's value as YAML reads it; a string key's as written (YAML would make `::` a
-    mapping, `2024` a number, and cut `abc #1` at its comment), but null stays null."""
-    if field is not None and field.annotation in (str, str | None) and raw not in ("null", "~"):
+    mapping, `2024` a number, and cut `abc #1` at its comment), but null stays null, and so
+    does an empty value where the key may be null (`${VAR:-}` in a compose file: unset)."""
+    nulls = ("null", "~", "") if field is not None and field.annotation == str | None else ("null", "~")
+    if field is not None and field.annotation in (str, str | None) and raw not in nulls:
         return raw
     try:
         return yaml.safe_load(raw)

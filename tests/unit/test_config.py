@@ -72,6 +72,8 @@ def test_a_string_key_from_the_environment_is_taken_as_written(tmp_path):
     url = "redis://:pa#ss@redis:6379/0"  # YAML: cut at the comment
     assert load_config(EncoderConfig, "encoder", path, env={"PRISM_ENCODER__SHARED_CACHE_URL": url}).shared_cache_url == url
     assert load_config(EncoderConfig, "encoder", path, env={"PRISM_ENCODER__SHARED_CACHE_URL": "null"}).shared_cache_url is None
+    # empty, as `${VAR:-}` in a compose file sets it: unset where the key may be null
+    assert load_config(EncoderConfig, "encoder", path, env={"PRISM_ENCODER__SHARED_CACHE_URL": ""}).shared_cache_url is None
 
 
 def test_an_environment_value_yaml_cannot_read_names_its_variable(tmp_path):
