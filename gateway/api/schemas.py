@@ -318,8 +318,9 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _options_that_need_each_other(self) -> "ChatCompletionRequest":
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options needs stream: true")  # as vLLM's server says
+        # as vLLM's server says, which lets an empty one ({}) pass
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise ValueError("stream_options needs stream: true")
         # vLLM's server would let the response_format replace the structured output's constraint
         if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("response_format and structured_outputs each constrain the output: send one")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pydantic
+import pytest
+
 from gateway.api.schemas import ChatCompletionRequest
 
 
@@ -31,3 +34,10 @@ def test_an_answer_of_reasoning_alone_has_null_content_as_vllm_s():
     reasoned, empty = answer.choices()
     assert reasoned["message"] == {"role": "assistant", "content": None, "reasoning": "hmm"}
     assert empty["message"]["content"] == ""
+
+
+def test_stream_options_without_stream_are_refused_unless_empty_as_vllm_refuses_them():
+    assert request(stream_options={}).stream_options is not None  # vLLM's check reads `{}` as none given
+    with pytest.raises(pydantic.ValidationError, match="stream_options needs stream: true"):
+        request(stream_options={"include_usage": True})
+    assert request(stream=True, stream_options={"include_usage": True}).stream_options.include_usage
