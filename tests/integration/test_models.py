@@ -190,3 +190,26 @@ def test_the_routing_map_reloads_without_dropping_requests_in_flight(routed, res
     finished = next(i for i, (rid, m) in enumerate(messages) if rid.startswith("across-reload") and m.startswith("status 200"))
     retired = next(i for i, (_, m) in enumerate(messages) if m == f"model '{OTHER}' retired")
     assert reloaded < finished < retired
+
+
+def reload_logged(stack: LocalStack, prefix: str, before: int) -> bool:
+    """The gateway logged a message starting with `prefix` among its records after the first `before`."""
+    return any(r["message"].startswith(prefix) for r in log_records(stack, "gateway")[before:])
+
+
+def test_a_reload_refused_leaves_the_running_map(routed, restored_map):
+    config = yaml.safe_load(routed.config_path.read_text())
+    models = config["gateway"]["models"]
+    models[ALIAS] = dict(models[OTHER])  # would serve on its own...
+    # ...but the map as a whole is invalid: one engine cannot serve two checkpoints
+    models["mixed"] = {"encoder_addresses": models[OTHER]["encoder_addresses"],
+                       "engine_addresses": [models[MAIN]["engine_addresses"][0], *models[OTHER]["engine_addresses"]]}
+    for text, why in ((yaml.safe_dump(config), "two different checkpoints"), ("gateway: [models", "cannot read config")):
+        before = len(log_records(routed, "gateway"))
+        routed.config_path.write_text(text)
+        os.kill(routed.process.pid, signal.SIGHUP)
+        wait_until(lambda: reload_logged(routed, "reload refused, the running map stays", before), 30, "the reload refused")
+        assert any(why in r["message"] for r in log_records(routed, "gateway")[before:])
+        listed = sorted(m["id"] for m in httpx.get(f"{routed.base_url}/v1/models", timeout=10).json()["data"])
+        assert listed == sorted([MAIN, OTHER])
+        assert chat(routed, ALIAS, "hi").status_code == 404 and chat(routed, OTHER, "hi").status_code == 200
