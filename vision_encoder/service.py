@@ -343,7 +343,7 @@ class EncoderService:
             return
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(items), [item.key for item in items],
                                request.push_to, axes=[item.axis for item in items])
-        misses = self._look_up(state, [item.identity for item in items], record=True)
+        misses = self._look_up(state, [item.identity for item in items], record=not request.retry)
         state.cache_lookup_s = time.monotonic() - arrived
         if lacking := [index for index in misses if items[index].job is None]:  # the gateway decodes these now
             self._abandon(state)

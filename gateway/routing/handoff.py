@@ -316,7 +316,7 @@ class ImageHandoff:
                     meta, frame = to_frame(decoded[index].frames)
                     frames.append(frame)
                 inputs.append(VideoInput(video.digest, LoaderMetadata(**video.hf_metadata()), images.knobs, meta))
-            return await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to), frames,
+            return await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to, retry), frames,
                                           self.config.encode_timeout_s)
 
         reply, source = await self._rounds(images.video_digests, decode, ask, timer)

@@ -99,11 +99,14 @@ def lookup_only(request_id: str, loaded: tuple[np.ndarray, dict], digest: bytes,
 async def looked_up(address: str) -> None:
     socket = await connect(address)
     loaded = clip(4)
+    misses = (await stats_of(socket)).cache_misses
     await socket.send(*lookup_only("l1", loaded, b"\x04" * 16))
     missing, _ = await reply_to(socket, "l1", timeout_s=120)
     assert isinstance(missing, EncodeNeedsPixels) and missing.indices == [0]  # never encoded: frames wanted
-    await socket.send(*video_request("l2", loaded, b"\x04" * 16))
+    request, frames = video_request("l2", loaded, b"\x04" * 16)
+    await socket.send(msgspec.structs.replace(request, retry=True), frames)  # the gateway's second round
     encoded, _ = await reply_to(socket, "l2", timeout_s=120)
+    assert (await stats_of(socket)).cache_misses == misses + 1  # one video missed once, asked for twice
     await socket.send(*lookup_only("l3", loaded, b"\x04" * 16))
     hit, _ = await reply_to(socket, "l3", timeout_s=120)
     assert isinstance(hit, VideosEncodeResult) and hit.videos[0].cache_hit
