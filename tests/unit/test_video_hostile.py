@@ -10,6 +10,7 @@ import base64
 import dataclasses
 import os
 import struct
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -309,3 +310,34 @@ def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypat
     error = refusal(sparse_keyframes, limits=dataclasses.replace(LIMITS, max_decode_s=0.5))
     assert error.status == 413 and "s to read (gateway.max_video_decode_s)" in error.message
     assert seeks and seeks[0] <= 2  # the reads that found the stop, no more
+
+
+def test_a_header_read_given_up_is_stopped_and_awaited(sparse_keyframes, monkeypatch):
+    """A request whose header read is cancelled (its client left, another of its videos was refused)
+    tells the read to stop and lets go only once the thread has: the intake threads are every
+    request's, and a seek through a long stream would hold one for minutes."""
+    entered, ended = threading.Event(), threading.Event()
+    told = []
+
+    def seek_until_told(video, claimed):
+        entered.set()
+        deadline = time.monotonic() + 5
+        while not video.stream.stop() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        told.append(video.stream.stop())
+        ended.set()
+        return claimed
+
+    monkeypatch.setattr(video_intake, "visible_frames", seek_until_told)
+    ref = VideoRef(WHERE, "data:video/mp4;base64," + base64.b64encode(sparse_keyframes).decode())
+
+    async def give_up() -> bool:
+        reading = asyncio.create_task(_intake().take_all([(ref, VideoSampling())], RequestTimer()))
+        await asyncio.to_thread(entered.wait, 5)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        return ended.is_set()
+
+    assert asyncio.run(give_up()), "the request let go while its thread still read"
+    assert told == [True]

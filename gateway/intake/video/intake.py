@@ -28,9 +28,10 @@ the frames travel as decoded and the encoder's answer counts the tokens.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -49,6 +50,8 @@ from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInf
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
 from gateway.intake.video.sniff import describe_not_video, is_video_container
+
+T = TypeVar("T")
 
 VIDEO_INTAKE_VERSION = "video-intake-v1"
 
@@ -112,8 +115,10 @@ class KnownHeaders:
 
 
 def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits,
-            planner: Planner | None = None, known: KnownHeaders | None = None) -> InspectedVideo:
-    """Header-only checks, the frames sampling keeps and how they will be sent; no frame is decoded."""
+            planner: Planner | None = None, known: KnownHeaders | None = None,
+            stop: Callable[[], bool] | None = None) -> InspectedVideo:
+    """Header-only checks, the frames sampling keeps and how they will be sent; no frame is decoded.
+    `stop`: asked at every read of the bytes; True ends the header's read (as past its deadline)."""
     if not raw:
         raise refused(where, "is empty (0 bytes)")
     if not is_video_container(raw):
@@ -122,7 +127,7 @@ def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits
     digest = digest_of(raw, sampling)
     source = known.get(digest) if known else None
     if source is None:
-        source = _read_header(raw, where, sampling, limits)
+        source = _read_header(raw, where, sampling, limits, stop)
         if known:
             known.put(digest, source)
     indices = _sample(source, sampling, where)
@@ -132,13 +137,14 @@ def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits
     return InspectedVideo(raw, where, source, indices, sampling, digest, plan)
 
 
-def _read_header(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits) -> SourceInfo:
+def _read_header(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits,
+                 stop: Callable[[], bool] | None = None) -> SourceInfo:
     """The container's figures, checked against the limits, as the loader will read them; within
     `max_decode_s` (the frame count's check decodes from the last keyframe, which can be the first)."""
     deadline = time.monotonic() + limits.max_decode_s
 
     def past_deadline() -> bool:  # asked at every read of the bytes
-        return time.monotonic() > deadline
+        return (stop is not None and stop()) or time.monotonic() > deadline
 
     try:
         with open_video(raw, past_deadline) as video:
@@ -207,6 +213,19 @@ class VideoIntake:
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def _stoppable(self, work: Callable[[Callable[[], bool]], T]) -> T:
+        """`work(stop)` on an intake thread. Cancelled (the client left, another video of the request
+        was refused), it is told to stop and awaited: the thread is every request's, and what it
+        holds stays counted until it lets go."""
+        ended = threading.Event()
+        running = asyncio.ensure_future(self._in_pool(work, ended.is_set))
+        try:
+            return await asyncio.shield(running)
+        except asyncio.CancelledError:
+            ended.set()
+            await asyncio.wait({running})
+            raise
+
     async def fetch(self, ref: VideoRef) -> bytes:
         if ref.url.startswith("data:"):  # counted with the body's bytes
             media_type = ref.url[5:].split(";", 1)[0].split(",", 1)[0].lower()
@@ -223,21 +242,15 @@ class VideoIntake:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
         still take minutes of a core, and the intake threads are every request's."""
         s = item.source
-        ended = threading.Event()
 
-        def decoding_on_a_thread() -> SampledVideo:  # the clock starts with the decode, not while it waited for a thread
+        def decoding_on_a_thread(stop: Callable[[], bool]) -> SampledVideo:  # the clock starts with the decode
             deadline = time.monotonic() + self.limits.max_decode_s
-            return decode(item, lambda: ended.is_set() or time.monotonic() > deadline)
+            return decode(item, lambda: stop() or time.monotonic() > deadline)
 
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
                                                 f"{s.width}×{s.height})"):
-            decoding = asyncio.ensure_future(self._in_pool(decoding_on_a_thread))
             try:
-                video = await asyncio.shield(decoding)
-            except asyncio.CancelledError:  # the client left: the thread stops at its next frame; its memory is counted till then
-                ended.set()
-                await asyncio.wait({decoding})
-                raise
+                video = await self._stoppable(decoding_on_a_thread)
             except Stopped:
                 raise _too_slow(item.where, self.limits, "decode") from None
         hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
@@ -249,8 +262,9 @@ class VideoIntake:
         request before any decode's time or memory is spent, and a repeat may need no decode."""
         started = time.perf_counter()
         raws = await all_or_none(*(self.fetch(ref) for ref, _ in refs))
-        inspected = await all_or_none(*(self._in_pool(inspect, raw, ref.where, sampling, self.limits, planner, self.known)
-                                           for raw, (ref, sampling) in zip(raws, refs)))
+        inspected = await all_or_none(*(
+            self._stoppable(functools.partial(inspect, raw, ref.where, sampling, self.limits, planner, self.known))
+            for raw, (ref, sampling) in zip(raws, refs)))
         timer.add("video_fetch", time.perf_counter() - started)
         return list(inspected)
 
