@@ -315,7 +315,9 @@ class ImageHandoff:
                 if index in decoded:
                     meta, frame = to_frame(decoded[index].frames)
                     frames.append(frame)
-                inputs.append(VideoInput(video.digest, LoaderMetadata(**video.hf_metadata()), images.knobs, meta))
+                # a decoded video's metadata: the frames it read (its header's last may have been unreadable)
+                metadata = (decoded[index] if index in decoded else video).hf_metadata()
+                inputs.append(VideoInput(video.digest, LoaderMetadata(**metadata), images.knobs, meta))
             return await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to, retry), frames,
                                           self.config.encode_timeout_s)
 

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import struct
 from dataclasses import dataclass
 
 import zmq.asyncio
@@ -34,9 +35,10 @@ from protocol.to_gateway import (
     GenerateFailed,
     TokenDelta,
 )
-from protocol.video import EncodedVideo, EncodeVideos, VideosEncodeResult
+from protocol.video import EncodedVideo, EncodeVideos, LoaderMetadata, VideosEncodeResult
 from loadtest.clips import clip
 from tests.unit.by_hand import EncoderByHand, EngineByHand
+from tests.unit.test_video_hostile import patched
 from tests.waiting import wait_until_async
 
 POLICY = qwen_policy(140 * 140)
@@ -275,10 +277,10 @@ def test_a_kept_reference_whose_encoder_is_gone_is_not_used(tmp_path):
 CLIP_URL = "data:video/mp4;base64," + base64.b64encode(clip(width=96, height=64, fps=4.0, num_frames=8, seed=46)).decode()
 
 
-async def ask_with_video(gateway: Gateway, request_id: str, knobs: dict | None = None) -> list[TokenDelta]:
+async def ask_with_video(gateway: Gateway, request_id: str, knobs: dict | None = None, url: str = CLIP_URL) -> list[TokenDelta]:
     """An image and a video in one request, through prepare and generate (`knobs`: its mm_processor_kwargs)."""
     body = {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": GREEN}}, {"type": "video_url", "video_url": {"url": CLIP_URL}},
+        {"type": "image_url", "image_url": {"url": GREEN}}, {"type": "video_url", "video_url": {"url": url}},
         {"type": "text", "text": "What moves?"}]}]}
     if knobs:
         body["mm_processor_kwargs"] = knobs
@@ -361,3 +363,21 @@ async def _video_budget(tmp_path) -> APIError:
 def test_a_video_s_pixel_knobs_stay_within_the_deployment_s_budget(tmp_path):
     error = asyncio.run(_video_budget(tmp_path))
     assert error.status == 400 and error.param == "mm_processor_kwargs"
+
+
+async def _one_frame_over(tmp_path) -> LoaderMetadata:
+    """A clip at the loader's own 2 fps (every frame of an even count kept) whose header counts one
+    frame more than its stream: the metadata that went to the encoder with its frames."""
+    raw = patched(clip(width=96, height=64, fps=2.0, num_frames=9, seed=47), b"stts", 12, struct.pack(">I", 10))
+    async with gateway(tmp_path) as gw:
+        assert (await ask_with_video(gw, "one-over", url="data:video/mp4;base64," + base64.b64encode(raw).decode()))[-1].finished
+        sent = next(m for m in gw.encoders[0].asked if isinstance(m, EncodeVideos)).videos[0]
+        assert sent.frames.shape[0] == 9
+        return sent.metadata
+
+
+def test_a_decoded_video_goes_to_the_encoder_with_the_metadata_of_the_frames_it_read(tmp_path):
+    """Not the inspected one's: a header one frame over its stream promised a ninth frame vLLM's loader cannot read."""
+    metadata = asyncio.run(_one_frame_over(tmp_path))
+    assert (metadata.total_num_frames, metadata.frames_indices, metadata.do_sample_frames) == (10, list(range(9)), False)
+

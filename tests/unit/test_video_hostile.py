@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from gateway.errors import APIError
@@ -341,3 +342,20 @@ def test_a_header_read_given_up_is_stopped_and_awaited(sparse_keyframes, monkeyp
 
     assert asyncio.run(give_up()), "the request let go while its thread still read"
     assert told == [True]
+
+
+@pytest.mark.parametrize("loader", ["opencv", "qwen2_vl", "qwen3_vl"])
+def test_a_header_one_frame_over_its_stream_is_served_as_vllm_s_loader_serves_it(clip12, loader):
+    """vLLM's frame-count check lets a header count one frame more than the stream shows; its
+    loader then reads every kept frame but that one. A repeat (its header known) samples without it."""
+    from testing.video_clips import vllm_loaded
+
+    one_over = patched(clip12, b"stts", 12, struct.pack(">I", 13))
+    expected_frames, expected_metadata = vllm_loaded(one_over, 32 if loader == "opencv" else -1, loader)
+    intake = _intake()
+    sampling = VideoSampling(loader)
+    first = inspect(one_over, WHERE, sampling, LIMITS, known=intake.known)
+    video = asyncio.run(intake.decode(first))
+    assert video.hf_metadata() == expected_metadata and np.array_equal(video.frames, expected_frames)
+    repeat = inspect(one_over, WHERE, sampling, LIMITS, known=intake.known)
+    assert repeat.hf_metadata() == expected_metadata  # what a lookup by key alone sends, undecoded

@@ -28,6 +28,7 @@ the frames travel as decoded and the encoder's answer counts the tokens.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import threading
 import time
@@ -131,6 +132,8 @@ def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits
         if known:
             known.put(digest, source)
     indices = _sample(source, sampling, where)
+    if source.last_frame_unreadable:  # as vLLM's loader keeps it: without the frame it cannot read
+        indices = [index for index in indices if index != source.total_frames - 1]
     kept = len(set(indices))
     limits.check_sample(kept, sampling, where)
     plan = planner(kept, kept == source.total_frames, source.height, source.width) if planner else None
@@ -180,7 +183,9 @@ def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int
 def decode(item: InspectedVideo, stop: Callable[[], bool] | None = None) -> SampledVideo:
     """The kept frames (CPU-bound: run it off the event loop). A stream that breaks off before a
     kept frame is refused: vLLM would serve the frames it got, but a truncated upload is an error.
-    `stop`: asked before every frame; True ends the decode (Stopped)."""
+    Only the header's last frame may be missing: a count one over the stream passes vLLM's check
+    (`visible_frames`), and its loader serves the others. `stop`: asked before every frame; True
+    ends the decode (Stopped)."""
     source = item.source
     try:
         with open_video(item.raw) as video:
@@ -188,7 +193,7 @@ def decode(item: InspectedVideo, stop: Callable[[], bool] | None = None) -> Samp
     except Unreadable as exc:
         raise refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
-    if missing:
+    if missing and missing != [source.total_frames - 1]:
         raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
                       f"frames could not be decoded (first: frame {missing[0]} of {source.total_frames} claimed)")
     return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
@@ -254,6 +259,8 @@ class VideoIntake:
             except Stopped:
                 raise _too_slow(item.where, self.limits, "decode") from None
         hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
+        if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
+            self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
         return video
 
     async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer,

@@ -14,6 +14,8 @@ checks them against vLLM's own on many clips.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -74,6 +76,9 @@ class SourceInfo:
     duration_s: float
     width: int
     height: int
+    # The header counts one frame more than the stream shows, which vLLM's frame-count check lets
+    # pass: its loader then reads every kept frame but that one (found by a decode).
+    last_frame_unreadable: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,7 +130,7 @@ def loader_metadata(fps: float, total_frames: int, duration_s: float, frame_indi
 def prepared_source(source: SourceInfo, loader: LoaderKind) -> SourceInfo:
     """The loader's `_prepare_source`: Qwen3-VL assumes 24 fps where none is reported."""
     if loader == "qwen3_vl" and source.fps <= 0:
-        return SourceInfo(source.total_frames, QWEN3_UNKNOWN_FPS, source.duration_s, source.width, source.height)
+        return dataclasses.replace(source, fps=QWEN3_UNKNOWN_FPS)
     return source
 
 
