@@ -74,6 +74,7 @@ class DashboardWindow:
         self.records: deque[FinishedRequest] = deque(maxlen=max_records)
         self.counts: deque[tuple[int, list[int]]] = deque()  # (second, [answered, failed]), oldest first
         self.samples: deque[ServiceSample] = deque(maxlen=int(span_s) * 4)
+        self.started = time.time()  # a window younger than its span holds only that long's requests
 
     def add(self, record: FinishedRequest) -> None:
         self.records.append(record)
@@ -121,7 +122,7 @@ class DashboardWindow:
             "window_s": self.span_s,
             "requests": answered + failed,
             "errors": failed,
-            "throughput_rps": _round(answered / self.span_s),
+            "throughput_rps": _round(answered / min(self.span_s, max(now - self.started, self.bucket_s))),
             "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
             "stages": {s: {"p50": _round(percentile([r.stages_ms[s] for r in ok], 50)), "p95": _round(percentile([r.stages_ms[s] for r in ok], 95))} for s in STAGES},
             "breakdown": {f"p{q}": breakdown_near(ok, q) for q in (50, 95)},

@@ -35,6 +35,7 @@ def test_each_percentile_s_bar_is_the_stages_of_the_requests_at_that_ttft():
 
 def test_throughput_counts_every_answer_and_no_refusal_past_the_kept_records():
     window, now = DashboardWindow(span_s=10, bucket_s=5, max_records=100), time.time()
+    window.started = now - 60  # older than its span
     for i in range(800):
         window.add(request(now - i / 100))  # 100 answered a second for the last 8 s of the 10
     for _ in range(50):
@@ -44,6 +45,15 @@ def test_throughput_counts_every_answer_and_no_refusal_past_the_kept_records():
     assert snapshot["throughput_rps"] == 80
     assert sum(point["rps"] * 5 for point in snapshot["series"]) == pytest.approx(800)
     assert len(window.records) == 100
+
+
+def test_a_window_younger_than_its_span_divides_by_its_age():
+    """A worker (re)started a minute ago has a minute of requests, not five."""
+    window, now = DashboardWindow(span_s=300), time.time()
+    window.started = now - 60
+    for i in range(120):
+        window.add(request(now - i / 2))  # 2 answered a second for the minute
+    assert window.snapshot()["throughput_rps"] == pytest.approx(2, rel=0.02)
 
 
 def test_an_empty_window_draws_no_bar():

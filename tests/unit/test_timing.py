@@ -25,3 +25,17 @@ def test_choices_of_unequal_length_take_as_many_steps_as_the_longest():
     timer.finished_at = 1.0
     assert timer.choice_tokens == {0: 1, 1: 11}
     assert timer.tpot_s == pytest.approx(0.1)
+
+
+def test_a_request_s_visual_tokens_are_observed_whether_images_or_videos_made_them():
+    from gateway.ops import metrics
+
+    def requests_observed() -> float:
+        return next(s.value for s in metrics.VISUAL_TOKENS.collect()[0].samples if s.name.endswith("_count"))
+
+    before = requests_observed()
+    for image_sizes, visual_tokens in (([(640, 480)], 300), ([], 1200), ([], 0)):  # images; a video alone; text
+        timer = RequestTimer()
+        timer.image_sizes, timer.visual_tokens = image_sizes, visual_tokens
+        metrics.observe(timer, ok=True)
+    assert requests_observed() == before + 2
