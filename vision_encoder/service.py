@@ -468,12 +468,13 @@ class EncoderService:
         if state.cancelled or not state.done:
             return
         self.pending.pop((state.peer, state.request_id), None)
-        encode_queue_s, encode_s = state.encoder_stages()
+        now = time.monotonic()
+        encode_queue_s, encode_s = state.encoder_stages(now)
         timings = EncoderTimings(
             cache_lookup_s=state.cache_lookup_s,
             encode_queue_s=encode_queue_s,
             encode_s=encode_s,
-            total_s=time.monotonic() - state.arrived,
+            total_s=now - state.arrived,
         )
         if state.videos:
             items = self.handoff.video_references(state, time.monotonic())

@@ -47,20 +47,22 @@ class PendingRequest:
         return self.axes is not None
 
     def encoded_in(self, times: "StageTimes") -> None:
-        """One of its batches finished: its stages count from the request's arrival on."""
+        """One of its batches finished: its stages count from the end of the request's cache lookup
+        on (a batch it joined under way was busy before; the lookup is a stage of its own)."""
         for start, end in ((times.preprocess_start, times.preprocess_end), (times.vit_start, times.vit_end)):
-            if end > (start := max(start, self.arrived)):
+            if end > (start := max(start, self.arrived + self.cache_lookup_s)):
                 self.busy.append((start, end))
         self.encoded_at = max(self.encoded_at or 0.0, times.vit_end)
 
-    def encoder_stages(self) -> tuple[float, float]:
-        """(encode_queue_s, encode_s). encode: the time some batch of its was busy (overlaps counted
-        once); encode_queue: the rest of its wait for its last image, after the cache lookup. So the
-        two add up to no more than its time in the encoder, whatever its batches did."""
+    def encoder_stages(self, answered: float) -> tuple[float, float]:
+        """(encode_queue_s, encode_s), as it is answered at `answered`. encode: the time some batch
+        of its was busy (overlaps counted once); encode_queue: the rest of its time in the encoder
+        after the cache lookup (waiting for a batch, and the loop's turn after its last one). So
+        lookup, queue and encode add up to its time in the encoder, whatever its batches did."""
         if self.encoded_at is None:  # answered from the caches
             return 0.0, 0.0
         encode = union_length(self.busy)
-        return max(0.0, self.encoded_at - self.arrived - self.cache_lookup_s - encode), encode
+        return max(0.0, answered - self.arrived - self.cache_lookup_s - encode), encode
 
     @property
     def done(self) -> bool:
@@ -184,9 +186,11 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
         with in_vit.inside():
             times.vit_start = time.monotonic()
             encoded = encode_splitting(tower, jobs, box, times)
+            # Each image's tokens copied out of the batch's buffer here, off the service's loop (cache.owning):
+            # part of the encode (on a GPU, the copy to the host waits for the device).
+            owned = [None if result is None else (owning(result[0]), result[1]) for result in encoded]
             times.vit_end = time.monotonic()
-        # Each image's tokens copied out of the batch's buffer here, off the service's loop (cache.owning).
-        return [None if result is None else (owning(result[0]), result[1]) for result in encoded], times
+        return owned, times
 
     return preprocess, vit
 

@@ -1,4 +1,4 @@
-"""A request's encoder stages (encode_queue, encode) add up to no more than its time in the
+"""A request's encoder stages (cache lookup, encode_queue, encode) add up to its time in the
 encoder, however its batches went: shared, joined under way, or two that overlap."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ def test_spans_are_counted_once():
 def test_one_batch_waited_for_then_encoded():
     state = request(lookup=0.1)
     state.encoded_in(StageTimes(preprocess_start=1.0, preprocess_end=1.5, vit_start=2.0, vit_end=4.0))
-    assert state.encoder_stages() == pytest.approx((1.4, 2.5))  # queued 0.1→1.0 and 1.5→2.0; busy 0.5 + 2.0
+    # queued 0.1→1.0, 1.5→2.0 and 4.0→4.2 (the loop's turn, the reply); busy 0.5 + 2.0
+    assert state.encoder_stages(answered=4.2) == pytest.approx((1.6, 2.5))
 
 
 def test_two_overlapping_batches_are_not_counted_twice():
@@ -31,15 +32,15 @@ def test_two_overlapping_batches_are_not_counted_twice():
     state = request()
     state.encoded_in(StageTimes(preprocess_start=0, preprocess_end=1, vit_start=1, vit_end=3))
     state.encoded_in(StageTimes(preprocess_start=1, preprocess_end=2, vit_start=3, vit_end=5))
-    queue, encode = state.encoder_stages()
-    assert (queue, encode) == pytest.approx((0.0, 5.0)) and queue + encode <= 5
+    queue, encode = state.encoder_stages(answered=5.0)
+    assert (queue, encode) == pytest.approx((0.0, 5.0))
 
 
-def test_a_request_that_joined_a_batch_under_way_counts_from_its_arrival():
-    state = request(arrived=2.0)
+def test_a_request_that_joined_a_batch_under_way_counts_from_its_cache_lookup_s_end():
+    state = request(arrived=2.0, lookup=0.25)
     state.encoded_in(StageTimes(preprocess_start=0, preprocess_end=1, vit_start=1, vit_end=3))
-    assert state.encoder_stages() == pytest.approx((0.0, 1.0))
+    assert state.encoder_stages(answered=3.0) == pytest.approx((0.0, 0.75))  # 2.25→3.0, the lookup's time not twice
 
 
 def test_a_request_answered_from_the_caches_spent_nothing_encoding():
-    assert request(lookup=0.2).encoder_stages() == (0.0, 0.0)
+    assert request(lookup=0.2).encoder_stages(answered=0.3) == (0.0, 0.0)
