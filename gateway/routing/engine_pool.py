@@ -38,13 +38,17 @@ class EnginePool(ReplicaPool[EngineClient]):
     async def generate(
         self, request: GenerateRequest, timeout_s: float, digests: Sequence[bytes] = (),
         request_for: Callable[[GenerateRequest, int], GenerateRequest] | None = None,
+        on_try: Callable[[], None] | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """`request_for(request, replica)`: the request as sent to that replica (None: as it is)."""
+        """`request_for(request, replica)`: the request as sent to that replica (None: as it is);
+        `on_try()`: called as each replica is tried (the caller's round trip starts there)."""
         tried: set[int] = set()
         refused: APIError | None = None
         while (index := self.pick(digests, tried)) is not None:
             if refused is not None:
                 self.note_failover(refused, index)
+            if on_try is not None:
+                on_try()
             tried.add(index)
             self.remember(digests, index)
             started = False

@@ -350,14 +350,22 @@ class ImageHandoff:
 
     async def _deltas(self, request: GenerateRequest, images: RequestImages | None, timer: RequestTimer,
                       sent: float) -> AsyncIterator[TokenDelta]:
-        """One try; `EnginePool.generate` moves to another replica on a refusal."""
+        """One try; `EnginePool.generate` moves to another replica on a refusal. The round trip is
+        the replica's that answered: time on one that refused first is no stage's (unaccounted)."""
         digests, request_for = (images.affinity, images.request_for) if images is not None else ((), None)
         first = True
+        tried_at = sent
+
+        def on_try() -> None:
+            nonlocal tried_at
+            tried_at = time.perf_counter()
+
         # closing this closes the engine stream (abort in vLLM) at once
-        async with contextlib.aclosing(self.engine.generate(request, self.config.generate_timeout_s, digests, request_for)) as deltas:
+        async with contextlib.aclosing(self.engine.generate(request, self.config.generate_timeout_s, digests, request_for,
+                                                            on_try)) as deltas:
             async for delta in deltas:
                 if first:
-                    timer.add_engine_first(delta.timings, time.perf_counter() - sent)
+                    timer.add_engine_first(delta.timings, time.perf_counter() - tried_at)
                     if images is not None:
                         images.stage = Stage.DELIVERED
                         images.inspected.clear()  # the engine has the tokens: the raw images are not needed again

@@ -75,16 +75,25 @@ class Encoder(EncoderByHand):
         return VideosEncodeResult(request.request_id, videos, EncoderTimings(0.0, 0.0, 0.0, 0.0))
 
 
+REFUSAL_DELAY_S = 1.0  # how long a 'refuse-late' engine holds a request before it refuses
+
+
 class Engine(EngineByHand):
     """Serves each request, or answers it from `script` first: 'refuse' (a
-    draining engine's 503) or 'lost' (its tokens were nowhere: 503
-    embeddings_unavailable)."""
+    draining engine's 503), 'refuse-late' (the same after REFUSAL_DELAY_S) or
+    'lost' (its tokens were nowhere: 503 embeddings_unavailable)."""
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, takes_pushes: bool) -> None:
         super().__init__(ctx, address)
         self.takes_pushes = takes_pushes
         self.script: list[str] = []
         self.received: list[GenerateRequest] = []
+
+    async def respond(self, peer: bytes, message) -> None:
+        if isinstance(message, GenerateRequest) and self.script[:1] == ["refuse-late"]:
+            self.script[0] = "refuse"
+            await asyncio.sleep(REFUSAL_DELAY_S)
+        await super().respond(peer, message)
 
     def answer(self, message):
         if not isinstance(message, GenerateRequest):
@@ -212,6 +221,20 @@ async def _refused(tmp_path) -> None:
 
 def test_an_engine_that_refuses_is_replaced_by_the_other_which_fetches(tmp_path):
     asyncio.run(_refused(tmp_path))
+
+
+async def _refused_late(tmp_path) -> float:
+    async with gateway(tmp_path) as gw:
+        gw.script("refuse-late")
+        assert (await ask(gw, GREEN))[-1].finished
+        assert sorted(map(len, gw.received())) == [1, 1]  # refused by one, served by the other
+        return gw.timer.stages["embed_transfer"]
+
+
+def test_the_time_an_engine_held_a_request_before_refusing_it_is_no_transfer(tmp_path):
+    """The transfer is the round trip of the engine that answered; a second on the one that refused
+    first was counted as transfer, which reads as a slow network."""
+    assert asyncio.run(_refused_late(tmp_path)) < REFUSAL_DELAY_S
 
 
 async def _failed_encode(tmp_path) -> APIError:
