@@ -477,10 +477,10 @@ class EncoderService:
             total_s=now - state.arrived,
         )
         if state.videos:
-            items = self.handoff.video_references(state, time.monotonic())
+            items = self.handoff.video_references(state, now)
             self._send(state.peer, VideosEncodeResult(state.request_id, items, timings))
         else:
-            items = self.handoff.references(state, time.monotonic())
+            items = self.handoff.references(state, now)
             self._send(state.peer, EncodeResult(state.request_id, items, timings))
         hits = sum(hit for _, hit in state.results)
         log.info(

@@ -35,10 +35,10 @@ class PendingRequest:
     push_to: str = ""  # the engine to push its newly encoded images to (EncodeRequest.push_to)
     pushed: set[int] = field(default_factory=set)  # indices of its images pushed there
     cache_lookup_s: float = 0.0
-    # Its batches' busy stages (preprocessing, ViT) since it arrived, and when the last one ended:
+    # Its batches' busy stages (preprocessing, ViT) since its cache lookup:
     # its images may share a batch with others', join one under way, or span two that overlap.
     busy: list[tuple[float, float]] = field(default_factory=list)
-    encoded_at: float | None = None
+    encoded: bool = False  # some batch encoded an image of its (else the caches answered it all)
     cancelled: bool = False
     axes: list[TimeAxis] | None = None  # an EncodeVideos request: each video's time axis; None: images
 
@@ -52,14 +52,14 @@ class PendingRequest:
         for start, end in ((times.preprocess_start, times.preprocess_end), (times.vit_start, times.vit_end)):
             if end > (start := max(start, self.arrived + self.cache_lookup_s)):
                 self.busy.append((start, end))
-        self.encoded_at = max(self.encoded_at or 0.0, times.vit_end)
+        self.encoded = True
 
     def encoder_stages(self, answered: float) -> tuple[float, float]:
         """(encode_queue_s, encode_s), as it is answered at `answered`. encode: the time some batch
         of its was busy (overlaps counted once); encode_queue: the rest of its time in the encoder
         after the cache lookup (waiting for a batch, and the loop's turn after its last one). So
         lookup, queue and encode add up to its time in the encoder, whatever its batches did."""
-        if self.encoded_at is None:  # answered from the caches
+        if not self.encoded:  # answered from the caches
             return 0.0, 0.0
         encode = union_length(self.busy)
         return max(0.0, answered - self.arrived - self.cache_lookup_s - encode), encode

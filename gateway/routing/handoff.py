@@ -336,7 +336,7 @@ class ImageHandoff:
             while True:
                 sent = time.perf_counter()
                 try:
-                    async with contextlib.aclosing(self._deltas(request, images, timer, sent)) as deltas:
+                    async with contextlib.aclosing(self._deltas(request, images, timer)) as deltas:
                         async for delta in deltas:
                             yield delta
                     return
@@ -348,13 +348,13 @@ class ImageHandoff:
             if images is not None and images.stage is not Stage.DELIVERED:
                 images.stage = Stage.FAILED
 
-    async def _deltas(self, request: GenerateRequest, images: RequestImages | None, timer: RequestTimer,
-                      sent: float) -> AsyncIterator[TokenDelta]:
+    async def _deltas(self, request: GenerateRequest, images: RequestImages | None,
+                      timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """One try; `EnginePool.generate` moves to another replica on a refusal. The round trip is
         the replica's that answered: time on one that refused first is no stage's (unaccounted)."""
         digests, request_for = (images.affinity, images.request_for) if images is not None else ((), None)
         first = True
-        tried_at = sent
+        tried_at = 0.0  # set as each replica is tried, before it can answer
 
         def on_try() -> None:
             nonlocal tried_at

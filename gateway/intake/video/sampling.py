@@ -14,10 +14,8 @@ checks them against vLLM's own on many clips.
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -130,7 +128,7 @@ def loader_metadata(fps: float, total_frames: int, duration_s: float, frame_indi
 def prepared_source(source: SourceInfo, loader: LoaderKind) -> SourceInfo:
     """The loader's `_prepare_source`: Qwen3-VL assumes 24 fps where none is reported."""
     if loader == "qwen3_vl" and source.fps <= 0:
-        return dataclasses.replace(source, fps=QWEN3_UNKNOWN_FPS)
+        return replace(source, fps=QWEN3_UNKNOWN_FPS)
     return source
 
 
