@@ -25,6 +25,15 @@ TTFT_STAGES = (
     "engine_queue",
     "prefill",
 )
+STAGES = (*TTFT_STAGES, "unaccounted")  # and what of the TTFT none of them covers
+
+
+def ran(stage: str, value: float) -> bool:
+    """Whether a request's stage belongs in that stage's own distribution: where it ran (took
+    time), so a rare stage's percentiles are its own and not mostly zeros (a video_decode in one
+    request of fifty); `unaccounted`, the remainder, for every request, so its count is the
+    requests' and the stages' sums divided by it are means that add up to the mean TTFT."""
+    return stage == "unaccounted" or value > 0
 
 
 @dataclass

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gateway.timing import ran
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -109,8 +111,14 @@ def stage_means(results: list[RequestResult]) -> dict[str, dict[str, float]]:
 
 
 def stage_percentiles(results: list[RequestResult], percentiles=(50, 90)) -> dict[str, dict[str, dict[str, float]]]:
-    """bucket → Prism stage → {"p50": ms, ...} (empty when the target is not Prism)."""
-    return {bucket: {name: {f"p{p:g}": percentile(values, p) for p in percentiles} for name, values in stages.items()}
+    """bucket → Prism stage → {"p50": ms, ...}, each over the bucket's requests that ran the stage
+    (a repeat's encode is 0: it was not encoded), as the gateway's own dashboard takes them; 0 where
+    none ran it. Empty when the target is not Prism."""
+    def row(name: str, values: list[float]) -> dict[str, float]:
+        ran_in = [v for v in values if ran(name, v)]
+        return {f"p{p:g}": percentile(ran_in, p) for p in percentiles}
+
+    return {bucket: {name: row(name, values) for name, values in stages.items()}
             for bucket, stages in _stages_by_bucket(results).items()}
 
 

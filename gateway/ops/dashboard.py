@@ -10,10 +10,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from gateway.timing import TTFT_STAGES, RequestTimer
+from gateway.timing import STAGES, RequestTimer, ran
 from protocol.siblings import FinishedRequest
 
-STAGES = (*TTFT_STAGES, "unaccounted")
 BAND = 0.05  # of the window's requests, around a percentile's rank (breakdown_near)
 
 
@@ -58,6 +57,13 @@ def breakdown_near(ok: list[FinishedRequest], q: float) -> dict | None:
     near = timed[max(0, rank - half):rank + half + 1]
     return {"ttft": _round(sum(r.ttft_ms for r in near) / len(near)), "requests": len(near),
             "stages": {s: _round(sum(r.stages_ms.get(s, 0.0) for r in near) / len(near)) for s in STAGES}}
+
+
+def _stage_summary(stage: str, ok: list[FinishedRequest]) -> dict:
+    """A stage's own percentiles, over the requests it ran in, and the share of requests it ran in."""
+    ms = [value for r in ok if ran(stage, value := r.stages_ms.get(stage, 0.0))]
+    return {"p50": _round(percentile(ms, 50)), "p95": _round(percentile(ms, 95)),
+            "ran": None if not ok else round(len(ms) / len(ok), 4)}
 
 
 def _round(value: float | None) -> float | None:
@@ -124,7 +130,7 @@ class DashboardWindow:
             "errors": failed,
             "throughput_rps": _round(answered / min(self.span_s, max(now - self.started, self.bucket_s))),
             "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
-            "stages": {s: {"p50": _round(percentile([r.stages_ms[s] for r in ok], 50)), "p95": _round(percentile([r.stages_ms[s] for r in ok], 95))} for s in STAGES},
+            "stages": {s: _stage_summary(s, ok) for s in STAGES},
             "breakdown": {f"p{q}": breakdown_near(ok, q) for q in (50, 95)},
             "ttft": {"p50": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 50)), "p95": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 95))},
             "series": self._series(now, recent, counts),

@@ -21,6 +21,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from gateway.timing import STAGES, ran
 from protocol.stats import HistogramSnapshot, ServiceState
 
 # Half a millisecond (a cache lookup, an idle queue) to minutes (a long answer's end to end),
@@ -39,7 +40,12 @@ TOKEN_BUCKETS = (16, 64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 3072, 
 IMAGE_SIZE_BUCKETS = ((0.25, "le_0.25mp"), (1.0, "le_1mp"), (2.2, "le_2.2mp"), (8.5, "le_8.5mp"), (float("inf"), "gt_8.5mp"))
 
 REQUESTS = Counter("prism_requests_total", "Chat completion requests by HTTP status and reason", ["status", "reason"])
-STAGE_SECONDS = Histogram("prism_stage_seconds", "Per-stage share of time to first token", ["stage"], buckets=LATENCY_BUCKETS)
+# Each stage where it ran, `unaccounted` for every answered request (gateway/timing.py, ran): a
+# stage's mean share of TTFT is its _sum over unaccounted's _count.
+STAGE_SECONDS = Histogram("prism_stage_seconds", "Time to first token by stage, where the stage ran", ["stage"],
+                          buckets=LATENCY_BUCKETS)
+for _stage in STAGES:
+    STAGE_SECONDS.labels(_stage)  # exported at 0 before a request runs it
 TTFT_SECONDS = Histogram("prism_ttft_seconds", "Request arrival to first token sent", buckets=LATENCY_BUCKETS)
 TPOT_SECONDS = Histogram("prism_tpot_seconds", "Time per output token after the first, per request", buckets=DECODE_BUCKETS)
 ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive token deltas", buckets=DECODE_BUCKETS)
@@ -136,10 +142,10 @@ def observe(timer, ok: bool) -> None:
         TTFT_SECONDS.observe(timer.ttft_s)
     if not ok:
         return
-    for stage, seconds in timer.stages.items():
-        STAGE_SECONDS.labels(stage).observe(seconds)
-    if (unaccounted := timer.unaccounted_s) is not None:  # so the stages' means add up to the mean TTFT
-        STAGE_SECONDS.labels("unaccounted").observe(max(0.0, unaccounted))
+    if (unaccounted := timer.unaccounted_s) is not None:  # an answer always has a first token
+        for stage, seconds in (*timer.stages.items(), ("unaccounted", max(0.0, unaccounted))):
+            if ran(stage, seconds):
+                STAGE_SECONDS.labels(stage).observe(seconds)
     if (tpot := timer.tpot_s) is not None:
         TPOT_SECONDS.observe(tpot)
     for gap in timer.inter_token_gaps():

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from gateway.ops.dashboard import STAGES, DashboardWindow
+from gateway.ops.dashboard import DashboardWindow
+from gateway.timing import STAGES
 from protocol.siblings import FinishedRequest
 
 
@@ -31,6 +32,20 @@ def test_each_percentile_s_bar_is_the_stages_of_the_requests_at_that_ttft():
     assert (p50["ttft"], p50["stages"]["engine_queue"]) == (200, 200)
     for bar in (p50, p95):
         assert sum(bar["stages"].values()) == pytest.approx(bar["ttft"])
+
+
+def test_a_stage_s_own_percentiles_are_over_the_requests_it_ran_in():
+    """Two requests in a hundred decode a video: video_decode's p95 is theirs, not the zeros of
+    the 98 that had none, and the table says how few requests ran it; a stage none ran has no
+    percentiles. The bars still take every request, so they add up."""
+    window, now = DashboardWindow(), time.time()
+    for i in range(100):
+        window.add(request(now, video_decode=400.0, prefill=50.0) if i < 2 else request(now, prefill=50.0, unaccounted=0.0))
+    stages = window.snapshot()["stages"]
+    assert stages["video_decode"] == {"p50": 400.0, "p95": 400.0, "ran": 0.02}
+    assert stages["image_fetch"] == {"p50": None, "p95": None, "ran": 0.0}
+    assert stages["unaccounted"] == {"p50": 0.0, "p95": 0.0, "ran": 1.0}  # the remainder: every request's
+    assert window.snapshot()["breakdown"]["p50"]["stages"]["video_decode"] == 0
 
 
 def test_throughput_counts_every_answer_and_no_refusal_past_the_kept_records():

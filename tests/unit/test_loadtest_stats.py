@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.stats import SLO, RequestResult, by_bucket, percentile, stage_medians, summarize
+from loadtest.stats import SLO, RequestResult, by_bucket, percentile, stage_means, stage_medians, stage_percentiles, summarize
 
 
 def ok(ttft: float, e2e: float, tokens: int, bucket: str = "a", itl=(), stages=None) -> RequestResult:
@@ -55,3 +55,14 @@ def test_per_bucket_and_stage_medians():
     staged = [ok(0.1, 0.2, 2, stages={"encode": e, "prefill": 1.0, "ttft": 9.0}) for e in (10.0, 30.0, 20.0)]
     assert stage_medians(staged) == {"a": {"encode": 20.0, "prefill": 1.0}}
     assert stage_medians(RESULTS) == {}
+
+
+def test_a_stage_s_percentiles_are_over_the_requests_that_ran_it_and_its_means_over_all():
+    """Two of three requests hit the cache (encode 0): the encode median is the miss's own, while the
+    means, stacked, still add up to the mean TTFT."""
+    staged = [ok(0.1, 0.2, 2, stages={"encode": e, "prefill": 10.0, "unaccounted": u, "ttft": e + 10.0 + u})
+              for e, u in ((30.0, 0.0), (0.0, 2.0), (0.0, 0.0))]
+    assert stage_percentiles(staged)["a"]["encode"] == {"p50": 30.0, "p90": 30.0}
+    assert stage_percentiles(staged)["a"]["unaccounted"]["p50"] == 0.0  # every request's remainder counts
+    means = stage_means(staged)["a"]
+    assert means["encode"] == 10.0 and sum(means.values()) == pytest.approx((40 + 12 + 10) / 3)

@@ -39,3 +39,32 @@ def test_a_request_s_visual_tokens_are_observed_whether_images_or_videos_made_th
         timer.image_sizes, timer.visual_tokens = image_sizes, visual_tokens
         metrics.observe(timer, ok=True)
     assert requests_observed() == before + 2
+
+
+def test_stage_histograms_take_a_stage_where_it_ran_and_their_means_add_up_to_the_ttft():
+    """An image request and a video request: video_decode is observed once (a p95 of its own, not
+    of the image request's 0), unaccounted twice; each stage's sum over unaccounted's count is its
+    mean share, and those shares add up to the mean TTFT (configs/grafana's stacked panel)."""
+    from gateway.ops import metrics
+    from gateway.timing import STAGES
+
+    def totals() -> dict[tuple[str, str], float]:
+        return {(s.labels["stage"], s.name.rsplit("_", 1)[1]): s.value for s in metrics.STAGE_SECONDS.collect()[0].samples
+                if s.name.endswith(("_sum", "_count"))}
+
+    before = totals()
+    assert {stage for stage, _ in before} == set(STAGES)  # every stage exported before it runs
+    ttfts = []
+    for stages in ({"parse": 0.01, "image_preprocess": 0.1, "prefill": 0.3}, {"parse": 0.01, "video_decode": 2.0, "prefill": 0.5}):
+        timer = RequestTimer(arrived=0.0)
+        for stage, seconds in stages.items():
+            timer.add(stage, seconds)
+        timer.first_token_at = sum(stages.values()) + 0.05
+        ttfts.append(timer.ttft_s)
+        metrics.observe(timer, ok=True)
+    after = totals()
+    grew = {key: after[key] - before[key] for key in after}
+    assert grew["video_decode", "count"] == 1 and grew["image_preprocess", "count"] == 1 and grew["encode", "count"] == 0
+    assert grew["parse", "count"] == grew["unaccounted", "count"] == 2
+    means = {stage: grew[stage, "sum"] / grew["unaccounted", "count"] for stage in STAGES}
+    assert sum(means.values()) == pytest.approx(sum(ttfts) / 2)

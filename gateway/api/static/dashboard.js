@@ -86,8 +86,9 @@ function renderTable(stages, data) {
   body.innerHTML = "";
   stages.forEach((stage, i) => {
     const row = document.createElement("tr");
+    const ran = data[stage].ran === null ? "–" : `${(data[stage].ran * 100).toFixed(0)}%`;
     row.innerHTML = `<td><span class="swatch" style="background:${COLORS[i % COLORS.length]}"></span>${stage}</td>` +
-      `<td data-stage="${stage}" data-q="p50">${fmt(data[stage].p50, 2)}</td><td data-stage="${stage}" data-q="p95">${fmt(data[stage].p95, 2)}</td>`;
+      `<td data-stage="${stage}" data-q="ran">${ran}</td><td data-stage="${stage}" data-q="p50">${fmt(data[stage].p50, 2)}</td><td data-stage="${stage}" data-q="p95">${fmt(data[stage].p95, 2)}</td>`;
     body.appendChild(row);
   });
 }
