@@ -29,7 +29,12 @@ class Unreadable(Exception):
 
 
 class Stopped(Exception):
-    """A decode told to stop before its last kept frame (its request ended, or its time ran out)."""
+    """A decode told to stop before its last kept frame (its request ended, or its time ran out),
+    after reading `frames_read` frames."""
+
+    def __init__(self, frames_read: int = 0) -> None:
+        super().__init__(f"stopped after {frames_read} frames")
+        self.frames_read = frames_read
 
 
 def _stream_backend() -> int | None:
@@ -90,7 +95,12 @@ def probe(video: OpenVideo) -> SourceInfo:
     cap = video.capture
     width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
     total, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
-    return SourceInfo(total, fps, total / fps if fps > 0 else 0, width, height)
+    return SourceInfo(total, fps, total / fps if fps > 0 else 0, width, height, _fourcc(cap))
+
+
+def _fourcc(cap: cv2.VideoCapture) -> str:
+    code = int(cap.get(cv2.CAP_PROP_FOURCC))
+    return code.to_bytes(4, "little").decode("latin-1").strip("\0 ") if code > 0 else ""
 
 
 def visible_frames(video: OpenVideo, claimed: int) -> int:
@@ -120,7 +130,7 @@ def read_frames(video: OpenVideo, indices: list[int], height: int, width: int,
     read: list[int] = []
     for index in range(max(indices) + 1):
         if stop is not None and stop():
-            raise Stopped
+            raise Stopped(index)
         if not cap.grab():
             continue
         if index in wanted:

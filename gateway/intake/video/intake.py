@@ -50,6 +50,7 @@ from gateway.intake.video.limits import VideoLimits, decoding_bytes, describe, r
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
+from gateway.intake.video.speed import DecodeSpeeds, pixels_read
 from gateway.intake.video.sniff import describe_not_video, is_video_container
 
 T = TypeVar("T")
@@ -160,8 +161,8 @@ def _read_header(raw: bytes, where: str, sampling: VideoSampling, limits: VideoL
         raise refused(where, f"cannot be read: {exc}") from None
     if past_deadline():  # the reads ended early: the count is not the stream's
         raise _too_slow(where, limits, "read")
-    return prepared_source(SourceInfo(total, source.fps, total / source.fps if source.fps > 0 else 0,
-                                      source.width, source.height), sampling.loader)
+    return prepared_source(dataclasses.replace(source, total_frames=total, duration_s=total / source.fps if source.fps > 0 else 0),
+                           sampling.loader)
 
 
 def _too_slow(where: str, limits: VideoLimits, what: str) -> APIError:
@@ -214,6 +215,7 @@ class VideoIntake:
         self.limits = limits
         self.pool = pool
         self.known = KnownHeaders()
+        self.speeds = DecodeSpeeds()
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -247,10 +249,19 @@ class VideoIntake:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
         still take minutes of a core, and the intake threads are every request's."""
         s = item.source
+        pixels = pixels_read(max(item.indices), s.width, s.height)
+        self._refuse_past_best_case(item, pixels)
 
         def decoding_on_a_thread(stop: Callable[[], bool]) -> SampledVideo:  # the clock starts with the decode
-            deadline = time.monotonic() + self.limits.max_decode_s
-            return decode(item, lambda: stop() or time.monotonic() > deadline)
+            started = time.monotonic()
+            deadline = started + self.limits.max_decode_s
+            try:
+                video = decode(item, lambda: stop() or time.monotonic() > deadline)
+            except Stopped as stopped:  # how far it got is a speed too: the next such video is refused at once
+                self.speeds.record(s.codec, stopped.frames_read * s.width * s.height, time.monotonic() - started)
+                raise
+            self.speeds.record(s.codec, pixels, time.monotonic() - started)
+            return video
 
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
                                                 f"{s.width}×{s.height})"):
@@ -262,6 +273,17 @@ class VideoIntake:
         if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
             self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
         return video
+
+    def _refuse_past_best_case(self, item: InspectedVideo, pixels: int) -> None:
+        """A 413 now for a decode that cannot end in time even at the fastest this process has
+        decoded its codec: its thread and memory are not spent on a refusal (gateway/intake/video/speed.py)."""
+        s = item.source
+        best_case_s = self.speeds.best_case_s(s.codec, pixels)
+        if best_case_s is not None and best_case_s > self.limits.max_decode_s:
+            raise refused(item.where, f"would take at least {best_case_s:.3g} s to decode: {max(item.indices) + 1} frames "
+                          f"of {s.width}×{s.height} read to reach the last one sampled, at the fastest this gateway has "
+                          f"decoded {s.codec}; the limit is {self.limits.max_decode_s:g} s (gateway.max_video_decode_s)",
+                          413, "video_too_long")
 
     async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer,
                        planner: Planner | None = None) -> list[InspectedVideo]:

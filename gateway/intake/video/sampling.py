@@ -74,6 +74,7 @@ class SourceInfo:
     duration_s: float
     width: int
     height: int
+    codec: str = ""  # the stream's FourCC as OpenCV reads it ("avc1", "FMP4"); "" where unknown
     # The header counts one frame more than the stream shows, which vLLM's frame-count check lets
     # pass: its loader then reads every kept frame but that one (found by a decode).
     last_frame_unreadable: bool = False
