@@ -28,6 +28,7 @@ class Job:
     identity: bytes = b""  # stored with the cached result (collision check)
     # (request, image index) pairs waiting on this key's embeddings
     waiters: list[tuple[Any, int]] = field(default_factory=list)
+    nbytes: int = 0  # what its input holds while it waits (the queue's byte bound)
 
     @property
     def slot(self) -> bytes:
@@ -44,14 +45,16 @@ class Batcher:
         self.size_ratio = size_ratio
         self.age_limit_s = age_limit_s
         self._queue: OrderedDict[bytes, Job] = OrderedDict()
+        self.queued_bytes = 0  # the waiting jobs' inputs
         self.joins = 0
         self.dropped = 0
 
-    def add(self, key: bytes, image: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"") -> None:
+    def add(self, key: bytes, image: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"", nbytes: int = 0) -> None:
         slot = identity or key
         job = self._queue.get(slot)
         if job is None:
-            job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity)
+            job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity, nbytes=nbytes)
+            self.queued_bytes += nbytes
         else:
             self.joins += 1
         job.waiters.append(waiter)
@@ -71,8 +74,12 @@ class Batcher:
             job = self._queue[key]
             job.waiters = [w for w in job.waiters if w[0] is not request]
             if not job.waiters:
-                del self._queue[key]
+                self._remove(job)
                 self.dropped += 1
+
+    def _remove(self, job: Job) -> None:
+        del self._queue[job.slot]
+        self.queued_bytes -= job.nbytes
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -112,7 +119,7 @@ class Batcher:
         for job in candidates:
             if len(batch) >= self.max_images or (batch and patches + job.patches > self.max_patches):
                 break
-            del self._queue[job.slot]
+            self._remove(job)
             batch.append(job)
             patches += job.patches
         return batch

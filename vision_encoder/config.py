@@ -34,6 +34,9 @@ class EncoderConfig(FrozenConfig):
     # image never waits out a large one's ViT time. 0: no express lane.
     express_max_patches: int = Field(1024, ge=0)
     max_queue_images: int = Field(256, ge=1)  # past it, new work is refused (429) instead of queued
+    # The waiting items' pixels (a video's frames, at the size the gateway sent them): past it, while
+    # anything waits, new work is refused (429), so a burst of long videos cannot fill host memory.
+    max_queue_bytes: int = Field(1 << 30, ge=1)
     # Batches in flight at once: 2 lets the image processor prepare batch N+1
     # while the ViT runs batch N; 1 runs them strictly one after the other.
     pipeline_depth: int = Field(2, ge=1, le=2)

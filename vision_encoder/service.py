@@ -283,29 +283,51 @@ class EncoderService:
             elapsed = time.monotonic() - arrived
             self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, elapsed))
             return
-        if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
-            self._abandon(state)  # the in-flight encodes it joined above answer nobody
-            self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} images waiting)", 429))
-            return
         try:
-            for index, key, image, frame in misses:
-                pixels = to_numpy(image.pixels, frame)
-                if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8" or 0 in pixels.shape:
-                    raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, h and w at least 1, got {image.pixels}")
-                if image.original_size is not None and min(image.original_size) < 1:
-                    raise ValueError(f"image {index}: original_size must be (h, w), each at least 1, got {image.original_size}")
-                tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]), image.sized)
-                patches = self.tower.patches_of(tower_image)
-                self.batcher.add(key, tower_image, patches, (state, index), self._identity(image.digest))
+            inputs = [(index, key, self._tower_image(index, image, frame), image.digest) for index, key, image, frame in misses]
         except ValueError as exc:
-            self._abandon(state)
+            self._abandon(state)  # the in-flight encodes it joined above answer nobody
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
+        if self._refused_as_full(state, sum(tower_image.pixels.nbytes for _, _, tower_image, _ in inputs), len(inputs)):
+            return
+        try:
+            for index, key, tower_image, digest in inputs:
+                self.batcher.add(key, tower_image, self.tower.patches_of(tower_image), (state, index), self._identity(digest),
+                                 tower_image.pixels.nbytes)
         except Exception:
             self._abandon(state)  # what it queued or joined answers nobody; the loop's guard answers it
             raise
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
+
+    @staticmethod
+    def _tower_image(index: int, image, frame) -> TowerImage:
+        """An image's pixels as the tower takes them; ValueError (the request's 400) for what no gateway sends."""
+        pixels = to_numpy(image.pixels, frame)
+        if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8" or 0 in pixels.shape:
+            raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, h and w at least 1, got {image.pixels}")
+        if image.original_size is not None and min(image.original_size) < 1:
+            raise ValueError(f"image {index}: original_size must be (h, w), each at least 1, got {image.original_size}")
+        return TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]), image.sized)
+
+    def _refused_as_full(self, state: PendingRequest, nbytes: int, items: int) -> bool:
+        """A 429 for work past the queue's bounds: `max_queue_images` items, or `max_queue_bytes` of
+        input while anything waits (alone, any one request's work may queue, or it could never run).
+        What the request joined answers nobody."""
+        waiting = len(self.batcher)
+        if not items:
+            return False
+        if waiting + items > self.config.max_queue_images:
+            full = f"{waiting} items waiting"
+        elif waiting and self.batcher.queued_bytes + nbytes > self.config.max_queue_bytes:
+            full = (f"{self.batcher.queued_bytes:,} bytes waiting; this request's {nbytes:,} would pass "
+                    f"encoder.max_queue_bytes, {self.config.max_queue_bytes:,}")
+        else:
+            return False
+        self._abandon(state)
+        self._send(state.peer, EncodeFailed(state.request_id, f"encoder queue is full ({full})", 429))
+        return True
 
     def _look_up(self, state: PendingRequest, identities: list[bytes], record: bool) -> list[int]:
         """Fill `state` from the caches and in-flight encodes (images' and videos'
@@ -349,14 +371,12 @@ class EncoderService:
             self._abandon(state)
             self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, time.monotonic() - arrived))
             return
-        if misses and len(self.batcher) + len(misses) > self.config.max_queue_images:
-            self._abandon(state)
-            self._send(peer, EncodeFailed(request.request_id, f"encoder queue is full ({len(self.batcher)} items waiting)", 429))
+        if self._refused_as_full(state, sum(items[index].job.nbytes for index in misses), len(misses)):
             return
         try:
             for index in misses:
                 item = items[index]
-                self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity)
+                self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity, item.job.nbytes)
         except Exception:
             self._abandon(state)  # as in _accept
             raise

@@ -34,6 +34,10 @@ class VideoJob:
     def preprocess(self):
         return self.path.preprocess(self.clip, self.sampling).batch
 
+    @property
+    def nbytes(self) -> int:
+        return self.clip.frames.nbytes
+
 
 @dataclass(frozen=True)
 class VideoItem:

@@ -97,3 +97,16 @@ def test_the_express_lane_takes_only_small_images_oldest_first():
     assert [j.key for j in b.take(1024)] == [b"256-1", b"448"]  # at most max_images, by arrival
     assert [j.key for j in b.take(1024)] == [b"256-2"]
     assert [j.key for j in b.take()] == [b"4k"]
+
+
+def test_the_queue_counts_the_bytes_its_waiting_jobs_hold():
+    """A job's bytes once however many wait on it, given back when its batch is taken or nobody waits."""
+    b = Batcher(max_images=1, max_patches=10**6, max_wait_s=0)
+    b.add(b"a", None, 1, ("r1", 0), nbytes=100)
+    b.add(b"a", None, 1, ("r2", 0), nbytes=100)  # joins a
+    b.add(b"b", None, 1, ("r1", 1), nbytes=30)
+    assert b.queued_bytes == 130
+    b.take()
+    assert b.queued_bytes == 30
+    b.drop_waiters("r1")
+    assert b.queued_bytes == 0 and len(b) == 0

@@ -350,7 +350,6 @@ GATEWAY_AT_START = 600 * 2**20
 ENCODER_OWN = 800 * 2**20
 ENGINE_OWN = 2900 * 2**20
 BODY_4K = 4_723_113  # a request with one 4K JPEG of 3.5 MB as a data URL (bench/uploads.py)
-DEMO_MAX_PIXELS = json.loads((REPO_ROOT / "models/prism-shapes/preprocessor_config.json").read_text())["max_pixels"]
 
 
 def memory_limit(container: dict) -> int:
@@ -365,17 +364,22 @@ def test_what_each_service_may_hold_fits_its_containers_memory_limit(overlay, tm
     from gateway.intake.memory import BODY_COPIES, BODY_SHARE, MemoryPlan
 
     objects = render(overlay)
-    for deployment, container, module in prism_containers(objects):
-        config = container_config(objects, deployment, container, module, tmp_path)
+    containers = [(d, c, module, container_config(objects, d, c, module, tmp_path)) for d, c, module in prism_containers(objects)]
+
+    def budget(container, config) -> int:  # a gateway worker's (the gateway reads its container's limit)
+        return MemoryPlan.size(config.model_copy(update={"memory_limit_bytes": memory_limit(container)}), config.workers,
+                               GATEWAY_AT_START).budget
+
+    most_one_request_holds = max(budget(c, config) for _, c, module, config in containers if module == "gateway")
+    for deployment, container, module, config in containers:
         limit = memory_limit(container)
         if module == "gateway":
-            assert config.memory_limit_bytes is None  # the gateway reads the container's limit
-            plan = MemoryPlan.size(config.model_copy(update={"memory_limit_bytes": limit}), config.workers, GATEWAY_AT_START)
-            assert plan.budget * BODY_SHARE >= 50 * BODY_COPIES * BODY_4K  # fifty 4K uploads at once
+            assert config.memory_limit_bytes is None
+            assert budget(container, config) * BODY_SHARE >= 50 * BODY_COPIES * BODY_4K  # fifty 4K uploads at once
             # the largest RGB image can be decoded (one of that size through WebP's or an alpha channel's buffers may be a 413)
-            assert config.max_image_pixels * DECODE_BYTES_PER_PIXEL <= plan.budget
+            assert config.max_image_pixels * DECODE_BYTES_PER_PIXEL <= budget(container, config)
         elif module == "vision_encoder":
-            queued = config.max_queue_images * (config.max_pixels or DEMO_MAX_PIXELS) * 3  # uint8 pixels
+            queued = config.max_queue_bytes + most_one_request_holds  # the bound, and one request queued past it
             assert ENCODER_OWN + config.cache_capacity_mb * 2**20 + queued <= limit, deployment["metadata"]["name"]
         else:
             caches = (config.kv_cache_memory_mb or 0) + config.embedding_cache_mb  # KV: host memory on a CPU
