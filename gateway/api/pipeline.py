@@ -199,7 +199,7 @@ class ChatPipeline:
             except asyncio.CancelledError:  # the client left; the thread decodes on, and its memory stays counted till then
                 await asyncio.wait({decoding})
                 raise
-        hold(prepared.pixels.nbytes)  # sent to the encoder
+        hold(prepared.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)
         return prepared
 
     async def prepare(self, request: ChatCompletionRequest, record: RequestRecord) -> Prepared:

@@ -201,6 +201,10 @@ class PreparedImage:
     # family's, resized or already there): the encoder must not size it again under its own.
     sized: bool = False
 
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.nbytes
+
 
 def _b64decode(payload: str) -> bytes:
     """pybase64 (SIMD: an order of magnitude faster than the standard

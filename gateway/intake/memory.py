@@ -19,8 +19,9 @@ What one request holds (`MemoryHold`):
   is counted as it arrives;
 - an http(s) image, BODY_COPIES × gateway.max_image_bytes while it is
   fetched, then its size;
-- an image being decoded, `Inspected.decoding_bytes`; then the pixels sent
-  to the encoder;
+- an image or a video being decoded, its `decoding_bytes`; then its pixels
+  (a video's frames) until the encoder has answered for them
+  (gateway/routing/handoff.py, `_rounds`);
 - replies waiting to be sent to the client (gateway/routing/clients.py ReplyQueue).
 
 Bodies may take BODY_SHARE of the budget; past it a request is refused at
@@ -181,6 +182,12 @@ def hold(nbytes: int) -> None:
     """Count `nbytes` as the current request's until it ends (none outside a request)."""
     if (request := current_hold.get()) is not None:
         request.take(nbytes)
+
+
+def let_go(nbytes: int) -> None:
+    """Give back `nbytes` the current request held and keeps no more (its pixels, once its encoder has them)."""
+    if (request := current_hold.get()) is not None:
+        request.give(nbytes)
 
 
 @contextlib.asynccontextmanager

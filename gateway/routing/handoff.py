@@ -74,6 +74,7 @@ from gateway.routing.encoder_pool import EncoderPool, Route
 from gateway.routing.engine_pool import EnginePool
 from gateway.errors import APIError
 from gateway.intake.images import Inspected, PreparedImage
+from gateway.intake.memory import let_go
 from gateway.timing import RequestTimer
 from gateway.intake.video.intake import InspectedVideo
 from gateway.intake.video.sampling import SampledVideo
@@ -271,6 +272,7 @@ class ImageHandoff:
                 if not isinstance(reply, EncodeNeedsPixels):
                     _count(reply.timings, reply.images if isinstance(reply, EncodeResult) else reply.videos, round_trip,
                            timer)
+                    let_go(sum(item.nbytes for item in decoded.values()))  # sent and answered for: dropped here
                     return reply, self.encoder.replicas[route.replica].address
                 timer.add("cache_lookup", reply.cache_lookup_s)
                 timer.add("embed_transfer", max(0.0, round_trip - reply.total_s))

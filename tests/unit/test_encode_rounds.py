@@ -174,3 +174,46 @@ def test_a_third_round_sends_every_image_s_pixels(tmp_path):
     """It sent only those the second round missed, so an image lost after the second round was
     asked for a fourth time that never came: a 500 after decoding all the others."""
     assert asyncio.run(_third_round(tmp_path)) == [[False, False, False], [True, False, False], [True, True, True]]
+
+
+class EncoderThatSeesTheHold(Encoder):
+    """Notes what the request holds in the gateway's memory budget when its round arrives."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, hold) -> None:
+        super().__init__(ctx, address)
+        self.hold = hold
+        self.held_at_rounds: list[int] = []
+
+    def answer(self, request: EncodeRequest):
+        self.held_at_rounds.append(self.hold.held)
+        return super().answer(request)
+
+
+async def _held(tmp_path) -> tuple[list[int], int, int]:
+    from gateway.intake.memory import MemoryBudget, MemoryHold, current_hold
+
+    ctx = zmq.asyncio.Context()
+    hold = MemoryHold(MemoryBudget())
+    current_hold.set(hold)
+    address = f"ipc://{tmp_path}/encoder.sock"
+    encoder = EncoderThatSeesTheHold(ctx, address, hold)
+    pool = EncoderPool(ctx, [address], heartbeat_timeout_s=30)
+    try:
+        await pool.connect(timeout_s=5)
+        pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
+        items = [inspect(png((90, 90, 200)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
+        pixels = sum(image.nbytes for image in await pipeline._decode(items, RequestTimer()))
+        hold.give(hold.held)  # that decode was only to learn the pixels' size
+        await pipeline.handoff.deliver("r", items, [digest_of(item, POLICY) for item in items], RequestTimer())
+        return encoder.held_at_rounds, pixels, hold.held
+    finally:
+        await pool.close()
+        encoder.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_request_holds_its_pixels_until_its_encoder_has_answered_for_them(tmp_path):
+    """Counted in the gateway's memory budget while they are decoded and sent; let go once the
+    encoder answered, not held for the whole of the request's answer."""
+    held_at_rounds, pixels, held_after = asyncio.run(_held(tmp_path))
+    assert pixels > 0 and held_at_rounds == [pixels] and held_after == 0

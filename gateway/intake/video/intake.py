@@ -269,7 +269,7 @@ class VideoIntake:
                 video = await self._stoppable(decoding_on_a_thread)
             except Stopped:
                 raise _too_slow(item.where, self.limits, "decode") from None
-        hold(video.frames.nbytes)  # held until the request ends (sent to the encoder)
+        hold(video.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)
         if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
             self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
         return video

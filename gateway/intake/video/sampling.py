@@ -108,6 +108,10 @@ class SampledVideo:
         span = (self.frame_indices[-1] - self.frame_indices[0]) / self.source_fps
         return (self.num_frames - 1) / span if span > 0 else self.sampling.target_fps
 
+    @property
+    def nbytes(self) -> int:
+        return self.frames.nbytes
+
     def hf_metadata(self) -> dict:
         return loader_metadata(self.source_fps, self.total_frames, self.duration_s, self.frame_indices, self.loader_backend)
 
