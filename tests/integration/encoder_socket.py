@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+import zmq
 import zmq.asyncio
 
 from common.config import REPO_ROOT
@@ -21,20 +27,58 @@ from protocol.to_encoder import EncodeRequest, FetchEmbeddings, ImageInput
 from protocol.to_engine import FetchInbound
 from protocol.stats import EncoderStats, StatsRequest
 from protocol.to_gateway import EncodedImage, EncodeResult, EncoderReady, GatewayInbound
+from vision_encoder.config import EncoderConfig
+from vision_encoder.service import EncoderService
 
 
-def start_encoder(run_dir, **settings: str):
+@dataclass(frozen=True)
+class EncoderProcess:
+    address: str  # ipc://<run_dir>/encoder.sock, bound once it has loaded
+    process: subprocess.Popen
+    log: Path
+
+
+@contextlib.contextmanager
+def encoder_process(run_dir: Path, model: Path = RANDOM_MODEL, **settings: str) -> Iterator[EncoderProcess]:
+    """`python -m vision_encoder` on `model` with `settings` (PRISM_ENCODER__* variables), its
+    output in run_dir/encoder.log; stopped afterwards (SIGTERM, then SIGKILL), unless the test
+    stopped it itself."""
+    address = f"ipc://{run_dir}/encoder.sock"
+    if model == RANDOM_MODEL:
+        ensure_demo_model(RANDOM_MODEL)  # a test file run alone may be the first to need it
+    env = dict(os.environ, PRISM_MODEL=str(model), PRISM_ENCODER__ADDRESS=address, **settings)
+    log = run_dir / "encoder.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    try:
+        yield EncoderProcess(address, process, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def encoder_in_thread(run_dir: Path, **settings) -> tuple[str, EncoderService]:
+    """An encoder service on the random demo model (float32, EncoderConfig `settings`) in this
+    process, serving on a daemon thread for the rest of the session: its address, and the service
+    (its tower at hand, to wrap before the first request)."""
+    address = f"ipc://{run_dir}/encoder.sock"
+    config = EncoderConfig(model=str(ensure_demo_model(RANDOM_MODEL)), address=address, dtype="float32", **settings)
+    service = EncoderService.start(config, zmq.Context.instance())
+    threading.Thread(target=service.run_forever, daemon=True).start()
+    return address, service
+
+
+def start_encoder(run_dir: Path, **settings: str):
     """A standalone encoder on the random demo model (float32, 1 MP budget); a
     fixture's generator: yields its address, stops it afterwards."""
-    address = f"ipc://{run_dir}/encoder.sock"
-    ensure_demo_model(RANDOM_MODEL)  # a test file run alone may be the first to need it
-    env = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__ADDRESS=address,
-               PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32", **settings)
-    process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
-                               stdout=open(run_dir / "encoder.log", "wb"), stderr=subprocess.STDOUT)
-    yield address
-    process.terminate()
-    process.wait(10)
+    with encoder_process(run_dir, PRISM_ENCODER__MAX_PIXELS=str(1024 * 1024), PRISM_ENCODER__DTYPE="float32",
+                         **settings) as encoder:
+        yield encoder.address
 
 
 async def stats_of(socket: AsyncDealer) -> EncoderStats:

@@ -9,39 +9,26 @@ for its pixels again; never another image's tokens.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import zmq.asyncio
 
-from common.config import REPO_ROOT
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeNeedsPixels, EncodeResult, GatewayInbound
-from tests.integration.encoder_socket import fetch_tokens, handshake, reply_to
+from tests.integration.encoder_socket import encoder_process, fetch_tokens, handshake, reply_to
 
 IMAGES = 96
 
 
 @pytest.fixture(scope="module")
 def encoder_address(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("collisions")
-    address = f"ipc://{run_dir}/encoder.sock"
-    env = dict(os.environ, PRISM_ENCODER__ADDRESS=address, PRISM_ENCODER__TEST_KEY_BYTES="1", PRISM_ENCODER__DTYPE="float32")
-    process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
-                               stdout=open(run_dir / "encoder.log", "wb"), stderr=subprocess.STDOUT)
-    yield address
-    process.terminate()
-    try:
-        process.wait(30)  # SIGTERM's exit is test_encoder_stop's to check; here only the clean-up
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(10)
+    with encoder_process(tmp_path_factory.mktemp("collisions"), PRISM_ENCODER__TEST_KEY_BYTES="1",
+                         PRISM_ENCODER__DTYPE="float32") as encoder:
+        yield encoder.address
 
 
 async def exchange(address: str) -> tuple[dict, dict, int]:

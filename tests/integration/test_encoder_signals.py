@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import os
 import platform
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from common.config import REPO_ROOT
 from prism.demo_model import SHAPES_MODEL
-from tests.integration.encoder_socket import encode_directly
+from tests.integration.encoder_socket import encode_directly, encoder_process
 
 TGKILL = {"x86_64": 234, "aarch64": 131}  # syscall numbers: Python has no tgkill
 
@@ -43,17 +39,9 @@ def worker_threads(pid: int) -> list[int]:
 
 @pytest.mark.skipif(platform.machine() not in TGKILL, reason="tgkill's syscall number is known for x86_64 and aarch64")
 def test_sigterm_to_a_worker_thread_stops_an_idle_encoder(tmp_path):
-    address = f"ipc://{tmp_path}/encoder.sock"
-    env = dict(os.environ, PRISM_MODEL=str(SHAPES_MODEL), PRISM_ENCODER__ADDRESS=address)
-    process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env,
-                               stdout=open(tmp_path / "encoder.log", "wb"), stderr=subprocess.STDOUT)
-    try:
-        asyncio.run(encode_directly(address, ["signals"]))  # its preprocessing and ViT threads exist now
-        workers = worker_threads(process.pid)
+    with encoder_process(tmp_path, SHAPES_MODEL) as encoder:
+        asyncio.run(encode_directly(encoder.address, ["signals"]))  # its preprocessing and ViT threads exist now
+        workers = worker_threads(encoder.process.pid)
         assert workers, "no worker thread to deliver the signal to"
-        tgkill(process.pid, workers[-1], signal.SIGTERM)
-        assert process.wait(30) == 0  # idle: nothing else would wake it
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        tgkill(encoder.process.pid, workers[-1], signal.SIGTERM)
+        assert encoder.process.wait(30) == 0  # idle: nothing else would wake it

@@ -14,16 +14,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from protocol.sockets import AsyncDealer
 from protocol.stats import EncoderStats, ServiceState, StatsRequest
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
 from protocol.to_gateway import EncodeFailed, EncodeResult, GatewayInbound
-from tests.integration.encoder_socket import handshake, reply_to
+from tests.integration.encoder_socket import encoder_in_thread, handshake, reply_to
 from tests.waiting import wait_until_async
-from vision_encoder.config import EncoderConfig
-from vision_encoder.service import EncoderService
 
 STALL_MIN_S = 1.0
 
@@ -44,13 +41,9 @@ class HeldTower:
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
-    ensure_demo_model(RANDOM_MODEL)
-    address = f"ipc://{tmp_path_factory.mktemp('encoder-stall')}/encoder.sock"
-    config = EncoderConfig(model=str(RANDOM_MODEL), address=address, dtype="float32", max_wait_ms=0,
-                           stall_min_s=STALL_MIN_S, stall_factor=5, stall_restart_s=600)
-    service = EncoderService.start(config, zmq.Context.instance())
+    address, service = encoder_in_thread(tmp_path_factory.mktemp("encoder-stall"), max_wait_ms=0, stall_min_s=STALL_MIN_S,
+                                         stall_factor=5, stall_restart_s=600)
     held = HeldTower(service.tower)
-    threading.Thread(target=service.run_forever, daemon=True).start()
     yield address, held
     held.release.set()
 

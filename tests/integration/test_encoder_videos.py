@@ -8,7 +8,6 @@ a video sent without frames is answered from the cache or asked for."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import msgspec
 import numpy as np
@@ -18,7 +17,6 @@ import zmq
 import zmq.asyncio
 
 from loadtest.clips import ClipSpec, make_clip
-from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, FetchEmbeddings, ImageInput
@@ -27,9 +25,7 @@ from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncodeResult, G
 from protocol.tensors import to_torch
 from protocol.video import EncodeVideos, LoaderMetadata, VideoInput, VideoKnobs, VideosEncodeResult
 from testing.video_clips import vllm_loaded
-from tests.integration.encoder_socket import handshake, reply_to, stats_of
-from vision_encoder.config import EncoderConfig
-from vision_encoder.service import EncoderService
+from tests.integration.encoder_socket import encoder_in_thread, handshake, reply_to, stats_of
 from vision_encoder.towers.qwen_video import VideoClip, video_path_of
 
 BATCH_WAIT_MS = 400  # long enough that two messages sent back to back are in one batch
@@ -37,11 +33,7 @@ BATCH_WAIT_MS = 400  # long enough that two messages sent back to back are in on
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory):
-    ensure_demo_model(RANDOM_MODEL)
-    address = f"ipc://{tmp_path_factory.mktemp('encoder-videos')}/encoder.sock"
-    config = EncoderConfig(model=str(RANDOM_MODEL), address=address, dtype="float32", max_wait_ms=BATCH_WAIT_MS)
-    service = EncoderService.start(config, zmq.Context.instance())
-    threading.Thread(target=service.run_forever, daemon=True).start()
+    address, service = encoder_in_thread(tmp_path_factory.mktemp("encoder-videos"), max_wait_ms=BATCH_WAIT_MS)
     return address, video_path_of(service.tower)
 
 
