@@ -3,7 +3,8 @@
 A request has 0..n images drawn from weighted resolution buckets, each a JPEG
 or PNG; with probability `repeat_ratio` an image slot reuses an image already
 sent (from a pool of the last `pool_size` new ones), so caches see repeats at
-a known rate. Questions and optional system prompts vary per request (the
+a known rate; a request whose every image is a repeat is reported apart
+("<bucket>-repeat"). Questions and optional system prompts vary per request (the
 same image with different questions and system prompts is `pool_size=1,
 repeat_ratio=1`). With a video mix (`VideoMix`, loadtest/videos.py), a share
 of the requests carry one clip instead of images: its length drawn from
@@ -77,13 +78,17 @@ class RequestSpec:
     video_repeat: bool = False  # its clip was sent before (a cache can answer it)
     video_fps: float | None = None  # media_io_kwargs.video.fps
     video_max_pixels: int | None = None  # mm_processor_kwargs.max_pixels
+    images_repeated: bool = False  # every image of it was sent before (a cache can answer them all)
 
     @property
     def bucket(self) -> str:
-        """The request's kind: "video-<length>-new|repeat", its first image's bucket, or "text"."""
+        """The request's kind: "video-<length>-new|repeat", its first image's bucket ("<bucket>-repeat"
+        when every image was sent before: a cache hit's TTFT is not a new image's), or "text"."""
         if self.videos:
             return f"video-{self.videos[0].length}-{'repeat' if self.video_repeat else 'new'}"
-        return self.images[0].bucket if self.images else "text"
+        if not self.images:
+            return "text"
+        return f"{self.images[0].bucket}-repeat" if self.images_repeated else self.images[0].bucket
 
     @property
     def media(self) -> tuple:
@@ -153,19 +158,21 @@ class _Pool:
         del self.images[: -self.size]
 
 
-def _images(spec: WorkloadSpec, rng: random.Random, pool: _Pool) -> tuple[ImageSpec, ...]:
+def _images(spec: WorkloadSpec, rng: random.Random, pool: _Pool) -> tuple[tuple[ImageSpec, ...], bool]:
+    """A request's images, and whether every one is a repeat."""
     counts, count_weights = zip(*spec.images_per_request)
-    images = []
+    images, repeats = [], 0
     for _ in range(rng.choices(counts, count_weights)[0]):
         if pool.images and rng.random() < spec.repeat_ratio:
             images.append(rng.choice(pool.images))
+            repeats += 1
             continue
         bucket = rng.choices(spec.buckets, [b.weight for b in spec.buckets])[0]
         fmt = "PNG" if rng.random() < spec.png_fraction else "JPEG"
         image = ImageSpec(bucket.name, bucket.width, bucket.height, fmt, rng.getrandbits(48) ^ spec.image_salt)
         pool.add(image)
         images.append(image)
-    return tuple(images)
+    return tuple(images), bool(images) and repeats == len(images)
 
 
 def generate(spec: WorkloadSpec, count: int, first_index: int = 0) -> list[RequestSpec]:
@@ -178,13 +185,14 @@ def generate(spec: WorkloadSpec, count: int, first_index: int = 0) -> list[Reque
         video, repeat = None, False
         if spec.videos and rng.random() < spec.videos.fraction:
             video, repeat = pick_video(spec.videos, rng, clips, spec.image_salt)
-        images = () if video else _images(spec, rng, pool)
+        images, images_repeated = ((), False) if video else _images(spec, rng, pool)
         question = rng.choice(QUESTIONS)
         if spec.prompt_words:
             question += " " + " ".join(rng.choice(FILLER) for _ in range(spec.prompt_words))
         system = {"none": None, "fixed": "You are a helpful assistant.", "unique": f"You are assistant number {index}; answer briefly."}[spec.system_prompts]
         sampling = (spec.videos.sample_fps, spec.videos.max_pixels) if video else (None, None)
-        requests.append(RequestSpec(index, images, question, system, spec.max_tokens, (video,) if video else (), repeat, *sampling))
+        requests.append(RequestSpec(index, images, question, system, spec.max_tokens, (video,) if video else (), repeat, *sampling,
+                                    images_repeated))
     return requests
 
 

@@ -170,3 +170,20 @@ def test_video_lengths_and_mixes_are_checked():
         dataclasses.replace(VIDEO_MIX, repeat_ratio=2)
     with pytest.raises(ValueError):
         dataclasses.replace(VIDEO_MIX, width=8)
+
+
+def test_requests_whose_every_image_is_a_repeat_are_a_kind_of_their_own():
+    """A cache hit's TTFT is not a new image's: `<bucket>-repeat` rows apart; a request with one new
+    image among repeats is its bucket's."""
+    spec = WorkloadSpec(TWO_BUCKETS, images_per_request=parse_distribution("1=1,2=1"), repeat_ratio=0.5, pool_size=4, seed=5)
+    requests = generate(spec, 400)
+    for request in requests:
+        assert request.bucket.endswith("-repeat") == request.images_repeated
+    assert {r.bucket for r in requests} == {b.name for b in TWO_BUCKETS} | {f"{b.name}-repeat" for b in TWO_BUCKETS}
+    pool_seen, mixed = set(), 0
+    for request in requests:
+        seeds = [image.seed for image in request.images]
+        assert request.images_repeated == all(seed in pool_seen for seed in seeds)
+        mixed += any(seed in pool_seen for seed in seeds) and not request.images_repeated
+        pool_seen.update(seeds)
+    assert mixed > 0
