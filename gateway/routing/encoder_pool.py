@@ -20,6 +20,7 @@ replica has refused.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class Route:
     digests: tuple[bytes, ...]
     replica: int | None = None
     tried: set[int] = field(default_factory=set)  # replicas that refused it
+    # When its last round went to the replica that answered it (perf_counter): a refusing replica's time is no hand-off's
+    sent_at: float = 0.0
 
 
 class EncoderPool(ReplicaPool[EncoderClient]):
@@ -118,6 +121,7 @@ class EncoderPool(ReplicaPool[EncoderClient]):
             if refused is not None:
                 self.note_failover(refused, route.replica)
             replica = self.replicas[route.replica]
+            route.sent_at = time.perf_counter()
             try:
                 with self.sending(route.replica):
                     return await replica.ask(request, frames, timeout_s)

@@ -266,9 +266,8 @@ class ImageHandoff:
         with self.encoder.route(digests) as route:
             # After a second round that still misses some, every one goes with pixels in the third.
             for retry, all_next in ((False, False), (True, True), (True, True)):
-                sent = time.perf_counter()
                 reply = await ask(route, decoded, retry)
-                round_trip = time.perf_counter() - sent
+                round_trip = time.perf_counter() - route.sent_at  # the answering replica's (unaccounted: a refusal's)
                 if not isinstance(reply, EncodeNeedsPixels):
                     _count(reply.timings, reply.images if isinstance(reply, EncodeResult) else reply.videos, round_trip,
                            timer)

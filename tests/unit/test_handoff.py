@@ -42,6 +42,7 @@ from tests.unit.test_video_hostile import patched
 from tests.waiting import wait_until_async
 
 POLICY = qwen_policy(140 * 140)
+REFUSAL_DELAY_S = 1.0  # how long a 'refuse-late' engine or encoder holds a request before it refuses
 
 
 class Encoder(EncoderByHand):
@@ -51,8 +52,19 @@ class Encoder(EncoderByHand):
     def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
         super().__init__(ctx, address)
         self.fails = False
+        # Late refusals still to make (a list the test may share between encoders): the next request
+        # is held REFUSAL_DELAY_S, then refused as a draining encoder refuses it.
+        self.late_refusals: list[None] = []
         self.asked: list[EncodeRequest] = []
         self.videos_held: set[tuple] = set()
+
+    async def respond(self, peer: bytes, message) -> None:
+        if isinstance(message, (EncodeRequest, EncodeVideos)) and self.late_refusals:
+            self.late_refusals.pop()
+            await asyncio.sleep(REFUSAL_DELAY_S)
+            await self.router.send(peer, EncodeFailed(message.request_id, "encoder is draining", 503))
+            return
+        await super().respond(peer, message)
 
     def answer(self, request: EncodeRequest | EncodeVideos):
         self.asked.append(request)
@@ -75,7 +87,6 @@ class Encoder(EncoderByHand):
         return VideosEncodeResult(request.request_id, videos, EncoderTimings(0.0, 0.0, 0.0, 0.0))
 
 
-REFUSAL_DELAY_S = 1.0  # how long a 'refuse-late' engine holds a request before it refuses
 
 
 class Engine(EngineByHand):
@@ -235,6 +246,22 @@ def test_the_time_an_engine_held_a_request_before_refusing_it_is_no_transfer(tmp
     """The transfer is the round trip of the engine that answered; a second on the one that refused
     first was counted as transfer, which reads as a slow network."""
     assert asyncio.run(_refused_late(tmp_path)) < REFUSAL_DELAY_S
+
+
+async def _encoder_refused_late(tmp_path) -> tuple[float, list[int]]:
+    async with gateway(tmp_path, encoders=2) as gw:
+        shared = [None]  # one, by whichever is asked first; the other then answers at once
+        for encoder in gw.encoders:
+            encoder.late_refusals = shared
+        assert (await ask(gw, GREEN))[-1].finished
+        asked = [len(encoder.asked) for encoder in gw.encoders]
+        return gw.timer.stages["embed_transfer"], asked
+
+
+def test_the_time_an_encoder_held_a_round_before_refusing_it_is_no_transfer(tmp_path):
+    """As for the engines: the transfer is the round trip of the encoder replica that answered."""
+    transfer, asked = asyncio.run(_encoder_refused_late(tmp_path))
+    assert sorted(asked) == [0, 1] and transfer < REFUSAL_DELAY_S
 
 
 async def _failed_encode(tmp_path) -> APIError:
