@@ -97,6 +97,7 @@ class EncoderStats(Message):
     vit_batches_now: int = 0  # the main lane's batches in their ViT stage now
     vit_batches_most: int = 0  # the most that ever were at once (at most encoder.vit_threads)
     pins_dropped: int = 0  # tokens pinned for an engine's fetch let go early, past encoder.handoff_max_mb
+    queue_bytes: int = 0  # what the waiting work's pixels hold (encoder.max_queue_bytes bounds it)
 
 
 class EngineStats(Message):

@@ -250,6 +250,7 @@ class EncoderService:
             pushes=self.handoff.pushes,
             push_refusals=self.handoff.push_refusals,
             pins_dropped=self.handoff.pins_dropped,
+            queue_bytes=self.batcher.queued_bytes,
             oom_splits=self.oom_splits,
             vit_batches_now=self.vit.in_vit.now,
             vit_batches_most=self.vit.in_vit.most,
@@ -284,45 +285,48 @@ class EncoderService:
             self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, elapsed))
             return
         try:
-            inputs = [(index, key, self._tower_image(index, image, frame), image.digest) for index, key, image, frame in misses]
+            inputs = [(index, key, *self._tower_input(index, image, frame), image.digest) for index, key, image, frame in misses]
         except ValueError as exc:
             self._abandon(state)  # the in-flight encodes it joined above answer nobody
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
-        if self._refused_as_full(state, sum(tower_image.pixels.nbytes for _, _, tower_image, _ in inputs), len(inputs)):
+        except Exception:
+            self._abandon(state)  # as above; the loop's guard answers it
+            raise
+        if self._refused_as_full(state, sum(tower_image.pixels.nbytes for _, _, tower_image, _, _ in inputs), len(inputs)):
             return
         try:
-            for index, key, tower_image, digest in inputs:
-                self.batcher.add(key, tower_image, self.tower.patches_of(tower_image), (state, index), self._identity(digest),
-                                 tower_image.pixels.nbytes)
+            for index, key, tower_image, patches, digest in inputs:
+                self.batcher.add(key, tower_image, patches, (state, index), self._identity(digest), tower_image.pixels.nbytes)
         except Exception:
             self._abandon(state)  # what it queued or joined answers nobody; the loop's guard answers it
             raise
         self.pending[(peer, request.request_id)] = state
         self._reply_if_done(state)
 
-    @staticmethod
-    def _tower_image(index: int, image, frame) -> TowerImage:
-        """An image's pixels as the tower takes them; ValueError (the request's 400) for what no gateway sends."""
+    def _tower_input(self, index: int, image, frame) -> tuple[TowerImage, int]:
+        """An image's pixels as the tower takes them, and its patches; ValueError (the request's 400)
+        for what no gateway sends, or what the processor refuses (an aspect ratio past 200)."""
         pixels = to_numpy(image.pixels, frame)
         if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype.name != "uint8" or 0 in pixels.shape:
             raise ValueError(f"image {index}: expected (h, w, 3) uint8 pixels, h and w at least 1, got {image.pixels}")
         if image.original_size is not None and min(image.original_size) < 1:
             raise ValueError(f"image {index}: original_size must be (h, w), each at least 1, got {image.original_size}")
-        return TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]), image.sized)
+        tower_image = TowerImage(pixels, tuple(image.original_size or pixels.shape[:2]), image.sized)
+        return tower_image, self.tower.patches_of(tower_image)
 
     def _refused_as_full(self, state: PendingRequest, nbytes: int, items: int) -> bool:
         """A 429 for work past the queue's bounds: `max_queue_images` items, or `max_queue_bytes` of
-        input while anything waits (alone, any one request's work may queue, or it could never run).
-        What the request joined answers nobody."""
-        waiting = len(self.batcher)
+        pixels once the waiting work holds half of it. Below half, any one request's work may queue
+        whatever its size: a long video is not starved by a stream of small images (or, alone,
+        refused for ever). What the request joined answers nobody."""
+        waiting, queued = len(self.batcher), self.batcher.queued_bytes
         if not items:
             return False
         if waiting + items > self.config.max_queue_images:
             full = f"{waiting} items waiting"
-        elif waiting and self.batcher.queued_bytes + nbytes > self.config.max_queue_bytes:
-            full = (f"{self.batcher.queued_bytes:,} bytes waiting; this request's {nbytes:,} would pass "
-                    f"encoder.max_queue_bytes, {self.config.max_queue_bytes:,}")
+        elif 2 * queued >= self.config.max_queue_bytes and queued + nbytes > self.config.max_queue_bytes:
+            full = f"{queued:,} bytes waiting; this request's {nbytes:,} would pass encoder.max_queue_bytes, {self.config.max_queue_bytes:,}"
         else:
             return False
         self._abandon(state)

@@ -194,6 +194,8 @@ def _encoder_metrics(encoders: list):
 
     yield GaugeMetricFamily("prism_cache_bytes", "Visual-token cache bytes in use", value=total("cache_bytes"))
     yield GaugeMetricFamily("prism_cache_capacity_bytes", "Visual-token cache capacity", value=total("cache_capacity_bytes"))
+    yield GaugeMetricFamily("prism_encoder_queue_bytes", "Pixels the encoders' waiting work holds (encoder.max_queue_bytes)",
+                            value=total("queue_bytes"))
     events = CounterMetricFamily("prism_cache_events", "Visual-token cache events (local tier)", labels=["event"])
     for event, field in (("hit", "cache_hits"), ("miss", "cache_misses"), ("join", "cache_joins"), ("eviction", "cache_evictions"), ("collision", "cache_collisions")):
         events.add_metric([event], total(field))

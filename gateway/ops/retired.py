@@ -23,8 +23,8 @@ from protocol.stats import EncoderStats, EngineStats, HistogramSnapshot, SharedT
 
 # What a process holds or is, not what it has done.
 GAUGES = {
-    EncoderStats: {"boot_id", "queue_depth", "in_flight", "cache_bytes", "cache_capacity_bytes", "cache_entries", "state",
-                   "vit_batches_now", "vit_batches_most"},
+    EncoderStats: {"boot_id", "queue_depth", "queue_bytes", "in_flight", "cache_bytes", "cache_capacity_bytes", "cache_entries",
+                   "state", "vit_batches_now", "vit_batches_most"},
     EngineStats: {"boot_id", "in_flight", "waiting", "state"},
     SharedTierStats: {"up"},
 }

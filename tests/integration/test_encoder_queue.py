@@ -1,8 +1,8 @@
 """The encoder's queue is bounded by the bytes its waiting work holds
-(`encoder.max_queue_bytes`), not only by its count: while anything waits, a
-request whose pixels would pass the bound is a 429 the gateway can send
-elsewhere; alone, any request may queue. Talks to a standalone encoder over
-its socket, as the gateway does."""
+(`encoder.max_queue_bytes`), not only by its count: once half the bound waits,
+a request whose pixels would pass it is a 429 the gateway can send elsewhere;
+below half, any request may queue (a long video is not starved by small
+images). Talks to a standalone encoder over its socket, as the gateway does."""
 
 from __future__ import annotations
 
@@ -32,24 +32,25 @@ async def send(socket: AsyncDealer, request_id: str, size: tuple[int, int]) -> N
     await socket.send(EncodeRequest(request_id, [image]), [frame])
 
 
-def test_work_past_the_queue_s_bytes_is_refused_while_anything_waits(encoder):
+def test_work_past_the_queue_s_bytes_is_refused_once_half_of_them_wait(encoder):
     async def run():
         ctx = zmq.asyncio.Context()
         socket = AsyncDealer(ctx, encoder, GatewayInbound)
         try:
             await handshake(socket)
-            await send(socket, "large", (224, 224))  # over the bound alone: queued all the same
-            await send(socket, "small", (32, 32))  # 3 KB more, while the large one waits
-            refused, _ = await reply_to(socket, "small")
-            first, _ = await reply_to(socket, "large", timeout_s=120)
+            await send(socket, "small", (32, 32))  # 3,072 bytes
+            await send(socket, "large", (224, 224))  # past the bound with it, but under half of it waits: queued
+            await send(socket, "another", (32, 32))  # now more than half waits, and it would pass the bound
+            replies = {rid: (await reply_to(socket, rid, timeout_s=120))[0] for rid in ("another", "small", "large")}
             await send(socket, "after", (32, 32))  # the queue empty again
-            after, _ = await reply_to(socket, "after", timeout_s=120)
-            return refused, first, after
+            replies["after"] = (await reply_to(socket, "after", timeout_s=120))[0]
+            return replies
         finally:
             socket.close()
             ctx.term()
 
-    refused, first, after = asyncio.run(run())
+    replies = asyncio.run(run())
+    refused = replies.pop("another")
     assert isinstance(refused, EncodeFailed) and refused.status == 429, refused
-    assert "(150,528 bytes waiting; this request's 3,072 would pass encoder.max_queue_bytes, 100,000)" in refused.message
-    assert isinstance(first, EncodeResult) and isinstance(after, EncodeResult)
+    assert "(153,600 bytes waiting; this request's 3,072 would pass encoder.max_queue_bytes, 100,000)" in refused.message
+    assert all(isinstance(reply, EncodeResult) for reply in replies.values()), replies

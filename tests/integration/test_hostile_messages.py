@@ -41,6 +41,8 @@ def hostile_images() -> list[tuple[str, ImageInput, bytes]]:
         ("empty-image", ImageInput(os.urandom(16), ArrayMeta("uint8", (0, 4, 3))), b""),
         # readable pixels, but an original size no image has: refused alone, not with the batch it would join
         ("zero-original-size", ImageInput(os.urandom(16), ArrayMeta("uint8", (28, 28, 3)), original_size=(0, 0)), b"\x00" * 28 * 28 * 3),
+        # readable, but not sized by a gateway: the processor refuses an aspect ratio past 200
+        ("past-aspect-ratio", ImageInput(os.urandom(16), ArrayMeta("uint8", (1, 300, 3))), b"\x00" * 300 * 3),
     ]
 
 
@@ -101,6 +103,7 @@ def test_unreadable_messages_and_unreadable_pixels_never_stop_the_encoder(stack,
     assert "original_size" in replies["zero-original-size"].message
     assert "negative dimension" in replies["negative-shape"].message
     assert "at least 1" in replies["empty-image"].message
+    assert "aspect ratio" in replies["past-aspect-ratio"].message.lower()
     assert ask(client, "image-square", images).choices[0].message.content  # an image through that encoder
     assert child_pid(stack, "vision_encoder") == encoder
 

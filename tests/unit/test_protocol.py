@@ -204,6 +204,7 @@ CASES = [
         vit_batches_now=1,
         vit_batches_most=2,
         pins_dropped=1,
+        queue_bytes=4096,
     )),
     (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
     (SiblingInbound, WorkerLoad(3, 17)),
