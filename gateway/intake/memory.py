@@ -179,7 +179,7 @@ current_hold: ContextVar[MemoryHold | None] = ContextVar("prism_memory_hold", de
 
 
 def hold(nbytes: int) -> None:
-    """Count `nbytes` as the current request's until it ends (none outside a request)."""
+    """Count `nbytes` as the current request's until it ends or lets them go (none outside a request)."""
     if (request := current_hold.get()) is not None:
         request.take(nbytes)
 

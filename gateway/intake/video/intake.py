@@ -50,7 +50,7 @@ from gateway.intake.video.limits import VideoLimits, decoding_bytes, describe, r
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
-from gateway.intake.video.speed import DecodeSpeeds, pixels_read
+from gateway.intake.video.speed import DecodeSpeeds
 from gateway.intake.video.sniff import describe_not_video, is_video_container
 
 T = TypeVar("T")
@@ -249,18 +249,19 @@ class VideoIntake:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
         still take minutes of a core, and the intake threads are every request's."""
         s = item.source
-        pixels = pixels_read(max(item.indices), s.width, s.height)
-        self._refuse_past_best_case(item, pixels)
+        frames = max(item.indices) + 1  # read to reach the last one kept
+        self._refuse_past_best_case(item, frames)
 
         def decoding_on_a_thread(stop: Callable[[], bool]) -> SampledVideo:  # the clock starts with the decode
             started = time.monotonic()
             deadline = started + self.limits.max_decode_s
             try:
                 video = decode(item, lambda: stop() or time.monotonic() > deadline)
-            except Stopped as stopped:  # how far it got is a speed too: the next such video is refused at once
-                self.speeds.record(s.codec, stopped.frames_read * s.width * s.height, time.monotonic() - started)
+            except Stopped as stopped:
+                if not stop():  # its deadline, not a client that left: how far it got is a speed too
+                    self.speeds.record(s.codec, stopped.frames_read, s.width, s.height, time.monotonic() - started)
                 raise
-            self.speeds.record(s.codec, pixels, time.monotonic() - started)
+            self.speeds.record(s.codec, frames, s.width, s.height, time.monotonic() - started)
             return video
 
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
@@ -274,16 +275,14 @@ class VideoIntake:
             self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
         return video
 
-    def _refuse_past_best_case(self, item: InspectedVideo, pixels: int) -> None:
+    def _refuse_past_best_case(self, item: InspectedVideo, frames: int) -> None:
         """A 413 now for a decode that cannot end in time even at the fastest this process has
         decoded its codec: its thread and memory are not spent on a refusal (gateway/intake/video/speed.py)."""
         s = item.source
-        best_case_s = self.speeds.best_case_s(s.codec, pixels)
-        if best_case_s is not None and best_case_s > self.limits.max_decode_s:
-            raise refused(item.where, f"would take at least {best_case_s:.3g} s to decode: {max(item.indices) + 1} frames "
-                          f"of {s.width}×{s.height} read to reach the last one sampled, at the fastest this gateway has "
-                          f"decoded {s.codec}; the limit is {self.limits.max_decode_s:g} s (gateway.max_video_decode_s)",
-                          413, "video_too_long")
+        if (best_case_s := self.speeds.too_slow(s.codec, frames, s.width, s.height, self.limits.max_decode_s)) is not None:
+            raise refused(item.where, f"would take about {best_case_s:.3g} s to decode: {frames} frames of {s.width}×{s.height} "
+                          f"read to reach the last one sampled, at the fastest this gateway has decoded {s.codec}; the limit "
+                          f"is {self.limits.max_decode_s:g} s (gateway.max_video_decode_s)", 413, "video_too_long")
 
     async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer,
                        planner: Planner | None = None) -> list[InspectedVideo]:
