@@ -36,7 +36,7 @@ def terminal(report: dict, console: Console | None = None) -> None:
     if errors := report["summary"]["errors"]:
         console.print("errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items()))
     if report["stages"]:
-        stages = Table(title="Prism stages, median ms")
+        stages = Table(title="Prism stages, median ms where each ran")
         names = list(next(iter(report["stages"].values())))
         stages.add_column("kind")
         for name in names:
@@ -56,7 +56,7 @@ def markdown(report: dict) -> str:
         lines += ["", "errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items())]
     if report["stages"]:
         names = list(next(iter(report["stages"].values())))
-        lines += ["", "Prism stages, median ms:", "", "| kind | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        lines += ["", "Prism stages, median ms where each ran (0: none did):", "", "| kind | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for bucket, values in report["stages"].items():
             lines.append(f"| {bucket} | " + " | ".join(f"{values.get(n, 0.0):.1f}" for n in names) + " |")
     return "\n".join(lines) + "\n"

@@ -99,7 +99,8 @@ def by_bucket(results: list[RequestResult], duration_s: float, slo: SLO = SLO(),
 
 
 def stage_medians(results: list[RequestResult]) -> dict[str, dict[str, float]]:
-    """Median ms of each Prism stage, per bucket (empty when the target is not Prism)."""
+    """Median ms of each Prism stage over the requests that ran it, per bucket (0 where none did;
+    empty when the target is not Prism)."""
     return {bucket: {name: row["p50"] for name, row in stages.items()} for bucket, stages in stage_percentiles(results, (50,)).items()}
 
 

@@ -33,21 +33,21 @@ from vision_encoder.service import EncoderService
 
 @dataclass(frozen=True)
 class EncoderProcess:
-    address: str  # ipc://<run_dir>/encoder.sock, bound once it has loaded
+    address: str  # ipc://<run_dir>/<name>.sock, bound once it has loaded
     process: subprocess.Popen
     log: Path
 
 
 @contextlib.contextmanager
-def encoder_process(run_dir: Path, model: Path = RANDOM_MODEL, **settings: str) -> Iterator[EncoderProcess]:
-    """`python -m vision_encoder` on `model` with `settings` (PRISM_ENCODER__* variables), its
-    output in run_dir/encoder.log; stopped afterwards (SIGTERM, then SIGKILL), unless the test
-    stopped it itself."""
-    address = f"ipc://{run_dir}/encoder.sock"
+def encoder_process(run_dir: Path, model: Path = RANDOM_MODEL, name: str = "encoder", **settings: str) -> Iterator[EncoderProcess]:
+    """`python -m vision_encoder` on `model` with `settings` (PRISM_ENCODER__* variables), bound
+    at run_dir/<name>.sock, its output in run_dir/<name>.log; stopped afterwards (SIGTERM, then
+    SIGKILL), unless the test stopped it itself."""
+    address = f"ipc://{run_dir}/{name}.sock"
     if model == RANDOM_MODEL:
         ensure_demo_model(RANDOM_MODEL)  # a test file run alone may be the first to need it
     env = dict(os.environ, PRISM_MODEL=str(model), PRISM_ENCODER__ADDRESS=address, **settings)
-    log = run_dir / "encoder.log"
+    log = run_dir / f"{name}.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env=env, stdout=out,
                                    stderr=subprocess.STDOUT)

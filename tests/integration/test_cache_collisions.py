@@ -15,6 +15,7 @@ import pytest
 import torch
 import zmq.asyncio
 
+from prism.demo_model import SHAPES_MODEL
 from protocol.sockets import AsyncDealer
 from protocol.tensors import to_frame
 from protocol.to_encoder import EncodeRequest, ImageInput
@@ -26,7 +27,7 @@ IMAGES = 96
 
 @pytest.fixture(scope="module")
 def encoder_address(tmp_path_factory):
-    with encoder_process(tmp_path_factory.mktemp("collisions"), PRISM_ENCODER__TEST_KEY_BYTES="1",
+    with encoder_process(tmp_path_factory.mktemp("collisions"), SHAPES_MODEL, PRISM_ENCODER__TEST_KEY_BYTES="1",
                          PRISM_ENCODER__DTYPE="float32") as encoder:
         yield encoder.address
 

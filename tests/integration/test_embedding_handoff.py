@@ -31,7 +31,7 @@ from loadtest.synthetic import make_image
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed, TokenDelta
 from tests.integration.conftest import MODEL_NAME
 from tests.integration.corpus import b64, save
-from tests.integration.encoder_socket import encode_directly
+from tests.integration.encoder_socket import encode_directly, encoder_process
 from tests.integration.helpers import by_reference, scrape, send_raw, wait_until
 
 SERVICE = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__DTYPE="float32")
@@ -58,20 +58,18 @@ def run_dir(tmp_path_factory):
 def forgetful(stack, run_dir):
     """A gateway whose encoder keeps nothing it hands out: no cache, and each
     reference's pin expires as the reply leaves, so every fetch misses."""
-    address = f"ipc://{run_dir}/forgetful.sock"
-    encoder = spawn("vision_encoder", open(run_dir / "forgetful-encoder.log", "wb"), PRISM_ENCODER__ADDRESS=address,
-                    PRISM_ENCODER__CACHE_CAPACITY_MB="0", PRISM_ENCODER__HANDOFF_TTL_S="0.000001")
     port = free_port()
-    gateway = spawn("gateway", open(run_dir / "forgetful-gateway.log", "wb"), PRISM_GATEWAY__PORT=str(port),
-                    PRISM_GATEWAY__PUSH_EMBEDDINGS="false",  # else the engine has the tokens before it could miss them
-                    PRISM_GATEWAY__ENCODER_ADDRESSES=f"[{address}]",
-                    PRISM_GATEWAY__ENGINE_ADDRESSES=f"[{stack.engine_addresses[0]}]")
-    try:
-        wait_for_health(f"http://127.0.0.1:{port}", gateway, 120)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(gateway)
-        stop(encoder)
+    with encoder_process(run_dir, name="forgetful", PRISM_ENCODER__DTYPE="float32", PRISM_ENCODER__CACHE_CAPACITY_MB="0",
+                         PRISM_ENCODER__HANDOFF_TTL_S="0.000001") as encoder:
+        gateway = spawn("gateway", open(run_dir / "forgetful-gateway.log", "wb"), PRISM_GATEWAY__PORT=str(port),
+                        PRISM_GATEWAY__PUSH_EMBEDDINGS="false",  # else the engine has the tokens before it could miss them
+                        PRISM_GATEWAY__ENCODER_ADDRESSES=f"[{encoder.address}]",
+                        PRISM_GATEWAY__ENGINE_ADDRESSES=f"[{stack.engine_addresses[0]}]")
+        try:
+            wait_for_health(f"http://127.0.0.1:{port}", gateway, 120)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop(gateway)
 
 
 def image_body(name: str, size=(320, 240)) -> dict:
@@ -164,22 +162,19 @@ def test_new_images_tokens_are_pushed_to_the_engine_and_never_fetched(stack):
 
 
 def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_not_a_hang(stack, run_dir):
-    address = f"ipc://{run_dir}/doomed.sock"
-    encoder = spawn("vision_encoder", open(run_dir / "doomed-encoder.log", "wb"), PRISM_ENCODER__ADDRESS=address)
     engine = stack.engine_addresses[0]
-    try:
+    with encoder_process(run_dir, name="doomed", PRISM_ENCODER__DTYPE="float32") as doomed:
+        address = doomed.address
         reply = asyncio.run(encode_directly(address, ["doomed-a", "doomed-b"]))
         fetched = asyncio.run(send_raw(engine, by_reference(address, reply.images[0], "handoff-alive")))
         assert isinstance(fetched, TokenDelta) and fetched.finished, fetched  # the engine fetched it from this encoder
-        encoder.send_signal(signal.SIGKILL)
-        encoder.wait(10)
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(10)
         started = time.monotonic()
         failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead")))
         assert isinstance(failed, GenerateFailed), failed
         assert (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE) and "engine.embed_fetch_timeout_s" in failed.message
         assert time.monotonic() - started < FETCH_TIMEOUT_S + 10
-    finally:
-        stop(encoder)
     healthy = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body("after-the-kill"), timeout=60)
     assert healthy.status_code == 200
 
