@@ -125,6 +125,16 @@ async def reply_to(socket: AsyncDealer, request_id: str, timeout_s: float = 60):
             return message, frames
 
 
+async def replies_to(socket: AsyncDealer, request_ids: list[str], timeout_s: float = 60) -> dict:
+    """The replies for these requests, in whichever order they come (others' are skipped)."""
+    replies: dict = {}
+    while len(replies) < len(request_ids):
+        message, _ = await asyncio.wait_for(socket.recv(), timeout_s)
+        if (request_id := getattr(message, "request_id", None)) in request_ids:
+            replies[request_id] = message
+    return replies
+
+
 async def fetch_tokens(ctx: zmq.asyncio.Context, address: str, images: list[EncodedImage]) -> list[torch.Tensor | None]:
     """The images' tokens, fetched from the encoder by reference as an engine does (None: not held)."""
     socket = AsyncDealer(ctx, address, FetchInbound)

@@ -14,7 +14,7 @@ import zmq.asyncio
 from protocol.sockets import AsyncDealer
 from protocol.to_encoder import EncodeRequest
 from protocol.to_gateway import EncodeFailed, EncodeResult, GatewayInbound
-from tests.integration.encoder_socket import handshake, reply_to, start_encoder
+from tests.integration.encoder_socket import handshake, replies_to, reply_to, start_encoder
 from tests.integration.test_encoder_lanes import image_input
 
 QUEUE_BYTES = 100_000  # less than one 224² image's pixels (150,528 bytes)
@@ -41,7 +41,7 @@ def test_work_past_the_queue_s_bytes_is_refused_once_half_of_them_wait(encoder):
             await send(socket, "small", (32, 32))  # 3,072 bytes
             await send(socket, "large", (224, 224))  # past the bound with it, but under half of it waits: queued
             await send(socket, "another", (32, 32))  # now more than half waits, and it would pass the bound
-            replies = {rid: (await reply_to(socket, rid, timeout_s=120))[0] for rid in ("another", "small", "large")}
+            replies = await replies_to(socket, ["another", "small", "large"], timeout_s=120)
             await send(socket, "after", (32, 32))  # the queue empty again
             replies["after"] = (await reply_to(socket, "after", timeout_s=120))[0]
             return replies

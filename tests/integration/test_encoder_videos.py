@@ -25,7 +25,7 @@ from protocol.to_gateway import EncodeFailed, EncodeNeedsPixels, EncodeResult, G
 from protocol.tensors import to_torch
 from protocol.video import EncodeVideos, LoaderMetadata, VideoInput, VideoKnobs, VideosEncodeResult
 from testing.video_clips import vllm_loaded
-from tests.integration.encoder_socket import encoder_in_thread, handshake, reply_to, stats_of
+from tests.integration.encoder_socket import encoder_in_thread, handshake, replies_to, reply_to, stats_of
 from vision_encoder.towers.qwen_video import VideoClip, video_path_of
 
 BATCH_WAIT_MS = 400  # long enough that two messages sent back to back are in one batch
@@ -139,11 +139,7 @@ async def video_beside_image(address: str, path) -> None:
     meta, frame = to_frame(picture)
     await socket.send(*video_request("video", loaded, b"\x03" * 16))
     await socket.send(EncodeRequest("image", [ImageInput(b"\x04" * 16, meta)]), [frame])
-    answers = {}
-    while len(answers) < 2:  # in either order (a late handshake's answer skipped)
-        message, _ = await asyncio.wait_for(socket.recv(), 120)
-        if getattr(message, "request_id", None) in ("video", "image"):
-            answers[message.request_id] = message
+    answers = await replies_to(socket, ["video", "image"], timeout_s=120)
     video, image = answers["video"], answers["image"]
     after = await stats_of(socket)
     assert isinstance(video, VideosEncodeResult) and isinstance(image, EncodeResult)
