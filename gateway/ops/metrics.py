@@ -20,6 +20,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.timing import STAGES, ran
 from protocol.stats import HistogramSnapshot, ServiceState
@@ -97,23 +98,40 @@ SERVICES_FILE = "services.prom"
 def exposition(service_stats, fresh_s: float) -> bytes:
     """One scrape: this process's metrics, or every worker's (multiprocess
     mode), plus the polled services' once: the first worker's, published within
-    `fresh_s`, else this worker's own (`service_stats`: the first worker has not
-    polled yet, or it died and its successor has not)."""
+    `fresh_s`. Past that (the first worker is busy, hung or being replaced), the
+    gauges are this worker's own polls (`service_stats`) and the counters and
+    histograms stay as last published: this worker's sums may be lower (its polls
+    are its own, and so are the gone replicas it counted), and a counter that falls
+    reads as a reset. With nothing published yet, all of it is this worker's."""
     if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         return generate_latest(REGISTRY)
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
-    return generate_latest(registry) + (_published(fresh_s) or _services_exposition(service_stats))
+    return generate_latest(registry) + _services_part(service_stats, fresh_s)
 
 
-def _published(fresh_s: float) -> bytes | None:
+def _services_part(service_stats, fresh_s: float) -> bytes:
     path = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]) / SERVICES_FILE
     try:
-        if time.time() - path.stat().st_mtime <= fresh_s:
-            return path.read_bytes()
+        age_s = time.time() - path.stat().st_mtime
+        published = path.read_bytes()
     except FileNotFoundError:
-        pass
-    return None
+        return _services_exposition(service_stats)
+    if age_s <= fresh_s:
+        return published
+    gauges = [family for family in service_stats.collect() if family.type == "gauge"]
+    rest = [family for family in text_string_to_metric_families(published.decode()) if family.type != "gauge"]
+    return _services_exposition(_Families([*gauges, *rest]))
+
+
+class _Families:
+    """A collector of metric families already made."""
+
+    def __init__(self, families: list) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
 
 
 def publish_services(service_stats) -> None:

@@ -63,8 +63,9 @@ SCRAPE = textwrap.dedent("""
     from gateway.ops import metrics
     class Polled:
         def collect(self):
-            from prometheus_client.core import GaugeMetricFamily
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
             yield GaugeMetricFamily("prism_polled", "from the services", value=7)
+            yield CounterMetricFamily("prism_polled_events", "from the services", value=50)
     print(metrics.exposition(Polled(), fresh_s=5.0).decode())
 """)
 
@@ -93,22 +94,28 @@ PUBLISH = textwrap.dedent("""
     from gateway.ops import metrics
     class Polled:
         def collect(self):
-            from prometheus_client.core import GaugeMetricFamily
+            from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
             yield GaugeMetricFamily("prism_polled", "from the services", value=9)
+            yield CounterMetricFamily("prism_polled_events", "from the services", value=100)
     metrics.publish_services(Polled())
 """)
 
 
 def test_every_worker_scrapes_the_first_worker_s_services_while_it_publishes_them(tmp_path):
-    """The services' part of any worker's scrape is what the first worker published; once that is
-    older than `fresh_s` (the first worker died and its successor has not polled), a worker's own."""
+    """The services' part of any worker's scrape is what the first worker published. Once that is
+    older than `fresh_s` (the first worker died and its successor has not polled), the gauges are a
+    worker's own, and the counters stay as published: this worker's lower sum would read as a reset."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
 
     def python(code: str) -> str:
         return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
 
+    assert "prism_polled_events_total 50.0" in python(SCRAPE)  # nothing published yet: its own
     python(PUBLISH)
-    assert "prism_polled 9.0" in python(SCRAPE)
+    fresh = python(SCRAPE)
+    assert "prism_polled 9.0" in fresh and "prism_polled_events_total 100.0" in fresh
     published = tmp_path / metrics.SERVICES_FILE
     os.utime(published, (published.stat().st_atime, published.stat().st_mtime - 60))
-    assert "prism_polled 7.0" in python(SCRAPE)
+    stale = python(SCRAPE)
+    assert "prism_polled 7.0" in stale and "prism_polled_events_total 100.0" in stale
+    assert stale.count("# TYPE prism_polled_events_total counter") == 1
