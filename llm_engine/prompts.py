@@ -162,8 +162,8 @@ def _check(index: int, image, shape: ModelShape) -> None:
 
 @dataclass(frozen=True)
 class Prompt:
-    inputs: dict  # what vLLM's generate() takes
-    num_tokens: int  # after each image placeholder is expanded to its visual tokens
+    inputs: dict  # vLLM's rendered EngineInput: what generate() takes, every placeholder expanded
+    num_tokens: int  # its length, as vLLM's server counts a prompt
     max_tokens: int  # output budget, checked against the context length
 
 
@@ -201,28 +201,40 @@ def request_tools(chat) -> list[dict] | None:
     return [tool.model_dump() for tool in chat.tools] if chat.tools else None
 
 
-def build_prompt(chat, token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,
-                 max_model_len: int, generation_defaults: dict | None = None) -> Prompt:
-    """`token_ids`: render_prompt's; `tensors`: each image's embeddings, then
-    each video's, checked (check_images) and fetched (llm_engine/images.py)."""
+def vllm_inputs(token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None) -> dict:
+    """The prompt as vLLM's renderer takes it: the chat template's token ids with one
+    placeholder per image and video, and their embeddings. `token_ids`: render_prompt's;
+    `tensors`: each image's embeddings, then each video's, checked (check_images) and
+    fetched (llm_engine/images.py)."""
     inputs: dict = {"prompt_token_ids": token_ids}
-    visual_tokens = 0
     image_tensors, video_tensors = tensors[:len(request.images)], tensors[len(request.images):]
     if (images := image_data(request, image_tensors, shape)) is not None:
         inputs["multi_modal_data"] = images
         inputs["multi_modal_uuids"] = {"image": [image.key.hex() for image in request.images]}  # Prism's content keys: vLLM hashes nothing
-        # each placeholder becomes the image's rows of tokens
-        visual_tokens = sum(image.embeddings.shape[0] for image in request.images) - len(request.images)
     if request.videos:
         videos = [embeds_of(video, tensor) for video, tensor in zip(request.videos, video_tensors)]
         for index, video in enumerate(videos):
             check_video(video, shape.family, shape.embedding_width, shape.merge_size, index)
         inputs.setdefault("multi_modal_data", {})["video"] = video_data(videos, shape.family)
         inputs.setdefault("multi_modal_uuids", {})["video"] = [video.key.hex() for video in request.videos]
-        visual_tokens += sum(video.embeddings.shape[0] for video in request.videos) - len(request.videos)
-    num_tokens = len(token_ids) + visual_tokens
+    return inputs
+
+
+async def render_for_vllm(renderer, model_config, inputs: dict) -> tuple[dict, int]:
+    """vLLM's EngineInput for `inputs` and its length, rendered as vLLM's server renders a
+    chat before it sets the output budget: each placeholder expanded to the model's own
+    tokens (an image's rows, InternVL's `<img>` `</img>` around them, Qwen3-VL's timestamp
+    text between a video's frames), so the count is the one vLLM's server checks."""
+    from vllm.renderers.inputs.preprocess import extract_prompt_len, parse_model_prompt
+
+    (engine_input,) = await renderer.render_cmpl_async([parse_model_prompt(model_config, inputs)])
+    return engine_input, extract_prompt_len(model_config, engine_input)
+
+
+def output_budget(chat, prompt_tokens: int, max_model_len: int, generation_defaults: dict | None = None) -> int:
+    """The completion's max_tokens for a prompt of `prompt_tokens` (vLLM's count)."""
     requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
-    return Prompt(inputs, num_tokens, _output_budget(requested, num_tokens, max_model_len, generation_defaults or {}))
+    return _output_budget(requested, prompt_tokens, max_model_len, generation_defaults or {})
 
 
 def _output_budget(requested: int | None, prompt_tokens: int, max_model_len: int, generation_defaults: dict) -> int:

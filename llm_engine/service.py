@@ -32,7 +32,9 @@ from vllm.exceptions import VLLMClientError
 from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
-from llm_engine.prompts import InvalidPrompt, ModelShape, Prompt, build_prompt, check_images, render_prompt, request_tools
+from llm_engine.prompts import (
+    InvalidPrompt, ModelShape, Prompt, check_images, output_budget, render_for_vllm, render_prompt, request_tools, vllm_inputs,
+)
 from llm_engine.requests import Parsing, Read, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
@@ -435,9 +437,11 @@ class EngineService:
         read = self._read(request)
         return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template)
 
-    def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
+    async def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
-        prompt = build_prompt(chat, token_ids, request, tensors, self.shape, self.config.max_model_len, self.generation_defaults)
+        inputs = vllm_inputs(token_ids, request, tensors, self.shape)
+        rendered, num_tokens = await render_for_vllm(self.engine.renderer, self.engine.model_config, inputs)
+        prompt = Prompt(rendered, num_tokens, output_budget(chat, num_tokens, self.config.max_model_len, self.generation_defaults))
         try:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
@@ -454,7 +458,7 @@ class EngineService:
             fetch_started = time.monotonic()
             tensors = await self.images.tensors([*request.images, *request.videos])  # a video's tokens are found as an image's
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
-            prompt, params = self._plan(read.chat, token_ids, request, tensors)
+            prompt, params = await self._plan(read.chat, token_ids, request, tensors)
             tokens = await self._stream(peer, rid, prompt, params, (received, fetch_s), read, read.reasoning(token_ids))
             if tokens is None:
                 log.info("aborted: the gateway that sent it is gone")

@@ -247,3 +247,35 @@ def test_eight_concurrent_videos_of_mixed_lengths_each_match_vllm(video_family):
     for name, response in zip(names, got):
         assert_answers_as(response, reference[f"video-{name}"])
     assert len({reference[f"video-{n}"]["prompt_tokens"] for n in names}) == len(names)  # mixed lengths: a mix-up would show
+
+
+CONTEXT = 4096  # the stacks' engine.max_model_len (configs/cpu-demo.yaml)
+
+
+def assert_counted_as_vllm_counts(client: OpenAI, part: dict) -> None:
+    """The engine sets the output budget on the prompt vLLM runs, every placeholder expanded as
+    vLLM expands it (InternVL's `<img>` `</img>` around an image's tokens, Qwen3-VL's timestamps
+    between a video's frames): a prompt one token short of the context answers, one as long as
+    the context is refused, as on vLLM's server, where a prompt that leaves no room is a 400."""
+    def prompt_tokens(filler: int) -> int:
+        text = {"type": "text", "text": "hi" + " a" * filler}
+        return client.chat.completions.create(model=MODEL_NAME, max_tokens=1, temperature=0,
+                                              messages=[{"role": "user", "content": [part, text]}]).usage.prompt_tokens
+
+    base = prompt_tokens(0)
+    assert prompt_tokens(8) == base + 8  # one token per " a"
+    assert prompt_tokens(CONTEXT - 1 - base) == CONTEXT - 1
+    with pytest.raises(openai.BadRequestError) as refused:
+        prompt_tokens(CONTEXT - base)
+    assert f"maximum context length is {CONTEXT} tokens; the prompt has {CONTEXT}" in refused.value.message, refused.value.message
+
+
+def test_an_image_prompt_is_counted_as_vllm_counts_it(family, images):
+    client, _, _, _ = family
+    assert_counted_as_vllm_counts(client, {"type": "image_url", "image_url": {"url": data_url(images[MIXED_IMAGE])}})
+
+
+@video_tests
+def test_a_video_prompt_is_counted_as_vllm_counts_it(video_family):
+    client, _, _, _ = video_family
+    assert_counted_as_vllm_counts(client, video_part(SERVED_CLIPS[MIXED_VIDEOS[0]]))

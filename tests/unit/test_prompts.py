@@ -9,7 +9,7 @@ import torch
 
 import msgspec
 
-from llm_engine.prompts import InvalidPrompt, ModelShape, build_prompt as build, check_images, image_data, render_prompt
+from llm_engine.prompts import InvalidPrompt, ModelShape, check_images, image_data, output_budget, render_prompt, vllm_inputs
 from llm_engine.requests import read_chat
 from protocol.tensors import to_frame, to_torch
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest, ImageEmbedding
@@ -51,34 +51,34 @@ def tensors_of(req, frames) -> list:
     return [to_torch(image.embeddings, frame) for image, frame in zip(req.images, frames)]
 
 
-def build_prompt(req, frames, tokenizer, shape, max_model_len):
-    """As the engine does: every image checked, then its tensor had, then the prompt."""
+def inputs_of(req, frames, shape) -> dict:
+    """As the engine does: every image checked, then its tensor had, then vLLM's inputs (which
+    vLLM's renderer then expands; tests/integration/test_families.py checks the count)."""
     chat = read_chat(req.chat)
     check_images(chat, req, shape)
-    return build(chat, render_prompt(chat, tokenizer, {}), req, tensors_of(req, frames), shape, max_model_len)
+    return vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors_of(req, frames), shape)
 
 
 def test_valid_images_are_concatenated_flat_with_their_grids():
     req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)])
     data = image_data(req, tensors_of(req, frames), SHAPE)["image"]
     assert data["image_embeds"].shape == (10, 128) and data["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
-    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
-    assert prompt.inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
-    assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
+    inputs = inputs_of(req, frames, SHAPE)
+    assert inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
+    assert inputs["prompt_token_ids"] == FakeTemplate().encode("<img>|<img>|q")  # one placeholder per image
 
 
 def test_vllm_is_given_the_token_ids_it_would_have_made_not_the_text():
     req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
-    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
-    assert prompt.inputs["prompt_token_ids"] == FakeTemplate().encode("<img>|q")
-    assert "prompt" not in prompt.inputs  # vLLM would tokenize the text a second time
+    inputs = inputs_of(req, frames, SHAPE)
+    assert inputs["prompt_token_ids"] == FakeTemplate().encode("<img>|q")
+    assert "prompt" not in inputs  # vLLM would tokenize the text a second time
 
 
 def test_content_keys_reach_vllm_as_its_multimodal_uuids():
     keys = [b"\x01" * 16, b"\xab" * 16]
     req, frames = request_with([torch.randn(4, 128), torch.randn(6, 128)], [(1, 4, 4), (1, 4, 6)], keys=keys)
-    prompt = build_prompt(req, frames, FakeTemplate(), SHAPE, max_model_len=4096)
-    assert prompt.inputs["multi_modal_uuids"] == {"image": ["01" * 16, "ab" * 16]}
+    assert inputs_of(req, frames, SHAPE)["multi_modal_uuids"] == {"image": ["01" * 16, "ab" * 16]}
 
 
 @pytest.mark.parametrize(
@@ -96,15 +96,14 @@ def test_content_keys_reach_vllm_as_its_multimodal_uuids():
 def test_bad_shapes_are_refused_before_vllm(tensor, grid, message):
     req, frames = request_with([tensor], [grid])
     with pytest.raises(InvalidPrompt, match=message):
-        build_prompt(req, frames, FakeTemplate(), SHAPE, 4096)
+        inputs_of(req, frames, SHAPE)
 
 
 def test_images_without_a_grid_go_to_vllm_as_a_list_of_their_own_lengths():
     req, frames = request_with([torch.randn(7, 128), torch.randn(3, 128)], [None, None])
     images = image_data(req, tensors_of(req, frames), NO_GRID)["image"]
     assert [tuple(x.shape) for x in images] == [(7, 128), (3, 128)]
-    prompt = build_prompt(req, frames, FakeTemplate(), NO_GRID, max_model_len=4096)
-    assert prompt.num_tokens == len(FakeTemplate().encode("<img>|<img>|q")) + 10 - 2
+    assert [tuple(x.shape) for x in inputs_of(req, frames, NO_GRID)["multi_modal_data"]["image"]] == [(7, 128), (3, 128)]
 
 
 @pytest.mark.parametrize(
@@ -120,7 +119,7 @@ def test_images_without_a_grid_go_to_vllm_as_a_list_of_their_own_lengths():
 def test_a_grid_is_given_exactly_where_the_family_has_one(tensor, grid, shape, message):
     req, frames = request_with([tensor], [grid])
     with pytest.raises(InvalidPrompt, match=message):
-        build_prompt(req, frames, FakeTemplate(), shape, 4096)
+        inputs_of(req, frames, shape)
 
 
 def test_more_images_than_vllm_takes_in_one_prompt_are_refused_naming_the_key():
@@ -128,45 +127,44 @@ def test_more_images_than_vllm_takes_in_one_prompt_are_refused_naming_the_key():
     error would name its flag, not the engine's key."""
     req, frames = request_with([torch.randn(4, 128)] * 3, [(1, 4, 4)] * 3)
     with pytest.raises(InvalidPrompt, match=r"3 images in one prompt; this engine takes at most 2 \(engine.max_images_per_prompt\)"):
-        build_prompt(req, frames, FakeTemplate(), dataclasses.replace(SHAPE, max_images=2), 4096)
-    assert build_prompt(req, frames, FakeTemplate(), dataclasses.replace(SHAPE, max_images=3), 4096).num_tokens
+        inputs_of(req, frames, dataclasses.replace(SHAPE, max_images=2))
+    assert inputs_of(req, frames, dataclasses.replace(SHAPE, max_images=3))["multi_modal_data"]
 
 
 def test_placeholder_count_must_match_images():
     req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], image_parts=2)
     with pytest.raises(InvalidPrompt, match="2 image parts"):
-        build_prompt(req, frames, FakeTemplate(), SHAPE, 4096)
+        inputs_of(req, frames, SHAPE)
 
 
 
 def test_text_only_request_has_no_multimodal_data():
     req, frames = request_with([], [])
-    assert "multi_modal_data" not in build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).inputs
+    assert "multi_modal_data" not in inputs_of(req, frames, SHAPE)
 
 
 @pytest.mark.parametrize("max_tokens,budget", [(None, 4096 - 1), (100, 100)])
 def test_output_budget_defaults_to_the_rest_of_the_context(max_tokens, budget):
-    req, frames = request_with([], [], max_tokens=max_tokens)  # a one-token prompt: "q"
-    assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).max_tokens == budget
+    req, _ = request_with([], [], max_tokens=max_tokens)
+    assert output_budget(read_chat(req.chat), 1, 4096) == budget
 
 
 def test_an_output_limit_past_the_context_left_is_cut_to_it_as_vllm_s_server_does():
     """vLLM's server gives a completion what the context has left, refusing only a limit over the
     whole context or a prompt that fills it (vllm/entrypoints/serve/utils/api_utils.py)."""
-    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], max_tokens=30)  # a 5-token prompt
-    assert build_prompt(req, frames, FakeTemplate(), SHAPE, 32).max_tokens == 27
-    req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)], max_tokens=33)
+    def budget(max_tokens: int, prompt_tokens: int) -> int:
+        return output_budget(read_chat(request_with([], [], max_tokens=max_tokens)[0].chat), prompt_tokens, 32)
+
+    assert budget(30, 5) == 27
     with pytest.raises(InvalidPrompt, match="max_tokens=33 cannot be greater than this model's context length, 32"):
-        build_prompt(req, frames, FakeTemplate(), SHAPE, 32)
-    req, frames = request_with([torch.randn(40, 128)], [(1, 40, 4)], max_tokens=3)
-    with pytest.raises(InvalidPrompt, match="maximum context length is 32 tokens; the prompt has 41"):
-        build_prompt(req, frames, FakeTemplate(), SHAPE, 32)
+        budget(33, 5)
+    with pytest.raises(InvalidPrompt, match="maximum context length is 32 tokens; the prompt has 32"):
+        budget(3, 32)
 
 
 def test_the_checkpoint_s_max_new_tokens_is_the_default_limit():
-    req, frames = request_with([], [], max_tokens=None)
-    chat = read_chat(req.chat)
-    assert build(chat, render_prompt(chat, FakeTemplate(), {}), req, [], SHAPE, 4096, {"max_tokens": 512}).max_tokens == 512
+    req, _ = request_with([], [], max_tokens=None)
+    assert output_budget(read_chat(req.chat), 1, 4096, {"max_tokens": 512}) == 512
 
 
 def test_a_message_of_images_alone_counts_every_image():
@@ -175,7 +173,7 @@ def test_a_message_of_images_alone_counts_every_image():
     chat = msgspec.json.decode(req.chat)
     chat["messages"][0]["content"] = chat["messages"][0]["content"][:2]
     req = GenerateRequest(req.request_id, msgspec.json.encode(chat), req.images)
-    assert build_prompt(req, frames, FakeTemplate(), SHAPE, 4096).num_tokens == len(["<img>", "<img>"]) + 8 - 2
+    assert inputs_of(req, frames, SHAPE)["prompt_token_ids"] == ["<img>", "<img>"]
 
 
 def video_request(video_rows: int, video_parts: int = 1):
@@ -194,12 +192,12 @@ def test_a_video_goes_to_vllm_beside_the_images_keyed_by_its_content_key():
     req, tensors = video_request(8)
     chat = read_chat(req.chat)
     check_images(chat, req, QWEN2_VL)
-    prompt = build(chat, render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL, 1000)
-    video = prompt.inputs["multi_modal_data"]["video"]
+    inputs = vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL)
+    video = inputs["multi_modal_data"]["video"]
     assert torch.equal(video["video_embeds"], tensors[1]) and video["video_grid_thw"].tolist() == [[2, 4, 4]]
-    assert prompt.inputs["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert prompt.inputs["multi_modal_uuids"] == {"image": [(b"i" * 16).hex()], "video": [(b"v" * 16).hex()]}
-    assert prompt.num_tokens == 3 + (4 - 1) + (8 - 1)  # image, video, text: the placeholders expanded to their rows
+    assert inputs["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert inputs["multi_modal_uuids"] == {"image": [(b"i" * 16).hex()], "video": [(b"v" * 16).hex()]}
+    assert len(inputs["prompt_token_ids"]) == 3  # image, video, text: one placeholder each
 
 
 def test_a_video_part_without_its_tokens_or_tokens_of_another_grid_are_refused():
@@ -209,4 +207,4 @@ def test_a_video_part_without_its_tokens_or_tokens_of_another_grid_are_refused()
     req, tensors = video_request(6)
     chat = read_chat(req.chat)
     with pytest.raises(ValueError, match=r"videos\[0\]: embeddings of shape \(6, 128\), expected \(8, 128\)"):
-        build(chat, render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL, 1000)
+        vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL)
