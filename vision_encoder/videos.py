@@ -60,7 +60,7 @@ def video_item(path: QwenVideo, tower, video: VideoInput, frame, index: int) -> 
         axis = path.time_axis(clip, sampling)
     except (ValueError, IndexError, TypeError) as exc:
         raise ValueError(f"video {index}: {exc}") from None
-    key = path.cache_key(video.digest, sampling)
+    key = path.cache_key(video.digest, sampling, video.metadata.as_dict())
     if frame is None:
         return VideoItem(None, key, b"video" + key, axis, 0)
     frames, height, width = clip.frames.shape[:3]

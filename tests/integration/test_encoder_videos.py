@@ -106,6 +106,11 @@ async def looked_up(address: str) -> None:
     await socket.send(*lookup_only("l4", loaded, b"\x04" * 16, VideoKnobs(max_pixels=160 * 120)))
     other_knobs, _ = await reply_to(socket, "l4", timeout_s=120)
     assert isinstance(other_knobs, EncodeNeedsPixels)  # another key: not a false hit
+    frames, metadata = loaded  # as a header one frame over its stream promises: a frame no decode read
+    promised = dict(metadata, total_num_frames=metadata["total_num_frames"] + 1, frames_indices=[*metadata["frames_indices"], metadata["total_num_frames"]])
+    await socket.send(*lookup_only("l5", (frames, promised), b"\x04" * 16))
+    other_frames, _ = await reply_to(socket, "l5", timeout_s=120)
+    assert isinstance(other_frames, EncodeNeedsPixels)  # not the tokens of the frames read, with a time axis of others
     socket.close()
 
 

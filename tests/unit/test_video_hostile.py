@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import os
 import struct
 import threading
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
 from gateway.errors import APIError
 from gateway.timing import RequestTimer
@@ -24,9 +26,11 @@ from gateway.intake.video.intake import VideoIntake, VideoRef, decode, inspect
 from gateway.intake.video.limits import VideoLimits
 from gateway.intake.resize import resize_pixels
 from gateway.intake.video.sampling import VideoSampling
-from gateway.intake.video.sizing import FramePlan
+from gateway.intake.video.sizing import FramePlan, plan_frames
 from loadtest.clips import clip, named_clip
 from loadtest.synthetic import encode, make_image
+from protocol.video import VideoKnobs
+from vision_encoder.towers.qwen_video import video_sizing
 
 LIMITS = VideoLimits(max_bytes=4 * 2**20, max_frame_pixels=2_000_000, max_total_frames=20_000, max_duration_s=600,
                      max_sampled_frames=64)
@@ -182,6 +186,34 @@ def test_a_decode_is_admitted_by_its_frames_bytes_in_the_memory_budget(clip12):
     assert held == video.frames.nbytes == 4 * 320 * 240 * 3 and working == 0
 
 
+def test_the_frame_count_s_check_is_admitted_by_the_decoder_s_frames_in_the_memory_budget(clip12):
+    """The check seeks to the stream's end, decoding from the last keyframe on: the decoder's frames
+    are counted while it runs, as a decode's are, and nothing stays held after it."""
+    from gateway.intake.memory import MemoryBudget, MemoryHold, current_hold
+
+    counted = []
+    seek = video_intake.visible_frames
+
+    def seek_counted(video, claimed):
+        counted.append(budget.working)
+        return seek(video, claimed)
+
+    async def inspect_within(capacity: int):
+        budget.size(capacity)
+        current_hold.set(hold := MemoryHold(budget))
+        await _intake().inspect(clip12, WHERE, VideoSampling())
+        return hold.held, budget.working
+
+    decoder = 12 * 320 * 240 * 3
+    budget = MemoryBudget(wait_s=0.5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(video_intake, "visible_frames", seek_counted)
+        with pytest.raises(APIError) as caught:
+            asyncio.run(inspect_within(decoder - 1))
+        assert caught.value.status == 413 and "counting the frames" in caught.value.message and counted == []
+        assert asyncio.run(inspect_within(decoder)) == (0, 0) and counted == [decoder]
+
+
 def test_a_header_checked_before_is_not_read_again(clip12, monkeypatch):
     """A repeat (same bytes, same sampling) skips opening its container; other sampling, or other
     bytes, read theirs; a refused header is never kept."""
@@ -189,8 +221,8 @@ def test_a_header_checked_before_is_not_read_again(clip12, monkeypatch):
     url = "data:video/mp4;base64," + base64.b64encode(clip12).decode()
     first = asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling())], timer))[0]
     reads = []
-    real = video_intake._read_header
-    monkeypatch.setattr(video_intake, "_read_header", lambda *a: reads.append(a[0]) or real(*a))
+    real = video_intake.read_figures
+    monkeypatch.setattr(video_intake, "read_figures", lambda *a: reads.append(a[0]) or real(*a))
     again = asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling())], timer))[0]
     assert reads == [] and (again.source, again.indices, again.digest) == (first.source, first.indices, first.digest)
     asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling("qwen3_vl"))], timer))
@@ -405,3 +437,46 @@ def test_a_header_one_frame_over_its_stream_is_served_as_vllm_s_loader_serves_it
     assert video.hf_metadata() == expected_metadata and np.array_equal(video.frames, expected_frames)
     repeat = inspect(one_over, WHERE, sampling, LIMITS, known=intake.known)
     assert repeat.hf_metadata() == expected_metadata  # what a lookup by key alone sends, undecoded
+
+
+def test_the_first_decode_of_a_header_one_frame_over_gives_qwen3_vl_s_processor_what_vllm_s_loader_does():
+    """Qwen3-VL's pixel budget is the clip's, shared by its frames: frames sized for the one the header
+    promised are sized for one frame too many. The decode that finds it missing decodes again."""
+    from transformers import AutoVideoProcessor
+    from testing.video_clips import vllm_loaded
+
+    processor = AutoVideoProcessor.from_pretrained("models/tiny-qwen3-vl")
+    planner = functools.partial(plan_frames, video_sizing(processor, "Qwen3-VL"), VideoKnobs())
+    one_over = patched(clip(width=426, height=240, num_frames=60, fps=10.0, seed=5), b"stts", 12, struct.pack(">I", 61))
+    expected_frames, expected_metadata = vllm_loaded(one_over, -1, "qwen3_vl")
+    intake = _intake()
+    first = inspect(one_over, WHERE, VideoSampling("qwen3_vl"), LIMITS, planner, intake.known)
+    video = asyncio.run(intake.decode(first))
+    assert video.hf_metadata() == expected_metadata
+
+    def processed(frames: np.ndarray) -> dict:
+        return processor(videos=[frames], return_tensors="pt", do_sample_frames=False)
+
+    ours, vllms = processed(video.frames), processed(expected_frames)
+    assert ours["video_grid_thw"].tolist() == vllms["video_grid_thw"].tolist()
+    assert torch.equal(ours["pixel_values_videos"], vllms["pixel_values_videos"])
+    assert inspect(one_over, WHERE, VideoSampling("qwen3_vl"), LIMITS, planner, intake.known).plan.size == video.frames.shape[1:3]
+
+
+def test_a_clip_whose_only_frame_cannot_be_read_is_refused_again_as_a_400():
+    """Once a decode found the header's one frame unreadable, a repeat samples no frame at all."""
+    one_frame, qwen3 = clip(num_frames=1, fps=10.0), VideoSampling("qwen3_vl")
+    intake = _intake()
+    source = inspect(one_frame, WHERE, qwen3, LIMITS).source
+    intake.known.put(video_intake.digest_of(one_frame, qwen3), dataclasses.replace(source, last_frame_unreadable=True))
+    with pytest.raises(APIError) as caught:
+        inspect(one_frame, WHERE, qwen3, LIMITS, known=intake.known)
+    assert caught.value.status == 400 and "no frame the decoder can read" in caught.value.message
+
+
+def test_a_header_read_beside_a_decode_keeps_what_the_decode_found(clip12):
+    known = video_intake.KnownHeaders()
+    source = inspect(clip12, WHERE, VideoSampling(), LIMITS).source
+    known.put(b"d", dataclasses.replace(source, last_frame_unreadable=True))  # the decode's finding
+    known.put(b"d", source)  # a header read that began before it
+    assert known.get(b"d").last_frame_unreadable

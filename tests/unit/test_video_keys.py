@@ -64,11 +64,20 @@ def test_the_checkpoint_s_video_processor_defaults_are_in_the_key(video, tmp_pat
         changed = QwenVideo(load_tower(str(copy), "float32", "cpu"))
         assert changed.preprocessing_params() != base
         # the same fingerprint (the copy's path alone would change it): the video processor's part does it
-        assert video_key(video.tower.fingerprint, changed.preprocessing_params(), {}, DIGEST) != video.cache_key(DIGEST)
+        assert video_key(video.tower.fingerprint, changed.preprocessing_params(), {}, DIGEST, {}) != video.cache_key(DIGEST)
 
 
 def test_the_key_is_the_documented_hash(video):
-    assert video.cache_key(DIGEST) == video_key(video.tower.fingerprint, video.preprocessing_params(), {}, DIGEST)
+    assert video.cache_key(DIGEST) == video_key(video.tower.fingerprint, video.preprocessing_params(), {}, DIGEST, {})
+
+
+def test_the_frames_sent_are_in_the_key(video):
+    """A header one frame over its stream: the lookup its header alone makes promises a frame the
+    decode that made the tokens could not read."""
+    decoded = {"fps": 2.0, "total_num_frames": 7, "duration": 3.5, "frames_indices": list(range(6)), "do_sample_frames": False}
+    promised = dict(decoded, frames_indices=list(range(7)))
+    assert video.cache_key(DIGEST, VideoSampling(), decoded) != video.cache_key(DIGEST, VideoSampling(), promised)
+    assert video.cache_key(DIGEST, VideoSampling(), decoded) == video.cache_key(DIGEST, VideoSampling(), dict(decoded))
 
 
 def test_the_deployment_s_pixel_budget_is_in_the_key_and_the_processor(video):

@@ -15,6 +15,7 @@ time, written into the prompt as "<t seconds>").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,9 +173,10 @@ class QwenVideo:
     def sizing(self) -> VideoSizing | None:
         return video_sizing(self.processor, self.family)
 
-    def cache_key(self, digest: bytes, sampling: VideoSampling = VideoSampling()) -> bytes:
-        """The key of this clip's tokens: `digest` is the gateway's (source bytes + its loader's sampling)."""
-        return video_key(self.tower.fingerprint, self.preprocessing_params(), sampling.params(), digest)
+    def cache_key(self, digest: bytes, sampling: VideoSampling = VideoSampling(), metadata: Mapping | None = None) -> bytes:
+        """The key of this clip's tokens: `digest` is the gateway's (source bytes + its loader's sampling),
+        `metadata` the loader's for the frames sent (`LoaderMetadata.as_dict()`)."""
+        return video_key(self.tower.fingerprint, self.preprocessing_params(), sampling.params(), digest, metadata or {})
 
     def _kwargs(self, clip: VideoClip, sampling: VideoSampling) -> dict:
         """The processor's arguments as vLLM passes them for this family (docs/video.md)."""

@@ -28,6 +28,7 @@ the frames travel as decoded and the encoder's answer counts the tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -64,6 +65,10 @@ class VideoRef:
     url: str
 
 
+# (frames kept, every frame kept, height, width) -> how they are sent (sizing.plan_frames, bound to a request's knobs)
+Planner = Callable[[int, bool, int, int], FramePlan | None]
+
+
 @dataclass(frozen=True)
 class InspectedVideo:
     raw: bytes
@@ -73,6 +78,7 @@ class InspectedVideo:
     sampling: VideoSampling
     digest: bytes  # the video's part of the cache key (`digest_of`)
     plan: FramePlan | None = None  # the kept frames' size and the tokens they make; None: the encoder's to say
+    planner: Planner | None = dataclasses.field(default=None, repr=False, compare=False)  # what made `plan` (the request's knobs)
 
     @property
     def decoding_bytes(self) -> int:
@@ -92,9 +98,11 @@ class InspectedVideo:
         s = self.source
         return loader_metadata(s.fps, s.total_frames, s.duration_s, sorted(set(self.indices)))
 
-
-# (frames kept, every frame kept, height, width) -> how they are sent (sizing.plan_frames, bound to a request's knobs)
-Planner = Callable[[int, bool, int, int], FramePlan | None]
+    def without_last_frame(self) -> "InspectedVideo":
+        """As sampled had its header said its last frame cannot be read (a decode found so): the frames
+        vLLM's loader keeps, sized as its processor sizes that many (Qwen3-VL's budget is the clip's)."""
+        return sampled(self.raw, self.where, dataclasses.replace(self.source, last_frame_unreadable=True),
+                       self.sampling, self.digest, self.planner)
 
 
 class KnownHeaders:
@@ -112,57 +120,93 @@ class KnownHeaders:
             return self._headers.get(digest)
 
     def put(self, digest: bytes, source: SourceInfo) -> None:
+        """A decode's finding that the last frame cannot be read stays: a header read beside that
+        decode (the same clip in another request) knows nothing of it."""
         with self._lock:
+            if (before := self._headers.get(digest)) is not None and before.last_frame_unreadable:
+                source = dataclasses.replace(source, last_frame_unreadable=True)
             self._headers[digest] = source
 
 
 def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits,
             planner: Planner | None = None, known: KnownHeaders | None = None,
             stop: Callable[[], bool] | None = None) -> InspectedVideo:
-    """Header-only checks, the frames sampling keeps and how they will be sent; no frame is decoded.
-    `stop`: asked at every read of the bytes; True ends the header's read (as past its deadline)."""
+    """Header-only checks, the frames sampling keeps and how they will be sent; no frame is decoded
+    but those the frame count's check decodes. All on the calling thread, that decode's memory
+    not counted (`VideoIntake.inspect` counts it). `stop`: asked at every read of the bytes; True
+    ends the header's read (as past its deadline)."""
+    digest = checked_digest(raw, where, sampling)
+    source = known.get(digest) if known else None
+    if source is None:
+        source = count_frames(raw, where, sampling, limits, read_figures(raw, where, limits, stop), stop)
+        if known:
+            known.put(digest, source)
+    return within_limits(sampled(raw, where, source, sampling, digest, planner), limits)
+
+
+def checked_digest(raw: bytes, where: str, sampling: VideoSampling) -> bytes:
+    """The video's digest, once its bytes look like a video container."""
     if not raw:
         raise refused(where, "is empty (0 bytes)")
     if not is_video_container(raw):
         raise refused(where, f"is not a video container ({describe_not_video(raw)}); send mp4, mov, webm, mkv or avi",
                       415, "unsupported_video_format")
-    digest = digest_of(raw, sampling)
-    source = known.get(digest) if known else None
-    if source is None:
-        source = _read_header(raw, where, sampling, limits, stop)
-        if known:
-            known.put(digest, source)
+    return digest_of(raw, sampling)
+
+
+def within_limits(item: InspectedVideo, limits: VideoLimits) -> InspectedVideo:
+    limits.check_sample(len(set(item.indices)), item.sampling, item.where)
+    return item
+
+
+def sampled(raw: bytes, where: str, source: SourceInfo, sampling: VideoSampling, digest: bytes,
+            planner: Planner | None) -> InspectedVideo:
+    """The frames sampling keeps of a video whose header was read, and how they will be sent."""
     indices = _sample(source, sampling, where)
     if source.last_frame_unreadable:  # as vLLM's loader keeps it: without the frame it cannot read
         indices = [index for index in indices if index != source.total_frames - 1]
+        if not indices:  # vLLM's processor gets no frame to work on
+            raise refused(where, f"has no frame the decoder can read ({source.total_frames} claimed)")
     kept = len(set(indices))
-    limits.check_sample(kept, sampling, where)
     plan = planner(kept, kept == source.total_frames, source.height, source.width) if planner else None
-    return InspectedVideo(raw, where, source, indices, sampling, digest, plan)
+    return InspectedVideo(raw, where, source, indices, sampling, digest, plan, planner)
 
 
-def _read_header(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits,
+def read_figures(raw: bytes, where: str, limits: VideoLimits, stop: Callable[[], bool] | None = None) -> SourceInfo:
+    """The container's figures as its header declares them, checked against the limits."""
+    with _reading(where, limits, stop) as past_deadline, open_video(raw, past_deadline) as video:
+        source = probe(video)
+    limits.check_source(source, where)
+    return source
+
+
+def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits, figures: SourceInfo,
                  stop: Callable[[], bool] | None = None) -> SourceInfo:
-    """The container's figures, checked against the limits, as the loader will read them; within
-    `max_decode_s` (the frame count's check decodes from the last keyframe, which can be the first)."""
+    """The header's figures with the frame count the loader will read (`visible_frames`): the
+    check decodes from the last keyframe on, which can be the first."""
+    with _reading(where, limits, stop) as past_deadline, open_video(raw, past_deadline) as video:
+        total = visible_frames(video, figures.total_frames)
+    counted = dataclasses.replace(figures, total_frames=total, duration_s=total / figures.fps if figures.fps > 0 else 0)
+    return prepared_source(counted, sampling.loader)
+
+
+@contextlib.contextmanager
+def _reading(where: str, limits: VideoLimits, stop: Callable[[], bool] | None):
+    """A read of the header within `max_decode_s`: yields the check its stream asks at every
+    read of the bytes. A read cut off by it is a 413, one that failed a 400."""
     deadline = time.monotonic() + limits.max_decode_s
 
-    def past_deadline() -> bool:  # asked at every read of the bytes
+    def past_deadline() -> bool:
         return (stop is not None and stop()) or time.monotonic() > deadline
 
     try:
-        with open_video(raw, past_deadline) as video:
-            source = probe(video)
-            limits.check_source(source, where)
-            total = visible_frames(video, source.total_frames)
+        yield past_deadline
     except Unreadable as exc:
         if past_deadline():
             raise _too_slow(where, limits, "read") from None
         raise refused(where, f"cannot be read: {exc}") from None
-    if past_deadline():  # the reads ended early: the count is not the stream's
+    if past_deadline():  # the reads ended early: what they found is not the stream's
         raise _too_slow(where, limits, "read")
-    return prepared_source(dataclasses.replace(source, total_frames=total, duration_s=total / source.fps if source.fps > 0 else 0),
-                           sampling.loader)
 
 
 def _too_slow(where: str, limits: VideoLimits, what: str) -> APIError:
@@ -247,7 +291,18 @@ class VideoIntake:
 
     async def decode(self, item: InspectedVideo) -> SampledVideo:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
-        still take minutes of a core, and the intake threads are every request's."""
+        still take minutes of a core, and the intake threads are every request's. A clip whose
+        last frame turns out unreadable is decoded again where that changes the frames' size:
+        they were sized for one frame more than vLLM's processor gets."""
+        video = await self._decode(item)
+        if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
+            self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
+            if (fewer := item.without_last_frame()).frame_size != item.frame_size:
+                video = await self._decode(fewer)
+        hold(video.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)
+        return video
+
+    async def _decode(self, item: InspectedVideo) -> SampledVideo:
         s = item.source
         frames = max(item.indices) + 1  # read to reach the last one kept
         self._refuse_past_best_case(item, frames)
@@ -270,9 +325,6 @@ class VideoIntake:
                 video = await self._stoppable(decoding_on_a_thread)
             except Stopped:
                 raise _too_slow(item.where, self.limits, "decode") from None
-        hold(video.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)
-        if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
-            self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
         return video
 
     def _refuse_past_best_case(self, item: InspectedVideo, frames: int) -> None:
@@ -290,11 +342,20 @@ class VideoIntake:
         request before any decode's time or memory is spent, and a repeat may need no decode."""
         started = time.perf_counter()
         raws = await all_or_none(*(self.fetch(ref) for ref, _ in refs))
-        inspected = await all_or_none(*(
-            self._stoppable(functools.partial(inspect, raw, ref.where, sampling, self.limits, planner, self.known))
-            for raw, (ref, sampling) in zip(raws, refs)))
+        inspected = await all_or_none(*(self.inspect(raw, ref.where, sampling, planner) for raw, (ref, sampling) in zip(raws, refs)))
         timer.add("video_fetch", time.perf_counter() - started)
         return list(inspected)
+
+    async def inspect(self, raw: bytes, where: str, sampling: VideoSampling, planner: Planner | None = None) -> InspectedVideo:
+        """`inspect` on the intake threads, with the decoder's memory counted while the frame count's
+        check decodes (from the last keyframe on: the whole stream of a clip with one keyframe)."""
+        digest = await self._in_pool(checked_digest, raw, where, sampling)
+        if (source := self.known.get(digest)) is None:
+            figures = await self._stoppable(functools.partial(read_figures, raw, where, self.limits))
+            async with working(decoding_bytes(figures, 0), f"counting the frames of {where} ({figures.width}×{figures.height})"):
+                source = await self._stoppable(functools.partial(count_frames, raw, where, sampling, self.limits, figures))
+            self.known.put(digest, source)
+        return within_limits(sampled(raw, where, source, sampling, digest, planner), self.limits)
 
     async def decode_all(self, items: list[InspectedVideo], timer: RequestTimer) -> list[SampledVideo]:
         """The videos' frames, in order (the hand-off's, for the videos its encoder needs)."""
