@@ -51,7 +51,9 @@ from vision_encoder.towers import load_tower
 from vision_encoder.towers.qwen_video import QwenVideo, video_path_of
 from vision_encoder.videos import images_first, video_item
 from vision_encoder.watchdog import BatchWatch
-from vision_encoder.work import Lanes, PendingRequest, RunningBatch, batch_stages, both_stages, prepare_into, requests_of, vit_after
+from vision_encoder.work import (
+    Lanes, PendingRequest, RunningBatch, StageTimes, batch_stages, both_stages, prepare_into, requests_of, vit_after,
+)
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
@@ -430,10 +432,11 @@ class EncoderService:
 
     def _start_batch(self, jobs: list[Job]) -> None:
         jobs = images_first(jobs)
-        preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit)
+        times = StageTimes()
+        preprocess, vit = batch_stages(self.tower, jobs, self.vit.in_vit, times)
         box: list = []
         preprocessed = self.preprocessor.submit(prepare_into, box, preprocess)
-        self.vit.submit(jobs, functools.partial(vit_after, preprocessed, box, vit))  # ready by now, unless the ViT was idle
+        self.vit.submit(jobs, times, functools.partial(vit_after, preprocessed, box, vit))  # ready by now, unless the ViT was idle
 
     def _start_express(self) -> None:
         """Small images go at once through the express lane while the main lane
@@ -445,21 +448,22 @@ class EncoderService:
         if not jobs:
             return
         jobs = images_first(jobs)
-        preprocess, vit = batch_stages(self.tower, jobs, self.express_lane.in_vit)
-        self.express_lane.submit(jobs, functools.partial(both_stages, preprocess, vit))
+        times = StageTimes()
+        preprocess, vit = batch_stages(self.tower, jobs, self.express_lane.in_vit, times)
+        self.express_lane.submit(jobs, times, functools.partial(both_stages, preprocess, vit))
 
     def _finish_batch(self, batch: RunningBatch) -> None:
         if self.watch.stalled and batch.started == self.watch.stalled_batch:
             log.warning("the stalled batch returned after %.1f s; serving", time.monotonic() - batch.started)
+        self.oom_splits += batch.times.oom_splits  # a split's halves may have failed after it
         try:
-            encoded, times = batch.future.result()
+            encoded = batch.future.result()
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
             self.watch.finished(batch.patches, time.monotonic() - batch.started, batch.started)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
-        self.oom_splits += times.oom_splits
-        self.watch.finished(batch.patches, times.busy_s, batch.started)
+        self.watch.finished(batch.patches, batch.times.busy_s, batch.started)
         self.encodes += sum(result is not None for result in encoded)  # one that did not fit even alone was not
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
@@ -478,7 +482,7 @@ class EncoderService:
             for state, index in job.waiters:
                 state.results[index] = (value, False)
         for state in requests_of(batch.jobs):
-            state.encoded_in(times)
+            state.encoded_in(batch.times)
             self._reply_if_done(state)
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:

@@ -97,7 +97,8 @@ class StageTimes:
 @dataclass
 class RunningBatch:
     jobs: list[Job]
-    future: Future | None = None  # the ViT stage's: (embeddings per image, StageTimes)
+    times: StageTimes  # filled in by its stages: read once `future` is done, whether it failed or not
+    future: Future | None = None  # the ViT stage's: the embeddings per image
     # When a worker thread took it (None while it waits behind another batch): its time is its own from then
     started: float | None = None
 
@@ -168,12 +169,11 @@ def both_stages(preprocess: Callable[[], Any], vit: Callable[[list], Any]):
     return vit(box)
 
 
-def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
-    """A batch's two stages, (preprocess, vit(box)), recording when each ran and
-    counting it `in_vit` during its ViT stage; `box` holds preprocess's result, or
-    nothing (see prepare_into). The main lane runs them on two threads, the
-    express lane on one."""
-    times = StageTimes()
+def batch_stages(tower, jobs: list[Job], in_vit: AtOnce, times: StageTimes):
+    """A batch's two stages, (preprocess, vit(box)), recording in `times` when each ran
+    (and its out-of-memory splits, kept if a part then fails) and counting it `in_vit`
+    during its ViT stage; `box` holds preprocess's result, or nothing (see prepare_into).
+    The main lane runs them on two threads, the express lane on one."""
 
     def preprocess():
         times.preprocess_start = time.monotonic()
@@ -190,7 +190,7 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce):
             # part of the encode (on a GPU, the copy to the host waits for the device).
             owned = [None if result is None else (owning(result[0]), result[1]) for result in encoded]
             times.vit_end = time.monotonic()
-        return owned, times
+        return owned
 
     return preprocess, vit
 
@@ -243,8 +243,8 @@ class Lanes:
         if next(self._started) and self._extra_nice:  # Linux: a thread id sets that thread's nice
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._extra_nice)
 
-    def submit(self, jobs: list[Job], fn: Callable[[], Any]) -> RunningBatch:
-        batch = RunningBatch(jobs)
+    def submit(self, jobs: list[Job], times: StageTimes, fn: Callable[[], Any]) -> RunningBatch:
+        batch = RunningBatch(jobs, times)
 
         def run():
             batch.started = time.monotonic()

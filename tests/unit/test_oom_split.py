@@ -66,8 +66,8 @@ def test_each_image_of_a_batch_comes_out_on_memory_of_its_own(tower):
     """What the cache keeps: a view into the batch's buffer would hold all of it (cache.owning)."""
     from vision_encoder.work import AtOnce, batch_stages
 
-    preprocess, vit = batch_stages(tower, jobs_of(tower), AtOnce())
-    encoded, _ = vit([preprocess()])
+    preprocess, vit = batch_stages(tower, jobs_of(tower), AtOnce(), StageTimes())
+    encoded = vit([preprocess()])
     assert len(encoded) == len(SIZES)
     assert all(tensor.untyped_storage().nbytes() == tensor.nbytes for tensor, _ in encoded)
 
@@ -127,7 +127,8 @@ def test_a_split_runs_without_the_whole_batch_s_inputs(lane, monkeypatch):
     tower = _OutOfMemoryPastOne()
     monkeypatch.setattr(work, "prepare", lambda tower, jobs: tower.preprocess([job.image for job in jobs]))
     jobs = [Job(bytes([i]), None, 10, 0.0) for i in range(4)]
-    preprocess, vit = work.batch_stages(tower, jobs, work.AtOnce())
+    times = StageTimes()
+    preprocess, vit = work.batch_stages(tower, jobs, work.AtOnce(), times)
 
     def watched_preprocess():
         inputs = preprocess()
@@ -138,8 +139,44 @@ def test_a_split_runs_without_the_whole_batch_s_inputs(lane, monkeypatch):
         with ThreadPoolExecutor(1) as other_thread:
             box: list = []
             preprocessed = other_thread.submit(work.prepare_into, box, watched_preprocess)
-            encoded, times = work.vit_after(preprocessed, box, vit)
+            encoded = work.vit_after(preprocessed, box, vit)
     else:
-        encoded, times = work.both_stages(watched_preprocess, vit)
+        encoded = work.both_stages(watched_preprocess, vit)
     assert len(encoded) == 4 and times.oom_splits == 3
     assert tower.whole_alive_at[0] and not any(tower.whole_alive_at[1:])
+
+
+class _OutOfMemoryThenBroken:
+    """Memory for one image at a time; the last image then meets a fault of another kind."""
+
+    def __init__(self) -> None:
+        self.encoded = 0
+
+    def preprocess(self, images):
+        return _Inputs(len(images))
+
+    def encode(self, inputs):
+        if inputs.count > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        self.encoded += 1
+        if self.encoded == 4:
+            raise RuntimeError("device fault")
+        return [(torch.zeros(2, 4), (1, 1, 2))]
+
+    def release_memory(self) -> None:
+        pass
+
+
+def test_the_splits_of_a_batch_that_then_fails_are_still_counted(monkeypatch):
+    """The batch fails its requests, but it was split for want of memory first: the
+    encoder's `oom_splits` counts that (the stage's times outlive its failure)."""
+    from vision_encoder import work
+
+    tower = _OutOfMemoryThenBroken()
+    monkeypatch.setattr(work, "prepare", lambda tower, jobs: tower.preprocess([job.image for job in jobs]))
+    jobs = [Job(bytes([i]), None, 10, 0.0) for i in range(4)]
+    times = StageTimes()
+    preprocess, vit = work.batch_stages(tower, jobs, work.AtOnce(), times)
+    with pytest.raises(RuntimeError, match="device fault"):
+        vit([preprocess()])
+    assert times.oom_splits == 3  # the batch, then each half

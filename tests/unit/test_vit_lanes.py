@@ -12,7 +12,7 @@ import threading
 import zmq
 
 from vision_encoder.batcher import Job
-from vision_encoder.work import AtOnce, Lanes
+from vision_encoder.work import AtOnce, Lanes, StageTimes
 
 WAIT_S = 10
 
@@ -39,8 +39,8 @@ def test_two_threads_run_two_batches_at_once_and_report_each_as_it_ends():
         both_running.wait()
         return "second"
 
-    a = lanes.submit(job("a"), first)
-    b = lanes.submit(job("b"), second)
+    a = lanes.submit(job("a"), StageTimes(), first)
+    b = lanes.submit(job("b"), StageTimes(), second)
     wait_for_wake(lanes)
     assert lanes.finished() == [b]  # the later batch ended first: it is not held behind the earlier one
     assert b.future.result() == "second"
@@ -54,7 +54,7 @@ def test_two_threads_run_two_batches_at_once_and_report_each_as_it_ends():
 def test_one_thread_runs_batches_in_order():
     lanes = Lanes(zmq.Context.instance(), "test-one", threads=1)
     ran: list[str] = []
-    batches = [lanes.submit(job(name), lambda name=name: ran.append(name)) for name in "abc"]
+    batches = [lanes.submit(job(name), StageTimes(), lambda name=name: ran.append(name)) for name in "abc"]
     ended: list = []
     while len(ended) < 3:
         wait_for_wake(lanes)
@@ -71,7 +71,7 @@ def test_threads_after_the_first_run_at_the_extra_nice_value():
         both_running.wait()  # two batches at once: one on each thread
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - base
 
-    batches = [lanes.submit(job(name), own_nice) for name in "ab"]
+    batches = [lanes.submit(job(name), StageTimes(), own_nice) for name in "ab"]
     assert sorted(batch.future.result(WAIT_S) for batch in batches) == [0, 7]
 
 
@@ -108,8 +108,8 @@ def test_a_batch_waiting_for_a_thread_has_not_started():
         taken.set()
         return release.wait(WAIT_S)
 
-    running = lanes.submit(job("long"), long)
-    queued = lanes.submit(job("next"), lambda: "next")
+    running = lanes.submit(job("long"), StageTimes(), long)
+    queued = lanes.submit(job("next"), StageTimes(), lambda: "next")
     try:
         assert taken.wait(WAIT_S)
         assert not queued.future.done() and queued.started is None and running.started is not None
