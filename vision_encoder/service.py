@@ -57,6 +57,14 @@ from vision_encoder.work import (
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
+# Messages handled per turn of the loop: past them it finishes and starts batches before reading on,
+# so a stream of requests faster than the loop reads them cannot keep the ViT idle.
+MESSAGES_PER_TURN = 64
+
+
+def _past_once_half_full(bound: int, waiting: int, adding: int) -> bool:
+    """Work that would take a queue past `bound` once half of it is taken (`_refused_as_full`)."""
+    return 2 * waiting >= bound and waiting + adding > bound
 
 
 @dataclass
@@ -178,7 +186,10 @@ class EncoderService:
         self.pending.clear()
 
     def _drain(self) -> None:
-        while self.router.poll(0):
+        """The messages waiting, up to MESSAGES_PER_TURN (the poller reports the rest at once)."""
+        for _ in range(MESSAGES_PER_TURN):
+            if not self.router.poll(0):
+                return
             if (received := self.router.recv()) is not None:  # None: unreadable, logged and skipped
                 self._handle_safely(*received)
 
@@ -318,16 +329,17 @@ class EncoderService:
         return tower_image, self.tower.patches_of(tower_image)
 
     def _refused_as_full(self, state: PendingRequest, nbytes: int, items: int) -> bool:
-        """A 429 for work past the queue's bounds: `max_queue_images` items, or `max_queue_bytes` of
-        pixels once the waiting work holds half of it. Below half, any one request's work may queue
-        whatever its size: a long video is not starved by a stream of small images (or, alone,
-        refused for ever). What the request joined answers nobody."""
+        """A 429 for work that would pass one of the queue's bounds, `max_queue_images` items or
+        `max_queue_bytes` of pixels, once the waiting work holds half of it. Below half, any one
+        request's work may queue whatever its size: a long video, or a request of many images, is
+        not starved by a stream of small ones (or, alone, refused for ever). What the request
+        joined answers nobody."""
         waiting, queued = len(self.batcher), self.batcher.queued_bytes
         if not items:
             return False
-        if waiting + items > self.config.max_queue_images:
-            full = f"{waiting} items waiting"
-        elif 2 * queued >= self.config.max_queue_bytes and queued + nbytes > self.config.max_queue_bytes:
+        if _past_once_half_full(self.config.max_queue_images, waiting, items):
+            full = f"{waiting} items waiting; this request's {items} would pass encoder.max_queue_images, {self.config.max_queue_images}"
+        elif _past_once_half_full(self.config.max_queue_bytes, queued, nbytes):
             full = f"{queued:,} bytes waiting; this request's {nbytes:,} would pass encoder.max_queue_bytes, {self.config.max_queue_bytes:,}"
         else:
             return False
@@ -348,7 +360,11 @@ class EncoderService:
         if self.shared is None or not unresolved:
             return unresolved
         keys = [self._cache_key(state.keys[index]) for index in unresolved]
-        found = self.shared.get_many(keys, [identities[index] for index in unresolved], record)
+        try:
+            found = self.shared.get_many(keys, [identities[index] for index in unresolved], record)
+        except Exception:  # past what the shared tier counts as a miss: the loop's guard answers the request
+            self._abandon(state)  # the in-flight encodes it joined above answer nobody
+            raise
         for index, key, value in zip(unresolved, keys, found):
             if value is not None:
                 self.cache.put(key, value)

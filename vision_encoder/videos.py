@@ -55,6 +55,8 @@ def video_item(path: QwenVideo, tower, video: VideoInput, frame, index: int) -> 
     `frame` None: the video was sent to be looked up only (`job` None)."""
     try:
         pixels = header_only(video.metadata.frames_indices) if frame is None else to_numpy(video.frames, frame)
+        if frame is not None and (pixels.ndim != 4 or pixels.shape[3] != 3 or 0 in pixels.shape):
+            raise ValueError(f"expected (t, h, w, 3) frames, each of them at least 1, got {video.frames}")
         clip = VideoClip.from_metadata(pixels, video.metadata.as_dict())
         sampling = VideoSampling.from_knobs(video.knobs)
         axis = path.time_axis(clip, sampling)

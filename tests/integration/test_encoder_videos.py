@@ -166,6 +166,10 @@ async def refused(address: str) -> None:
     await socket.send(request, frame)
     answer, _ = await reply_to(socket, "bad", timeout_s=60)
     assert isinstance(answer, EncodeFailed) and answer.status == 400 and "video 0" in answer.message
+    request, frame = video_request("flat", (frames[:, :0], metadata), b"\x05" * 16)  # frames of no height
+    await socket.send(request, frame)
+    answer, _ = await reply_to(socket, "flat", timeout_s=60)
+    assert isinstance(answer, EncodeFailed) and answer.status == 400 and "video 0" in answer.message, answer
     socket.close()
 
 
