@@ -27,9 +27,14 @@ def _schemas_accept_mixed_lengths() -> list[str]:
 
 
 def test_spawned_vllm_processes_take_embeddings_of_different_lengths_in_one_batch(monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored after the test
+    """In the processes started the way vLLM starts them (`get_mp_context`): on a GPU host vLLM would
+    fork them by default, and a fork of this process has no fix."""
+    from vllm.utils.system_utils import get_mp_context
+
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # both restored after the test
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     customize_spawned_vllm_processes(0)
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with get_mp_context().Pool(1) as pool:
         assert pool.apply(_schemas_accept_mixed_lengths) == ["LlavaOnevisionImageEmbeddingInputs", "LlavaNextImageEmbeddingInputs", "InternS1ImageEmbeddingInputs"]
 
 
