@@ -99,6 +99,8 @@ class ChoiceStream:
         self.token_ids.extend(output.token_ids)
         if not finished:
             return {}
+        if self.prompt_token_ids is not None:  # a parser that reads the prompt's end (vLLM's `hf`) sees it, as on vLLM's server
+            self.parser.set_prompt_token_ids(self.prompt_token_ids)
         reasoning, content, calls = self.parser.parse(
             "".join(self.text), self.chat, enable_auto_tools=True, model_output_token_ids=self.token_ids,
         )

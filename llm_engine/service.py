@@ -530,7 +530,8 @@ class EngineService:
     async def _send(self, peer: bytes, message, wait: bool = True, wait_s: float | None = None) -> bool:
         """False when the peer is gone (ROUTER_MANDATORY: a gateway that restarted has a new identity).
         `wait`: False from the receive loop, which must not wait on a peer that stopped reading;
-        `wait_s`: how long a waiting send waits for a full peer (None: the router's wait)."""
+        `wait_s`: how long a waiting send waits for a full peer (None: the router's wait). A request's
+        answer that a full peer could not take (a refusal, an error) is sent again in the background."""
         try:
             await self.router.send(peer, message, wait=wait, wait_s=wait_s)
             return True
@@ -539,7 +540,7 @@ class EngineService:
             if isinstance(message, TokenDelta):  # its stream ends here: say so once the gateway reads again
                 dropped = GenerateFailed(message.request_id, "LLM engine dropped this stream: the gateway did not read it in time; retry", 503, STREAM_DROPPED)
                 self._in_background(self._send(peer, dropped, wait_s=DROPPED_NOTICE_WAIT_S))
-            elif isinstance(message, GenerateFailed) and wait and wait_s is None:  # its request's answer: it goes once the gateway reads again
+            elif isinstance(message, GenerateFailed) and wait_s is None:  # its request's answer: it goes once the gateway reads again
                 self._in_background(self._send(peer, message, wait_s=DROPPED_NOTICE_WAIT_S))
             return False
         except zmq.ZMQError as exc:

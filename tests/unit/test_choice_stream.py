@@ -31,3 +31,25 @@ def test_a_choice_vllm_ended_in_error_is_a_server_error_not_an_answer():
     choice.delta(output("a", None))
     with pytest.raises(GenerationError, match="internal error"):
         choice.delta(output("b", "error"))
+
+
+class PromptReadingParser:
+    """A parser whose answer depends on the prompt it was given, as vLLM's `hf` response-template
+    parser's does (a prompt that ends inside <think> makes the answer's start reasoning)."""
+
+    def __init__(self) -> None:
+        self.prompt: list[int] | None = None
+
+    def set_prompt_token_ids(self, prompt_token_ids) -> None:
+        self.prompt = list(prompt_token_ids)
+
+    def parse(self, text, request, enable_auto_tools, model_output_token_ids):
+        return (text, "", None) if self.prompt == [1, 2] else (None, text, None)
+
+
+def test_a_non_streamed_answer_is_parsed_knowing_its_prompt_as_vllm_s_server_parses_it():
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}]}))
+    choice = ChoiceStream(0, chat, parser=PromptReadingParser(), tokenizer=None, prompt_token_ids=[1, 2])
+    choice.delta(output("thinking ", None))
+    last = choice.delta(output("on", "stop"))
+    assert (last.reasoning, last.text) == ("thinking on", "")

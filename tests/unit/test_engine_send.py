@@ -35,7 +35,7 @@ async def _read_all(dealer: zmq.asyncio.Socket) -> list:
     return read
 
 
-async def _a_stream_to_a_gateway_that_stopped_reading(message, expected: tuple):
+async def _a_stream_to_a_gateway_that_stopped_reading(message, expected: tuple, wait: bool):
     ctx = zmq.asyncio.Context()
     router = AsyncRouter(ctx, ADDRESS, EngineInbound, full_peer_wait_s=0.3)
     gateway = ctx.socket(zmq.DEALER)
@@ -45,7 +45,7 @@ async def _a_stream_to_a_gateway_that_stopped_reading(message, expected: tuple):
         peer = (await asyncio.wait_for(router.recv(), 5))[0]
         await _fill(router, peer)
         service = _service(router)
-        assert not await service._send(peer, message)  # given up: a stream ends (vLLM aborts it)
+        assert not await service._send(peer, message, wait=wait)  # given up: a stream ends (vLLM aborts it)
         await asyncio.sleep(0.6)  # past the router's own wait: the notice waits longer than a token does
         told = [m for m in await _read_all(gateway) if isinstance(m, GenerateFailed)]
         assert [(m.request_id, m.status, m.code) for m in told] == [expected]
@@ -56,9 +56,11 @@ async def _a_stream_to_a_gateway_that_stopped_reading(message, expected: tuple):
         ctx.term()
 
 
-@pytest.mark.parametrize("message,expected", [
-    (TokenDelta(request_id="r1", choices=[], completion_tokens=3, prompt_tokens=5), ("r1", 503, STREAM_DROPPED)),
-    (GenerateFailed("r1", "the request's own fault", 400), ("r1", 400, None)),  # its answer, not a 504 at the timeout
-], ids=["a-stream", "a-refusal"])
-def test_what_a_full_gateway_could_not_take_reaches_it_once_it_reads_again(message, expected):
-    asyncio.run(_a_stream_to_a_gateway_that_stopped_reading(message, expected))
+@pytest.mark.parametrize("message,expected,wait", [
+    (TokenDelta(request_id="r1", choices=[], completion_tokens=3, prompt_tokens=5), ("r1", 503, STREAM_DROPPED), True),
+    (GenerateFailed("r1", "the request's own fault", 400), ("r1", 400, None), True),  # its answer, not a 504 at the timeout
+    # the receive loop's refusals (engine full, draining), sent without waiting on the gateway
+    (GenerateFailed("r1", "engine queue is full", 429), ("r1", 429, None), False),
+], ids=["a-stream", "a-refusal", "a-refusal-from-the-receive-loop"])
+def test_what_a_full_gateway_could_not_take_reaches_it_once_it_reads_again(message, expected, wait):
+    asyncio.run(_a_stream_to_a_gateway_that_stopped_reading(message, expected, wait))
