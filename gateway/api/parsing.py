@@ -12,6 +12,7 @@ import logging
 import pydantic
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from starlette.requests import ClientDisconnect
 
 from gateway.errors import APIError
 from gateway.intake.memory import BODY_COPIES, MemoryHold
@@ -107,6 +108,9 @@ async def read_body(request: Request, limit: int, timeout_s: float, memory: Memo
     except TimeoutError:
         raise APIError(408, f"request body not received within {timeout_s:g} s (gateway.body_timeout_s); "
                        f"{size} bytes arrived", code="body_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # the client hung up mid-upload: its request ends as one it closed, not a failure of ours
+        raise APIError(499, f"client closed the request while sending its body ({size} bytes arrived)",
+                       code="client_disconnected") from None
     return b"".join(chunks)  # a body that came whole is returned as it is, not copied
 
 

@@ -237,6 +237,8 @@ class ServiceClient:
     async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
         """Send a request, or 503 if the service cannot take it now."""
         self.require_up()
+        if self.socket.socket.closed:  # its model retired while the request was on its way here
+            raise self.unavailable(f"{self.name} was disconnected (its model was reloaded away); retry shortly")
         try:
             async with asyncio.timeout(SEND_TIMEOUT_S):
                 await self.socket.send(message, frames)
@@ -257,8 +259,10 @@ class ServiceClient:
         self._streams.pop(request_id, None)
 
     async def close(self) -> None:
+        self.up = False  # a failover from a sibling still in flight passes it over
+        if self.socket.socket.closed:  # closed before (a retired model's pools, then the gateway's stop)
+            return
         if self._streams:  # past a retired model's drain: they end now, not at their own timeouts
-            self.up = False
             self._fail_in_flight(f"{self.name} was disconnected (its model was reloaded away)")
         if self.stats is not None:  # its counters stay in the sums; what it holds goes with it
             RETIRED.retire(self.stats)

@@ -97,9 +97,11 @@ def test_a_body_there_is_no_room_for_is_refused_before_it_is_sent(tight):
     with headers_only(tight, int(0.4 * budget)) as never:
         status, _, body = answer(never)
     assert status.startswith("HTTP/1.1 413") and "admits at most" in body["error"]["message"]
-    holder.close()  # the client hangs up: its bytes are given back
+    holder.close()  # the client hangs up mid-upload: its bytes are given back, and it is a request it closed
     wait_until(lambda: metric(tight, "prism_gateway_memory_held_bytes") == 0, 10, "the held bytes given back")
     assert chat_with_image(tight).status_code == 200
+    outcomes = {dict(labels)["status"]: value for (name, labels), value in scrape(tight).items() if name == "prism_requests_total"}
+    assert outcomes.get("499") == 1 and "500" not in outcomes, outcomes
 
 
 def test_a_body_without_content_length_is_counted_as_it_arrives(tight):

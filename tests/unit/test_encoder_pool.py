@@ -123,6 +123,20 @@ def test_nothing_up_is_a_503(pool):
     assert raised.value.status == 503 and raised.value.headers["Retry-After"]
 
 
+def test_a_closed_pool_s_replicas_take_no_request_and_say_so_with_a_503(pool):
+    """A reload's retired model closes its pools once its drain ends; a request of its still on
+    its way (a failover, a first encode after a slow fetch) meets a 503 it may retry, not a closed socket."""
+    from protocol.base import Hello
+
+    idle = pool.replicas[0]
+    asyncio.run(pool.close())
+    assert not any(replica.up for replica in pool.replicas)
+    idle.up = True  # a heartbeat's last word, come before the close
+    with pytest.raises(APIError) as raised:
+        asyncio.run(idle.send(Hello("gateway")))
+    assert raised.value.status == 503 and "reloaded away" in raised.value.message
+
+
 def test_a_host_name_becomes_one_replica_per_address():
     assert expand_addresses(["ipc:///tmp/a.sock", "tcp://10.0.0.7:5555", "tcp://[::1]:5555"]) == [
         "ipc:///tmp/a.sock", "tcp://10.0.0.7:5555", "tcp://[::1]:5555"]
