@@ -174,8 +174,8 @@ class Gateway:
         from it: a reload's new clients and the old ones draining beside them, or two models
         routed to one encoder."""
         pools = self.pools()
-        encoders = _each_process([r for _, pool, _ in pools for r in pool.replicas])
-        engines = _each_process([r for _, _, pool in pools for r in pool.replicas])
+        encoders = [RETIRED.caught_up(s) for s in _each_process([r for _, pool, _ in pools for r in pool.replicas])]
+        engines = [RETIRED.caught_up(s) for s in _each_process([r for _, _, pool in pools for r in pool.replicas])]
         gone_encoders, gone_engines = RETIRED.totals(encoders + engines)
         return encoders + [gone_encoders] * (gone_encoders is not None), engines + [gone_engines] * (gone_engines is not None)
 

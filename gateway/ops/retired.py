@@ -66,6 +66,22 @@ def _sum(a, b):
     return a + b
 
 
+def _later(live, last):
+    """`live` with each counter at the later of two readings of one process (its counters only grow)."""
+    later = {}
+    for name, value in msgspec.structs.asdict(last).items():
+        mine = getattr(live, name)
+        if name in GAUGES[type(live)] or value is None or mine is None:
+            continue
+        if isinstance(value, HistogramSnapshot):
+            later[name] = value if sum(value.counts) > sum(mine.counts) else mine
+        elif isinstance(value, SharedTierStats):
+            later[name] = _later(mine, value)
+        else:
+            later[name] = max(mine, value)
+    return msgspec.structs.replace(live, **later)
+
+
 class RetiredTotals:
     """The last counters of every encoder and engine process this gateway process stopped
     hearing from. A process is counted here only while no replica reports it: a client
@@ -87,6 +103,13 @@ class RetiredTotals:
         self._last[stats.boot_id] = counters(stats)
         if restarted:
             self._ended.add(stats.boot_id)
+
+    def caught_up(self, stats):
+        """A live client's `stats`, each counter no lower than the last a closed client heard from
+        the same process: during a reload's drain the old client may have polled it last, and
+        its newer numbers, once it closes, must not give way to the live client's older ones."""
+        last = self._last.get(stats.boot_id)
+        return stats if last is None else _later(stats, last)
 
     def totals(self, live: list) -> tuple[EncoderStats | None, EngineStats | None]:
         """(encoders', engines') counters of the processes no stats in `live` come from."""

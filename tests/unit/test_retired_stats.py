@@ -124,3 +124,24 @@ def test_a_process_two_clients_hear_from_is_summed_once(monkeypatch):
     assert [e.cache_hits for e in encoders] == [12]
     assert [e.finished for e in engines] == [9]
     assert len(gateway.pools(retiring=False)) == 1
+
+
+def test_a_reload_s_old_client_that_heard_a_process_last_keeps_the_sums_from_falling(monkeypatch):
+    """The new model's client polled the process before the old one last did: once the old one
+    closes (its drain over), its newer numbers stand until the new client hears newer ones."""
+    retired = RetiredTotals()
+    monkeypatch.setattr("gateway.api.app.RETIRED", retired)
+    gateway = Gateway(GatewayConfig())
+    old = Pools("m", [Replica(encoder("a", hits=12, queue=1, shared_hits=7), 1.7)],
+                [Replica(EngineStats("e", in_flight=1, waiting=0, finished=108, failed=0, steps=100), 1.7)])
+    new = Pools("m", [Replica(encoder("a", hits=10, queue=2, shared_hits=5), 1.0)],
+                [Replica(EngineStats("e", in_flight=2, waiting=0, finished=100, failed=0, steps=90), 1.0)])
+    gateway.models, gateway.retired = {"m": new}, [old]
+    before = gateway.service_stats()
+    for replica in [*old.encoder.replicas, *old.engine.replicas]:  # what closing the old clients retires
+        retired.retire(replica.stats)
+    gateway.retired = []
+    (encoder_stats,), (engine_stats,) = gateway.service_stats()
+    assert (engine_stats.finished, engine_stats.steps) == (before[1][0].finished, before[1][0].steps) == (108, 100)
+    assert (encoder_stats.cache_hits, encoder_stats.shared_cache.hits) == (12, 7)
+    assert (encoder_stats.queue_depth, engine_stats.in_flight) == (2, 2)  # what it holds: the live client's word
