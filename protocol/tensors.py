@@ -93,10 +93,13 @@ def to_torch(meta: ArrayMeta, frame: Any):
     dtype = _torch_dtype(meta.dtype)
     buffer = _bytes_view(frame)
     _check_size(meta, buffer, torch.empty((), dtype=dtype).element_size())
-    if buffer.nbytes == 0:
-        return torch.empty(meta.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # frombuffer warns on read-only buffers; tensors from frames are never written.
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    return flat.view(dtype).reshape(meta.shape)
+    try:
+        if buffer.nbytes == 0:
+            return torch.empty(meta.shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # frombuffer warns on read-only buffers; tensors from frames are never written.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        return flat.view(dtype).reshape(meta.shape)
+    except RuntimeError as exc:  # a shape torch cannot lay out (no elements, strides past 2**63)
+        raise ValueError(f"header {meta}: {exc}") from None

@@ -142,7 +142,8 @@ HEADER_READ_S = 1.0
 # Progressive JPEGs have about ten scans; libjpeg decodes every one, so thousands of
 # repeated scans make a small file take minutes.
 MAX_JPEG_SCANS = 100
-# Markers walked to count them; a file with more is left to the header's deadline.
+# Markers walked to count them; a file with more before its image ends is refused: scans hide
+# among them, and a decode's deadline is asked only between reads, each of which holds hundreds.
 MAX_JPEG_MARKERS = 2000
 # The next marker from within a scan's data: not a stuffed 0xFF00, a restart marker or fill.
 _JPEG_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
@@ -243,23 +244,23 @@ def _invalid(where: str, message: str, status: int = 400, code: str = "invalid_i
     return APIError(status, f"{where}: {message}", param=where, code=code)
 
 
-def jpeg_scans(raw: bytes) -> int:
-    """The JPEG's own scans, counted from its markers (the count stops past MAX_JPEG_SCANS).
-    Segments are skipped by their length and nothing after the end-of-image marker is read:
-    an EXIF thumbnail, or the video or pictures a motion or multi-picture photo carries after
-    its image, have scans of their own."""
+def jpeg_scans(raw: bytes) -> int | None:
+    """The JPEG's own scans, counted from its markers (the count stops past MAX_JPEG_SCANS);
+    None past MAX_JPEG_MARKERS markers. Segments are skipped by their length and nothing after
+    the end-of-image marker is read: an EXIF thumbnail, or the video or pictures a motion or
+    multi-picture photo carries after its image, have scans of their own."""
     scans, position = 0, 2  # past the start-of-image marker
     for _ in range(MAX_JPEG_MARKERS):
         if (found := _JPEG_MARKER.search(raw, position)) is None:
-            break
+            return scans
         marker, position = found[0][1], found.end()
         if marker == JPEG_EOI:
-            break
+            return scans
         if marker != JPEG_TEM:  # every other marker here has a length (and a scan's data follows its header)
             position += int.from_bytes(raw[position:position + 2], "big")
         if marker == JPEG_SOS and (scans := scans + 1) > MAX_JPEG_SCANS:
-            break
-    return scans
+            return scans
+    return None
 
 
 def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -> Inspected:
@@ -270,7 +271,9 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
     fmt = sniff(raw)
     if fmt is None:
         raise _invalid(where, f"unsupported image format ({describe_refused(raw)}); allowed: {', '.join(ALLOWED_NAMES)}", 415, "unsupported_image_format")
-    if fmt == "JPEG" and jpeg_scans(raw) > MAX_JPEG_SCANS:
+    if fmt == "JPEG" and (scans := jpeg_scans(raw)) is None:
+        raise _invalid(where, f"the JPEG has more than {MAX_JPEG_MARKERS} markers before its image ends", 413, "image_too_complex")
+    if fmt == "JPEG" and scans > MAX_JPEG_SCANS:
         raise _invalid(where, f"the JPEG has more than {MAX_JPEG_SCANS} scans; at most {MAX_JPEG_SCANS} are decoded")
     try:
         with warnings.catch_warnings():

@@ -7,15 +7,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import struct
 import threading
 import time
 
+import msgspec
 import pytest
 import redis
 import torch
+import xxhash
 
 from cache import CachedEmbedding
-from cache.shared import NAMESPACE, SharedTier
+from cache.shared import NAMESPACE, SharedEntry, SharedTier
+from protocol.tensors import ArrayMeta
 from testing.stack import free_port
 from tests.integration.system import redis_server as start_redis
 from tests.waiting import wait_until
@@ -67,7 +71,14 @@ def test_a_missing_key_is_a_miss(tier):
     assert tier.stats.misses == 1
 
 
-@pytest.mark.parametrize("tamper", ["flip_payload_byte", "truncate", "foreign_value"])
+def past_memory(identity: bytes) -> bytes:
+    """A value whose header describes no elements in a shape whose strides overflow, its (empty)
+    payload's checksum right: written by a client that can reach Redis, not by Prism."""
+    header = msgspec.msgpack.encode(SharedEntry(ArrayMeta("float32", (0, 2**62, 2**62)), None, identity, xxhash.xxh3_64_intdigest(b"")))
+    return struct.pack("<I", len(header)) + header
+
+
+@pytest.mark.parametrize("tamper", ["flip_payload_byte", "truncate", "foreign_value", "shape_past_memory"])
 def test_tampered_values_are_refused(tier, server, tamper):
     entry = value()
     stored(tier, b"k1", entry)
@@ -77,8 +88,10 @@ def test_tampered_values_are_refused(tier, server, tamper):
         blob[-1] ^= 0xFF
     elif tamper == "truncate":
         blob = blob[:-2]
-    else:
+    elif tamper == "foreign_value":
         blob = bytearray(b"not a prism value at all")
+    else:
+        blob = bytearray(past_memory(entry.identity))
     raw.set(NAMESPACE + b"k1", bytes(blob))
     assert tier.get_many([b"k1"], [entry.identity]) == [None]
     assert tier.stats.corrupt == 1 and tier.stats.hits == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -61,10 +62,25 @@ def test_only_the_jpeg_s_own_scans_count():
     assert np.array_equal(prism_pixels(motion_photo), vllm_pixels(motion_photo))
 
 
+def test_a_jpeg_whose_scans_hide_past_thousands_of_markers_is_refused_before_it_is_decoded():
+    """Empty comment markers past the count's cap, then thousands of scans: counted, they would pass
+    as none, and their decode would run seconds between two looks at its deadline."""
+    jpeg = with_repeated_scans(3000)
+    hidden = jpeg[:2] + b"\xff\xfe\x00\x02" * images.MAX_JPEG_MARKERS + jpeg[2:]
+    with pytest.raises(APIError, match=f"more than {images.MAX_JPEG_MARKERS} markers") as refused:
+        inspect(hidden, "img", POLICY, POLICY.default_budget)
+    assert (refused.value.status, refused.value.code) == (413, "image_too_complex")
+
+
+def png_chunk(kind: bytes, data: bytes = b"") -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
 def test_a_header_built_to_take_long_is_refused_at_its_deadline(monkeypatch):
-    """Half a million empty comment markers, each parsed in Python: past the header's deadline, a 413."""
-    jpeg = encoded(Image.new("RGB", (64, 64)), "JPEG")
-    padded = jpeg[:2] + b"\xff\xfe\x00\x02" * 500_000 + jpeg[2:]
+    """Half a million empty chunks, each parsed in Python: past the header's deadline, a 413."""
+    png = encoded(Image.new("RGB", (64, 64)), "PNG")
+    header_end = 8 + 25  # the signature, then IHDR
+    padded = png[:header_end] + png_chunk(b"prSm") * 500_000 + png[header_end:]
     monkeypatch.setattr(images, "HEADER_READ_S", 0.05)
     with pytest.raises(APIError, match="header took more than 0.05 s") as refused:
         inspect(padded, "img", POLICY, POLICY.default_budget)
