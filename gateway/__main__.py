@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gateway.api.app import serve
 from gateway.config import GatewayConfig
 from gateway.ops.workers import serve_workers, this_worker
 from common.config import load_config
@@ -25,8 +24,10 @@ def main() -> None:
     config = load_config(GatewayConfig, "gateway", args.config)
     slot, run_dir = this_worker(config)
     if config.workers > 1 and run_dir is None:
-        serve_workers(config, args.config)
+        serve_workers(config, args.config)  # without the app's imports (torch): its memory is the workers'
     else:
+        from gateway.api.app import serve
+
         serve(config, args.config, slot, run_dir)
 
 

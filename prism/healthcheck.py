@@ -45,10 +45,18 @@ def service_answers(address: str, expected: type, timeout_s: float) -> bool:
         ctx.term()
 
 
+# A gateway bound to every address answers on loopback.
+LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}
+
+
+def ready_url(host: str, port: int) -> httpx.URL:
+    """The gateway's readiness URL where it listens (an IPv6 address in brackets)."""
+    return httpx.URL(scheme="http", host=LOOPBACK.get(host, host), port=port, path="/health/ready")
+
+
 def gateway_ready(host: str, port: int, timeout_s: float) -> bool:
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
     try:
-        return httpx.get(f"http://{host}:{port}/health/ready", timeout=timeout_s).status_code == 200
+        return httpx.get(ready_url(host, port), timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -16,7 +16,7 @@ SMALLEST_GRAPH_BUCKET = 1024  # patches (vision_encoder/towers/graphs.py)
 class EncoderConfig(FrozenConfig):
     model: str  # checkpoint directory (or hub id where there is internet)
     address: str = ENCODER_ADDRESS  # ROUTER bind address
-    device: str = "cpu"
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")  # torch's device string: cpu, cuda or cuda:N
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # A batch closes at whichever comes first: this many images, this many ViT
     # patches, or this long after its first image arrived.

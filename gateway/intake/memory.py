@@ -55,6 +55,9 @@ BODY_COPIES = 2
 BODY_SHARE = 0.75
 RETRY_AFTER = {"Retry-After": "1"}
 TRIM_EVERY_S = 10
+# The memory of a multi-worker gateway's supervisor (`python -m gateway` imports its config and
+# gateway/ops/workers.py, not the app and torch): about 40 MB, rounded up.
+SUPERVISOR_BYTES = 64 * 2**20
 
 
 def mib(nbytes: int) -> str:
@@ -216,8 +219,8 @@ class MemoryPlan:
             limit, source = int(config.memory_limit_bytes), "gateway.memory_limit_bytes"
         else:
             limit, source = memory_limit()
-        if workers > 1:
-            limit, source = limit // workers, f"{source}, a share of {workers} workers"
+        if workers > 1:  # the workers' supervisor (python -m gateway, without the app) takes its own first
+            limit, source = (limit - SUPERVISOR_BYTES) // workers, f"{source}, a share of {workers} workers"
         planned = int(limit * config.memory_use_fraction)
         if planned <= rss:
             raise ConfigError(f"gateway: {mib(limit)} of memory ({source}) × gateway.memory_use_fraction "

@@ -166,3 +166,22 @@ def test_a_health_probe_reads_every_profile_without_importing_vllm_or_torch():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("host,url", [
+    ("0.0.0.0", "http://127.0.0.1:8000/health/ready"), ("::", "http://[::1]:8000/health/ready"),
+    ("fd00::5", "http://[fd00::5]:8000/health/ready"), ("gateway", "http://gateway:8000/health/ready"),
+])
+def test_the_gateway_s_health_check_asks_where_it_listens(host, url):
+    """`gateway.host: "::"` (every address, IPv6 too) is checked on loopback, an IPv6 address in brackets."""
+    from prism.healthcheck import ready_url
+
+    assert str(ready_url(host, 8000)) == url
+
+
+def test_an_encoder_device_torch_would_refuse_is_refused_at_start_up_naming_the_key():
+    """`gpu` would reach torch only in the child `prism serve` starts, and fail there at every restart."""
+    with pytest.raises(ConfigError, match=r"encoder\.device") as refused:
+        load_config(EncoderConfig, "encoder", REPO_ROOT / "configs" / "cpu-demo.yaml", env={"PRISM_ENCODER__DEVICE": "gpu"})
+    assert "cuda" in str(refused.value)
+    assert load_config(EncoderConfig, "encoder", REPO_ROOT / "configs" / "cpu-demo.yaml", env={"PRISM_ENCODER__DEVICE": "cuda:1"}).device == "cuda:1"

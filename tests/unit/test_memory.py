@@ -16,7 +16,7 @@ from gateway.ops.workers import WorkerSlot
 from gateway.routing.clients import REPLY_BYTES, ReplyQueue
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.intake.memory import BODY_COPIES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
+from gateway.intake.memory import SUPERVISOR_BYTES, BODY_COPIES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
 from protocol.to_gateway import ChoiceDelta, TokenDelta
 
 GIB = 2**30
@@ -72,7 +72,18 @@ def test_the_plan_leaves_requests_the_share_less_the_process(tmp_path):
     assert (plan.limit, plan.budget, plan.kept_heap) == (2 * GIB, int(2 * GIB * 0.8) - 600 * MIB, 256 * MIB)
     assert plan.source == "gateway.memory_limit_bytes"
     shared = MemoryPlan.size(GatewayConfig(memory_limit_bytes="4GiB", workers=2, kept_heap_bytes="64MiB"), 2, 600 * MIB)
-    assert (shared.limit, shared.kept_heap) == (2 * GIB, 64 * MIB) and "a share of 2 workers" in shared.source
+    assert (shared.limit, shared.kept_heap) == ((4 * GIB - SUPERVISOR_BYTES) // 2, 64 * MIB) and "a share of 2 workers" in shared.source
+
+
+def test_a_multi_worker_gateway_s_supervisor_stays_out_of_the_app_s_memory():
+    """It supervises, and the workers share the limit less its own: the app's imports (torch, half a
+    GB) would take that much again in the pod, uncounted."""
+    import subprocess
+    import sys
+
+    code = "import psutil, sys, gateway.__main__; print('torch' in sys.modules, psutil.Process().memory_info().rss)"
+    loaded, rss = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == "False" and int(rss) < SUPERVISOR_BYTES
 
 
 def test_a_limit_the_gateway_fills_by_itself_is_refused_at_start_up():
