@@ -183,7 +183,7 @@ class Inspected:
     format: str
     size: tuple[int, int]  # (width, height) as stored, before EXIF transpose
     budget: PixelBudget
-    target: tuple[int, int]  # (height, width) the encoder will be sent
+    target: tuple[int, int]  # (height, width) the encoder will be sent, as stored (before EXIF transpose)
     visual_tokens: int
     decoded_pixels: int = 0  # what `decode` decodes: fewer than stored where a JPEG is drafted
     bytes_per_pixel: int = DECODE_BYTES_PER_PIXEL
@@ -281,7 +281,12 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
             with _opened(raw, fmt, HEADER_READ_S) as image:
                 width, height = image.size
                 _check_declared_size(where, width, height, policy.limits)
-                target = policy.target(height, width, budget)
+                # Sized and counted as the encoder sees it, turned by its EXIF orientation: a tiling
+                # family's grid is not symmetric in height and width.
+                turned = _sides_swap(image)
+                shown = (width, height) if turned else (height, width)
+                shown_target = policy.target(*shown, budget)
+                target = shown_target[::-1] if turned else shown_target  # as stored, for libjpeg's draft
                 _scale_down(image, fmt, target, policy)  # the header only: nothing is decoded
                 decoded_pixels = image.size[0] * image.size[1]
                 bytes_per_pixel = _bytes_per_pixel(image, fmt)
@@ -291,7 +296,7 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
         raise _invalid(where, f"its {fmt} header took more than {HEADER_READ_S:g} s to read", 413, "image_too_complex") from None
     except _DECODE_ERRORS as exc:
         raise _invalid(where, f"cannot read the {fmt} header ({_reason(exc)})") from None
-    return Inspected(raw, where, fmt, (width, height), budget, target, policy.visual_tokens(height, width, target),
+    return Inspected(raw, where, fmt, (width, height), budget, target, policy.visual_tokens(*shown, shown_target),
                      decoded_pixels, bytes_per_pixel)
 
 
@@ -358,9 +363,8 @@ def _sides_swap(opened: Image.Image) -> bool:
 
 def _scale_down(opened: Image.Image, fmt: str, target: tuple[int, int], policy: IntakePolicy) -> bool:
     """Set libjpeg to decode `opened` at 1/2, 1/4 or 1/8 scale, never below
-    `target` (stored orientation: every layout's sizing is symmetric in h and
-    w), where `jpeg_draft` allows; True if it will. Its size is then the
-    scaled one; nothing is decoded yet."""
+    `target` (as stored, before any EXIF turn), where `jpeg_draft` allows; True
+    if it will. Its size is then the scaled one; nothing is decoded yet."""
     if not policy.jpeg_draft or fmt != "JPEG":
         return False
     size = opened.size

@@ -83,6 +83,27 @@ def test_tiled_counts_equal_vllm_s(anyres):
         assert ours == vllm_count(vllm_info, height, width), (height, width)
 
 
+def test_an_image_turned_by_its_exif_orientation_is_counted_as_turned(anyres):
+    """vLLM counts (and the encoder tiles) the image as its EXIF orientation shows it: a tiling
+    family's grid is not symmetric in height and width."""
+    import io
+
+    from PIL import ExifTags
+
+    from gateway.intake.images import inspect as inspect_image
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    vllm_info = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=anyres.model_id)).info
+    policy = IntakePolicy(anyres.processor_info, ImageLimits(20 * 2**20, 50_000_000, 1, 200))
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # turned 90°: shown 1000 tall, 448 wide
+    stored = io.BytesIO()
+    Image.new("RGB", (1000, 448), (90, 120, 30)).save(stored, "JPEG", exif=exif.tobytes())
+    counted = inspect_image(stored.getvalue(), "img", policy, policy.default_budget).visual_tokens
+    assert counted == vllm_count(vllm_info, 1000, 448), (counted, vllm_count(vllm_info, 448, 1000))
+
+
 def test_internvl_finds_the_original_grid_in_the_smaller_image_it_is_sent():
     """The encoder holds InternVL's processor to the original's tile count; within that count the
     closest aspect ratio of the smaller image is the original's grid, for every size tried."""
