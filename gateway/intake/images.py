@@ -343,12 +343,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _orientation(opened: Image.Image) -> int:
-    """The EXIF orientation the header carries (1: as stored, or no EXIF there); 1 where it cannot be
-    read, as vLLM then turns nothing. From the header's own bytes, not getexif(): a PNG's decodes
-    the whole image looking for an eXIf chunk past the pixels."""
-    if "exif" not in opened.info:
-        return 1
+    """The orientation exif_transpose will turn the image by (1: as stored, or none in the header); 1
+    where it cannot be read, as vLLM then turns nothing. A JPEG's from getexif(), which reads its
+    header and falls back to XMP's tiff:Orientation as exif_transpose does; other formats' from the
+    header's own EXIF bytes: a PNG's getexif() decodes the whole image looking for an eXIf chunk."""
     try:
+        if opened.format == "JPEG":
+            return opened.getexif().get(ExifTags.Base.Orientation, 1)
+        if "exif" not in opened.info:
+            return 1
         exif = Image.Exif()
         exif.load(opened.info["exif"])
         return exif.get(ExifTags.Base.Orientation, 1)

@@ -21,12 +21,16 @@ QWEN = IntakePolicy(ProcessorInfo(14, 2, 3136, 140 * 140), LIMITS)
 TILES = IntakePolicy(TilesInfo(448, 1, 12, True, 256), LIMITS)
 
 
-def jpeg(size: tuple[int, int], orientation: int = 1) -> bytes:
+XMP_TURNED = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">'
+              b'<rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')
+
+
+def jpeg(size: tuple[int, int], orientation: int = 1, xmp: bytes = b"") -> bytes:
     exif = Image.Exif()
     if orientation != 1:
         exif[0x0112] = orientation
     buffer = io.BytesIO()
-    make_image("draft", size).save(buffer, "JPEG", quality=90, exif=exif.tobytes())
+    make_image("draft", size).save(buffer, "JPEG", quality=90, exif=exif.tobytes(), **({"xmp": xmp} if xmp else {}))
     return buffer.getvalue()
 
 
@@ -44,6 +48,15 @@ def test_draft_lands_on_the_full_decode_geometry(policy, orientation):
     assert draft.original_size == full.original_size == ((2160, 3840) if orientation in (6, 8) else (3840, 2160))
     difference = np.abs(draft.pixels.astype(int) - full.pixels.astype(int)).mean()
     assert 0 < difference < 4, difference  # the same picture, not bit-equal (DCT scaling is not bicubic)
+
+
+@pytest.mark.parametrize("policy", [QWEN, TILES], ids=["qwen", "tiles"])
+def test_an_orientation_only_xmp_carries_turns_a_draft_as_the_full_decode(policy):
+    """exif_transpose falls back to XMP's tiff:Orientation where the EXIF has none (as vLLM's does):
+    the draft, and the count, know the picture turns too."""
+    (item, full), (drafted_item, draft) = both(jpeg((3840, 2160), xmp=XMP_TURNED), policy)
+    assert draft.pixels.shape == full.pixels.shape and draft.original_size == full.original_size == (2160, 3840)
+    assert drafted_item.visual_tokens == item.visual_tokens == policy.visual_tokens(3840, 2160, policy.target(3840, 2160, policy.default_budget))
 
 
 def test_draft_is_off_for_small_images_and_other_formats():
