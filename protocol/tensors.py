@@ -101,5 +101,5 @@ def to_torch(meta: ArrayMeta, frame: Any):
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.frombuffer(buffer, dtype=torch.uint8)
         return flat.view(dtype).reshape(meta.shape)
-    except RuntimeError as exc:  # a shape torch cannot lay out (no elements, strides past 2**63)
+    except (RuntimeError, TypeError, OverflowError) as exc:  # a shape torch cannot lay out (no elements, sizes past 2**63)
         raise ValueError(f"header {meta}: {exc}") from None

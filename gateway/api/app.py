@@ -28,7 +28,7 @@ from gateway.ops.dashboard import DashboardWindow, ServiceSample, finished_reque
 from gateway.errors import APIError
 from gateway.intake.fetch import FetchLimits, ImageFetcher
 from gateway.ops.loop_probe import LoopProbe
-from gateway.ops.retired import RETIRED
+from gateway.ops.retired import RETIRED, counters
 from gateway.intake.images import ImageLimits
 from gateway.api.listener import listening_socket
 from gateway.intake.memory import HeapKeeper, MemoryPlan, mib, process_rss
@@ -264,10 +264,12 @@ async def started_unless_stopped(gateway: Gateway, app: FastAPI) -> bool:
 
 
 def _each_process(replicas) -> list:
-    """The newest stats of each process (by boot id) that `replicas` heard from."""
+    """The newest stats of each process (by boot id) that `replicas` heard from; those a replica up
+    now heard first. A process heard only by replicas that are down counts its counters and holds
+    nothing: its queue, in-flight requests and cache are not the service's now."""
     newest = {}
-    for replica in sorted((r for r in replicas if r.stats is not None), key=lambda r: r.stats_received_at or 0):
-        newest[replica.stats.boot_id] = replica.stats
+    for replica in sorted((r for r in replicas if r.stats is not None), key=lambda r: (r.up, r.stats_received_at or 0)):
+        newest[replica.stats.boot_id] = replica.stats if replica.up else counters(replica.stats)
     return list(newest.values())
 
 

@@ -100,7 +100,10 @@ class RetiredTotals:
         """The last stats of a client that was closed, or (`restarted`) whose process restarted."""
         if stats.boot_id in self._folded_ids:  # a second client hearing of the same restart
             return
-        self._last[stats.boot_id] = counters(stats)
+        last = counters(stats)
+        if (before := self._last.get(stats.boot_id)) is not None:  # another client's, maybe heard later
+            last = _later(last, before)
+        self._last[stats.boot_id] = last
         if restarted:
             self._ended.add(stats.boot_id)
 

@@ -71,14 +71,14 @@ def test_a_missing_key_is_a_miss(tier):
     assert tier.stats.misses == 1
 
 
-def past_memory(identity: bytes) -> bytes:
-    """A value whose header describes no elements in a shape whose strides overflow, its (empty)
+def past_memory(identity: bytes, shape: tuple[int, ...]) -> bytes:
+    """A value whose header describes no elements in a shape torch cannot lay out, its (empty)
     payload's checksum right: written by a client that can reach Redis, not by Prism."""
-    header = msgspec.msgpack.encode(SharedEntry(ArrayMeta("float32", (0, 2**62, 2**62)), None, identity, xxhash.xxh3_64_intdigest(b"")))
+    header = msgspec.msgpack.encode(SharedEntry(ArrayMeta("float32", shape), None, identity, xxhash.xxh3_64_intdigest(b"")))
     return struct.pack("<I", len(header)) + header
 
 
-@pytest.mark.parametrize("tamper", ["flip_payload_byte", "truncate", "foreign_value", "shape_past_memory"])
+@pytest.mark.parametrize("tamper", ["flip_payload_byte", "truncate", "foreign_value", "strides_past_memory", "size_past_memory"])
 def test_tampered_values_are_refused(tier, server, tamper):
     entry = value()
     stored(tier, b"k1", entry)
@@ -90,8 +90,10 @@ def test_tampered_values_are_refused(tier, server, tamper):
         blob = blob[:-2]
     elif tamper == "foreign_value":
         blob = bytearray(b"not a prism value at all")
+    elif tamper == "strides_past_memory":
+        blob = bytearray(past_memory(entry.identity, (0, 2**62, 2**62)))
     else:
-        blob = bytearray(past_memory(entry.identity))
+        blob = bytearray(past_memory(entry.identity, (0, 2**63)))
     raw.set(NAMESPACE + b"k1", bytes(blob))
     assert tier.get_many([b"k1"], [entry.identity]) == [None]
     assert tier.stats.corrupt == 1 and tier.stats.hits == 0

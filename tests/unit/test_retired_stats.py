@@ -100,8 +100,8 @@ def test_a_restarted_process_another_client_still_reports_waits_for_it():
 
 
 class Replica:
-    def __init__(self, stats, received_at: float) -> None:
-        self.stats, self.stats_received_at = stats, received_at
+    def __init__(self, stats, received_at: float, up: bool = True) -> None:
+        self.stats, self.stats_received_at, self.up = stats, received_at, up
 
 
 class Pools:
@@ -145,3 +145,23 @@ def test_a_reload_s_old_client_that_heard_a_process_last_keeps_the_sums_from_fal
     assert (engine_stats.finished, engine_stats.steps) == (before[1][0].finished, before[1][0].steps) == (108, 100)
     assert (encoder_stats.cache_hits, encoder_stats.shared_cache.hits) == (12, 7)
     assert (encoder_stats.queue_depth, engine_stats.in_flight) == (2, 2)  # what it holds: the live client's word
+
+
+def test_two_clients_closed_in_either_order_keep_the_later_numbers():
+    """Two models on one encoder: the client that heard the process last may be closed first."""
+    retired = RetiredTotals()
+    retired.retire(encoder("a", hits=100, queue=0, shared_hits=None), restarted=True)
+    retired.retire(encoder("a", hits=95, queue=0, shared_hits=None), restarted=True)  # heard earlier, told later
+    assert retired.totals(live=[])[0].cache_hits == 100
+
+
+def test_a_replica_that_is_down_keeps_its_counters_and_holds_nothing(monkeypatch):
+    """An encoder killed with images queued: its queue and in-flight requests are not the service's
+    any more (the autoscaler reads the queue), while what it did stays in the sums."""
+    monkeypatch.setattr("gateway.api.app.RETIRED", RetiredTotals())
+    gateway = Gateway(GatewayConfig())
+    engine = EngineStats("e", in_flight=4, waiting=2, finished=9, failed=0, steps=100)
+    gateway.models = {"m": Pools("m", [Replica(encoder("a", hits=12, queue=7, shared_hits=None), 2.0, up=False)], [Replica(engine, 2.0)])}
+    (down,), (live,) = gateway.service_stats()
+    assert (down.cache_hits, down.queue_depth, down.in_flight, down.cache_bytes) == (12, 0, 0, 0)
+    assert (live.in_flight, live.waiting) == (4, 2)
