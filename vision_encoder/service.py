@@ -62,6 +62,13 @@ WATCH_INTERVAL_MS = 250
 MESSAGES_PER_TURN = 64
 
 
+def cap_device_memory(fraction: float, device: str) -> None:
+    """`encoder.gpu_memory_fraction` on the encoder's GPU: torch takes a device with its index
+    (`cuda` alone is the current device's)."""
+    index = torch.device(device).index
+    torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda.current_device() if index is None else index)
+
+
 def _past_once_half_full(bound: int, waiting: int, adding: int) -> bool:
     """Work that would take a queue past `bound` once half of it is taken (`_refused_as_full`)."""
     return 2 * waiting >= bound and waiting + adding > bound
@@ -95,7 +102,7 @@ class EncoderService:
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         if config.gpu_memory_fraction:
-            torch.cuda.set_per_process_memory_fraction(config.gpu_memory_fraction, torch.device(config.device))
+            cap_device_memory(config.gpu_memory_fraction, config.device)
         options = RunOptions(config.attention, config.preprocess_on_device, config.graph_max_patches, config.max_batch_images,
                              config.compile_blocks)
         tower = load_tower(config.model, config.dtype, config.device, config.min_pixels, config.max_pixels, options)

@@ -133,3 +133,17 @@ def test_compiled_blocks_give_the_same_tokens(family):
         expected = [t for t, _ in eager.encode(batch)]
         got = [t for t, _ in compiled.encode(batch)]
         assert relative(got, expected) < 1e-4
+
+
+def test_the_packed_kernels_are_not_chosen_on_a_gpu_older_than_ampere(monkeypatch):
+    """FlashAttention's kernels (flash_attn's, and the one torch's varlen calls) refuse older GPUs:
+    `auto` takes the padded call there, as on a GPU without either."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    turing = torch.device("cuda")
+    assert attention.choose("auto", turing) == "padded"
+    with pytest.raises(ValueError, match="older than Ampere"):
+        attention.choose("varlen", turing)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert attention.choose("auto", turing) in ("flash", "varlen")

@@ -104,10 +104,14 @@ def register(backend: str) -> str:
     return name
 
 
+# FlashAttention's kernels, flash_attn's and the one inside torch's varlen_attn, run on Ampere or newer.
+FLASH_CAPABILITY = (8, 0)
+
+
 def available(backend: str, device: torch.device) -> bool:
     if backend in ("loop", "padded"):
         return True
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FLASH_CAPABILITY:
         return False
     if backend == "flash":
         return importlib.util.find_spec("flash_attn") is not None
@@ -126,5 +130,6 @@ def choose(requested: str, device: torch.device) -> str:
         return next(b for b in ("flash", "varlen", "padded") if available(b, device))
     if not available(requested, device):
         raise ValueError(f"encoder.attention {requested!r} is not available on {device} "
-                         f"({'needs CUDA' if device.type != 'cuda' else 'not installed'}); use auto, loop or padded")
+                         f"({'needs CUDA' if device.type != 'cuda' else 'not installed, or a GPU older than Ampere'}); "
+                         "use auto, loop or padded")
     return requested

@@ -146,7 +146,13 @@ class TowerGraphs:
         self._lock = threading.Lock()
 
     def capture(self, example_pixels: torch.Tensor, example_plan: dict[str, Any], device: torch.device) -> None:
-        """Every bucket's graph, from an example batch padded to each (largest first: the pool is sized once)."""
+        """Every bucket's graph, from an example batch padded to each (largest first: the pool is sized once).
+        On the tower's device, which need not be the current one (`encoder.device: cuda:1`): the streams
+        and the capture are the current device's."""
+        with torch.cuda.device(device):
+            self._capture(example_pixels, example_plan, device)
+
+    def _capture(self, example_pixels: torch.Tensor, example_plan: dict[str, Any], device: torch.device) -> None:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for bucket in reversed(self.padding.buckets):
