@@ -34,50 +34,49 @@ async def send(socket: AsyncDealer, request_id: str, size: tuple[int, int], coun
     await socket.send(EncodeRequest(request_id, list(images)), list(frames))
 
 
-def test_work_past_the_queue_s_bytes_is_refused_once_half_of_them_wait(encoder):
-    async def run():
+def refused_between(address: str, before: list[tuple], refused: tuple, after: tuple) -> tuple[EncodeFailed, dict]:
+    """Each of `before` sent at once, then `refused` (each (request id, image size, images)); once they
+    are answered, `after` on an empty queue. (`refused`'s reply, every other reply by request id.)"""
+    async def run() -> dict:
         ctx = zmq.asyncio.Context()
-        socket = AsyncDealer(ctx, encoder, GatewayInbound)
+        socket = AsyncDealer(ctx, address, GatewayInbound)
         try:
             await handshake(socket)
-            await send(socket, "small", (32, 32))  # 3,072 bytes
-            await send(socket, "large", (224, 224))  # past the bound with it, but under half of it waits: queued
-            await send(socket, "another", (32, 32))  # now more than half waits, and it would pass the bound
-            replies = await replies_to(socket, ["another", "small", "large"], timeout_s=120)
-            await send(socket, "after", (32, 32))  # the queue empty again
-            replies["after"] = (await reply_to(socket, "after", timeout_s=120))[0]
+            for request in (*before, refused):
+                await send(socket, *request)
+            replies = await replies_to(socket, [refused[0], *(request[0] for request in before)], timeout_s=120)
+            await send(socket, *after)
+            replies[after[0]] = (await reply_to(socket, after[0], timeout_s=120))[0]
             return replies
         finally:
             socket.close()
             ctx.term()
 
     replies = asyncio.run(run())
-    refused = replies.pop("another")
-    assert isinstance(refused, EncodeFailed) and refused.status == 429, refused
-    assert "(153,600 bytes waiting; this request's 3,072 would pass encoder.max_queue_bytes, 100,000)" in refused.message
+    answer = replies.pop(refused[0])
+    assert isinstance(answer, EncodeFailed) and answer.status == 429, answer
     assert all(isinstance(reply, EncodeResult) for reply in replies.values()), replies
+    return answer, replies
+
+
+def test_work_past_the_queue_s_bytes_is_refused_once_half_of_them_wait(encoder):
+    refused, _ = refused_between(
+        encoder,
+        # 3,072 bytes, then one past the bound with it, but under half of it waits: queued
+        before=[("small", (32, 32), 1), ("large", (224, 224), 1)],
+        refused=("another", (32, 32), 1),  # now more than half waits, and it would pass the bound
+        after=("after", (32, 32), 1),  # the queue empty again
+    )
+    assert "(153,600 bytes waiting; this request's 3,072 would pass encoder.max_queue_bytes, 100,000)" in refused.message
 
 
 def test_a_request_of_more_images_than_the_queue_holds_is_refused_only_once_half_of_it_waits(encoder):
     """The count bound as the byte bound: a request of many images alone is queued, never refused
     for ever; once half the bound waits, one that would pass it is a 429."""
-    async def run():
-        ctx = zmq.asyncio.Context()
-        socket = AsyncDealer(ctx, encoder, GatewayInbound)
-        try:
-            await handshake(socket)
-            await send(socket, "pair", (32, 32), 2)  # under half of the bound waits: queued
-            await send(socket, "two-more", (32, 32), 2)  # now half waits, and it would pass the bound
-            replies = await replies_to(socket, ["two-more", "pair"], timeout_s=120)
-            await send(socket, "five", (32, 32), QUEUE_IMAGES + 2)  # the queue empty again
-            replies["five"] = (await reply_to(socket, "five", timeout_s=120))[0]
-            return replies
-        finally:
-            socket.close()
-            ctx.term()
-
-    replies = asyncio.run(run())
-    refused = replies.pop("two-more")
-    assert isinstance(refused, EncodeFailed) and refused.status == 429, refused
+    refused, _ = refused_between(
+        encoder,
+        before=[("pair", (32, 32), 2)],  # under half of the bound waits: queued
+        refused=("two-more", (32, 32), 2),  # now half waits, and it would pass the bound
+        after=("five", (32, 32), QUEUE_IMAGES + 2),  # the queue empty again
+    )
     assert "(2 items waiting; this request's 2 would pass encoder.max_queue_images, 3)" in refused.message
-    assert all(isinstance(reply, EncodeResult) for reply in replies.values()), replies
