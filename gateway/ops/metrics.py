@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.timing import STAGES, ran
-from protocol.stats import HistogramSnapshot, ServiceState
+from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, HistogramSnapshot, ServiceState
 
 # Half a millisecond (a cache lookup, an idle queue) to minutes (a long answer's end to end),
 # with steps of at most 1.5x from a second to ten, where a CPU demo's TTFT falls: a quantile
@@ -220,8 +220,10 @@ def _encoder_metrics(encoders: list):
     yield events
     yield CounterMetricFamily("prism_encoder_jobs_dropped", "Queued encodes dropped: every request waiting on them went away", value=total("jobs_dropped"))
     yield CounterMetricFamily("prism_encoder_oom_splits", "Encoder batches split in two for want of device memory", value=total("oom_splits"))
-    yield _histogram("prism_encoder_batch_images", "Images per encoder batch", merge_histograms([e.batch_images for e in encoders]))
-    yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch", merge_histograms([e.batch_patches for e in encoders]))
+    yield _histogram("prism_encoder_batch_images", "Images per encoder batch",
+                     merge_histograms([e.batch_images for e in encoders], BATCH_IMAGE_BUCKETS))
+    yield _histogram("prism_encoder_batch_patches", "ViT patches per encoder batch",
+                     merge_histograms([e.batch_patches for e in encoders], BATCH_PATCH_BUCKETS))
     shared = [e.shared_cache for e in encoders if e.shared_cache is not None]
     if shared:
         shared_events = CounterMetricFamily("prism_shared_cache_events", "Shared (Redis) cache tier events", labels=["event"])
@@ -281,10 +283,12 @@ def _add_state(family: GaugeMetricFamily, service: str, label: list[str], stats)
             family.add_metric([service, *label, state.name.lower()], int(stats.state == state))
 
 
-def merge_histograms(snapshots: list[HistogramSnapshot]) -> HistogramSnapshot:
-    """One histogram from several with the same buckets (one per replica)."""
-    counts = [sum(column) for column in zip(*(s.counts for s in snapshots))]
-    return HistogramSnapshot(snapshots[0].bounds, tuple(counts), sum(s.total for s in snapshots))
+def merge_histograms(snapshots: list[HistogramSnapshot], bounds: tuple[float, ...]) -> HistogramSnapshot:
+    """One histogram of `bounds` from the snapshots that have them (one per replica): a replica
+    of another version, with other buckets, is left out rather than read against the wrong ones."""
+    same = [s for s in snapshots if tuple(s.bounds) == tuple(bounds)]
+    counts = [sum(column) for column in zip(*(s.counts for s in same))] or [0] * (len(bounds) + 1)
+    return HistogramSnapshot(tuple(bounds), tuple(counts), sum(s.total for s in same))
 
 
 def _histogram(name: str, documentation: str, snapshot) -> HistogramMetricFamily:

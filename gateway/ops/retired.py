@@ -60,7 +60,7 @@ def _sum(a, b):
         return b if a is None else a
     if isinstance(b, HistogramSnapshot):
         # A process of another version, other buckets: the newer one's alone.
-        return merge_histograms([a, b]) if a.bounds == b.bounds else b
+        return merge_histograms([a, b], b.bounds) if a.bounds == b.bounds else b
     if isinstance(b, SharedTierStats):
         return added(a, b)
     return a + b

@@ -165,3 +165,16 @@ def test_a_replica_that_is_down_keeps_its_counters_and_holds_nothing(monkeypatch
     (down,), (live,) = gateway.service_stats()
     assert (down.cache_hits, down.queue_depth, down.in_flight, down.cache_bytes) == (12, 0, 0, 0)
     assert (live.in_flight, live.waiting) == (4, 2)
+
+
+def test_a_replica_of_other_buckets_is_left_out_of_the_live_histogram():
+    """Two versions side by side during a rolling change: the counts are read against the gateway's
+    own buckets, never another version's (a histogram without its +Inf bucket reads as NaN)."""
+    from gateway.ops.metrics import merge_histograms
+
+    ours = histogram(BATCH_IMAGE_BUCKETS, 1, 4, 100)
+    theirs = histogram((1, 2, 4), 1, 2, 3)
+    for order in ([ours, theirs], [theirs, ours]):
+        merged = merge_histograms(order, BATCH_IMAGE_BUCKETS)
+        assert merged.bounds == BATCH_IMAGE_BUCKETS and merged.counts == ours.counts and merged.total == ours.total
+    assert sum(merge_histograms([theirs], BATCH_IMAGE_BUCKETS).counts) == 0
