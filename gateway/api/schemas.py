@@ -83,7 +83,7 @@ class FunctionCall(_Strict):
 
 class ToolCall(_Strict):
     id: str
-    type: Literal["function"] = "function"
+    type: Literal["function"]  # required, as OpenAI and vLLM have it: the engine reads the call with vLLM's types
     function: FunctionCall
 
 
@@ -116,8 +116,9 @@ class Message(_Strict):
             raise ValueError("only assistant messages carry reasoning")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id it answers")
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning is not None)):
+            # an answer that stopped inside its reasoning comes back with null content (gateway/api/responses.py)
+            raise ValueError("content is required (only an assistant message with tool_calls or reasoning may omit it)")
         if self.role == "tool" and isinstance(self.content, list) and any(isinstance(p, ImagePart | VideoPart) for p in self.content):
             raise ValueError("a tool message carries text only (chat templates render tool results as text)")
         return self

@@ -34,6 +34,20 @@ def test_an_answer_of_reasoning_alone_has_null_content_as_vllm_s():
     reasoned, empty = answer.choices()
     assert reasoned["message"] == {"role": "assistant", "content": None, "reasoning": "hmm"}
     assert empty["message"]["content"] == ""
+    # ...and taken back as history, as vLLM's server takes it (the SDK's `reply.model_dump()`)
+    history = [{"role": "user", "content": "hi"}, reasoned["message"], {"role": "user", "content": "go on"}]
+    assert request(messages=history).messages[1].reasoning == "hmm"
+
+
+def test_a_tool_call_without_its_type_is_refused_at_the_door_as_vllm_refuses_it():
+    """Else it passed here and met vLLM's message types in the engine, after its images were encoded."""
+    call = {"id": "a", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "a", "content": "done"}]
+    with pytest.raises(pydantic.ValidationError, match=r"messages\.1\.tool_calls\.0\.type"):
+        request(messages=history)
+    history[1]["tool_calls"] = [{**call, "type": "function"}]
+    assert request(messages=history).messages[1].tool_calls[0].type == "function"
 
 
 def test_stream_options_without_stream_are_refused_unless_empty_as_vllm_refuses_them():
