@@ -232,20 +232,16 @@ async def render_for_vllm(renderer, model_config, inputs: dict) -> tuple[dict, i
 
 
 def output_budget(chat, prompt_tokens: int, max_model_len: int, generation_defaults: dict | None = None) -> int:
-    """The completion's max_tokens for a prompt of `prompt_tokens` (vLLM's count)."""
-    requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
-    return _output_budget(requested, prompt_tokens, max_model_len, generation_defaults or {})
-
-
-def _output_budget(requested: int | None, prompt_tokens: int, max_model_len: int, generation_defaults: dict) -> int:
-    """vLLM's server's: a limit over the context length, or a prompt that leaves no room, is refused;
-    otherwise the completion gets what was asked (else the checkpoint's max_new_tokens), at most
-    what the context has left (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens)."""
+    """The completion's max_tokens for a prompt of `prompt_tokens` (vLLM's count), as vLLM's server
+    sets it: a limit over the context length, or a prompt that leaves no room, is refused; otherwise
+    the completion gets what was asked (else the checkpoint's max_new_tokens), at most what the
+    context has left (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens)."""
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
+    requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     if requested is not None and requested > max_model_len:
         raise InvalidPrompt(f"max_tokens={requested} cannot be greater than this model's context length, {max_model_len} tokens: "
                             "request fewer output tokens")
     if prompt_tokens >= max_model_len:
         raise InvalidPrompt(f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens}")
-    return get_max_tokens(max_model_len, requested, prompt_tokens, generation_defaults)
+    return get_max_tokens(max_model_len, requested, prompt_tokens, generation_defaults or {})

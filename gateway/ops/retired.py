@@ -59,8 +59,8 @@ def _sum(a, b):
     if a is None or b is None:  # an optional part (the shared tier) that one side lacks
         return b if a is None else a
     if isinstance(b, HistogramSnapshot):
-        # A process of another version, other buckets: the newer one's alone.
-        return merge_histograms([a, b], b.bounds) if a.bounds == b.bounds else b
+        # A process of another version, other buckets: the newer one's alone (merge_histograms leaves the other out).
+        return merge_histograms([a, b], b.bounds)
     if isinstance(b, SharedTierStats):
         return added(a, b)
     return a + b
