@@ -61,6 +61,12 @@ def refusal_reason(address: IPAddress) -> str | None:
     """Why an address may not be fetched from by default, or None if it is public."""
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         return refusal_reason(address.ipv4_mapped)
+    # a 6to4 address (2002::/16) is public, yet a 6to4 relay delivers it to the IPv4
+    # address inside it: refuse it where that one would be refused
+    if isinstance(address, ipaddress.IPv6Address) and address.sixtofour is not None:
+        inner = refusal_reason(address.sixtofour)
+        if inner is not None:
+            return f"6to4-{inner}"
     # is_site_local: IPv6's deprecated fec0::/10, still routed on some networks, which
     # Python 3.11 counts as global
     for attribute in ("is_unspecified", "is_loopback", "is_link_local", "is_site_local", "is_multicast", "is_private", "is_reserved"):
