@@ -13,7 +13,8 @@ through the gateway. Each image is looked for, in this order:
    there;
 2. a push still on its way (the reference says `pushed`: its encoder was
    sending it here as it encoded it, `PushedEmbedding`), waited for up to
-   `engine.embed_push_wait_s` (a push may be refused or lost);
+   `engine.embed_push_wait_s` (a push may be refused or lost; one waited
+   out is not waited for again);
 3. a fetch of the same image another request has in flight: joined, so a
    burst of questions about one new image fetches it once (if that fetch
    brings nothing, each waiter fetches for itself: at most one more timeout);
@@ -48,7 +49,7 @@ from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding, 
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed
 
 log = logging.getLogger("prism.engine")
-PUSHES_REMEMBERED = 4096  # pushed tensors not yet used by a request (their keys only)
+PUSHES_REMEMBERED = 4096  # pushes arrived and not yet used, or waited out (their keys only)
 ENCODERS_REMEMBERED = 64  # sockets to encoders kept open (a deployment has far fewer encoders at once)
 
 
@@ -110,6 +111,9 @@ class EngineImages:
         self._fetching: dict[tuple[bytes, bytes], asyncio.Future] = {}  # (key, identity) → the fetch bringing it
         self._awaited: dict[tuple[bytes, bytes], asyncio.Future] = {}  # pushes a request waits for
         self._arrived: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # pushes no request used yet
+        # pushes a request waited out: a later request for the same image fetches at once (if
+        # the push comes after all, the LRU holds it) instead of waiting push_wait_s again
+        self._overdue: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()
         self._ids = itertools.count()
 
     @classmethod
@@ -139,13 +143,12 @@ class EngineImages:
         self.pushed_bytes += memoryview(frames[0]).nbytes
         self.cache.put(push.key, CachedEmbedding(tensor, push.grid_thw, push.identity))
         slot = (push.key, push.identity)
+        self._overdue.pop(slot, None)
         waiting = self._awaited.pop(slot, None)
         if waiting is not None and not waiting.done():
             waiting.set_result(tensor)
             return
-        self._arrived[slot] = None
-        while len(self._arrived) > PUSHES_REMEMBERED:
-            self._arrived.popitem(last=False)
+        _remember(self._arrived, slot)
 
     def _count(self, direction: str, nbytes: int) -> None:
         self.fetched_bytes += nbytes
@@ -206,8 +209,10 @@ class EngineImages:
         return cached.embeddings
 
     def _push_on_its_way(self, image: ImageEmbedding) -> bool:
-        """Pushed, and neither here yet nor arrived and evicted since (then only a fetch brings it)."""
-        return (image.pushed and (image.key, image.identity) not in self._arrived
+        """Pushed, and neither here yet, nor arrived and evicted since, nor waited out
+        already (then only a fetch brings it)."""
+        slot = (image.key, image.identity)
+        return (image.pushed and slot not in self._arrived and slot not in self._overdue
                 and self.cache.get(image.key, image.identity, record=False) is None)
 
     def _push_of(self, image: ImageEmbedding) -> asyncio.Future:
@@ -227,6 +232,7 @@ class EngineImages:
                     self.pushed += 1
                 elif self._awaited.get(slot := (images[index].key, images[index].identity)) is future:
                     del self._awaited[slot]  # not come: if it comes later, the LRU keeps it
+                    _remember(self._overdue, slot)
 
     async def _fetch_marked(self, images: Sequence[ImageEmbedding], wanted: dict[str, list[int]], found: list) -> None:
         """`_fetch`, with each image it brings marked in flight until it ends."""
@@ -325,3 +331,10 @@ def _as_referenced(tensor, ref: ImageEmbedding) -> bool:
         return True
     log.warning("visual tokens found as %s where the request references %s: looked for elsewhere", meta, ref.embeddings)
     return False
+
+
+def _remember(slots: OrderedDict, slot: tuple[bytes, bytes]) -> None:
+    """Adds `slot`, forgetting the oldest past PUSHES_REMEMBERED."""
+    slots[slot] = None
+    while len(slots) > PUSHES_REMEMBERED:
+        slots.popitem(last=False)

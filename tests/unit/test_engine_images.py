@@ -149,19 +149,25 @@ def test_tokens_that_are_not_what_the_request_references_are_never_used():
     asyncio.run(_tokens_not_as_referenced())
 
 
+def watch_push_waits(fetcher: EngineImages) -> list[list[bytes]]:
+    """Each time a request waits (up to push_wait_s) for pushes on their way: their keys."""
+    waits_for_pushes = []
+    await_pushes = fetcher._await_pushes
+
+    async def watched(images, awaited, found) -> None:
+        waits_for_pushes.append([images[index].key for index in awaited])
+        await await_pushes(images, awaited, found)
+
+    fetcher._await_pushes = watched
+    return waits_for_pushes
+
+
 async def _evicted_push() -> None:
     source = "inproc://encoder-evicted"
     async with encoder_and_fetcher(source, {b"x": TOKENS}, capacity_bytes=TOKENS.numel() * 2, push_wait_s=5) as (encoder, fetcher):  # holds one
         push(fetcher, b"x", TOKENS)
         push(fetcher, b"y", TOKENS * 2)  # evicts x
-        waits_for_pushes = []  # each time the request would wait (up to push_wait_s) for pushes on their way
-        await_pushes = fetcher._await_pushes
-
-        async def watched(images, awaited, found) -> None:
-            waits_for_pushes.append([images[index].key for index in awaited])
-            await await_pushes(images, awaited, found)
-
-        fetcher._await_pushes = watched
+        waits_for_pushes = watch_push_waits(fetcher)
         got = await fetcher.tensors([pushed_reference(b"x", source)])
         assert torch.equal(got[0], TOKENS) and encoder.asked == [[b"x"]]
         assert waits_for_pushes == [] and fetcher.pushed == 0 and not fetcher._awaited  # fetched at once, no push awaited
@@ -169,6 +175,23 @@ async def _evicted_push() -> None:
 
 def test_a_push_that_arrived_and_was_evicted_is_fetched_without_waiting_for_it():
     asyncio.run(_evicted_push())
+
+
+async def _push_waited_out() -> None:
+    source = "inproc://encoder-overdue"
+    async with encoder_and_fetcher(source, {}, push_wait_s=0.3) as (encoder, fetcher):
+        waits_for_pushes = watch_push_waits(fetcher)
+        for _ in range(2):  # the second request knows the first waited in vain: it fetches at once
+            with pytest.raises(EmbeddingsUnavailable):
+                await fetcher.tensors([pushed_reference(b"lost", source)])
+        assert waits_for_pushes == [[b"lost"]] and encoder.asked == [[b"lost"], [b"lost"]]
+        push(fetcher, b"lost", TOKENS)  # late after all: found here, nothing fetched
+        got = await fetcher.tensors([pushed_reference(b"lost", source)])
+        assert torch.equal(got[0], TOKENS) and len(encoder.asked) == 2 and fetcher.pushed == 1
+
+
+def test_a_push_one_request_waited_out_is_not_waited_for_again():
+    asyncio.run(_push_waited_out())
 
 
 def test_a_request_for_another_engine_than_the_pushed_one_waits_for_no_push():
