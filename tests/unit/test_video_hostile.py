@@ -22,11 +22,12 @@ import torch
 from gateway.errors import APIError
 from gateway.timing import RequestTimer
 from gateway.intake.video import intake as video_intake
-from gateway.intake.video.intake import VideoIntake, VideoRef, decode, inspect
+from gateway.intake.video.intake import VideoIntake, VideoRef, decode
 from gateway.intake.video.limits import VideoLimits
 from gateway.intake.resize import resize_pixels
 from gateway.intake.video.sampling import VideoSampling
 from gateway.intake.video.sizing import FramePlan, plan_frames
+from tests.unit.video_inspect import inspect
 from loadtest.clips import clip, named_clip
 from loadtest.synthetic import encode, make_image
 from protocol.video import VideoKnobs
@@ -432,10 +433,10 @@ def test_a_header_one_frame_over_its_stream_is_served_as_vllm_s_loader_serves_it
     expected_frames, expected_metadata = vllm_loaded(one_over, 32 if loader == "opencv" else -1, loader)
     intake = _intake()
     sampling = VideoSampling(loader)
-    first = inspect(one_over, WHERE, sampling, LIMITS, known=intake.known)
+    first = inspect(one_over, WHERE, sampling, LIMITS, intake=intake)
     video = asyncio.run(intake.decode(first))
     assert video.hf_metadata() == expected_metadata and np.array_equal(video.frames, expected_frames)
-    repeat = inspect(one_over, WHERE, sampling, LIMITS, known=intake.known)
+    repeat = inspect(one_over, WHERE, sampling, LIMITS, intake=intake)
     assert repeat.hf_metadata() == expected_metadata  # what a lookup by key alone sends, undecoded
 
 
@@ -450,7 +451,7 @@ def test_the_first_decode_of_a_header_one_frame_over_gives_qwen3_vl_s_processor_
     one_over = patched(clip(width=426, height=240, num_frames=60, fps=10.0, seed=5), b"stts", 12, struct.pack(">I", 61))
     expected_frames, expected_metadata = vllm_loaded(one_over, -1, "qwen3_vl")
     intake = _intake()
-    first = inspect(one_over, WHERE, VideoSampling("qwen3_vl"), LIMITS, planner, intake.known)
+    first = inspect(one_over, WHERE, VideoSampling("qwen3_vl"), LIMITS, planner, intake)
     video = asyncio.run(intake.decode(first))
     assert video.hf_metadata() == expected_metadata
 
@@ -460,7 +461,7 @@ def test_the_first_decode_of_a_header_one_frame_over_gives_qwen3_vl_s_processor_
     ours, vllms = processed(video.frames), processed(expected_frames)
     assert ours["video_grid_thw"].tolist() == vllms["video_grid_thw"].tolist()
     assert torch.equal(ours["pixel_values_videos"], vllms["pixel_values_videos"])
-    assert inspect(one_over, WHERE, VideoSampling("qwen3_vl"), LIMITS, planner, intake.known).plan.size == video.frames.shape[1:3]
+    assert inspect(one_over, WHERE, VideoSampling("qwen3_vl"), LIMITS, planner, intake).plan.size == video.frames.shape[1:3]
 
 
 def test_a_clip_whose_only_frame_cannot_be_read_is_refused_again_as_a_400():
@@ -470,7 +471,7 @@ def test_a_clip_whose_only_frame_cannot_be_read_is_refused_again_as_a_400():
     source = inspect(one_frame, WHERE, qwen3, LIMITS).source
     intake.known.put(video_intake.digest_of(one_frame, qwen3), dataclasses.replace(source, last_frame_unreadable=True))
     with pytest.raises(APIError) as caught:
-        inspect(one_frame, WHERE, qwen3, LIMITS, known=intake.known)
+        inspect(one_frame, WHERE, qwen3, LIMITS, intake=intake)
     assert caught.value.status == 400 and "no frame the decoder can read" in caught.value.message
 
 

@@ -10,9 +10,10 @@ import functools
 import numpy as np
 import pytest
 
-from gateway.intake.video.intake import decode, inspect
+from gateway.intake.video.intake import decode
 from gateway.intake.video.limits import VideoLimits
 from gateway.intake.video.sampling import VideoSampling, loader_for
+from tests.unit.video_inspect import inspect
 from loadtest.clips import NAMED, ClipSpec, make_clip
 
 vllm_video = pytest.importorskip("vllm.multimodal.media.video")

@@ -128,22 +128,6 @@ class KnownHeaders:
             self._headers[digest] = source
 
 
-def inspect(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits,
-            planner: Planner | None = None, known: KnownHeaders | None = None,
-            stop: Callable[[], bool] | None = None) -> InspectedVideo:
-    """Header-only checks, the frames sampling keeps and how they will be sent; no frame is decoded
-    but those the frame count's check decodes. All on the calling thread, that decode's memory
-    not counted (`VideoIntake.inspect` counts it). `stop`: asked at every read of the bytes; True
-    ends the header's read (as past its deadline)."""
-    digest = checked_digest(raw, where, sampling)
-    source = known.get(digest) if known else None
-    if source is None:
-        source = count_frames(raw, where, sampling, limits, read_figures(raw, where, limits, stop), stop)
-        if known:
-            known.put(digest, source)
-    return within_limits(sampled(raw, where, source, sampling, digest, planner), limits)
-
-
 def checked_digest(raw: bytes, where: str, sampling: VideoSampling) -> bytes:
     """The video's digest, once its bytes look like a video container."""
     if not raw:
@@ -347,8 +331,9 @@ class VideoIntake:
         return list(inspected)
 
     async def inspect(self, raw: bytes, where: str, sampling: VideoSampling, planner: Planner | None = None) -> InspectedVideo:
-        """`inspect` on the intake threads, with the decoder's memory counted while the frame count's
-        check decodes (from the last keyframe on: the whole stream of a clip with one keyframe)."""
+        """Header-only checks, the frames sampling keeps and how they will be sent, on the intake
+        threads. No frame is decoded but those the frame count's check decodes (from the last
+        keyframe on: the whole stream of a clip with one keyframe), their memory counted."""
         digest = await self._in_pool(checked_digest, raw, where, sampling)
         if (source := self.known.get(digest)) is None:
             figures = await self._stoppable(functools.partial(read_figures, raw, where, self.limits))
