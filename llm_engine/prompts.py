@@ -87,6 +87,8 @@ def _template_part(part: dict) -> dict:
         return {"type": "image"}
     if _is_video(part):
         return {"type": "video"}
+    if part.get("type") == "refusal":  # an earlier answer's refusal: text, as vLLM's renderer reads it
+        return {"type": "text", "text": part.get("refusal", "")}
     return {"type": "text", "text": part.get("text", "")}
 
 

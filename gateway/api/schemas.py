@@ -73,7 +73,13 @@ class VideoPart(_Strict):
     video_url: VideoURL
 
 
-ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+class RefusalPart(_Strict):
+    """An earlier answer's refusal, sent back in an assistant message: the model reads it as text, as on vLLM."""
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart | RefusalPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Strict):
@@ -119,6 +125,8 @@ class Message(_Strict):
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning is not None)):
             # an answer that stopped inside its reasoning comes back with null content (gateway/api/responses.py)
             raise ValueError("content is required (only an assistant message with tool_calls or reasoning may omit it)")
+        if self.role != "assistant" and isinstance(self.content, list) and any(isinstance(p, RefusalPart) for p in self.content):
+            raise ValueError("only assistant messages carry refusal parts")
         if self.role == "tool" and isinstance(self.content, list) and any(isinstance(p, ImagePart | VideoPart) for p in self.content):
             raise ValueError("a tool message carries text only (chat templates render tool results as text)")
         return self

@@ -77,6 +77,16 @@ def test_an_answer_s_reasoning_reaches_the_template_under_both_of_vllm_s_names()
     assert "reasoning" not in rendered[0] and "reasoning" not in rendered[2]
 
 
+def test_an_answer_s_refusal_part_reaches_the_template_as_text_as_vllm_renders_it():
+    from vllm.renderers.chat_utils import MM_PARSER_MAP, TEXT_PART_TYPES
+
+    part = {"type": "refusal", "refusal": "I can't help with that."}
+    messages = read_chat(msgspec.json.encode({"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [part]}, {"role": "user", "content": "why?"}]})).messages
+    assert "refusal" in TEXT_PART_TYPES  # vLLM's: a refusal part is the text it carries
+    assert template_messages(messages)[1]["content"] == [{"type": "text", "text": MM_PARSER_MAP["refusal"](part)}]
+
+
 def test_a_strict_tool_under_auto_with_an_output_constraint_the_tags_cannot_carry_is_refused():
     tagged = dataclasses.replace(HERMES, strict_auto_calls=True)
     check_tool_choice(chat(tools=[STRICT_TOOL], structured_outputs={"regex": "[ab]+"}), tagged, CHAT_TEMPLATE)

@@ -55,3 +55,10 @@ def test_stream_options_without_stream_are_refused_unless_empty_as_vllm_refuses_
     with pytest.raises(pydantic.ValidationError, match="stream_options needs stream: true"):
         request(stream_options={"include_usage": True})
     assert request(stream=True, stream_options={"include_usage": True}).stream_options.include_usage
+
+
+def test_a_refusal_part_is_taken_in_an_assistant_message_only():
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}
+    assert request(messages=[{"role": "user", "content": "hi"}, refused]).messages[1].content[0].refusal == "I can't help with that."
+    with pytest.raises(pydantic.ValidationError, match="only assistant messages carry refusal parts"):
+        request(messages=[{**refused, "role": "user"}])
