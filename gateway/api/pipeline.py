@@ -9,6 +9,7 @@ and what a lost one costs, is the hand-off's (gateway/routing/handoff.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.routing.handoff import ImageHandoff, RequestImages
 from gateway.intake.memory import BODY_COPIES, hold, working
-from gateway.intake.together import all_or_none
+from gateway.intake.together import all_or_none, on_thread
 from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest, ImagePart
@@ -193,12 +194,7 @@ class ChatPipeline:
     async def _decode_one(self, item: Inspected) -> PreparedImage:
         width, height = item.size
         async with working(item.decoding_bytes, f"decoding {item.where} ({width}×{height})"):
-            decoding = asyncio.ensure_future(self._in_pool(decode, item, self.policy))
-            try:
-                prepared = await asyncio.shield(decoding)
-            except asyncio.CancelledError:  # the client left; the thread decodes on, and its memory stays counted till then
-                await asyncio.wait({decoding})
-                raise
+            prepared = await on_thread(self.pool, functools.partial(decode, item, self.policy))
         hold(prepared.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)
         return prepared
 

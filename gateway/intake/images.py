@@ -23,6 +23,7 @@ import io
 import re
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -154,24 +155,31 @@ class _TooSlow(Exception):
     pass
 
 
+class Stopped(Exception):
+    """A decode told to stop: its request has ended."""
+
+
 class _Deadline(io.BytesIO):
     """The image's bytes, not to be read past a deadline: Pillow parses headers and feeds
     its decoders from reads, so a file built to be slow stops at its next read. The time
     is the reading thread's CPU time: waiting for the GIL or for a busy machine is not the
-    image's doing."""
+    image's doing. `stop`, asked at every read: True ends the decode (its request ended)."""
 
-    def __init__(self, data: bytes, seconds: float) -> None:
+    def __init__(self, data: bytes, seconds: float, stop: Callable[[], bool] | None) -> None:
         super().__init__(data)
         self.deadline = time.thread_time() + seconds
+        self.stop = stop
 
     def read(self, size: int | None = -1) -> bytes:
+        if self.stop is not None and self.stop():
+            raise Stopped()
         if time.thread_time() > self.deadline:
             raise _TooSlow()
         return super().read(size)
 
 
-def _opened(raw: bytes, fmt: str, seconds: float) -> Image.Image:
-    image = Image.open(_Deadline(raw, seconds), formats=[fmt])
+def _opened(raw: bytes, fmt: str, seconds: float, stop: Callable[[], bool] | None = None) -> Image.Image:
+    image = Image.open(_Deadline(raw, seconds, stop), formats=[fmt])
     image.decodermaxblock = 16384  # a decode reads (and so meets its deadline) every 16 KB
     return image
 
@@ -411,16 +419,19 @@ def digest_of(item: Inspected, policy: IntakePolicy) -> bytes:
     return content_key(policy.key_part(item.budget), item.raw)
 
 
-def decode(item: Inspected, policy: IntakePolicy) -> PreparedImage:
-    """Decode and normalise one inspected image (CPU-bound: run it off the event loop)."""
+def decode(item: Inspected, policy: IntakePolicy, stop: Callable[[], bool] | None = None) -> PreparedImage:
+    """Decode and normalise one inspected image (CPU-bound: run it off the event loop).
+    `stop`: asked at every read of the bytes; True raises Stopped."""
     seconds = policy.limits.max_decode_s
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                return _decoded(item, policy, seconds, turn=True)
+                return _decoded(item, policy, seconds, turn=True, stop=stop)
             except _ExifUnusable:  # as vLLM: an EXIF block exif_transpose cannot apply turns nothing
-                return _decoded(item, policy, seconds, turn=False)
+                return _decoded(item, policy, seconds, turn=False, stop=stop)
+    except Stopped:
+        raise
     except _TooSlow:
         raise _invalid(item.where, f"took more than {seconds:g} s to decode (gateway.max_image_decode_s)", 413, "image_too_complex") from None
     except _DECODE_ERRORS as exc:
@@ -431,15 +442,16 @@ class _ExifUnusable(Exception):
     pass
 
 
-def _decoded(item: Inspected, policy: IntakePolicy, seconds: float, turn: bool) -> PreparedImage:
-    with _opened(item.raw, item.format, seconds) as opened:
+def _decoded(item: Inspected, policy: IntakePolicy, seconds: float, turn: bool,
+             stop: Callable[[], bool] | None) -> PreparedImage:
+    with _opened(item.raw, item.format, seconds, stop) as opened:
         opened.seek(0)  # animated images: the first frame
         drafted_from = _draft(opened, item, policy, turn)
         image = opened
         if turn:
             try:
                 image = ImageOps.exif_transpose(opened, in_place=True) or opened  # in place: no copy of a full-size image
-            except _TooSlow:
+            except (_TooSlow, Stopped):
                 raise
             except _DECODE_ERRORS as exc:  # in place, it may have turned the pixels before failing: decoded afresh
                 raise _ExifUnusable() from exc

@@ -1,10 +1,15 @@
-"""A request's intake steps run side by side (its images' fetches, decodes)."""
+"""A request's intake steps run side by side (its images' fetches, decodes), and
+the work they hand to the intake threads."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import Any
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def all_or_none(*steps: Awaitable[Any]) -> list[Any]:
@@ -18,5 +23,35 @@ async def all_or_none(*steps: Awaitable[Any]) -> list[Any]:
     except BaseException:
         for task in tasks:
             task.cancel()
-        await asyncio.wait(tasks)
+        await outlast(*tasks)
+        raise
+
+
+async def outlast(*futures: asyncio.Future) -> None:
+    """Until every future has ended, however often the waiting task is cancelled meanwhile
+    (the caller raises its own error after): a step still ending holds memory the request
+    counts, and a second cancel must not let the request give it back first. Their
+    exceptions are retrieved: they are a request's that has ended, not the loop's to log."""
+    while not all(future.done() for future in futures):
+        try:
+            await asyncio.wait(futures)
+        except asyncio.CancelledError:
+            continue
+    for future in futures:
+        if not future.cancelled():
+            future.exception()
+
+
+async def on_thread(pool: Executor, work: Callable[[Callable[[], bool]], T]) -> T:
+    """`work(stop)` on one of the intake threads. Cancelled (the client left, another item of
+    the request was refused), the work is told to stop (`stop()` turns True at once, so work
+    still queued ends as it starts) and awaited: the threads are every request's, and what
+    the work holds stays counted until it lets go."""
+    ended = threading.Event()
+    running = asyncio.get_running_loop().run_in_executor(pool, work, ended.is_set)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        ended.set()
+        await outlast(running)
         raise

@@ -95,6 +95,14 @@ def test_a_decode_past_its_deadline_is_refused():
     assert refused.value.status == 413
 
 
+def test_a_decode_told_to_stop_ends_at_its_next_read_whatever_the_format():
+    for fmt in ("PNG", "JPEG", "WEBP"):
+        item = inspect(encoded(Image.new("RGB", (512, 512)), fmt), "img", POLICY, POLICY.default_budget)
+        with pytest.raises(images.Stopped):  # not a 400: its request has ended, nobody reads the error
+            decode(item, POLICY, stop=lambda: True)
+        assert decode(item, POLICY, stop=lambda: False).pixels.shape[2] == 3
+
+
 def test_an_upscaled_image_is_counted_at_the_size_it_is_sent():
     """A 64² PNG asked for at 3584² (mm_processor_kwargs min_pixels = max_pixels) holds that size's pixels."""
     raw = encoded(Image.new("RGB", (64, 64)), "PNG")

@@ -44,7 +44,7 @@ from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
 from gateway.intake.memory import BODY_COPIES, hold, working
-from gateway.intake.together import all_or_none
+from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Stopped, Unreadable, open_video, probe, read_frames, visible_frames
 from gateway.intake.video.limits import VideoLimits, decoding_bytes, describe, refused
@@ -248,19 +248,6 @@ class VideoIntake:
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def _stoppable(self, work: Callable[[Callable[[], bool]], T]) -> T:
-        """`work(stop)` on an intake thread. Cancelled (the client left, another video of the request
-        was refused), it is told to stop and awaited: the thread is every request's, and what it
-        holds stays counted until it lets go."""
-        ended = threading.Event()
-        running = asyncio.ensure_future(self._in_pool(work, ended.is_set))
-        try:
-            return await asyncio.shield(running)
-        except asyncio.CancelledError:
-            ended.set()
-            await asyncio.wait({running})
-            raise
-
     async def fetch(self, ref: VideoRef) -> bytes:
         if ref.url.startswith("data:"):  # counted with the body's bytes
             media_type = ref.url[5:].split(";", 1)[0].split(",", 1)[0].lower()
@@ -306,7 +293,7 @@ class VideoIntake:
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "
                                                 f"{s.width}×{s.height})"):
             try:
-                video = await self._stoppable(decoding_on_a_thread)
+                video = await on_thread(self.pool, decoding_on_a_thread)
             except Stopped:
                 raise _too_slow(item.where, self.limits, "decode") from None
         return video
@@ -336,9 +323,9 @@ class VideoIntake:
         keyframe on: the whole stream of a clip with one keyframe), their memory counted."""
         digest = await self._in_pool(checked_digest, raw, where, sampling)
         if (source := self.known.get(digest)) is None:
-            figures = await self._stoppable(functools.partial(read_figures, raw, where, self.limits))
+            figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits))
             async with working(decoding_bytes(figures, 0), f"counting the frames of {where} ({figures.width}×{figures.height})"):
-                source = await self._stoppable(functools.partial(count_frames, raw, where, sampling, self.limits, figures))
+                source = await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures))
             self.known.put(digest, source)
         return within_limits(sampled(raw, where, source, sampling, digest, planner), self.limits)
 
