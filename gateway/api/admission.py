@@ -122,7 +122,11 @@ class Ticket:
         self.visual_tokens += tokens
 
     def on_release(self, release: Callable[[], object]) -> None:
-        self._releases.append(release)
+        """`release` when the request ends; at once if it has ended."""
+        if self.released:
+            release()
+        else:
+            self._releases.append(release)
 
     def release(self) -> None:
         if self.released:

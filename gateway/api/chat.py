@@ -26,6 +26,7 @@ from gateway.ops import metrics
 from gateway.api import responses
 from gateway.errors import APIError
 from gateway.intake.memory import current_hold
+from gateway.intake.together import outlast
 from gateway.api.parsing import parse_request
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import StreamOptions
@@ -94,13 +95,14 @@ class ChatHandler:
         body_read = asyncio.Event()
         serve = asyncio.create_task(self._serve(http_request, record, body_read))
         watch = asyncio.create_task(_wait_for_disconnect(http_request, body_read))
-        finished, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            finished, _ = await asyncio.wait({serve, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # this task cancelled too (a shutdown past its drain): neither outlives it
+            for task in (serve, watch):
+                task.cancel()
+            await outlast(serve, watch)
         if serve in finished:
-            watch.cancel()
             return serve.result()
-        serve.cancel()
-        with contextlib.suppress(asyncio.CancelledError, APIError):
-            await serve
         raise APIError(499, "client closed the request", code="client_disconnected")
 
     def refuse(self, exc: APIError, record: RequestRecord) -> JSONResponse:

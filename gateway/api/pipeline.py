@@ -131,12 +131,13 @@ class ChatPipeline:
         """Fetch and judge every image by its header; nothing is decoded yet."""
         timer = record.timer
         request_budget = self.request_budget(request)
+        budgets = [self.image_budget(ref, request_budget) for ref in refs]  # a refused detail: before any fetch
         started = time.perf_counter()
         raws = await all_or_none(*(self._fetch(ref) for ref in refs))
         fetched = time.perf_counter()
         timer.add("image_fetch", fetched - started)
         inspected = await all_or_none(
-            *(self._in_pool(inspect, raw, ref.where, self.policy, self.image_budget(ref, request_budget)) for raw, ref in zip(raws, refs))
+            *(self._in_pool(inspect, raw, ref.where, self.policy, budget) for raw, ref, budget in zip(raws, refs, budgets))
         )
         tokens = sum(item.visual_tokens for item in inspected)
         self._check_visual_tokens(tokens, "the images would take")

@@ -41,4 +41,6 @@ class DeadlineStreamingResponse(StreamingResponse):
                         ClientNotReading(f"no chunk taken within {self.write_timeout_s:g} s (gateway.stream_write_timeout_s)")
                     )
                 return  # incomplete: uvicorn closes the connection
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        with contextlib.suppress(TimeoutError):  # a client that stopped reading at the end: left incomplete
+            async with asyncio.timeout(self.write_timeout_s):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -176,10 +176,11 @@ class ServiceClient:
             log.warning("%s is back", self.name)
             self.up = True
 
-    def _in_background(self, coroutine) -> None:
+    def _in_background(self, coroutine) -> asyncio.Task:
         task = asyncio.create_task(coroutine)
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
+        return task
 
     def start_heartbeat(self, interval_s: float) -> None:
         """Ask for stats every interval; mark the service down when answers stop."""
@@ -228,11 +229,11 @@ class ServiceClient:
         """Work given up on (an abort, a cancelled encode) goes to the service even when it is not up:
         one draining, stalled or gone silent for a while may still be running it. Only a service that
         serves is waited on; otherwise it goes in the background (a connection that is gone holds it
-        up to SEND_TIMEOUT_S, then drops it)."""
+        up to SEND_TIMEOUT_S, then drops it). Either way the send is the client's own task's, so the
+        caller's cancellation (a client that left, a stream Starlette tears down) cannot stop it."""
+        sending = self._in_background(self._send_quietly(message))
         if self.up:
-            await self._send_quietly(message)
-        else:
-            self._in_background(self._send_quietly(message))
+            await asyncio.shield(sending)
 
     async def send(self, message: Message, frames: Sequence[Any] = ()) -> None:
         """Send a request, or 503 if the service cannot take it now."""

@@ -29,6 +29,8 @@ def test_a_ticket_holds_its_slot_and_visual_tokens_until_released_once():
     other.reserve_visual_tokens(100)
     other.release()
     assert (limiter.in_flight, limiter.visual_tokens, dict(limiter.per_key)) == (0, 0, {})
+    other.on_release(lambda: left.append("late"))  # work that ends after its request did: given back at once
+    assert left == ["model", "late"]
 
 
 @pytest.mark.parametrize("limit,workers", [(2, 2), (7, 3), (16, 5), (3, 3)])

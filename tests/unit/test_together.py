@@ -91,6 +91,8 @@ def test_work_still_queued_when_its_request_ends_is_told_to_stop_as_it_starts():
             queued = asyncio.ensure_future(on_thread(pool, lambda stop: started_with.append(stop())))
             await asyncio.sleep(0.05)
             queued.cancel()
+            for _ in range(2):  # the cancel reaches on_thread, which tells the work to stop
+                await asyncio.sleep(0)
             release.set()
             with pytest.raises(asyncio.CancelledError):
                 await queued
