@@ -74,3 +74,17 @@ def test_a_tiled_family_s_bf16_tokens_are_no_further_from_float32_than_vllm_s(na
                          str(ensure_demo_model(RANDOM_MODEL)), port)
     ours_error, theirs_error = errors["Prism"]["tokens"], errors["vLLM"]["tokens"]
     assert 0 < ours_error <= theirs_error * (1 + TOLERANCE), (ours_error, theirs_error)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_a_bf16_tower_keeps_its_rotary_frequencies_as_transformers_and_vllm_do(family):
+    """Cast to bf16, the frequencies put a far patch's angle off in proportion to its position."""
+    from transformers import AutoModelForImageTextToText
+
+    path = ensure_demo_model(RANDOM_MODEL) if family == "qwen2-vl" else ensure_tiny_model(family)
+    ours = dict(load_tower(path, "bfloat16", "cpu").model.named_buffers())
+    theirs = dict(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).model.visual.named_buffers())
+    floating = [name for name, buffer in theirs.items() if buffer.is_floating_point()]
+    assert any(name.endswith("inv_freq") for name in floating)
+    for name in floating:
+        assert ours[name].dtype == theirs[name].dtype == torch.float32 and torch.equal(ours[name], theirs[name]), name

@@ -25,6 +25,12 @@ from vision_encoder.towers.device_io import DeviceIO
 from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
 
 
+# Raised when the tower computes other tokens from the same weights and pixels (a fix of
+# its arithmetic): keys made before, in a shared cache, then miss instead of serving those.
+# 2: the rotary frequencies kept in float32 under a bf16 tower.
+NUMERICS_REVISION = 2
+
+
 @dataclass(frozen=True)
 class RunOptions:
     """How a tower runs on its device (EncoderConfig's keys of the same names)."""
@@ -152,7 +158,7 @@ class VisionTower:
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(f"vision weights mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        model = model.to(self.device, self.dtype).eval()
+        model = _to_device(model, self.device, self.dtype).eval()
         patch_convs_as_matmul(model, self.device)  # as vLLM's towers run them (patch_matmul.py)
         if self.options.compile_blocks:
             compile_blocks(model)
@@ -191,6 +197,7 @@ class VisionTower:
             **{switch: getattr(p, switch, None)
                for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop")},
             "dtype": str(self.dtype),
+            "numerics": NUMERICS_REVISION,
             **self.family_params(),
         }
 
@@ -233,3 +240,16 @@ class OutOfMemoryAbove:
         if batch.pixel_values.shape[0] > self._rows:
             raise torch.OutOfMemoryError(f"test hook: a batch of {batch.pixel_values.shape[0]} rows, over {self._rows}")
         return self._tower.encode(batch)
+
+
+def _to_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The parameters in `dtype`, the floating-point buffers in the dtype the module made them in,
+    as transformers' from_pretrained and vLLM keep them: the Qwen towers' rotary frequencies are
+    float32, and rounded to bf16 the angle of a patch drifts in proportion to its row or column
+    (0.1 off in cos at 64 patches across)."""
+    made = {name: buffer for name, buffer in model.named_buffers() if buffer.is_floating_point()}
+    model = model.to(device, dtype)
+    for name, buffer in made.items():
+        owner, _, attribute = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attribute] = buffer.to(device)
+    return model
