@@ -147,3 +147,14 @@ def test_the_packed_kernels_are_not_chosen_on_a_gpu_older_than_ampere(monkeypatc
         attention.choose("varlen", turing)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert attention.choose("auto", turing) in ("flash", "varlen")
+
+
+def test_a_float32_tower_on_a_gpu_takes_the_padded_call(monkeypatch):
+    """The FlashAttention kernels run fp16 and bf16 only (encoder.dtype float32 is the parity runs')."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    hopper = torch.device("cuda")
+    assert attention.choose("auto", hopper, torch.float32) == "padded"
+    with pytest.raises(ValueError, match="half precision only"):
+        attention.choose("varlen", hopper, torch.float32)

@@ -104,32 +104,36 @@ def register(backend: str) -> str:
     return name
 
 
-# FlashAttention's kernels, flash_attn's and the one inside torch's varlen_attn, run on Ampere or newer.
+# FlashAttention's kernels, flash_attn's and the one inside torch's varlen_attn, run on Ampere or
+# newer, in half precision only.
 FLASH_CAPABILITY = (8, 0)
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def available(backend: str, device: torch.device) -> bool:
+def available(backend: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     if backend in ("loop", "padded"):
         return True
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < FLASH_CAPABILITY:
+    if device.type != "cuda" or dtype not in FLASH_DTYPES or torch.cuda.get_device_capability(device) < FLASH_CAPABILITY:
         return False
     if backend == "flash":
         return importlib.util.find_spec("flash_attn") is not None
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-def choose(requested: str, device: torch.device) -> str:
+def choose(requested: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """The backend to run. "auto": on a CPU, transformers' loop (a padded call
     measured slower there: padding costs more than the loop's calls); on CUDA,
     flash_attn's kernel, else torch's varlen, else one padded call (each well
-    ahead of the loop on batches: docs/measurements/gpu-encoder.md). A
-    backend asked for by name that this device lacks stops the encoder at start-up."""
+    ahead of the loop on batches: docs/measurements/gpu-encoder.md); a float32
+    tower takes the padded call, the kernels being half precision only. A
+    backend asked for by name that this device or dtype lacks stops the encoder at start-up."""
     if requested == "auto":
         if device.type != "cuda":
             return "loop"
-        return next(b for b in ("flash", "varlen", "padded") if available(b, device))
-    if not available(requested, device):
-        raise ValueError(f"encoder.attention {requested!r} is not available on {device} "
-                         f"({'needs CUDA' if device.type != 'cuda' else 'not installed, or a GPU older than Ampere'}); "
-                         "use auto, loop or padded")
+        return next(b for b in ("flash", "varlen", "padded") if available(b, device, dtype))
+    if not available(requested, device, dtype):
+        why = ("needs CUDA" if device.type != "cuda" else
+               f"half precision only, the tower runs in {dtype} (encoder.dtype)" if dtype not in FLASH_DTYPES else
+               "not installed, or a GPU older than Ampere")
+        raise ValueError(f"encoder.attention {requested!r} is not available on {device} ({why}); use auto, loop or padded")
     return requested

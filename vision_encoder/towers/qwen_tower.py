@@ -90,7 +90,7 @@ class QwenTower(VisionTower):
         self.processor = AutoImageProcessor.from_pretrained(path, **overrides)
         self._load(path, config)
         fuse_normalize_into_patchify(self.processor, self.dtype)  # the same patches, fewer copies
-        self.attention = attention.choose(options.attention, self.device)
+        self.attention = attention.choose(options.attention, self.device, self.dtype)
         self.model.config._attn_implementation = attention.register(self.attention)
         self.graphs = None
         if options.graph_max_patches and self.device.type == "cuda" and self.attention != "loop":
