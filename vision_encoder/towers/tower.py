@@ -198,6 +198,9 @@ class VisionTower:
                for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop")},
             "dtype": str(self.dtype),
             "numerics": NUMERICS_REVISION,
+            # torchvision resizes uint8 on a GPU through float32, on a CPU with its own uint8
+            # kernel: up to a few grey levels apart, so tokens from either are not the other's
+            "preprocessed_on": "cuda" if self.processor_device else "cpu",
             **self.family_params(),
         }
 
