@@ -81,12 +81,24 @@ class Encoders:
     def __init__(self, run_dir: Path, setting: Setting) -> None:
         self.addresses = [f"ipc://{run_dir}/{setting.name.replace(' ', '-')}-{i}.sock" for i in range(setting.replicas)]
         env = {**os.environ, "PRISM_ENCODER__MAX_PIXELS": str(MAX_PIXELS), "PRISM_ENCODER__CACHE_CAPACITY_MB": "0", **setting.env}
-        log = open(run_dir / f"{setting.name.replace(' ', '-')}.log", "wb")
+        self.log_path = run_dir / f"{setting.name.replace(' ', '-')}.log"
+        log = open(self.log_path, "wb")
         self.processes = [
             subprocess.Popen([sys.executable, "-m", "vision_encoder"], cwd=REPO_ROOT, env={**env, "PRISM_ENCODER__ADDRESS": a},
                              stdout=log, stderr=subprocess.STDOUT)
             for a in self.addresses
         ]
+
+    async def until_ready(self, connecting) -> None:
+        """`connecting` awaited, but an encoder that exits first (a config error, a failed capture)
+        ends the wait at once: its log says why."""
+        connected = asyncio.ensure_future(connecting)
+        while not connected.done():
+            if exited := [p.returncode for p in self.processes if p.poll() is not None]:
+                connected.cancel()
+                raise RuntimeError(f"an encoder exited with code {exited[0]} before it answered (its log: {self.log_path})")
+            await asyncio.wait({connected}, timeout=1)
+        connected.result()
 
     def stop(self) -> None:
         for process in self.processes:
@@ -131,7 +143,7 @@ async def running(setting: Setting, run_dir: Path, ready_timeout_s: float = 180)
     ctx = zmq.asyncio.Context()
     pool = EncoderPool(ctx, encoders.addresses, heartbeat_timeout_s=max(30, ready_timeout_s / 2))
     try:
-        await pool.connect(ready_timeout_s)
+        await encoders.until_ready(pool.connect(ready_timeout_s))
         pool.start_heartbeat(0.25)
         yield pool
     finally:

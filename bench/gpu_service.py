@@ -64,9 +64,9 @@ def _totals(pool: EncoderPool) -> tuple[int, int]:
     return sum(r.stats.batches for r in pool.replicas), sum(r.stats.images_encoded for r in pool.replicas)
 
 
-async def measure(setting: Setting, run_dir: Path, args, log) -> None:
+async def measure(setting: Setting, run_dir: Path, args, log, ready_timeout_s: float) -> None:
     started = time.monotonic()
-    async with running(setting, run_dir, ready_timeout_s=300) as pool:
+    async with running(setting, run_dir, ready_timeout_s) as pool:
         ready_s = time.monotonic() - started
         for mix, sizes in MIXES.items():
             images = budget_images(sizes, seed=len(mix))
@@ -90,18 +90,19 @@ def run(args, budget, log) -> None:
     base = {"PRISM_CONFIG": str(CONFIG), "PRISM_MODEL": str(checkpoint), "PRISM_ENCODER__DEVICE": args.device,
             "PRISM_ENCODER__MAX_PIXELS": str(real_towers.QWEN_MAX_PIXELS),
             "PRISM_ENCODER__GPU_MEMORY_FRACTION": "null",  # alone on the GPU here: no engine beside it
-            "PRISM_ENCODER__GRAPH_MAX_PATCHES": str(args.graph_max_patches if args.device != "cpu" else 0)}
+            # as shipped (the config's graph_max_patches), eager but for the -compiled settings
+            "PRISM_ENCODER__COMPILE_BLOCKS": "false"}
     with tempfile.TemporaryDirectory(prefix="prism-gpu-service-") as tmp:
         chosen = set(filter(None, args.service_settings.split(",")))
         for setting in SETTINGS:
             if chosen and setting.name not in chosen:
                 continue
-            if budget.left() < 40:
+            if budget.left() < 75:  # a setting takes 50-75 s: start one only if it can end
                 log(section="service", setting=setting.name, skipped=f"{budget.left():.0f} s left")
                 continue
             configured = Setting(setting.name, setting.replicas, {**base, **setting.env})
             try:
-                asyncio.run(measure(configured, Path(tmp), args, log))
+                asyncio.run(measure(configured, Path(tmp), args, log, ready_timeout_s=min(300, budget.left())))
             except Exception as exc:
                 log(section="service", setting=setting.name, error=repr(exc)[:300])
                 keep_log_tail(Path(tmp), setting.name)

@@ -9,6 +9,7 @@ grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 # Python packages the image lacks (docs/measurements/gpu-encoder.md, "How these runs were made")
 LACKING="annotated-types blake3 dnspython email-validator fastapi msgspec pydantic pydantic-extra-types pydantic_core
 python-json-logger python-multipart pyzmq redis starlette transformers typing-inspection tokenizers"
+rm -f .whl/*.whl  # one version of each: an older pin's wheel beside the new one stops the install
 pins=()
 for name in $LACKING; do
   pin=$(grep -i -m1 "^${name}==" requirements/gpu.lock) || { echo "requirements/gpu.lock pins no ${name}" >&2; exit 1; }

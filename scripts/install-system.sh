@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Debian packages the tests use beside the Python environment: a real
 # Prometheus server (and promtool), headless Chromium, a Redis server (the
-# encoders' shared cache tier), docker-compose (to validate the compose
-# files) and kubectl (to build the Kustomize overlays). With `containers`
+# encoders' shared cache tier) and docker-compose (to validate the compose
+# files); the Kubernetes tests need a kubectl of 1.27 or newer (Debian's
+# kubernetes-client is older: its kustomize reads no `components`). With `containers`
 # (make test-containers): a container engine, debootstrap for a base image
 # made from Debian's packages, and tcpdump to see where the containers send
 # packets. Installed when missing and we may (root or
@@ -15,7 +16,6 @@ if [ "${1:-}" = containers ]; then
   need dockerd docker.io; need docker-compose docker-compose; need debootstrap debootstrap; need tcpdump tcpdump
 else
   need prometheus prometheus; need chromium chromium; need redis-server redis-server; need docker-compose docker-compose
-  need kubectl kubernetes-client
 fi
 [ ${#packages[@]} -eq 0 ] && exit 0
 
