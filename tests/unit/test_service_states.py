@@ -39,8 +39,12 @@ class FakeEngine:
                 await self.router.send(peer, EngineReady(self.model, 4096))
             elif isinstance(message, StatsRequest) and self.answers_stats:
                 await self.router.send(peer, EngineStats(self.boot_id, 0, 0, 0, 0, self.state))
-            elif isinstance(message, GenerateRequest):  # one token, then nothing more
-                await self.router.send(peer, TokenDelta(message.request_id, [], 1, 1))
+            elif isinstance(message, GenerateRequest):
+                await self.generated(peer, message)
+
+    async def generated(self, peer: bytes, request: GenerateRequest) -> None:
+        """One token, then nothing more."""
+        await self.router.send(peer, TokenDelta(request.request_id, [], 1, 1))
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,99 @@
+"""What the gateway does when an engine or encoder fails a request or never answers
+(gateway/routing/engine_pool.py, clients.py), against real sockets answering as the services
+do: a failure before the first token goes to another engine, one after it never does (the
+client would get two generations spliced); a service past its deadline is a 504, and the work
+is withdrawn from it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq.asyncio
+
+from gateway.errors import APIError
+from gateway.routing.clients import EncoderClient
+from gateway.routing.engine_pool import EnginePool
+from protocol.sockets import AsyncRouter
+from protocol.to_encoder import CancelEncode, EncoderInbound, ImageInput
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
+from protocol.to_gateway import GenerateFailed, TokenDelta
+from tests.unit.test_client_cancellation import client_and_service
+from tests.unit.test_service_states import FakeEngine
+
+
+class FailingEngine(FakeEngine):
+    """Stalls on every request: after `tokens_first` tokens (0 or 1), a 503 the gateway may retry elsewhere."""
+
+    def __init__(self, router: AsyncRouter, tokens_first: int) -> None:
+        super().__init__(router)
+        self.tokens_first, self.asked = tokens_first, 0
+
+    async def generated(self, peer: bytes, request: GenerateRequest) -> None:
+        self.asked += 1
+        for n in range(self.tokens_first):
+            await self.router.send(peer, TokenDelta(request.request_id, [], n + 1, 1))
+        await self.router.send(peer, GenerateFailed(request.request_id, "stalled", 503, "engine_stalled"))
+
+
+async def _two_failing_engines(tmp_path, tokens_first: int) -> tuple[int, APIError, list[int]]:
+    """(deltas the client got, the error it got, requests each engine was asked)."""
+    ctx = zmq.asyncio.Context()
+    addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
+    engines = [FailingEngine(AsyncRouter(ctx, address, EngineInbound), tokens_first) for address in addresses]
+    serving = [asyncio.create_task(engine.serve()) for engine in engines]
+    pool = EnginePool(ctx, addresses, heartbeat_timeout_s=30)
+    deltas = 0
+    try:
+        await pool.connect(timeout_s=5)
+        with pytest.raises(APIError) as caught:
+            async for _ in pool.generate(GenerateRequest("r", b"{}"), timeout_s=5):
+                deltas += 1
+        return deltas, caught.value, [engine.asked for engine in engines]
+    finally:
+        for task in serving:
+            task.cancel()
+        await pool.close()
+        for engine in engines:
+            engine.router.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_failure_before_the_first_token_goes_to_another_engine(tmp_path):
+    deltas, error, asked = asyncio.run(_two_failing_engines(tmp_path, tokens_first=0))
+    assert (deltas, error.status, error.code, sorted(asked)) == (0, 503, "engine_stalled", [1, 1])
+
+
+def test_a_failure_after_the_first_token_is_never_retried(tmp_path):
+    deltas, error, asked = asyncio.run(_two_failing_engines(tmp_path, tokens_first=1))
+    assert (deltas, error.status, sorted(asked)) == (1, 503, [0, 1])
+    assert "after the first token: not retried" in error.message
+
+
+def test_an_engine_silent_past_the_deadline_is_a_504_and_the_generation_is_aborted(tmp_path):
+    async def run() -> None:
+        async with client_and_service(tmp_path) as (client, engine):
+            stream = client.generate(GenerateRequest("slow", b"{}"), timeout_s=0.2)
+            with pytest.raises(APIError) as caught:
+                await anext(stream)
+            assert (caught.value.status, caught.value.code) == (504, "engine_timeout")
+            assert "gateway.generate_timeout_s" in caught.value.message
+            _, request, _ = await asyncio.wait_for(engine.recv(), 5)
+            _, abort, _ = await asyncio.wait_for(engine.recv(), 5)
+            assert (request.request_id, abort) == ("slow", AbortGenerate("slow"))
+
+    asyncio.run(run())
+
+
+def test_an_encoder_silent_past_the_deadline_is_a_504_and_the_encode_is_cancelled(tmp_path):
+    async def run() -> None:
+        async with client_and_service(tmp_path, "encoder", EncoderClient, EncoderInbound) as (client, encoder):
+            with pytest.raises(APIError) as caught:
+                await client.encode("slow", [ImageInput(b"d")], [], timeout_s=0.2)
+            assert (caught.value.status, caught.value.code) == (504, "encoder_timeout")
+            assert "gateway.encode_timeout_s" in caught.value.message
+            _, request, _ = await asyncio.wait_for(encoder.recv(), 5)
+            _, cancel, _ = await asyncio.wait_for(encoder.recv(), 5)
+            assert (request.request_id, cancel) == ("slow", CancelEncode("slow"))
+
+    asyncio.run(run())
