@@ -20,8 +20,6 @@ class APIError(Exception):
     def type(self) -> str:
         if self.status == 401:
             return "authentication_error"
-        if self.status == 404:
-            return "not_found_error"
         if self.status == 413:
             return "request_too_large"
         if self.status == 429:

@@ -24,7 +24,11 @@ OPENAI_CONTENT = ChatTemplate(None)  # content as a list of parts, with the toke
 
 
 class InvalidPrompt(ValueError):
-    """The request cannot be served as sent (answered with HTTP 400)."""
+    """The request cannot be served as sent (answered with HTTP 400); `param`: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,7 @@ def output_budget(chat, prompt_tokens: int, max_model_len: int, generation_defau
     requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
     if requested is not None and requested > max_model_len:
         raise InvalidPrompt(f"max_tokens={requested} cannot be greater than this model's context length, {max_model_len} tokens: "
-                            "request fewer output tokens")
+                            "request fewer output tokens", "max_tokens")
     if prompt_tokens >= max_model_len:
-        raise InvalidPrompt(f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens}")
+        raise InvalidPrompt(f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens}", "messages")
     return get_max_tokens(max_model_len, requested, prompt_tokens, generation_defaults or {})

@@ -95,10 +95,10 @@ def read_chat(raw: bytes):
         return chat
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "request"
-        raise InvalidPrompt(f"{where}: {first['msg']}") from None
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidPrompt(f"{where or 'request'}: {first['msg']}", where or None) from None
     except VLLMValidationError as exc:
-        raise InvalidPrompt(str(exc)) from None
+        raise InvalidPrompt(str(exc), exc.parameter) from None
 
 
 def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
@@ -108,9 +108,9 @@ def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
     if not uses_tools(chat):
         return
     if template is None or "tools" not in template:
-        raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them")
+        raise InvalidPrompt("tools: this model's chat template does not render tools, so the model cannot call them", "tools")
     if parsing.tool_parser is None:
-        raise InvalidPrompt("tools: this engine has no tool-call parser (engine.tool_call_parser)")
+        raise InvalidPrompt("tools: this engine has no tool-call parser (engine.tool_call_parser)", "tools")
     if chat.tool_choice != "auto" and chat.extract_structured_outputs() is not None:
         # vLLM's parser puts the call's own schema in their place and drops them, saying nothing.
         raise InvalidPrompt("response_format / structured_outputs: with tool_choice 'required' or a named tool the answer "
@@ -122,12 +122,14 @@ def check_tool_choice(chat, parsing: Parsing, template: str | None) -> None:
         raise InvalidPrompt(
             f"tools[{strict[0]}].function.strict: with tool_choice 'auto' this engine cannot hold a call's arguments "
             "to the tool's schema (it needs vLLM's structural tags: engine.strict_tool_calling and a tool parser "
-            "that has them); send tool_choice 'required' or a named tool, which are held to it, or leave strict out")
+            "that has them); send tool_choice 'required' or a named tool, which are held to it, or leave strict out",
+            f"tools[{strict[0]}].function.strict")
     if (constraint := chat.extract_structured_outputs()) is not None and not _structural_tags_carry(constraint):
         raise InvalidPrompt(
             f"tools[{strict[0]}].function.strict: with tool_choice 'auto', vLLM's structural tags carry the output "
             "constraint only where xgrammar compiles it, and this one it does not: the call's arguments would not be "
-            "held to the schema; drop the constraint or strict, or send tool_choice 'required' or a named tool")
+            "held to the schema; drop the constraint or strict, or send tool_choice 'required' or a named tool",
+            f"tools[{strict[0]}].function.strict")
 
 
 def _structural_tags_carry(constraint) -> bool:
@@ -166,8 +168,8 @@ def template_kwargs(chat, tokenizer, template: str | None) -> dict:
     from vllm.renderers.hf import resolve_chat_template_kwargs
 
     if reserved := sorted(asked.keys() & RESERVED_TEMPLATE_KWARGS):
-        raise InvalidPrompt(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through the template's arguments")
+        raise InvalidPrompt(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through the template's arguments", "chat_template_kwargs")
     accepted = resolve_chat_template_kwargs(tokenizer, template, asked, raise_on_unexpected=False)
     if unused := sorted(asked.keys() - accepted.keys()):
-        raise InvalidPrompt(f"chat_template_kwargs: this model's chat template does not use {', '.join(unused)}")
+        raise InvalidPrompt(f"chat_template_kwargs: this model's chat template does not use {', '.join(unused)}", "chat_template_kwargs")
     return accepted

@@ -445,7 +445,7 @@ class EngineService:
         try:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
-            raise InvalidPrompt(f"invalid sampling parameters: {exc}") from None
+            raise InvalidPrompt(f"invalid sampling parameters: {exc}", getattr(exc, "parameter", None)) from None
         return prompt, params
 
     async def _generate(self, peer: bytes, request: GenerateRequest, received: float) -> None:
@@ -474,7 +474,8 @@ class EngineService:
         except (InvalidPrompt, ValueError, TypeError, VLLMClientError) as exc:  # vLLM's errors caused by the request
             self.failed += 1
             log.info("refused: %s", exc)
-            await self._send(peer, GenerateFailed(rid, str(exc), status=400))
+            param = getattr(exc, "param", None) or getattr(exc, "parameter", None)  # InvalidPrompt's, vLLM's
+            await self._send(peer, GenerateFailed(rid, str(exc), 400, "invalid_value" if param else None, param))
         except Exception as exc:
             if self.engine.errored:  # EngineDeadError: this request and every other one fail as one
                 self._die("vLLM's engine core died")

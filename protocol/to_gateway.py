@@ -175,6 +175,7 @@ class GenerateFailed(Message):
     message: str
     status: int = 500  # 400 when the request itself was at fault
     code: str | None = None  # OpenAI error code, e.g. engine_dead, engine_stalled (None: by status)
+    param: str | None = None  # the request's field at fault (a 400's), as OpenAI's errors name it
 
 
 # GenerateFailed's code when the engine could not fetch an image's visual

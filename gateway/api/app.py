@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY
 
 from gateway.ops import metrics
@@ -328,6 +329,13 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_error(exc).response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own (an unknown path, a method a path does not take) in OpenAI's shape too."""
+        what = {404: f"no such endpoint: {request.method} {request.url.path}",
+                405: f"{request.url.path} does not take {request.method}"}.get(exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, what, headers=exc.headers).response()
+
     @app.get("/health/live")
     async def live() -> dict:
         return {"status": "alive"}
@@ -349,10 +357,21 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
     async def dashboard_data() -> dict:
         return gateway.window.snapshot()
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "prism"}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gateway.auth.identify(request.headers.get("authorization"))
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "prism"} for name in gateway.models]}
+        return {"object": "list", "data": [model_card(name) for name in gateway.models]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict:
+        gateway.auth.identify(request.headers.get("authorization"))
+        if name not in gateway.models:
+            raise APIError(404, f"model '{name}' does not exist; this server serves {', '.join(map(repr, gateway.models))}",
+                           param="model", code="model_not_found")
+        return model_card(name)
 
     @app.post(
         "/v1/chat/completions",

@@ -30,9 +30,11 @@ def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> 
     # error deepest in the request, the union branch that matched the value's shape (a list of
     # parts, not the string `content` may also be).
     first = next((e for e in errors if e["type"] in _UNSUPPORTED), None) or max(errors, key=lambda e: len(e["loc"]))
-    param = request_path(first["loc"])
+    param = (first.get("ctx") or {}).get("field") or request_path(first["loc"])  # a whole-request check names its field
     if first["type"] == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if not param:  # the body itself: not a JSON object
+        return APIError(400, f"invalid request body: {first['msg']}", code="invalid_value")
     if first["type"] in _UNSUPPORTED:
         what = "unsupported parameter" if first["type"] == "extra_forbidden" else "unsupported value"
         return APIError(400, f"{what} '{param}': {first['msg']}", param=param, code="unsupported_parameter")

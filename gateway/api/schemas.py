@@ -11,6 +11,7 @@ the SDK sends an assistant reply's null `refusal` and `audio` back with it).
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -18,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -29,6 +30,12 @@ class _Strict(BaseModel):
 def unsupported(message: str) -> PydanticCustomError:
     """A value OpenAI's API defines that Prism does not serve: a 400 naming the field (parsing.validation_error)."""
     return PydanticCustomError("unsupported", message)
+
+
+def invalid(field: str, message: str) -> PydanticCustomError:
+    """A value wrong beside another field's, found by a check of the whole request (which has no
+    location of its own): a 400 naming `field` (parsing.validation_error)."""
+    return PydanticCustomError("invalid_field", message, {"field": field})
 
 
 # A field that changes nothing about the answer: accepted, and never forwarded to the engine.
@@ -169,7 +176,7 @@ class JsonSchema(_Strict):
 
     name: str = Field(pattern=_FUNCTION_NAME)
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] = Field(alias="schema")  # vLLM's server constrains nothing without one
     strict: bool | None = None
 
 
@@ -183,16 +190,16 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Fie
 
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extension: exactly one constraint, run by
-    vLLM's structured-output backend (xgrammar or guidance, as vLLM picks)."""
+    vLLM's structured-output backend (xgrammar or guidance, as vLLM picks).
+    vLLM's per-request `disable_any_whitespace`, `disable_additional_properties`
+    and `whitespace_pattern` are refused: its backends read them from the
+    engine's config alone (engine.structured_outputs)."""
 
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_: dict[str, Any] | Annotated[str, Field(min_length=1)] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
+    grammar: str | None = Field(None, min_length=1)
+    json_object: Literal[True] | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -239,10 +246,28 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's: usage in every chunk too
     include_obfuscation: bool | None = _NOT_FORWARDED  # OpenAI's padding against length side channels: none is added
 
+    @model_validator(mode="after")
+    def _usage_asked(self) -> "StreamOptions":
+        if self.continuous_usage_stats and not self.include_usage:  # vLLM's server then sends none
+            raise ValueError("continuous_usage_stats needs include_usage: true")
+        return self
+
 
 class PromptCacheOptions(_Strict):
     mode: Literal["implicit", "explicit"] | None = None
     ttl: Literal["30m"] | None = None
+
+
+def _non_finite(value: Any, path: str = "") -> str | None:
+    """Where in `value` a NaN or an infinity is (the JSON reader takes `NaN`, `Infinity` and
+    `1e400`; sent on to the engine they would become null), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if (found := _non_finite(item, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
 
 
 class ChatCompletionRequest(_Strict):
@@ -252,14 +277,14 @@ class ChatCompletionRequest(_Strict):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's: a 64-bit integer
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)  # at most gateway.max_n
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    tools: list[Tool] | None = Field(None, max_length=128)
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)  # [] refused, as vLLM and OpenAI refuse it
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
@@ -292,6 +317,13 @@ class ChatCompletionRequest(_Strict):
     prompt_cache_options: PromptCacheOptions | None = _NOT_FORWARDED
     modalities: list[Literal["text", "audio"]] | None = _NOT_FORWARDED
 
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_numbers(cls, data: Any) -> Any:
+        if (path := _non_finite(data)) is not None:
+            raise invalid(path, "numbers must be finite (NaN and infinities are not JSON)")
+        return data
+
     @field_validator("modalities")
     @classmethod
     def _text_only(cls, modalities: list[str]) -> list[str]:
@@ -322,17 +354,19 @@ class ChatCompletionRequest(_Strict):
     def _min_within_max(self) -> "ChatCompletionRequest":
         limit = self.max_completion_tokens or self.max_tokens
         if limit is not None and self.min_tokens > limit:
-            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
+            raise invalid("min_tokens", f"min_tokens ({self.min_tokens}) exceeds max_tokens ({limit})")
         return self
 
     @model_validator(mode="after")
     def _options_that_need_each_other(self) -> "ChatCompletionRequest":
         # as vLLM's server says, which lets an empty one ({}) pass
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
-            raise ValueError("stream_options needs stream: true")
+            raise invalid("stream_options", "stream_options needs stream: true")
         # vLLM's server would let the response_format replace the structured output's constraint
         if self.structured_outputs is not None and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format and structured_outputs each constrain the output: send one")
+            raise invalid("structured_outputs", "response_format and structured_outputs each constrain the output: send one")
+        if self.temperature == 0 and self.n > 1:  # vLLM's sampling refuses it: n greedy choices would be one
+            raise invalid("n", f"n = {self.n} choices with temperature 0 (greedy) would be {self.n} copies of one: send n 1 or a temperature")
         return self
 
     @field_validator("top_logprobs")
@@ -346,7 +380,7 @@ class ChatCompletionRequest(_Strict):
     @classmethod
     def _tool_choice_names_a_tool(cls, choice, info: ValidationInfo):
         tools = info.data.get("tools") or []
-        if choice in (None, "none", "auto"):
+        if choice in (None, "none"):
             return choice
         if not tools:
             raise ValueError(f"tool_choice {choice if isinstance(choice, str) else choice.function.name!r} needs tools")

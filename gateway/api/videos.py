@@ -9,7 +9,7 @@ from gateway.errors import APIError
 from gateway.api.schemas import ChatCompletionRequest, VideoPart
 from gateway.intake.video.intake import InspectedVideo, VideoRef
 from gateway.intake.video.limits import VideoLimits
-from gateway.intake.video.sampling import LOADER_OF_PROCESSOR, LoaderKind, VideoSampling
+from gateway.intake.video.sampling import LOADER_OF_PROCESSOR, QWEN_MAX_FPS, QWEN_MAX_FRAMES, LoaderKind, VideoSampling
 from gateway.intake.video.sizing import plan_frames
 from protocol.to_gateway import ProcessorInfo
 from protocol.video import VideoKnobs
@@ -38,6 +38,12 @@ def request_sampling(request: ChatCompletionRequest, loader: LoaderKind) -> Vide
         raise APIError(400, "media_io_kwargs.video.num_frames: this model's video loader samples by fps "
                        "(media_io_kwargs.video.fps, min_frames, max_frames), not by a frame count",
                        param="media_io_kwargs.video.num_frames", code="unsupported_parameter")
+    if loader != "opencv":  # vLLM's Qwen loaders cap these quietly: past the cap, a no-op
+        for key, value, cap in (("fps", given.fps, QWEN_MAX_FPS), ("max_frames", given.max_frames, QWEN_MAX_FRAMES)):
+            if value is not None and value > cap:
+                raise APIError(400, f"media_io_kwargs.video.{key}: {value:g} is past this model's video loader's "
+                               f"cap of {cap}, which it would sample at instead; send at most {cap}",
+                               param=f"media_io_kwargs.video.{key}", code="invalid_value")
     return VideoSampling(loader, given.fps, given.num_frames, given.min_frames, given.max_frames)
 
 

@@ -403,7 +403,7 @@ class EngineClient(ServiceClient):
                 if isinstance(message, GenerateFailed):
                     finished = True
                     code = message.code or ("engine_error" if message.status >= 500 else None)
-                    raise APIError(message.status, message.message, code=code, headers=retry_after(message.status))
+                    raise APIError(message.status, message.message, message.param, code, retry_after(message.status))
                 finished = message.finished
                 yield message
         except asyncio.TimeoutError:

@@ -6,6 +6,7 @@ import time
 import uuid
 
 import httpx
+import openai
 import pytest
 
 from tests.integration.cases import CASES
@@ -114,7 +115,8 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(client):
 
 def test_continuous_usage_counts_each_chunks_own_choice_and_needs_include_usage(client):
     """As vLLM's server: a chunk's usage counts the tokens its choice has made;
-    the final usage chunk counts all choices; continuous_usage_stats alone adds nothing."""
+    the final usage chunk counts all choices. continuous_usage_stats alone, which vLLM's server
+    quietly ignores, is a 400 naming it."""
     def chunks(**stream_options):
         return list(client.chat.completions.create(
             model=MODEL_NAME, max_tokens=6, n=2, seed=3, temperature=1.0, stream=True, messages=[{"role": "user", "content": "Tell me a story."}],
@@ -123,7 +125,8 @@ def test_continuous_usage_counts_each_chunks_own_choice_and_needs_include_usage(
     continuous = chunks(include_usage=True, continuous_usage_stats=True)
     last_of = {c.choices[0].index: c.usage.completion_tokens for c in continuous if c.choices}
     assert last_of == {0: 6, 1: 6} and continuous[-1].usage.completion_tokens == 12
-    assert all(c.usage is None for c in chunks(continuous_usage_stats=True))
+    with pytest.raises(openai.BadRequestError, match="continuous_usage_stats needs include_usage"):
+        chunks(continuous_usage_stats=True)
 
 
 def test_an_idle_keep_alive_connection_outlasts_the_clients_own_expiry(stack):

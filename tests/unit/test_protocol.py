@@ -173,7 +173,7 @@ CASES = [
         timings=EngineTimings(0.0031, 0.0472, 0.6125, 0.0009),
         cached_tokens=256,
     )),
-    (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400)),
+    (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400, "invalid_value", "messages")),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "engine core died", 503, "engine_dead")),
     (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000, 12, 655, 6_138_000_000)),
     (GatewayInbound, EncoderStats(

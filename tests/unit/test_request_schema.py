@@ -62,3 +62,50 @@ def test_a_refusal_part_is_taken_in_an_assistant_message_only():
     assert request(messages=[{"role": "user", "content": "hi"}, refused]).messages[1].content[0].refusal == "I can't help with that."
     with pytest.raises(pydantic.ValidationError, match="only assistant messages carry refusal parts"):
         request(messages=[{**refused, "role": "user"}])
+
+
+def refused(body: dict | bytes) -> dict:
+    """The error body a request gets at the gateway's door."""
+    from gateway.api.parsing import validation_error
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        if isinstance(body, bytes):
+            ChatCompletionRequest.model_validate_json(body)
+        else:
+            request(**body)
+    return validation_error(caught.value).body()["error"]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"seed": 2**63}, "seed"),
+    ({"temperature": 0, "n": 2}, "n"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
+        "empty-grammar", "continuous-usage-alone", "min-over-max"])
+def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
+    assert refused(fields)["param"] == param
+
+
+@pytest.mark.parametrize("knob", ["disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"])
+def test_structured_output_knobs_vllm_reads_only_from_its_config_are_refused(knob):
+    error = refused({"structured_outputs": {"regex": "a+", knob: True if knob != "whitespace_pattern" else " "}})
+    assert (error["param"], error["code"]) == (f"structured_outputs.{knob}", "unsupported_parameter")
+
+
+@pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+def test_numbers_that_are_not_finite_are_refused_wherever_they_are(number):
+    head = b'{"model":"m","messages":[{"role":"user","content":"hi"}],'
+    assert refused(head + b'"repetition_penalty":' + number + b"}")["param"] == "repetition_penalty"
+    schema = head + b'"structured_outputs":{"json":{"type":"number","maximum":' + number + b"}}}"
+    assert refused(schema)["param"] == "structured_outputs.json.maximum"
+
+
+def test_a_body_that_is_not_an_object_is_a_400_naming_no_field():
+    error = refused(b"[]")
+    assert error["param"] is None and error["message"].startswith("invalid request body")

@@ -90,6 +90,15 @@ def test_num_frames_is_refused_where_the_loader_would_ignore_it():
     assert caught.value.status == 400 and caught.value.param == "media_io_kwargs.video.num_frames"
 
 
+@pytest.mark.parametrize("loader", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("key,value", [("fps", 31), ("max_frames", 769)])
+def test_sampling_past_the_loader_s_cap_is_refused_where_it_would_be_capped_quietly(loader, key, value):
+    with pytest.raises(APIError) as caught:
+        request_sampling(request(media_io_kwargs={"video": {key: value}}), loader)
+    assert caught.value.status == 400 and caught.value.param == f"media_io_kwargs.video.{key}"
+    assert request_sampling(request(media_io_kwargs={"video": {key: value}}), "opencv")  # its loader takes them as sent
+
+
 def test_too_many_videos_names_the_setting():
     refs = video_refs(request(messages=[{"role": "user", "content": [VIDEO] * 3}]))
     with pytest.raises(APIError, match="gateway.max_videos_per_request"):
