@@ -43,6 +43,9 @@ BAD_REQUESTS = [
     ("max-tokens-over-the-context", body(max_tokens=4097), 400, "max_tokens=4097 cannot be greater than this model's context length"),
     ("stream-options-without-stream", body(stream_options={"include_usage": True}), 400, "stream_options needs stream: true"),
     ("two-output-constraints", body(response_format={"type": "json_object"}, structured_outputs={"regex": "a+"}), 400, "send one"),
+    # What vLLM's engine would refuse after the image's fetch and encode: refused before them.
+    ("greedy-n", body(messages=image_message(png_url()), temperature=0, n=2), 400, "temperature 0 (greedy)"),
+    ("tool-choice-without-tools", body(tool_choice="auto"), 400, "tool_choice 'auto' needs tools"),
     # Each error names the field as the request spells it, in the union branch the value took.
     ("image-url-as-string", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": png_url()}]}]), 400,
      "'messages.0.content.0.image_url': Input should be an object"),
