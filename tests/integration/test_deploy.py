@@ -92,6 +92,7 @@ def test_ports_and_addresses_line_up_with_the_profile(base, profile):
     for address in gateway["engine_addresses"]:
         assert urlparse(address).hostname == "llm-engine" and port_of(address) == port_of(engine["address"])
     assert urlparse(encoder["shared_cache_url"]).hostname == "redis"
+    assert engine["shared_cache_url"] == encoder["shared_cache_url"]  # a fetch the encoder can no longer answer
     scrape = yaml.safe_load((REPO_ROOT / "configs" / "prometheus.yml").read_text())
     assert scrape["scrape_configs"][0]["static_configs"][0]["targets"] == [f"gateway:{gateway['port']}"]
     datasource = yaml.safe_load((REPO_ROOT / "configs/grafana/provisioning/datasources/prometheus.yml").read_text())
@@ -130,6 +131,17 @@ def test_health_checks_are_the_kubernetes_readiness_probes(base):
         assert check["retries"] == ready.get("failureThreshold", 3), name
         allowance = startup["periodSeconds"] * startup["failureThreshold"] if startup else 0
         assert seconds(check.get("start_period", "0s")) == allowance, name
+
+
+def test_services_stopped_get_the_pods_grace_periods(base):
+    """Docker's default 10 s would SIGKILL the gateway and the engine before their drains end."""
+    binary("kubectl")
+    from tests.unit.test_kubernetes import of_kind, render
+
+    grace = {d["metadata"]["name"]: d["spec"]["template"]["spec"].get("terminationGracePeriodSeconds")
+             for d in of_kind(render("cpu-demo"), "Deployment")}
+    for name in PRISM_SERVICES:
+        assert seconds(base["services"][name]["stop_grace_period"]) == grace[name], name
 
 
 def test_the_gpu_override_reserves_devices_and_builds_the_gpu_flavour():

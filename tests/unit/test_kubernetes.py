@@ -313,6 +313,15 @@ def test_disruption_budgets_cover_every_prism_deployment(overlay):
         assert sum(budget.items() <= labels.items() for budget in budgets) == 1, deployment["metadata"]["name"]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_rollout_is_not_called_failed_while_its_pods_may_still_be_starting(overlay):
+    """A Deployment's progress deadline (600 s unless set) outlasts its startup probe's allowance."""
+    for deployment, container, _ in prism_containers(render(overlay)):
+        startup = container["startupProbe"]
+        allowance = startup["periodSeconds"] * startup["failureThreshold"]
+        assert deployment["spec"].get("progressDeadlineSeconds", 600) > allowance, deployment["metadata"]["name"]
+
+
 def test_the_base_copy_of_the_dashboard_is_the_file_in_configs():
     source, copy = REPO_ROOT / "configs/grafana/prism-dashboard.json", DEPLOY / "base/prism-dashboard.json"
     assert copy.read_bytes() == source.read_bytes(), f"{copy} differs from its source: run `make {copy.relative_to(REPO_ROOT)}`"
