@@ -322,6 +322,44 @@ def test_a_rollout_is_not_called_failed_while_its_pods_may_still_be_starting(ove
         assert deployment["spec"].get("progressDeadlineSeconds", 600) > allowance, deployment["metadata"]["name"]
 
 
+# Who may connect to whom (base/network.yaml): None, anyone.
+PEERS = {"gateway": None, "vision-encoder": {"gateway", "llm-engine"}, "llm-engine": {"gateway", "vision-encoder"},
+         "redis": {"vision-encoder", "llm-engine"}}
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return (selector.get("matchLabels", {}).items() <= labels.items()
+            and all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In"))
+
+
+def _admits(policies: list[dict], target: dict, source: dict) -> bool:
+    """Whether a pod labelled `source` may connect to one labelled `target`, on any of its ports."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], target)]
+    rules = [rule for p in selecting for rule in p["spec"].get("ingress", [])]
+    return not selecting or any("from" not in rule or any(_selects(peer["podSelector"], source) for peer in rule["from"])
+                                for rule in rules)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_prism_s_own_pods_reach_the_encoders_engines_and_redis(overlay):
+    objects = render(overlay)
+    policies = of_kind(objects, "NetworkPolicy")
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"] for d in of_kind(objects, "Deployment")}
+    pods["a pod of another app"] = {"app.kubernetes.io/name": "something-else"}
+    for target, target_labels in pods.items():
+        allowed = PEERS.get(target_labels["app.kubernetes.io/name"], set())
+        for source, source_labels in pods.items():
+            expected = allowed is None or source_labels["app.kubernetes.io/name"] in allowed
+            assert _admits(policies, target_labels, source_labels) == expected, (source, target)
+    ports_of = {d["metadata"]["name"]: {p["name"] for c in d["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+                for d in of_kind(objects, "Deployment")}
+    for policy in policies:  # a port a policy opens is one its pods name
+        named = set().union(*(ports_of[name] for name, labels in pods.items()
+                              if name in ports_of and _selects(policy["spec"]["podSelector"], labels)))
+        for rule in policy["spec"].get("ingress", []):
+            assert {port["port"] for port in rule.get("ports", [])} <= named, policy["metadata"]["name"]
+
+
 def test_the_base_copy_of_the_dashboard_is_the_file_in_configs():
     source, copy = REPO_ROOT / "configs/grafana/prism-dashboard.json", DEPLOY / "base/prism-dashboard.json"
     assert copy.read_bytes() == source.read_bytes(), f"{copy} differs from its source: run `make {copy.relative_to(REPO_ROOT)}`"
