@@ -360,6 +360,23 @@ def test_only_prism_s_own_pods_reach_the_encoders_engines_and_redis(overlay):
             assert {port["port"] for port in rule.get("ports", [])} <= named, policy["metadata"]["name"]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_pod_meets_the_restricted_pod_security_standard_its_namespace_enforces(overlay):
+    objects = render(overlay)
+    (namespace,) = of_kind(objects, "Namespace")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    image_user = re.search(r"^USER (\d+):", (REPO_ROOT / "docker" / "Dockerfile").read_text(), re.M).group(1)
+    for deployment in of_kind(objects, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        name = deployment["metadata"]["name"]
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert not any("hostPath" in volume for volume in pod.get("volumes", [])), name
+        for container in pod["containers"]:
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, name
+        if any(c["name"] == "prism" for c in pod["containers"]):
+            assert str(pod["securityContext"]["runAsUser"]) == image_user, name
+
+
 def test_the_base_copy_of_the_dashboard_is_the_file_in_configs():
     source, copy = REPO_ROOT / "configs/grafana/prism-dashboard.json", DEPLOY / "base/prism-dashboard.json"
     assert copy.read_bytes() == source.read_bytes(), f"{copy} differs from its source: run `make {copy.relative_to(REPO_ROOT)}`"
