@@ -382,6 +382,15 @@ def test_the_base_copy_of_the_dashboard_is_the_file_in_configs():
     assert copy.read_bytes() == source.read_bytes(), f"{copy} differs from its source: run `make {copy.relative_to(REPO_ROOT)}`"
 
 
+def test_the_dashboard_asks_for_its_prometheus_instead_of_naming_one():
+    """Grafana's datasource uids differ per install (compose provisions `prism-prometheus`,
+    kube-prometheus-stack `prometheus`): every panel and query reads the `datasource` variable."""
+    dashboard = json.loads((REPO_ROOT / "configs/grafana/prism-dashboard.json").read_text())
+    assert [v["name"] for v in dashboard["templating"]["list"] if v["type"] == "datasource"] == ["datasource"]
+    sources = [p["datasource"] for p in dashboard["panels"]] + [t["datasource"] for p in dashboard["panels"] for t in p["targets"]]
+    assert sources and all(s == {"type": "prometheus", "uid": "${datasource}"} for s in sources)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_dashboard_config_map_is_the_file_in_configs(overlay):
     (dashboard,) = [c for c in of_kind(render(overlay), "ConfigMap") if c["metadata"]["name"] == "prism-grafana-dashboard"]
