@@ -76,6 +76,7 @@ class Child:
     backoff_s: float = 1.0
     probe: Callable[[], bool] | None = None  # True while it answers (blocking, bounded by its own timeout)
     answered: tuple[int, float] | None = None  # (pid, when) of the last answer to `probe`
+    first_answered: tuple[int, float] | None = None  # (pid, when) of that process's first answer
 
     def spawn(self) -> None:
         config = ["--config", str(self.config)] if self.config is not None else []
@@ -107,7 +108,7 @@ class Supervisor:
 
     children: list[Child]
     max_backoff_s: float = 30.0
-    stable_after_s: float = 60.0  # a child up this long has its back-off reset
+    stable_after_s: float = 60.0  # a child up (serving, where probed) this long has its back-off reset
     on_exit: Callable[[Child], None] | None = None  # called with a dead child, its restart already scheduled
     liveness_s: float = 0.0  # a probed child silent this long after answering is killed (0: never)
     probe_interval_s: float = PROBE_INTERVAL_S
@@ -152,6 +153,7 @@ class Supervisor:
         if child.probe():
             if child.answered is None or child.answered[0] != process.pid:
                 log.info("%s (pid %d) answers on its socket; a silence of %.0f s from now restarts it", child.label, process.pid, self.liveness_s)
+                child.first_answered = (process.pid, time.monotonic())
             child.answered = (process.pid, time.monotonic())
             return
         if child.answered is None or child.answered[0] != process.pid:  # still starting: not judged yet
@@ -166,12 +168,22 @@ class Supervisor:
 
     def _exited(self, index: int, child: Child) -> None:
         kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
-        if time.monotonic() - child.started_at > self.stable_after_s:
+        if self.was_stable(child):
             child.backoff_s = 1.0
         self._restart_at[index] = time.monotonic() + child.backoff_s
         log.error("%s exited with %s; restarting in %.0f s", child.label, child.process.returncode, child.backoff_s)
         if self.on_exit is not None:
             self.on_exit(child)
+
+    def was_stable(self, child: Child) -> bool:
+        """Up `stable_after_s`: from its first answer where it is probed (an engine that loads
+        for minutes and then fails is not stable, and keeps backing off), from its start where not."""
+        if child.probe is None or self.liveness_s <= 0:
+            since: float | None = child.started_at
+        else:
+            answered = child.first_answered
+            since = answered[1] if answered is not None and answered[0] == child.process.pid else None
+        return since is not None and time.monotonic() - since > self.stable_after_s
 
     def _respawn(self, index: int, child: Child) -> None:
         child.backoff_s = min(child.backoff_s * 2, self.max_backoff_s)

@@ -116,6 +116,9 @@ def check_service_configs(children: list[Child]) -> None:
 def serve(config_path: Path) -> None:
     from gateway.config import GatewayConfig
 
+    # SIGHUP reloads the routing map once the gateway serves; until then its default would
+    # kill this process (and leave its children without the atexit stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     setup_logging("gateway")  # the gateway runs in this process
     try:
         gateway_config = load_config(GatewayConfig, "gateway", config_path)

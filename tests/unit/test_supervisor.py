@@ -152,3 +152,21 @@ def test_a_child_that_never_answered_is_left_to_start(supervisors):
     supervisor.start()
     time.sleep(1)  # a window for a wrong kill to land: what is tested is that nothing happens
     assert child.restarts == 0 and child.process.poll() is None
+
+
+def test_a_probed_child_is_stable_only_once_it_has_served_a_while():
+    """The back-off resets for a stable child: a probed one counts from its first answer, so an
+    engine that loads for minutes and then fails keeps backing off instead of restarting each second."""
+    from types import SimpleNamespace
+
+    supervisor = Supervisor([], stable_after_s=60, liveness_s=10)
+    loading = Child(RESTARTED, None, probe=lambda: False, process=SimpleNamespace(pid=7), started_at=time.monotonic() - 600)
+    assert not supervisor.was_stable(loading)  # ten minutes up, never answered
+    loading.first_answered = (7, time.monotonic() - 5)
+    assert not supervisor.was_stable(loading)  # serving for 5 s
+    loading.first_answered = (7, time.monotonic() - 61)
+    assert supervisor.was_stable(loading)
+    loading.process = SimpleNamespace(pid=8)  # restarted: its predecessor's answers are not its own
+    assert not supervisor.was_stable(loading)
+    unprobed = Child(RESTARTED, None, process=SimpleNamespace(pid=9), started_at=time.monotonic() - 61)
+    assert supervisor.was_stable(unprobed)
