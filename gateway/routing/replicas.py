@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -40,6 +41,9 @@ from gateway.errors import APIError
 RETRIABLE = (503, 429)  # the replica is gone, draining or full; another may not be
 LAST_SERVED_ENTRIES = 65536  # digests remembered for affinity (~3 MB)
 LOAD_SLACK = 1.25  # an image's own replica takes it up to this many times the mean load
+# A discovered replica left out (another model, no answer) is asked again after this, then twice
+# as long each time it is left out again: a pod of another model stays in DNS for a whole rollout.
+REJOIN_AFTER_S = (10.0, 300.0)
 
 C = TypeVar("C", bound=ServiceClient)
 log = logging.getLogger("prism.gateway")
@@ -81,6 +85,7 @@ class ReplicaPool(Generic[C]):
         self.retired: set[int] = set()  # left the set: no new requests, closed once idle
         self._free: set[int] = set()  # retired and closed: a newcomer may take the index
         self._joining: dict[int, asyncio.Task] = {}  # handshakes of replicas found by discovery
+        self._left_out: dict[str, tuple[float, float]] = {}  # address → (asked again at, the wait after that)
         self._heartbeat_interval_s: float | None = None
         self._discovery: asyncio.Task | None = None
         self._last_served: OrderedDict[bytes, int] = OrderedDict()  # digest → replica (LRU)
@@ -226,14 +231,25 @@ class ReplicaPool(Generic[C]):
         current = {r.address: i for i, r in enumerate(self.replicas) if i not in self._free}
         for address in wanted:
             if (index := current.get(address)) is None:
-                self._join(address, join_timeout_s)
+                if self._may_join(address):
+                    self._join(address, join_timeout_s)
             elif index in self.retired:
                 self.retired.discard(index)  # back before it was closed: still connected
                 log.warning("%s at %s is back in the set", self.replicas[index].name, address)
         for address, index in current.items():
             if address not in wanted and index not in self.retired:
                 self._retire(index)
+        self._left_out = {address: when for address, when in self._left_out.items() if address in wanted}
         await self.close_idle_retired()
+
+    def _may_join(self, address: str) -> bool:
+        """Not left out lately; or nothing serves (then the pool may take another model's answer)."""
+        left_out = self._left_out.get(address)
+        return left_out is None or time.monotonic() >= left_out[0] or not any(r.up for r in self.replicas)
+
+    def _leave_out(self, address: str) -> None:
+        _, wait_s = self._left_out.get(address, (0.0, REJOIN_AFTER_S[0]))
+        self._left_out[address] = (time.monotonic() + wait_s, min(2 * wait_s, REJOIN_AFTER_S[1]))
 
     def _join(self, address: str, timeout_s: float) -> None:
         index = min(self._free) if self._free else len(self.replicas)
@@ -263,8 +279,10 @@ class ReplicaPool(Generic[C]):
                     replica.start_heartbeat(self._heartbeat_interval_s)
                 log.warning("%s at %s joined", replica.name, replica.address)
                 self._joining.pop(index, None)
+                self._left_out.pop(replica.address, None)
                 return
             log.error("%s at %s serves %s, not %s: it is left out", replica.name, replica.address, info, self.info)
+        self._leave_out(replica.address)
         replica.up = False
         self._joining.pop(index, None)
         self.retired.add(index)

@@ -46,8 +46,9 @@ class Records:
 class FakeEngine:
     """Streams DELTAS deltas per request; with `hold` cleared, stops after the first until it is set."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, model: str = "m") -> None:
         self.router = AsyncRouter(ctx, address, EngineInbound)
+        self.model, self.handshakes = model, 0
         self.received: list[int] = []  # request numbers, in arrival order
         self.held = 0  # streams waiting for `hold` after their first delta
         self.hold = asyncio.Event()
@@ -59,7 +60,8 @@ class FakeEngine:
         while True:
             peer, message, _ = await self.router.recv()
             if isinstance(message, Hello):
-                await self.router.send(peer, EngineReady("m", 4096))
+                self.handshakes += 1
+                await self.router.send(peer, EngineReady(self.model, 4096))
             elif isinstance(message, StatsRequest):
                 await self.router.send(peer, EngineStats("boot", 0, 0, 0, 0))
             elif isinstance(message, GenerateRequest):
@@ -215,6 +217,34 @@ async def lookup_fails_then_answers() -> None:
         await pool.close()
         engine.stop()
         ctx.destroy(linger=0)  # also any socket a failed bind left open: term() would wait on it
+
+
+async def another_model_in_the_records() -> None:
+    ctx = zmq.asyncio.Context()
+    first = FakeEngine(ctx, "tcp://127.0.0.1:*")
+    port = int(first.router.socket.last_endpoint.decode().rsplit(":", 1)[1])
+    other = FakeEngine(ctx, f"tcp://127.0.0.2:{port}", model="another-model")  # a pod of a rollout's other side
+    records = Records("127.0.0.1", "127.0.0.2")
+    pool = EnginePool(ctx, resolve_all([f"tcp://{NAME}:{port}"], records.lookup)[:1], heartbeat_timeout_s=30)
+    try:
+        await pool.connect(timeout_s=10)
+        pool.start_heartbeat(0.05)
+        pool.follow_dns([f"tcp://{NAME}:{port}"], interval_s=0.02, join_timeout_s=10, lookup=records.lookup)
+        await until(lambda: other.handshakes >= 1, "the other model's pod asked once")
+        calls = records.calls
+        await until(lambda: records.calls >= calls + 20, "twenty more discovery rounds")
+        assert other.handshakes == 1 and [r.address for r in pool.replicas if r.up] == [f"tcp://127.0.0.1:{port}"]
+    finally:
+        await pool.close()
+        first.stop()
+        other.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_replica_left_out_is_not_asked_again_at_every_discovery_round():
+    """A pod of another model stays in the Service's records for a whole rollout: asked again only
+    after a back-off (gateway/routing/replicas.py REJOIN_AFTER_S), not every round."""
+    asyncio.run(another_model_in_the_records())
 
 
 def test_a_failing_lookup_changes_nothing_and_the_next_answer_does():
