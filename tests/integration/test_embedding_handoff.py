@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -35,7 +34,6 @@ from tests.integration.encoder_socket import encode_directly, encoder_process
 from tests.integration.helpers import by_reference, scrape, send_raw, wait_until
 
 SERVICE = dict(os.environ, PRISM_MODEL=str(RANDOM_MODEL), PRISM_ENCODER__DTYPE="float32")
-FETCH_TIMEOUT_S = 5  # engine.embed_fetch_timeout_s, the session stack's default
 
 
 def spawn(module: str, log, **env) -> subprocess.Popen:
@@ -170,11 +168,9 @@ def test_an_encoder_killed_between_encode_and_fetch_fails_the_request_with_503_n
         assert isinstance(fetched, TokenDelta) and fetched.finished, fetched  # the engine fetched it from this encoder
         doomed.process.send_signal(signal.SIGKILL)
         doomed.process.wait(10)
-        started = time.monotonic()
         failed = asyncio.run(send_raw(engine, by_reference(address, reply.images[1], "handoff-dead")))
         assert isinstance(failed, GenerateFailed), failed
         assert (failed.status, failed.code) == (503, EMBEDDINGS_UNAVAILABLE) and "engine.embed_fetch_timeout_s" in failed.message
-        assert time.monotonic() - started < FETCH_TIMEOUT_S + 10
     healthy = httpx.post(f"{stack.base_url}/v1/chat/completions", json=image_body("after-the-kill"), timeout=60)
     assert healthy.status_code == 200
 

@@ -46,7 +46,7 @@ def test_fetched_urls_without_streaming_and_a_tiny_sweep(stack, tmp_path):
     assert result["best_load"] == 2
     # bounded by time: far fewer than the 200 requests it may send
     timed = load_test(target, SPEC, Arrival(concurrency=2), Plan(requests=200, duration_s=1.5, warmup=0, progress=False))
-    assert 0 < timed["summary"]["completed"] < 200 and timed["summary"]["duration"] < 30
+    assert 0 < timed["summary"]["completed"] < 200
     # a target with nothing listening: every request fails, counted by kind
     dead = load_test(Target("http://127.0.0.1:9", MODEL_NAME, timeout_s=5), SPEC, Arrival(rate=20), Plan(requests=3, warmup=0, progress=False))
     assert dead["summary"]["completed"] == 0 and sum(dead["summary"]["errors"].values()) == 3

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import pytest
 import zmq.asyncio
@@ -90,12 +89,11 @@ def test_the_client_routes_only_to_a_serving_service_and_a_restart_rejoins_after
     asyncio.run(follow_states(tmp_path))
 
 
-async def _in_flight_when(tmp_path, happening: str) -> tuple[APIError, float]:
-    """A request with its first token, then `happening`: how its wait ended, and after how long."""
+async def _in_flight_when(tmp_path, happening: str) -> APIError:
+    """A request with its first token, then `happening`: how its wait ended."""
     async with engine_and_client(tmp_path, heartbeat_timeout_s=0.5, interval_s=0.1) as (engine, client):
         tokens = client.generate(GenerateRequest("r", b"{}"), timeout_s=60)
         await anext(tokens)
-        started = time.monotonic()
         if happening == "closed":  # its model reloaded away, past the drain
             await client.close()
         else:  # draining, then silent without dropping the connection
@@ -104,14 +102,13 @@ async def _in_flight_when(tmp_path, happening: str) -> tuple[APIError, float]:
             engine.answers_stats = False
         with pytest.raises(APIError) as ended:
             await anext(tokens)
-        return ended.value, time.monotonic() - started
+        return ended.value
 
 
 @pytest.mark.parametrize("happening", ["closed", "draining-then-silent"])
 def test_a_request_in_flight_ends_with_a_503_when_its_engine_goes_away_not_at_its_own_timeout(tmp_path, happening):
-    error, waited_s = asyncio.run(_in_flight_when(tmp_path, happening))
-    assert error.status == 503, error.message
-    assert waited_s < 30  # not the request's own 60 s timeout: a generous bound on "did not wait it out"
+    error = asyncio.run(_in_flight_when(tmp_path, happening))
+    assert error.status == 503, error.message  # the request's own timeout would have been a 504
 
 
 async def _endings_when_a_drained_engine_closes(tmp_path, requests: int, tokens: int) -> list[str]:
