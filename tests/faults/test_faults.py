@@ -348,8 +348,8 @@ def test_a_stream_nobody_reads_is_cut_and_its_generation_aborted(faulty):
 
 
 def test_graceful_shutdown_drains_in_flight_streams(faulty):
-    body = {"model": MODEL_NAME, "max_tokens": 400, "temperature": 1.0, "seed": 11, "stream": True,
-            "messages": [{"role": "user", "content": "Write a long story."}]}
+    body = {"model": MODEL_NAME, "max_tokens": 400, "temperature": 1.0, "seed": 11, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "Write a long story."}]}
     with httpx.stream("POST", f"{faulty.base_url}/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         first = next(lines)
@@ -357,6 +357,8 @@ def test_graceful_shutdown_drains_in_flight_streams(faulty):
         rest = [line for line in lines if line.startswith("data: ")]
     assert first.startswith("data: {")
     assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 400  # generated to its end, not aborted at the SIGTERM
     assert faulty.process.wait(60) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{faulty.base_url}/health/live", timeout=2)
