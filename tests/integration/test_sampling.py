@@ -66,5 +66,5 @@ def test_values_out_of_range_are_refused_naming_the_field(client, field, value):
 
 
 def test_a_token_id_outside_the_vocabulary_is_a_400(client):
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError, match="out-of-vocab"):
         answer(client, logit_bias={"999999": 5})

@@ -13,7 +13,8 @@ from tests.waiting import wait_until, wait_until_async
 
 def test_returns_once_the_state_holds():
     counts = itertools.count()
-    assert wait_until(lambda: next(counts) >= 3, 10, "three polls", every_s=0) >= 0
+    wait_until(lambda: next(counts) >= 3, 10, "three polls", every_s=0)
+    assert next(counts) == 4  # polled until it held (counts 0-3), and no more
 
 
 def test_a_timeout_names_what_was_awaited_and_the_last_value_seen():
