@@ -31,7 +31,7 @@ from gateway.intake.fetch import FetchLimits, ImageFetcher
 from gateway.ops.loop_probe import LoopProbe
 from gateway.ops.retired import RETIRED, counters
 from gateway.intake.images import ImageLimits
-from gateway.api.listener import listening_socket
+from gateway.api.listener import bound_socket
 from gateway.intake.memory import HeapKeeper, MemoryPlan, mib, process_rss
 from gateway.api.models import ServedModel
 from gateway.api.parsing import buffer_whole_bodies, validation_error
@@ -418,6 +418,6 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
                               timeout_graceful_shutdown=config.drain_timeout_s, timeout_keep_alive=config.keep_alive_s)
     server = uvicorn.Server(settings)
     app.state.server = server  # start-up gives up when it is told to stop (`started_unless_stopped`)
-    listener = listening_socket(config.host, config.port, reuse_port=slot.count > 1,
-                                receive_buffer_bytes=config.socket_receive_buffer_bytes)
+    listener = bound_socket(config.host, config.port, reuse_port=slot.count > 1,
+                            receive_buffer_bytes=config.socket_receive_buffer_bytes)
     server.run(sockets=[listener])

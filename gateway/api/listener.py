@@ -1,10 +1,17 @@
-"""The gateway's listening socket, built here rather than by uvicorn because
-two of its options must be set before `listen()`:
+"""The gateway's socket, built here rather than by uvicorn because two of its
+options must be set before `listen()`:
 
 - SO_REUSEPORT when several gateway workers share the port (the kernel
   spreads new connections over them; gateway/ops/workers.py);
 - SO_RCVBUF (`gateway.socket_receive_buffer_bytes`), which accepted
   connections inherit, and whose TCP window scale is fixed at the handshake.
+
+It is bound here (a port in use stops the gateway at once) but listens only
+once the app serves: uvicorn calls `listen()` after the lifespan's start-up,
+which waits for the encoders' and engines' handshakes. Until then a
+connection is refused rather than held unanswered, and a restarted worker
+among several takes none: the kernel spreads connections over listening
+sockets only.
 
 Why a large receive buffer: an image request's body is 0.3-1.3 MB of base64.
 With the kernel's starting buffer (net.ipv4.tcp_rmem's middle figure, 128 KB
@@ -24,13 +31,11 @@ import socket
 
 log = logging.getLogger("prism.gateway")
 
-BACKLOG = 2048  # uvicorn's default
 
-
-def listening_socket(host: str, port: int, *, reuse_port: bool, receive_buffer_bytes: int) -> socket.socket:
-    """A socket listening on the first address `host` resolves to (the
-    configs give IP literals), as uvicorn would bind it, plus the two options
-    above."""
+def bound_socket(host: str, port: int, *, reuse_port: bool, receive_buffer_bytes: int) -> socket.socket:
+    """A socket bound to the first address `host` resolves to (the configs give
+    IP literals), as uvicorn would bind it, plus the two options above; not
+    listening yet (uvicorn listens once the app serves)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = _unbound(family, kind, proto, reuse_port)
     try:
@@ -38,7 +43,6 @@ def listening_socket(host: str, port: int, *, reuse_port: bool, receive_buffer_b
             sock.close()  # its buffer is fixed at what the kernel granted: start afresh, with autotuning
             sock = _unbound(family, kind, proto, reuse_port)
         sock.bind(address)
-        sock.listen(BACKLOG)
     except BaseException:
         sock.close()
         raise

@@ -1,7 +1,8 @@
-"""The gateway's listening socket (gateway/api/listener.py): its receive buffer,
+"""The gateway's socket (gateway/api/listener.py): its receive buffer,
 which accepted connections inherit, lets a client send a whole image body
 before the gateway reads any of it; past what the kernel grants it is left
-to autotuning, with a warning naming the key."""
+to autotuning, with a warning naming the key; and it listens only once the app
+serves, so a worker still starting takes no connections from those that serve."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from gateway.api.listener import listening_socket
+from gateway.api.listener import bound_socket
 
 BODY_BYTES = 1_500_000  # a 4K JPEG's request, a little over
 BUFFER = 4 * 2**20
+
+
+def listening_socket(host: str, port: int, **options) -> socket.socket:
+    """The gateway's socket once uvicorn listens on it (it does once the app serves)."""
+    sock = bound_socket(host, port, **options)
+    sock.listen()
+    return sock
 
 
 def kernel_cap() -> int:
@@ -87,3 +95,15 @@ def test_workers_share_the_port() -> None:
             assert second.getsockname()[1] == port
         with pytest.raises(OSError):
             listening_socket("127.0.0.1", port, reuse_port=False, receive_buffer_bytes=0)
+
+
+def test_a_worker_that_does_not_serve_yet_takes_no_connections() -> None:
+    """Bound beside a serving worker (SO_REUSEPORT), a starting one's socket listens only once its app
+    serves: until then the kernel gives every connection to the one that serves, none to its queue."""
+    with listening_socket("127.0.0.1", 0, reuse_port=True, receive_buffer_bytes=0) as serving:
+        port = serving.getsockname()[1]
+        with bound_socket("127.0.0.1", port, reuse_port=True, receive_buffer_bytes=0):
+            serving.settimeout(5)
+            for _ in range(32):
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    serving.accept()[0].close()  # each one here, or it waits in the other's queue: a timeout
