@@ -97,10 +97,11 @@ def service_children(gateway_config, config_path: Path, shared_model: str) -> li
     return list(children.values())
 
 
-def check_service_configs(children: list[Child]) -> None:
+def check_service_configs(children: list[Child]) -> list:
     """Every child's section validated here first, as the child will load it (its file, its
     environment): a bad value stops `prism serve` at once, naming the key, instead of a child
-    that fails at start-up and is restarted until the gateway's start-up timeout gives up."""
+    that fails at start-up and is restarted until the gateway's start-up timeout gives up.
+    The configs, in the children's order."""
     from llm_engine.config import EngineConfig
     from vision_encoder.config import EncoderConfig
 
@@ -111,6 +112,10 @@ def check_service_configs(children: list[Child]) -> None:
         env = {**os.environ, **child.env}
         loaded.append((child.name, load_config(model, section, child.config, env=env, context=PROBE), env))
     check_gpu_shares(loaded)
+    return [config for _, config, _ in loaded]
+
+
+STOP_MARGIN_S = 15  # past an engine's drain: vLLM's own shutdown
 
 
 def serve(config_path: Path) -> None:
@@ -123,12 +128,15 @@ def serve(config_path: Path) -> None:
     try:
         gateway_config = load_config(GatewayConfig, "gateway", config_path)
         children = service_children(gateway_config, config_path, configured_model(config_path))
-        check_service_configs(children)
+        configs = check_service_configs(children)
     except ConfigError as exc:
         raise SystemExit(f"prism serve: {exc}") from None
     supervisor = Supervisor(children, liveness_s=gateway_config.child_liveness_s)
     supervisor.start()
-    atexit.register(supervisor.stop)
+    # An engine finishes what it holds (engine.drain_timeout_s), then shuts vLLM down; killed
+    # sooner, vLLM's processes leave their shared-memory queues in /dev/shm.
+    grace_s = max((getattr(config, "drain_timeout_s", 0) for config in configs), default=0) + STOP_MARGIN_S
+    atexit.register(supervisor.stop, grace_s)
     if gateway_config.workers > 1:
         from gateway.ops.workers import serve_workers
 
