@@ -9,17 +9,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import zmq.asyncio
 
 from gateway.errors import APIError
 from gateway.routing.clients import EncoderClient
-from gateway.routing.engine_pool import EnginePool
 from protocol.sockets import AsyncRouter
 from protocol.to_encoder import CancelEncode, EncoderInbound, ImageInput
-from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
+from protocol.to_engine import AbortGenerate, GenerateRequest
 from protocol.to_gateway import GenerateFailed, TokenDelta
 from tests.unit.test_client_cancellation import client_and_service
-from tests.unit.test_service_states import FakeEngine
+from tests.unit.test_service_states import FakeEngine, two_engines_and_a_pool
 
 
 class FailingEngine(FakeEngine):
@@ -38,25 +36,12 @@ class FailingEngine(FakeEngine):
 
 async def _two_failing_engines(tmp_path, tokens_first: int) -> tuple[int, APIError, list[int]]:
     """(deltas the client got, the error it got, requests each engine was asked)."""
-    ctx = zmq.asyncio.Context()
-    addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
-    engines = [FailingEngine(AsyncRouter(ctx, address, EngineInbound), tokens_first) for address in addresses]
-    serving = [asyncio.create_task(engine.serve()) for engine in engines]
-    pool = EnginePool(ctx, addresses, heartbeat_timeout_s=30)
     deltas = 0
-    try:
-        await pool.connect(timeout_s=5)
+    async with two_engines_and_a_pool(tmp_path, lambda router: FailingEngine(router, tokens_first)) as (engines, pool):
         with pytest.raises(APIError) as caught:
             async for _ in pool.generate(GenerateRequest("r", b"{}"), timeout_s=5):
                 deltas += 1
         return deltas, caught.value, [engine.asked for engine in engines]
-    finally:
-        for task in serving:
-            task.cancel()
-        await pool.close()
-        for engine in engines:
-            engine.router.close()
-        ctx.destroy(linger=0)
 
 
 def test_a_failure_before_the_first_token_goes_to_another_engine(tmp_path):

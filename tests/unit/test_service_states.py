@@ -143,22 +143,36 @@ def test_a_drained_engine_s_last_replies_reach_their_requests_before_its_close_f
         assert asyncio.run(_endings_when_a_drained_engine_closes(tmp_path, requests=3, tokens=20)) == ["finished"] * 3, attempt
 
 
-async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
-    """Two engines restarted one after the other with another model: (up, up, the pool's model) as it goes."""
+@contextlib.asynccontextmanager
+async def two_engines_and_a_pool(tmp_path, make_engine=FakeEngine):
+    """Two fake engines (`make_engine(router)`) and the gateway's pool over them, handshaken; closed after."""
     from gateway.routing.engine_pool import EnginePool
 
     ctx = zmq.asyncio.Context()
     addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
-    engines = [FakeEngine(AsyncRouter(ctx, address, EngineInbound)) for address in addresses]
+    engines = [make_engine(AsyncRouter(ctx, address, EngineInbound)) for address in addresses]
     serving = [asyncio.create_task(engine.serve()) for engine in engines]
     pool = EnginePool(ctx, addresses, heartbeat_timeout_s=30)
-    seen = []
-
-    def state() -> tuple[bool, bool, str]:
-        return pool.replicas[0].up, pool.replicas[1].up, pool.info.model
-
     try:
         await pool.connect(timeout_s=5)
+        yield engines, pool
+    finally:
+        for task in serving:
+            task.cancel()
+        await pool.close()
+        for engine in engines:
+            engine.router.close()
+        ctx.destroy(linger=0)
+
+
+async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
+    """Two engines restarted one after the other with another model: (up, up, the pool's model) as it goes."""
+    seen = []
+    async with two_engines_and_a_pool(tmp_path) as (engines, pool):
+
+        def state() -> tuple[bool, bool, str]:
+            return pool.replicas[0].up, pool.replicas[1].up, pool.info.model
+
         pool.start_heartbeat(0.05)
         await wait_until_async(lambda: all(r.stats is not None for r in pool.replicas), 5, "both engines' first stats")
         for index in (0, 1):
@@ -169,14 +183,7 @@ async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
             else:
                 await wait_until_async(lambda: all(r.up for r in pool.replicas), 5, "both engines serving m2")
             seen.append(state())
-        return seen
-    finally:
-        for task in serving:
-            task.cancel()
-        await pool.close()
-        for engine in engines:
-            engine.router.close()
-        ctx.destroy(linger=0)
+    return seen
 
 
 def test_replicas_restarted_with_another_model_are_taken_once_none_serves_the_old_one(tmp_path):
