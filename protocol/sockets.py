@@ -12,7 +12,9 @@ service's loop or a reader task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket as stdlib_socket
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,10 +42,28 @@ def size_of(parts: Sequence[Any]) -> int:
 
 
 def bind(socket: zmq.Socket, address: str) -> None:
-    """Bind, creating the directory of an ipc:// path first."""
+    """Bind, creating the directory of an ipc:// path first. ZMQ replaces an ipc:// path's
+    file silently: a process still serving there (an orphan of an earlier stack, finishing
+    its start) would lose its socket to this one, or take it back, so that is refused."""
     if address.startswith("ipc://"):
-        Path(address.removeprefix("ipc://")).parent.mkdir(parents=True, exist_ok=True)
+        path = Path(address.removeprefix("ipc://"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if _answers(path):
+            raise zmq.ZMQError(zmq.EADDRINUSE, f"{address}: another process is bound there and serving")
     socket.bind(address)
+
+
+def _answers(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket at `path` (a file left by
+    one that died refuses them)."""
+    if not path.is_socket():
+        return False
+    with contextlib.closing(stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 # Unreadable messages logged one by one; past this, one line per LOG_EVERY (a flood must not fill the disk).

@@ -29,7 +29,7 @@ import protocol
 from tests.unit.test_video_protocol import VIDEO_CASES
 from tests.waiting import wait_until
 from protocol.base import Hello, Message
-from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, pack
+from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, bind, pack
 from protocol.stats import (
     BATCH_IMAGE_BUCKETS,
     BATCH_PATCH_BUCKETS,
@@ -696,3 +696,27 @@ def test_pushes_to_a_router_that_does_not_read_stop_at_its_receive_limit(tmp_pat
         pusher.close()
         router.close()
         ctx.destroy(linger=0)
+
+
+def test_an_ipc_path_another_process_serves_on_is_not_taken_from_it(tmp_path):
+    """ZMQ replaces an ipc:// file silently: a second bind would cut the first's clients off."""
+    address = f"ipc://{tmp_path}/engine.sock"
+    ctx = zmq.Context()
+    first, second = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    try:
+        bind(first, address)
+        with pytest.raises(zmq.ZMQError, match="another process is bound there"):
+            bind(second, address)
+        first.close(linger=0)  # ZMQ's own thread closes it: taken over once it is gone
+
+        def taken_over() -> bool:
+            with contextlib.suppress(zmq.ZMQError):
+                bind(second, address)
+                return True
+            return False
+
+        wait_until(taken_over, 10, "the file a closed socket left taken over", every_s=0.05)
+    finally:
+        first.close(linger=0)
+        second.close(linger=0)
+        ctx.term()
