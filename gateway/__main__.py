@@ -6,10 +6,10 @@ With `gateway.workers` > 1 this process supervises that many gateway workers
 from __future__ import annotations
 
 import argparse
-import signal
 from pathlib import Path
 
 from gateway.config import GatewayConfig
+from gateway.hangups import hold_hangups
 from gateway.ops.workers import serve_workers, this_worker
 from common.config import load_config
 from common.logs import setup_logging
@@ -17,9 +17,7 @@ from common.supervisor import stop_with_supervisor
 
 
 def main() -> None:
-    # SIGHUP reloads the routing map once the app serves (or, in a supervisor of workers, is
-    # passed on to them); until then its default would kill a worker still starting
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    hold_hangups()  # a SIGHUP while starting reloads once serving (a supervisor of workers passes it on)
     stop_with_supervisor()  # a worker of a multi-worker gateway
     parser = argparse.ArgumentParser(description="Prism gateway (OpenAI-compatible HTTP API)")
     parser.add_argument("--config", type=Path, default=None)

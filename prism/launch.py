@@ -121,9 +121,11 @@ STOP_MARGIN_S = 15  # past an engine's drain: vLLM's own shutdown
 def serve(config_path: Path) -> None:
     from gateway.config import GatewayConfig
 
-    # SIGHUP reloads the routing map once the gateway serves; until then its default would
-    # kill this process (and leave its children without the atexit stop)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    from gateway.hangups import hold_hangups
+
+    # SIGHUP reloads the routing map once the gateway serves, one that comes sooner included;
+    # its default would kill this process (and leave its children without the atexit stop)
+    hold_hangups()
     setup_logging("gateway")  # the gateway runs in this process
     try:
         gateway_config = load_config(GatewayConfig, "gateway", config_path)

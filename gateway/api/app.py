@@ -27,6 +27,7 @@ from gateway.api.chat import ChatHandler
 from gateway.config import GatewayConfig, ModelRoute
 from gateway.ops.dashboard import DashboardWindow, ServiceSample, finished_request
 from gateway.errors import APIError
+from gateway.hangups import hold_hangups, take_pending
 from gateway.intake.fetch import FetchLimits, ImageFetcher
 from gateway.ops.loop_probe import LoopProbe
 from gateway.ops.retired import RETIRED, counters
@@ -311,6 +312,8 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
         gateway.plan_memory()  # from what the process holds now, started
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, gateway.request_reload)
+        if take_pending():  # one that came while it started: the routing map may have changed since it was read
+            gateway.request_reload()
         yield
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default, which kills: the stop is under way
@@ -402,9 +405,9 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
           run_dir: Path | None = None) -> None:
     """Run the app under uvicorn until SIGTERM, then drain for `drain_timeout_s`.
     One of several workers shares the port with the others (gateway/ops/workers.py)."""
-    # SIGHUP reloads the routing map once serving (`lifespan`); before that its default would kill
-    # the gateway (and a single-worker launcher's whole stack) while it waits for its services.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # SIGHUP reloads the routing map once serving (`lifespan`); one that comes sooner is held for
+    # then, where its default would kill the gateway (and a single-worker launcher's whole stack).
+    hold_hangups()
     # Images are resized with torch on the intake threads (gateway/intake/resize.py), which
     # are the gateway's parallelism: torch's own thread pool would only contend with them.
     torch.set_num_threads(1)

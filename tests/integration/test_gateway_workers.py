@@ -56,9 +56,11 @@ class Workers:
         return {r["pid"] for r in self.records() if r.get("service") == "gateway" and r["message"].startswith(prefix)}
 
     def all_ready(self) -> bool:
-        """Every worker answers (each connection may reach either)."""
+        """Every worker serves: each said so (a worker listens only once it serves, so the port may
+        answer while another still starts), and the port answers ready."""
         try:
-            return len(self.pids()) == 2 and all(
+            pids = self.pids()
+            return len(pids) == 2 and pids <= self.logged("Prism ready") and all(
                 httpx.get(f"{self.url}/health/ready", timeout=5).status_code == 200 for _ in range(8))
         except httpx.HTTPError:
             return False
