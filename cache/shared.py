@@ -2,10 +2,11 @@
 
 Lookup order in an encoder: its own LRU, then this tier, then the ViT. One
 Redis string per image holds `len(header) | header | payload`: a msgpack
-header (dtype, shape, grid, the key's identity, xxh3-64 of the payload) and
-the tensor's raw bytes. A read checks the checksum (a torn or foreign value
-is a miss, counted as corrupt) and the identity (a hash collision is a miss,
-counted as one), so a shared value is trusted no more than a local one.
+header (dtype, shape, grid, the key's identity, xxh3-64 of all those and the
+payload) and the tensor's raw bytes. A read checks the checksum (a torn or
+foreign value is a miss, counted as corrupt), that the tokens are floats, and
+the identity (a hash collision is a miss, counted as one), so a shared value
+is trusted no more than a local one.
 
 Redis is an optimisation, never a dependency. A failed call, or a lookup
 slower in all than `timeout_s` plus its bytes at `SLOW_LINK_BYTES_PER_S` (a
@@ -37,7 +38,7 @@ from protocol.stats import SharedTierStats
 from protocol.tensors import ArrayMeta, to_frame, to_torch
 
 log = logging.getLogger("prism.cache")
-NAMESPACE = b"prism:vt:v1:"
+NAMESPACE = b"prism:vt:v2:"  # v2: the checksum covers the header's fields too
 _LENGTH = struct.Struct("<I")
 # A lookup slower than this per byte (after the call's timeout) marks the tier down: a 1 MP
 # image's tokens at 7B widths (9.6 MB) may take 0.1 s beyond the timeout, not longer.
@@ -45,18 +46,30 @@ SLOW_LINK_BYTES_PER_S = 100e6
 # Larger values stay local: one would hold the writer for seconds, and Redis takes
 # no string over 512 MB (proto-max-bulk-len).
 MAX_VALUE_BYTES = 256 * 2**20
+# Writes waiting for the writer thread, in bytes: past it a write is skipped, so a slow
+# Redis holds at most this much of the encoder's memory.
+MAX_PENDING_WRITE_BYTES = 512 * 2**20
+TOKEN_DTYPES = frozenset({"float16", "bfloat16", "float32"})  # what a tower's tokens are
 
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):
     meta: ArrayMeta
     grid_thw: tuple[int, int, int] | None  # None where the family has no grid
     identity: bytes
-    checksum: int  # xxh3-64 of the payload
+    checksum: int  # `checksum` of the fields above and the payload
+
+
+def checksum(meta: ArrayMeta, grid_thw, identity: bytes, payload) -> int:
+    """xxh3-64 of the header's fields and the payload: a torn or flipped grid is caught as a payload is."""
+    digest = xxhash.xxh3_64(msgspec.msgpack.encode((meta, grid_thw, identity)))
+    digest.update(payload)
+    return digest.intdigest()
 
 
 def pack(value: CachedEmbedding) -> bytes:
     meta, payload = to_frame(value.embeddings)
-    header = msgspec.msgpack.encode(SharedEntry(meta, value.grid_thw, value.identity, xxhash.xxh3_64_intdigest(payload)))
+    entry = SharedEntry(meta, value.grid_thw, value.identity, checksum(meta, value.grid_thw, value.identity, payload))
+    header = msgspec.msgpack.encode(entry)
     return _LENGTH.pack(len(header)) + header + payload
 
 
@@ -68,8 +81,10 @@ def unpack(blob: bytes) -> tuple[SharedEntry, CachedEmbedding]:
     except (struct.error, msgspec.DecodeError) as exc:
         raise ValueError(f"unreadable header: {exc}") from None
     payload = memoryview(blob)[_LENGTH.size + length :]
-    if xxhash.xxh3_64_intdigest(payload) != entry.checksum:
+    if checksum(entry.meta, entry.grid_thw, entry.identity, payload) != entry.checksum:
         raise ValueError("checksum mismatch")
+    if entry.meta.dtype not in TOKEN_DTYPES:
+        raise ValueError(f"tokens of dtype {entry.meta.dtype!r}, not a float type")
     embeddings = to_torch(entry.meta, payload).clone()  # own the memory, not Redis's reply buffer
     return entry, CachedEmbedding(embeddings, None if entry.grid_thw is None else tuple(entry.grid_thw), entry.identity)
 
@@ -87,6 +102,7 @@ class SharedTier:
         self.stats = SharedTierStats()
         self._down_until = 0.0
         self._writes: queue.Queue = queue.Queue(self.max_pending_writes)
+        self._pending_bytes = 0  # in `_writes`, under `_writer_lock`
         self._writer: threading.Thread | None = None  # started by the first write: a reader (an engine) has none
         self._writer_lock = threading.Lock()
 
@@ -129,7 +145,7 @@ class SharedTier:
             return None
         try:
             _, value = unpack(blob)
-        except ValueError as exc:
+        except Exception as exc:  # whatever it holds: a miss, never the lookup's error (the image is encoded again)
             self.stats.corrupt += 1
             log.warning("shared cache entry refused: %s", exc)
             return None
@@ -144,10 +160,17 @@ class SharedTier:
             self.stats.writes_skipped += 1
             return
         self._start_writer()
-        try:
-            self._writes.put_nowait((key, pack(value)))
-        except queue.Full:
-            self.stats.writes_skipped += 1
+        blob = pack(value)
+        with self._writer_lock:
+            if self._pending_bytes + len(blob) > MAX_PENDING_WRITE_BYTES:
+                self.stats.writes_skipped += 1
+                return
+            try:
+                self._writes.put_nowait((key, blob))
+            except queue.Full:
+                self.stats.writes_skipped += 1
+                return
+            self._pending_bytes += len(blob)
 
     def _start_writer(self) -> None:
         with self._writer_lock:  # the encoder's lanes may write at once
@@ -163,6 +186,8 @@ class SharedTier:
             try:
                 if key is None:
                     return
+                with self._writer_lock:
+                    self._pending_bytes -= len(blob)
                 self._write(key, blob)
             except Exception:  # never the thread: a dead writer would leave the tier up with every write skipped
                 self.stats.errors += 1
@@ -176,6 +201,11 @@ class SharedTier:
             return
         try:
             self._writer_client.set(NAMESPACE + key, blob, px=int(self.ttl_s * 1000))
+        except redis.ResponseError as exc:  # refused (out of memory, a read-only replica): reads still work
+            self.stats.writes_skipped += 1
+            if self.stats.writes_skipped % 1000 == 1:
+                log.warning("shared cache at %s refused a write (%s); writes are skipped while it does", self.url, exc)
+            return
         except redis.RedisError as exc:
             self._failed(exc)
             return

@@ -15,10 +15,9 @@ import msgspec
 import pytest
 import redis
 import torch
-import xxhash
 
 from cache import CachedEmbedding
-from cache.shared import NAMESPACE, SharedEntry, SharedTier
+from cache.shared import NAMESPACE, SharedEntry, SharedTier, checksum
 from protocol.tensors import ArrayMeta
 from testing.stack import free_port
 from tests.integration.system import redis_server as start_redis
@@ -71,14 +70,15 @@ def test_a_missing_key_is_a_miss(tier):
     assert tier.stats.misses == 1
 
 
-def past_memory(identity: bytes, shape: tuple[int, ...]) -> bytes:
-    """A value whose header describes no elements in a shape torch cannot lay out, its (empty)
-    payload's checksum right: written by a client that can reach Redis, not by Prism."""
-    header = msgspec.msgpack.encode(SharedEntry(ArrayMeta("float32", shape), None, identity, xxhash.xxh3_64_intdigest(b"")))
-    return struct.pack("<I", len(header)) + header
+def forged(identity: bytes, shape: tuple[int, ...], dtype: str = "float32", payload: bytes = b"") -> bytes:
+    """A value its checksum vouches for, written by a client that can reach Redis, not by Prism."""
+    meta = ArrayMeta(dtype, shape)
+    header = msgspec.msgpack.encode(SharedEntry(meta, None, identity, checksum(meta, None, identity, payload)))
+    return struct.pack("<I", len(header)) + header + payload
 
 
-@pytest.mark.parametrize("tamper", ["flip_payload_byte", "truncate", "foreign_value", "strides_past_memory", "size_past_memory"])
+@pytest.mark.parametrize("tamper", ["flip_payload_byte", "flip_grid", "truncate", "foreign_value", "strides_past_memory",
+                                    "size_past_memory", "quantised_dtype", "not_a_float"])
 def test_tampered_values_are_refused(tier, server, tamper):
     entry = value()
     stored(tier, b"k1", entry)
@@ -86,14 +86,21 @@ def test_tampered_values_are_refused(tier, server, tamper):
     blob = bytearray(raw.get(NAMESPACE + b"k1"))
     if tamper == "flip_payload_byte":
         blob[-1] ^= 0xFF
+    elif tamper == "flip_grid":  # (1, 4, 12) read as (1, 5, 12): tokens the engine would place wrongly
+        header_end = 4 + struct.unpack_from("<I", blob)[0]
+        blob[:header_end] = blob[:header_end].replace(bytes([0x93, 1, 4, 12]), bytes([0x93, 1, 5, 12]))
     elif tamper == "truncate":
         blob = blob[:-2]
     elif tamper == "foreign_value":
         blob = bytearray(b"not a prism value at all")
     elif tamper == "strides_past_memory":
-        blob = bytearray(past_memory(entry.identity, (0, 2**62, 2**62)))
+        blob = bytearray(forged(entry.identity, (0, 2**62, 2**62)))
+    elif tamper == "size_past_memory":
+        blob = bytearray(forged(entry.identity, (0, 2**63)))
+    elif tamper == "quantised_dtype":  # torch cannot even make an empty tensor of it
+        blob = bytearray(forged(entry.identity, (4,), "qint8", bytes(4)))
     else:
-        blob = bytearray(past_memory(entry.identity, (0, 2**63)))
+        blob = bytearray(forged(entry.identity, (12, 16), "int32", bytes(12 * 16 * 4)))
     raw.set(NAMESPACE + b"k1", bytes(blob))
     assert tier.get_many([b"k1"], [entry.identity]) == [None]
     assert tier.stats.corrupt == 1 and tier.stats.hits == 0
@@ -103,6 +110,19 @@ def test_another_identity_under_the_same_key_is_a_collision_not_a_hit(tier):
     stored(tier, b"k1", value(identity=b"image-one"))
     assert tier.get_many([b"k1"], [b"image-two"]) == [None]
     assert tier.stats.collisions == 1 and tier.stats.hits == 0
+
+
+def test_a_write_redis_refuses_is_skipped_and_reads_go_on(tier, server):
+    """Out of memory under `noeviction` (or a read-only replica): Redis answers, refusing writes."""
+    entry = value()
+    stored(tier, b"k1", entry)
+    raw = redis.Redis(port=server.port)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", "1")  # below what it holds: every write refused
+    stored(tier, b"k2", value(tokens=64))
+    assert tier.stats.up and tier.stats.writes_skipped == 1 and tier.stats.errors == 0
+    (found,) = tier.get_many([b"k1"], [entry.identity])
+    assert found is not None and torch.equal(found.embeddings, entry.embeddings)
 
 
 def test_an_outage_degrades_to_misses_with_one_warning_and_recovers(tier, server, caplog):
