@@ -199,8 +199,10 @@ class VisionTower:
             "dtype": str(self.dtype),
             "numerics": NUMERICS_REVISION,
             # torchvision resizes uint8 on a GPU through float32, on a CPU with its own uint8
-            # kernel: up to a few grey levels apart, so tokens from either are not the other's
+            # kernel: up to a few grey levels apart; and a GPU's kernels round otherwise than a
+            # CPU's: tokens made on either are not the other's
             "preprocessed_on": "cuda" if self.processor_device else "cpu",
+            "vit_on": self.device.type,
             **self.family_params(),
         }
 
