@@ -196,8 +196,10 @@ class Supervisor:
         child.restarts += 1
 
     def signal_all(self, sig: int) -> None:
-        for child in self.children:
-            kill_group(child.process, sig)
+        """`sig` to every child running (not one dead and waiting out its back-off)."""
+        for index, child in enumerate(self.children):
+            if index not in self._restart_at:
+                kill_group(child.process, sig)
 
     def stop(self, grace_s: float = 10) -> None:
         with self._spawning:

@@ -5,19 +5,23 @@ With `gateway.workers` > 1 this process supervises that many gateway workers
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from gateway.config import GatewayConfig
 from gateway.hangups import hold_hangups
-from gateway.ops.workers import serve_workers, this_worker
-from common.config import load_config
-from common.logs import setup_logging
-from common.supervisor import stop_with_supervisor
+
+# First, before the imports below take their time: a SIGHUP while starting reloads once
+# serving (a supervisor of workers passes it on), where its default would kill the process.
+hold_hangups()
+
+import argparse  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from gateway.config import GatewayConfig  # noqa: E402
+from gateway.ops.workers import serve_workers, this_worker  # noqa: E402
+from common.config import load_config  # noqa: E402
+from common.logs import setup_logging  # noqa: E402
+from common.supervisor import stop_with_supervisor  # noqa: E402
 
 
 def main() -> None:
-    hold_hangups()  # a SIGHUP while starting reloads once serving (a supervisor of workers passes it on)
     stop_with_supervisor()  # a worker of a multi-worker gateway
     parser = argparse.ArgumentParser(description="Prism gateway (OpenAI-compatible HTTP API)")
     parser.add_argument("--config", type=Path, default=None)

@@ -54,13 +54,16 @@ def bind(socket: zmq.Socket, address: str) -> None:
 
 
 def _answers(path: Path) -> bool:
-    """Whether a process accepts connections on the unix socket at `path` (a file left by
-    one that died refuses them)."""
+    """Whether a process holds the unix socket at `path`: it accepts a connection, or its
+    queue is full (a file left by one that died refuses connections)."""
     if not path.is_socket():
         return False
     with contextlib.closing(stdlib_socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)) as probe:
+        probe.settimeout(1.0)
         try:
             probe.connect(str(path))
+        except (TimeoutError, BlockingIOError):  # alive, not accepting (stopped, or behind)
+            return True
         except OSError:
             return False
     return True

@@ -101,8 +101,8 @@ class ChatHandler:
             for task in (serve, watch):
                 task.cancel()
             await outlast(serve, watch)
-        if serve in finished:
-            return serve.result()
+        if serve in finished or (not serve.cancelled() and not isinstance(serve.exception(), APIError)):
+            return serve.result()  # its answer, or a failure of the gateway's own (a 500, logged)
         raise APIError(499, "client closed the request", code="client_disconnected")
 
     def refuse(self, exc: APIError, record: RequestRecord) -> JSONResponse:

@@ -4,12 +4,14 @@ the work they hand to the intake threads."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("prism.gateway")
 
 
 async def all_or_none(*steps: Awaitable[Any]) -> list[Any]:
@@ -31,15 +33,25 @@ async def outlast(*futures: asyncio.Future) -> None:
     """Until every future has ended, however often the waiting task is cancelled meanwhile
     (the caller raises its own error after): a step still ending holds memory the request
     counts, and a second cancel must not let the request give it back first. Their
-    exceptions are retrieved: they are a request's that has ended, not the loop's to log."""
+    exceptions are retrieved, as a request's that has ended: a refusal or a stop is
+    expected then, anything else is logged here (nobody else will see it)."""
     while not all(future.done() for future in futures):
         try:
             await asyncio.wait(futures)
         except asyncio.CancelledError:
             continue
     for future in futures:
-        if not future.cancelled():
-            future.exception()
+        if not future.cancelled() and (error := future.exception()) is not None and not _expected(error):
+            log.error("a step of a request that ended failed", exc_info=error)
+
+
+def _expected(error: BaseException) -> bool:
+    """How a step of an ended request ends: refused, told to stop, or cut short."""
+    from gateway.errors import APIError
+    from gateway.intake.images import Stopped as ImageStopped
+    from gateway.intake.video.decode import Stopped as VideoStopped
+
+    return isinstance(error, (APIError, ImageStopped, VideoStopped, asyncio.CancelledError))
 
 
 async def on_thread(pool: Executor, work: Callable[[Callable[[], bool]], T]) -> T:

@@ -229,6 +229,9 @@ class ReplicaPool(Generic[C]):
         if not wanted:
             return  # never empty a pool: an empty answer is no answer
         current = {r.address: i for i, r in enumerate(self.replicas) if i not in self._free}
+        for address, index in current.items():  # first: who serves decides whom the left out may join
+            if address not in wanted and index not in self.retired:
+                self._retire(index)
         for address in wanted:
             if (index := current.get(address)) is None:
                 if self._may_join(address):
@@ -236,16 +239,15 @@ class ReplicaPool(Generic[C]):
             elif index in self.retired:
                 self.retired.discard(index)  # back before it was closed: still connected
                 log.warning("%s at %s is back in the set", self.replicas[index].name, address)
-        for address, index in current.items():
-            if address not in wanted and index not in self.retired:
-                self._retire(index)
         self._left_out = {address: when for address, when in self._left_out.items() if address in wanted}
         await self.close_idle_retired()
 
     def _may_join(self, address: str) -> bool:
-        """Not left out lately; or nothing serves (then the pool may take another model's answer)."""
+        """Not left out lately; or nothing in the set serves (then the pool may take another model's
+        answer, as `accepts` would)."""
         left_out = self._left_out.get(address)
-        return left_out is None or time.monotonic() >= left_out[0] or not any(r.up for r in self.replicas)
+        serving = any(r.up for i, r in enumerate(self.replicas) if i not in self.retired and i not in self._free)
+        return left_out is None or time.monotonic() >= left_out[0] or not serving
 
     def _leave_out(self, address: str) -> None:
         _, wait_s = self._left_out.get(address, (0.0, REJOIN_AFTER_S[0]))
