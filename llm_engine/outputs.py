@@ -10,6 +10,8 @@ the function was named by `tool_choice` ("stop").
 
 from __future__ import annotations
 
+import math
+
 from protocol.to_gateway import ChoiceDelta, TokenLogprob, ToolCallDelta, TopLogprob
 
 LOGPROB_FLOOR = -9999.0  # vLLM's server clamps -inf to this (JSON has no infinity)
@@ -21,8 +23,18 @@ class GenerationError(RuntimeError):
     (`_raise_if_error`), never a finished answer."""
 
 
+class ParserError(RuntimeError):
+    """vLLM's tool or reasoning parser failed on the model's output: the server's fault
+    (a 500), not the request's (its ValueErrors would read as a 400)."""
+
+
 def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
+
+
+def _logprob(value: float) -> float:
+    """Within JSON: -inf (and a NaN from a broken step) at vLLM's floor."""
+    return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
 
 
 def chat_logprobs(token_ids, step_logprobs, top: int, tokenizer) -> list[TokenLogprob]:
@@ -40,11 +52,11 @@ def chat_logprobs(token_ids, step_logprobs, top: int, tokenizer) -> list[TokenLo
             out.append(TokenLogprob(token, LOGPROB_FLOOR, _bytes(token)))
             continue
         tops = [
-            TopLogprob(text := decoded(lp, tid), max(lp.logprob, LOGPROB_FLOOR), _bytes(text))
+            TopLogprob(text := decoded(lp, tid), _logprob(lp.logprob), _bytes(text))
             for i, (tid, lp) in enumerate(step.items()) if top == -1 or i < top
         ]
         token = decoded(sampled, token_id)
-        out.append(TokenLogprob(token, max(sampled.logprob, LOGPROB_FLOOR), _bytes(token), tops))
+        out.append(TokenLogprob(token, _logprob(sampled.logprob), _bytes(token), tops))
     return out
 
 
@@ -89,6 +101,12 @@ class ChoiceStream:
     def _parsed(self, output, finished: bool) -> dict:
         if self.parser is None:
             return {"text": output.text}
+        try:
+            return self._parsed_by_parser(output, finished)
+        except Exception as exc:
+            raise ParserError(f"the output parser failed on choice {self.index}: {exc!r}") from exc
+
+    def _parsed_by_parser(self, output, finished: bool) -> dict:
         if self.chat.stream:
             message = self.parser.parse_delta(
                 delta_text=output.text, delta_token_ids=list(output.token_ids), request=self.chat,

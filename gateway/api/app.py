@@ -370,6 +370,8 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request) -> dict:
+        if not name:  # "/v1/models/": the list, as its redirect gave before
+            return await models(request)
         gateway.auth.identify(request.headers.get("authorization"))
         if name not in gateway.models:
             raise APIError(404, f"model '{name}' does not exist; this server serves {', '.join(map(repr, gateway.models))}",

@@ -192,14 +192,25 @@ class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` extension: exactly one constraint, run by
     vLLM's structured-output backend (xgrammar or guidance, as vLLM picks).
     vLLM's per-request `disable_any_whitespace`, `disable_additional_properties`
-    and `whitespace_pattern` are refused: its backends read them from the
-    engine's config alone (engine.structured_outputs)."""
+    and `whitespace_pattern` are taken at their defaults only (vLLM's backends
+    read them from the engine's config alone: engine.structured_outputs)."""
 
     json_: dict[str, Any] | Annotated[str, Field(min_length=1)] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = Field(None, min_length=1)
     json_object: Literal[True] | None = None
+    disable_any_whitespace: bool = Field(False, exclude=True)
+    disable_additional_properties: bool = Field(False, exclude=True)
+    whitespace_pattern: str | None = Field(None, exclude=True)
+
+    @field_validator("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+    @classmethod
+    def _engine_wide(cls, value):
+        if value:
+            raise unsupported("set for the whole engine (engine.structured_outputs), not per request: "
+                              "vLLM's backends read it from there alone")
+        return value
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

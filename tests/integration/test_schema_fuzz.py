@@ -58,7 +58,7 @@ def fuzz(stack, operations, chat_examples: int, fixed_messages: bool = False) ->
             response = case.call(base_url=stack.base_url, timeout=60)
             statuses.append(response.status_code)
             if response.status_code >= 500:
-                failures.append(f"{operation.method} {operation.path} → {response.status_code}: {response.text[:200]}")
+                failures.append(f"{operation.method} {operation.path} {str(case.body)[:1500]} → {response.status_code}: {response.text[:200]}")
 
         call()
     assert not failures, "\n".join(failures[:5])

@@ -53,3 +53,27 @@ def test_a_non_streamed_answer_is_parsed_knowing_its_prompt_as_vllm_s_server_par
     choice.delta(output("thinking ", None))
     last = choice.delta(output("on", "stop"))
     assert (last.reasoning, last.text) == ("thinking on", "")
+
+
+class BrokenParser:
+    """A parser that fails on the model's output (a JSON error inside a tool call)."""
+
+    def parse_delta(self, **_):
+        raise ValueError("Expecting value: line 1 column 1 (char 0)")
+
+
+def test_a_parser_failing_on_the_output_is_the_server_s_error_not_the_request_s():
+    """Its ValueError, let through, read as the request's fault: a 400 before any token."""
+    from llm_engine.outputs import ParserError
+
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], "stream": True}))
+    choice = ChoiceStream(0, chat, parser=BrokenParser(), tokenizer=None, prompt_token_ids=[1, 2])
+    with pytest.raises(ParserError, match="Expecting value") as caught:
+        choice.delta(output("{", None))
+    assert not isinstance(caught.value, ValueError)
+
+
+def test_a_logprob_json_cannot_carry_is_vllm_s_floor():
+    from llm_engine.outputs import LOGPROB_FLOOR, _logprob
+
+    assert [_logprob(x) for x in (float("nan"), float("-inf"), -1.5)] == [LOGPROB_FLOOR, LOGPROB_FLOOR, -1.5]

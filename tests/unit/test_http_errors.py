@@ -24,5 +24,6 @@ def test_an_unknown_path_or_method_is_an_openai_error():
 
 def test_a_model_is_retrieved_by_its_id():
     assert client().get("/v1/models/m").json() == {"id": "m", "object": "model", "created": 0, "owned_by": "prism"}
+    assert client().get("/v1/models/").json()["data"][0]["id"] == "m"
     missing = client().get("/v1/models/gpt-nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -96,6 +96,8 @@ def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_d
 def test_structured_output_knobs_vllm_reads_only_from_its_config_are_refused(knob):
     error = refused({"structured_outputs": {"regex": "a+", knob: True if knob != "whitespace_pattern" else " "}})
     assert (error["param"], error["code"]) == (f"structured_outputs.{knob}", "unsupported_parameter")
+    default = None if knob == "whitespace_pattern" else False  # asks for nothing: taken, and not forwarded
+    assert request(structured_outputs={"regex": "a+", knob: default}).structured_outputs.regex == "a+"
 
 
 @pytest.mark.parametrize("number", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
