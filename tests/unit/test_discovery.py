@@ -234,6 +234,18 @@ async def another_model_in_the_records() -> None:
         calls = records.calls
         await until(lambda: records.calls >= calls + 20, "twenty more discovery rounds")
         assert other.handshakes == 1 and [r.address for r in pool.replicas if r.up] == [f"tcp://127.0.0.1:{port}"]
+
+        # The rollout ends: the old pod leaves the records with a generation still running on it. Nothing
+        # in the set serves now, so the other model's pod is asked again at the next round, not after its back-off.
+        first.hold.clear()
+        stream = asyncio.create_task(anext(pool.generate(GenerateRequest("1", b"{}"), timeout_s=30)))
+        await until(lambda: first.held >= 1, "a generation held on the old pod")
+        records.ips = ["127.0.0.2"]
+        calls = records.calls
+        await until(lambda: other.handshakes >= 2 or records.calls >= calls + 20, "the other model's pod asked again")
+        assert other.handshakes == 2, "a left-out pod waited out its back-off while nothing in the set served"
+        first.hold.set()
+        await stream
     finally:
         await pool.close()
         first.stop()
