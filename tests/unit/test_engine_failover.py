@@ -11,10 +11,10 @@ import asyncio
 import pytest
 
 from gateway.errors import APIError
-from gateway.routing.clients import EncoderClient
+from gateway.routing.clients import EncoderClient, EngineClient
 from protocol.sockets import AsyncRouter
 from protocol.to_encoder import CancelEncode, EncoderInbound, ImageInput
-from protocol.to_engine import AbortGenerate, GenerateRequest
+from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest
 from protocol.to_gateway import GenerateFailed, TokenDelta
 from tests.unit.test_client_cancellation import client_and_service
 from tests.unit.test_service_states import FakeEngine, two_engines_and_a_pool
@@ -55,30 +55,27 @@ def test_a_failure_after_the_first_token_is_never_retried(tmp_path):
     assert "after the first token: not retried" in error.message
 
 
-def test_an_engine_silent_past_the_deadline_is_a_504_and_the_generation_is_aborted(tmp_path):
+def ask_engine(client):
+    return anext(client.generate(GenerateRequest("slow", b"{}"), timeout_s=0.2))
+
+
+def ask_encoder(client):
+    return client.encode("slow", [ImageInput(b"d")], [], timeout_s=0.2)
+
+
+@pytest.mark.parametrize("service,client_class,inbound,ask,code,key,withdrawal", [
+    ("engine", EngineClient, EngineInbound, ask_engine, "engine_timeout", "gateway.generate_timeout_s", AbortGenerate("slow")),
+    ("encoder", EncoderClient, EncoderInbound, ask_encoder, "encoder_timeout", "gateway.encode_timeout_s", CancelEncode("slow")),
+])
+def test_a_service_silent_past_the_deadline_is_a_504_and_the_work_is_withdrawn(tmp_path, service, client_class, inbound, ask,
+                                                                                code, key, withdrawal):
     async def run() -> None:
-        async with client_and_service(tmp_path) as (client, engine):
-            stream = client.generate(GenerateRequest("slow", b"{}"), timeout_s=0.2)
+        async with client_and_service(tmp_path, service, client_class, inbound) as (client, silent):
             with pytest.raises(APIError) as caught:
-                await anext(stream)
-            assert (caught.value.status, caught.value.code) == (504, "engine_timeout")
-            assert "gateway.generate_timeout_s" in caught.value.message
-            _, request, _ = await asyncio.wait_for(engine.recv(), 5)
-            _, abort, _ = await asyncio.wait_for(engine.recv(), 5)
-            assert (request.request_id, abort) == ("slow", AbortGenerate("slow"))
-
-    asyncio.run(run())
-
-
-def test_an_encoder_silent_past_the_deadline_is_a_504_and_the_encode_is_cancelled(tmp_path):
-    async def run() -> None:
-        async with client_and_service(tmp_path, "encoder", EncoderClient, EncoderInbound) as (client, encoder):
-            with pytest.raises(APIError) as caught:
-                await client.encode("slow", [ImageInput(b"d")], [], timeout_s=0.2)
-            assert (caught.value.status, caught.value.code) == (504, "encoder_timeout")
-            assert "gateway.encode_timeout_s" in caught.value.message
-            _, request, _ = await asyncio.wait_for(encoder.recv(), 5)
-            _, cancel, _ = await asyncio.wait_for(encoder.recv(), 5)
-            assert (request.request_id, cancel) == ("slow", CancelEncode("slow"))
+                await ask(client)
+            assert (caught.value.status, caught.value.code) == (504, code) and key in caught.value.message
+            _, request, _ = await asyncio.wait_for(silent.recv(), 5)
+            _, withdrawn, _ = await asyncio.wait_for(silent.recv(), 5)
+            assert (request.request_id, withdrawn) == ("slow", withdrawal)
 
     asyncio.run(run())
