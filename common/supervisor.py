@@ -95,6 +95,7 @@ class Child:
 
 
 WATCH_INTERVAL_S = 0.5
+LIVENESS_STOP_GRACE_S = 5.0  # a silent child's SIGTERM, before its SIGKILL
 PROBE_INTERVAL_S = 5.0  # between two rounds of probes
 
 
@@ -162,9 +163,12 @@ class Supervisor:
         # The probe took seconds: the process must still be the one judged (not exited and replaced).
         judged = child.process is process and process.poll() is None
         if silent_s >= self.liveness_s and judged and not self._stopping.is_set():
-            log.error("%s (pid %d) has not answered on its socket for %.0f s (gateway.child_liveness_s); killing it for a restart",
+            log.error("%s (pid %d) has not answered on its socket for %.0f s (gateway.child_liveness_s); stopping it for a restart",
                       child.label, process.pid, silent_s)
-            kill_group(process, signal.SIGKILL)  # the watcher sees the exit and restarts it
+            # SIGTERM first, on which vLLM's processes remove their shared-memory queues (a SIGKILL
+            # leaves them in /dev/shm); one that does not end (hung, stopped) is killed past the
+            # grace. The watcher sees the exit and restarts it.
+            stop_group(process, LIVENESS_STOP_GRACE_S)
 
     def _exited(self, index: int, child: Child) -> None:
         kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too

@@ -134,10 +134,12 @@ def test_a_child_that_answered_and_then_fell_silent_is_killed_and_restarted(supe
     supervisors.append(supervisor)
     supervisor.start()
     wait_until(lambda: child.answered is not None, 10, "the child answered its probe")
-    deaf = child.process.pid
+    deaf_process = child.process
+    deaf = deaf_process.pid
     silent.add(deaf)
     wait_until(lambda: child.restarts == 1 and child.process.pid != deaf, 20, "the silent child killed and restarted")
     assert not alive(deaf)
+    assert deaf_process.returncode == -signal.SIGTERM  # told first (vLLM then removes its shared memory), not SIGKILLed
     wait_until(lambda: child.answered[0] == child.process.pid, 10, "the new child answering")
 
 
