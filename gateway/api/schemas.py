@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod

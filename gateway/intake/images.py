@@ -34,6 +34,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from cache import content_key
 from gateway.errors import APIError
 from gateway.intake.resize import resize_pixels, smart_resize
+from gateway.intake.together import Stopped
 from gateway.intake.sniff import ALLOWED_NAMES, describe_refused, sniff
 from common.anyres import AnyresLayout
 from common.tiles import TileLayout
@@ -153,10 +154,6 @@ JPEG_SOS, JPEG_EOI, JPEG_TEM = 0xDA, 0xD9, 0x01
 
 class _TooSlow(Exception):
     pass
-
-
-class Stopped(Exception):
-    """A decode told to stop: its request has ended."""
 
 
 class _Deadline(io.BytesIO):

@@ -10,8 +10,14 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
+from gateway.errors import APIError
+
 T = TypeVar("T")
 log = logging.getLogger("prism.gateway")
+
+
+class Stopped(Exception):
+    """Work on an intake thread that ended because it was told to (`on_thread`'s stop)."""
 
 
 async def all_or_none(*steps: Awaitable[Any]) -> list[Any]:
@@ -47,11 +53,7 @@ async def outlast(*futures: asyncio.Future) -> None:
 
 def _expected(error: BaseException) -> bool:
     """How a step of an ended request ends: refused, told to stop, or cut short."""
-    from gateway.errors import APIError
-    from gateway.intake.images import Stopped as ImageStopped
-    from gateway.intake.video.decode import Stopped as VideoStopped
-
-    return isinstance(error, (APIError, ImageStopped, VideoStopped, asyncio.CancelledError))
+    return isinstance(error, (APIError, Stopped, asyncio.CancelledError))
 
 
 async def on_thread(pool: Executor, work: Callable[[Callable[[], bool]], T]) -> T:

@@ -251,7 +251,7 @@ def _to_device(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     """The parameters in `dtype`, the floating-point buffers in the dtype the module made them in,
     as transformers' from_pretrained and vLLM keep them: the Qwen towers' rotary frequencies are
     float32, and rounded to bf16 the angle of a patch drifts in proportion to its row or column
-    (0.1 off in cos at 64 patches across)."""
+    (docs/measurements/towers.md)."""
     made = {name: buffer for name, buffer in model.named_buffers() if buffer.is_floating_point()}
     model = model.to(device, dtype)
     for name, buffer in made.items():

@@ -20,6 +20,7 @@ import cv2
 import cv2.videoio_registry as registry
 import numpy as np
 
+from gateway.intake import together
 from gateway.intake.resize import resize_pixels
 from gateway.intake.video.sampling import SourceInfo
 
@@ -28,7 +29,7 @@ class Unreadable(Exception):
     """The bytes are not a video OpenCV can open (the message says how)."""
 
 
-class Stopped(Exception):
+class Stopped(together.Stopped):
     """A decode told to stop before its last kept frame (its request ended, or its time ran out),
     after reading `frames_read` frames."""
 
