@@ -252,7 +252,11 @@ def test_the_gateway_dials_the_headless_services_where_the_services_listen(overl
 def test_every_container_requests_resources(overlay):
     for deployment in of_kind(render(overlay), "Deployment"):
         for container in deployment["spec"]["template"]["spec"]["containers"]:
-            assert {"cpu", "memory"} <= set(container["resources"]["requests"]), deployment["metadata"]["name"]
+            requests, limits = container["resources"]["requests"], container["resources"]["limits"]
+            assert {"cpu", "memory"} <= set(requests), deployment["metadata"]["name"]
+            # Each service holds its caches (KV, tokens, Redis's keys) for life: a pod scheduled on less
+            # than that is the kubelet's first to evict under node pressure, or the node overcommitted.
+            assert requests["memory"] == limits["memory"], deployment["metadata"]["name"]
             gpus = container["resources"]["requests"].get("nvidia.com/gpu")
             assert gpus == container["resources"].get("limits", {}).get("nvidia.com/gpu")  # extended resources: equal
 
