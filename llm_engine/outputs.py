@@ -80,7 +80,12 @@ class ChoiceStream:
         self.tokenizer = tokenizer
         self.prompt_token_ids = prompt_token_ids
         self.text: list[str] = []  # non-streamed with a parser: parsed once at the end
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # with a parser: a non-streamed parse and the reasoning count read them
+        # vLLM's server reports `completion_tokens_details.reasoning_tokens` when it has a reasoning
+        # parser: counted once at the end, or at every step when the stream's usage is continuous.
+        self.counts_reasoning = getattr(parser, "reasoning_parser", None) is not None
+        options = getattr(chat, "stream_options", None)
+        self.continuous_usage = bool(chat.stream and options and options.include_usage and options.continuous_usage_stats)
         self.called_tools = False
         self.named = chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
 
@@ -88,6 +93,8 @@ class ChoiceStream:
         if output.finish_reason == "error":
             raise GenerationError(f"vLLM ended choice {self.index} with an internal error; retry the request")
         finished = output.finish_reason is not None
+        if self.parser is not None:
+            self.token_ids.extend(output.token_ids)
         logprobs = None
         if self.chat.logprobs:
             logprobs = chat_logprobs(output.token_ids, output.logprobs or [], self.chat.top_logprobs, self.tokenizer)
@@ -96,7 +103,16 @@ class ChoiceStream:
             self.called_tools = True
         reason = self._finish_reason(output.finish_reason) if finished else None
         return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, tokens=len(output.token_ids),
-                           stop_reason=output.stop_reason if finished else None, **fields)
+                           stop_reason=output.stop_reason if finished else None,
+                           reasoning_tokens=self._reasoning_tokens(finished), **fields)
+
+    def _reasoning_tokens(self, finished: bool) -> int | None:
+        if not self.counts_reasoning or not (finished or self.continuous_usage):
+            return None
+        try:
+            return self.parser.count_reasoning_tokens(tuple(self.token_ids))
+        except Exception as exc:
+            raise ParserError(f"the reasoning parser failed to count choice {self.index}'s tokens: {exc!r}") from exc
 
     def _parsed(self, output, finished: bool) -> dict:
         if self.parser is None:
@@ -114,7 +130,6 @@ class ChoiceStream:
             )
             return self._message_fields(message.content, message.reasoning, message.tool_calls) if message else {}
         self.text.append(output.text)
-        self.token_ids.extend(output.token_ids)
         if not finished:
             return {}
         if self.prompt_token_ids is not None:  # a parser that reads the prompt's end (vLLM's `hf`) sees it, as on vLLM's server

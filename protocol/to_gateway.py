@@ -158,6 +158,9 @@ class ChoiceDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     reasoning: str = ""
     tokens: int = 0  # tokens this choice made since its last delta
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id that ended it
+    # This choice's reasoning tokens so far, where the engine counts them (engine.reasoning_parser):
+    # on its last delta, and on every delta of a stream whose usage is continuous. None: not counted here.
+    reasoning_tokens: int | None = None
 
 
 class TokenDelta(Message):

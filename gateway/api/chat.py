@@ -150,17 +150,18 @@ class ChatHandler:
     async def _complete(self, deltas: AsyncIterator[TokenDelta], record: RequestRecord, forced_call: bool) -> Response:
         timer = record.timer
         answer = responses.Answer(forced_call)
+        reasoning = responses.ReasoningCounts()
         last = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 timer.mark_first_token()
                 timer.mark_delta(delta)
                 answer.add(delta)
+                reasoning.add(delta)
                 last = delta
         timer.mark_finished()
-        body = responses.completion(
-            record.id, record.model, answer.choices(), responses.usage(last, timer.visual_tokens), timer.breakdown(),
-        )
+        usage = responses.usage(last, timer.visual_tokens, reasoning_tokens=reasoning.total())
+        body = responses.completion(record.id, record.model, answer.choices(), usage, timer.breakdown())
         self.finish(record, 200, "ok")
         return JSONResponse(body, headers={"Server-Timing": timer.server_timing()})
 
@@ -183,16 +184,20 @@ class ChatHandler:
         timer = record.timer
         rid, model, created = record.id, record.model, int(time.time())
         made = collections.Counter()  # tokens each choice has made so far
+        reasoning = responses.ReasoningCounts()
         # vLLM's: usage in every chunk, counting that chunk's choice, only beside include_usage
         continuous = options.include_usage and options.continuous_usage_stats
 
-        def chunk_of(entry: dict, delta: TokenDelta) -> dict:
-            usage = responses.usage(delta, timer.visual_tokens, made[entry["index"]])
+        def chunk_of(entry: dict, delta: TokenDelta, opening: bool = False) -> dict:
+            index = entry["index"]
+            thought = reasoning.of(index)
+            usage = responses.usage(delta, timer.visual_tokens, made[index], 0 if opening and thought is not None else thought)
             return responses.chunk(rid, model, created, [entry], **({"usage": usage} if continuous else {}))
 
         def events_of(delta: TokenDelta, opening: bool = False) -> list[bytes]:
+            reasoning.add(delta)
             # each choice's role first, all of them before any token (vLLM's order)
-            chunks = [chunk_of(responses.role_entry(index), delta) for index in range(timer.choices)] if opening else []
+            chunks = [chunk_of(responses.role_entry(index), delta, opening) for index in range(timer.choices)] if opening else []
             for choice in delta.choices:
                 made[choice.index] += choice.tokens
                 if (entry := responses.stream_choice(choice)) is not None:
@@ -222,7 +227,7 @@ class ChatHandler:
                 yield responses.sse("[DONE]")
                 return
         if options.include_usage:
-            total = responses.usage(last, timer.visual_tokens)
+            total = responses.usage(last, timer.visual_tokens, reasoning_tokens=reasoning.total())
             yield responses.sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": total})
         yield responses.sse("[DONE]")
 

@@ -65,7 +65,7 @@ _IMAGE = {"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}
 _VIDEO = {"type": "video_url", "video_url": {"url": IMAGE_PLACEHOLDER}}  # its tokens travel beside, as an image's
 _PLACEHOLDERS = {"image_url": _IMAGE, "video_url": _VIDEO}
 # Fields the gateway itself acts on: not forwarded (nor are those that change nothing: schemas._NOT_FORWARDED).
-_GATEWAY_ONLY = {"mm_processor_kwargs", "media_io_kwargs", "stream_options"}
+_GATEWAY_ONLY = {"mm_processor_kwargs", "media_io_kwargs"}
 
 
 def engine_chat(request: ChatCompletionRequest) -> bytes:

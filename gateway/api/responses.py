@@ -14,17 +14,39 @@ from dataclasses import dataclass, field
 from protocol.to_gateway import ChoiceDelta, TokenDelta, ToolCallDelta
 
 
-def usage(delta: TokenDelta, image_tokens: int, completion_tokens: int | None = None) -> dict:
+def usage(delta: TokenDelta, image_tokens: int, completion_tokens: int | None = None, reasoning_tokens: int | None = None) -> dict:
     """OpenAI's usage from the latest token delta (all choices together, unless
     `completion_tokens` counts one): vLLM's prefix-cache hits as `cached_tokens`,
-    and Prism's own count of the prompt's visual tokens."""
+    and Prism's own count of the prompt's visual tokens; `reasoning_tokens`
+    where the engine counts them (a reasoning parser), as vLLM's server does."""
     completion_tokens = delta.completion_tokens if completion_tokens is None else completion_tokens
-    return {
+    body = {
         "prompt_tokens": delta.prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": delta.prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": delta.cached_tokens, "image_tokens": image_tokens},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
+
+
+class ReasoningCounts:
+    """Each choice's reasoning tokens, as the engine last counted them (none counted: no reasoning parser)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, int] = {}
+
+    def add(self, delta: TokenDelta) -> None:
+        for choice in delta.choices:
+            if choice.reasoning_tokens is not None:
+                self._counts[choice.index] = choice.reasoning_tokens
+
+    def of(self, index: int) -> int | None:
+        return self._counts.get(index, 0) if self._counts else None
+
+    def total(self) -> int | None:
+        return sum(self._counts.values()) if self._counts else None
 
 
 def _logprob_content(choice: ChoiceDelta) -> list[dict] | None:

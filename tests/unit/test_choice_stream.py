@@ -77,3 +77,57 @@ def test_a_logprob_json_cannot_carry_is_vllm_s_floor():
     from llm_engine.outputs import LOGPROB_FLOOR, _logprob
 
     assert [_logprob(x) for x in (float("nan"), float("-inf"), -1.5)] == [LOGPROB_FLOOR, LOGPROB_FLOOR, -1.5]
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer():
+    """The demo tokenizer with Qwen3's <think> markers, which vLLM's qwen3 reasoning parser looks up."""
+    from transformers import AutoTokenizer
+
+    from common.config import REPO_ROOT
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / "models" / "prism-shapes")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    return tokenizer
+
+
+def reasoning_choice(tokenizer, reasoning_parser: str | None, **request) -> ChoiceStream:
+    from llm_engine.requests import Parsing
+
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], **request}))
+    parser = Parsing.create(None, reasoning_parser, tokenizer, "prism-shapes").for_request(chat, tokenizer, None, {})
+    return ChoiceStream(0, chat, parser=parser, tokenizer=tokenizer, prompt_token_ids=[1, 2])
+
+
+def reasoning_counts(choice: ChoiceStream, tokenizer) -> list[int | None]:
+    """Each delta's reasoning count over <think> a b </think> c, one token per output."""
+    think, done = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    steps = [([think], "<think>"), ([5], "a"), ([6], "b"), ([done], "</think>"), ([7], "c")]
+    return [choice.delta(CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None,
+                                          finish_reason="stop" if i == len(steps) - 1 else None)).reasoning_tokens
+            for i, (ids, text) in enumerate(steps)]
+
+
+CONTINUOUS = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@pytest.mark.parametrize("request_fields,counts", [
+    ({}, [None, None, None, None, 2]),  # non-streamed: once, at the end
+    ({"stream": True, "stream_options": {"include_usage": True}}, [None, None, None, None, 2]),
+    (CONTINUOUS, [0, 1, 2, 2, 2]),  # vLLM's server: every chunk's usage counts them so far
+], ids=["complete", "stream", "continuous"])
+def test_reasoning_tokens_are_counted_by_vllm_s_reasoning_parser_when_vllm_s_server_would(thinking_tokenizer, request_fields, counts):
+    assert reasoning_counts(reasoning_choice(thinking_tokenizer, "qwen3", **request_fields), thinking_tokenizer) == counts
+
+
+def test_without_a_reasoning_parser_no_reasoning_tokens_are_reported(thinking_tokenizer):
+    assert reasoning_counts(reasoning_choice(thinking_tokenizer, None, **CONTINUOUS), thinking_tokenizer) == [None] * 5
+
+
+def test_the_engine_reads_the_stream_s_usage_options_the_client_sent(thinking_tokenizer):
+    """The gateway forwards them (vLLM's ChatCompletionRequest reads them), so the engine knows to count every step."""
+    from gateway.api.pipeline import engine_chat
+    from gateway.api.schemas import ChatCompletionRequest
+
+    sent = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **CONTINUOUS})
+    assert ChoiceStream(0, read_chat(engine_chat(sent)), None, thinking_tokenizer, [1]).continuous_usage

@@ -161,6 +161,7 @@ CASES = [
                 reasoning="The image shows a bicycle.",
                 tokens=2,
                 stop_reason=" end",
+                reasoning_tokens=6,
             ),
             ChoiceDelta(0, "", "tool_calls", None, [
                 ToolCallDelta(0, "call-7d1", "get_weather", '{"city": "Paris"}'),
