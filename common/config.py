@@ -11,9 +11,10 @@ offending key, e.g. `engine.max_model_len`, or the variable.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
@@ -22,6 +23,7 @@ import yaml
 
 ENV_PREFIX = "PRISM_"
 SHARED_KEYS = ("model",)
+SECTIONS = ("gateway", "encoder", "engine")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "cpu-demo.yaml"
 
@@ -32,10 +34,27 @@ class ConfigError(ValueError):
     pass
 
 
-class FrozenConfig(pydantic.BaseModel):
-    """Base of every service config: immutable, unknown keys rejected."""
+# A service's exit status when it refused its configuration (sysexits' EX_CONFIG): a
+# supervisor does not restart it, since the same config would be refused again.
+EXIT_CONFIG = 78
 
-    model_config = pydantic.ConfigDict(frozen=True, extra="forbid")
+
+def exit_on_config_error(start: Callable[[], object]) -> object:
+    """`start()`'s result, or the process exits with EXIT_CONFIG and the error, naming its key,
+    in the log: a bad value found only as the service starts (a parser vLLM does not have)."""
+    try:
+        return start()
+    except ConfigError as exc:
+        logging.getLogger("prism").error("refused its configuration: %s", exc)
+        logging.shutdown()
+        os._exit(EXIT_CONFIG)  # its threads (vLLM's, torch's) must not hold the exit up
+
+
+class FrozenConfig(pydantic.BaseModel):
+    """Base of every service config: immutable, unknown keys rejected, and no infinite or NaN
+    number (`.inf` as a drain timeout would make a stop wait for ever)."""
+
+    model_config = pydantic.ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     # Keys that were removed → why, and what stands in their place: a config
     # that still sets one fails saying so, not as an unknown key.
     removed_keys: ClassVar[dict[str, str]] = {}
@@ -59,7 +78,7 @@ def check_redis_url(url: str | None) -> str | None:
 def _env_overrides(model: type[pydantic.BaseModel], section: str, env: Mapping[str, str]) -> dict[str, object]:
     values: dict[str, object] = {}
     for key in SHARED_KEYS:
-        if (raw := env.get(name := f"{ENV_PREFIX}{key.upper()}")) is not None:
+        if raw := env.get(name := f"{ENV_PREFIX}{key.upper()}"):  # empty: unset (_model_variable)
             values[key] = _env_value(name, raw, model.model_fields.get(key))
     prefix = f"{ENV_PREFIX}{section.upper()}__"
     for name, raw in env.items():
@@ -97,13 +116,35 @@ def _check_env_spelling(model: type[pydantic.BaseModel], section: str, env: Mapp
             raise ConfigError(f"{name} is not read: {section}.{key} is set as {prefix}_{key.upper()} (two underscores)")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: the
+    later one would win and the earlier be dropped, unseen."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path) -> dict:
+    """The file's sections, each a mapping; a key other than a section or a shared key is
+    refused (a misspelt `engin:` would otherwise leave the engine at its defaults)."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping of sections")
+    if unknown := sorted(str(key) for key in data.keys() - {*SECTIONS, *SHARED_KEYS}):
+        raise ConfigError(f"invalid config {path}: {', '.join(unknown)}: not a section ({', '.join(SECTIONS)}) "
+                          f"nor a shared key ({', '.join(SHARED_KEYS)})")
+    for section in SECTIONS:
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise ConfigError(f"invalid config {path}: {section}: must be a mapping of keys")
     return data
 
 
@@ -111,6 +152,8 @@ def resolve_model(model: str) -> str:
     """A relative checkpoint path is taken from the repo root; anything else
     (absolute path, hub id) is returned as it is."""
     path = Path(model)
+    if not model:  # refused by the services' configs, not taken for the repo root
+        return model
     if not path.is_absolute() and (path.parts[:1] == ("models",) or (REPO_ROOT / path).exists()):
         return str(REPO_ROOT / path)
     return model
@@ -121,10 +164,20 @@ def configured_model(path: Path | None = None, env: Mapping[str, str] | None = N
     otherwise: the top-level `model`, or PRISM_MODEL (what the launcher starts)."""
     path = path or Path(os.environ.get(f"{ENV_PREFIX}CONFIG", DEFAULT_CONFIG))
     env = os.environ if env is None else env
-    model = yaml.safe_load(env[f"{ENV_PREFIX}MODEL"]) if f"{ENV_PREFIX}MODEL" in env else _read_yaml(path).get("model")
+    if name := _model_variable(env):
+        model, where = env[name], name  # as load_config reads it: a string key's value as written
+    else:
+        model, where = _read_yaml(path).get("model"), f"invalid config {path}: model"
     if not isinstance(model, str) or not model:
-        raise ConfigError(f"invalid config {path}: model: a checkpoint directory or hub id is needed (or PRISM_MODEL)")
+        raise ConfigError(f"{where}: a checkpoint directory or hub id is needed")
     return resolve_model(model)
+
+
+def _model_variable(env: Mapping[str, str]) -> str | None:
+    """PRISM_MODEL where it is set to something: empty (`${PRISM_MODEL:-}` in a compose file)
+    is unset, as for every key that may be null, so the file's model stands."""
+    name = f"{ENV_PREFIX}MODEL"
+    return name if env.get(name) else None
 
 
 # Validation context for a health probe: it needs only where the service listens, and must answer

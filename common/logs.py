@@ -38,4 +38,7 @@ def setup_logging(service: str) -> None:
             "%(asctime)s %(service)s %(process)d %(levelname)s %(name)s %(request_id)s %(message)s",
             rename_fields={"asctime": "time", "levelname": "level", "name": "logger", "process": "pid"},
         ))
-    logging.basicConfig(level=os.environ.get("PRISM_LOG_LEVEL", "INFO").upper(), handlers=[handler], force=True)
+    level = os.environ.get("PRISM_LOG_LEVEL", "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise SystemExit(f"PRISM_LOG_LEVEL={level}: not a log level (DEBUG, INFO, WARNING, ERROR)")
+    logging.basicConfig(level=level, handlers=[handler], force=True)

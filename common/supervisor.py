@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.config import REPO_ROOT
+from common.config import EXIT_CONFIG, REPO_ROOT
 
 log = logging.getLogger("prism.supervisor")
 
@@ -111,6 +112,8 @@ class Supervisor:
     max_backoff_s: float = 30.0
     stable_after_s: float = 60.0  # a child up (serving, where probed) this long has its back-off reset
     on_exit: Callable[[Child], None] | None = None  # called with a dead child, its restart already scheduled
+    # Called with a child that exited refusing its config (EXIT_CONFIG): it is not restarted.
+    on_refused: Callable[[Child], None] | None = None
     liveness_s: float = 0.0  # a probed child silent this long after answering is killed (0: never)
     probe_interval_s: float = PROBE_INTERVAL_S
     _stopping: threading.Event = field(default_factory=threading.Event)
@@ -172,6 +175,12 @@ class Supervisor:
 
     def _exited(self, index: int, child: Child) -> None:
         kill_group(child.process, signal.SIGKILL)  # leftovers (vLLM's engine core) go too
+        if child.process.returncode == EXIT_CONFIG:
+            self._restart_at[index] = math.inf  # the same config would be refused again
+            log.error("%s refused its configuration (its log names the key); not restarting it", child.label)
+            if self.on_refused is not None:
+                self.on_refused(child)
+            return
         if self.was_stable(child):
             child.backoff_s = 1.0
         self._restart_at[index] = time.monotonic() + child.backoff_s

@@ -7,14 +7,14 @@ import ipaddress
 from pydantic import ByteSize, Field, field_validator, model_validator
 
 from common.config import FrozenConfig
-from protocol.addresses import ENCODER_ADDRESS, ENGINE_ADDRESS
+from protocol.addresses import ENCODER_ADDRESS, ENGINE_ADDRESS, ZmqAddress
 
 
 class ModelRoute(FrozenConfig):
     """One served model: where its encoders and engines listen."""
 
-    encoder_addresses: tuple[str, ...] = ()  # none: a text-only model (images get a 400)
-    engine_addresses: tuple[str, ...] = Field(min_length=1)
+    encoder_addresses: tuple[ZmqAddress, ...] = ()  # none: a text-only model (images get a 400)
+    engine_addresses: tuple[ZmqAddress, ...] = Field(min_length=1)
     # The checkpoint `prism serve` starts this model's services with (None: the
     # shared top-level `model`). Gateways started alone ignore it.
     checkpoint: str | None = None
@@ -30,8 +30,8 @@ class GatewayConfig(FrozenConfig):
     port: int = Field(8000, ge=0, le=65535)
     # One address per encoder replica; `prism serve` starts one encoder for each.
     # None ([]): the model is served text-only, with no encoder (images get a 400).
-    encoder_addresses: tuple[str, ...] = (ENCODER_ADDRESS,)
-    engine_addresses: tuple[str, ...] = Field((ENGINE_ADDRESS,), min_length=1)  # one per engine replica
+    encoder_addresses: tuple[ZmqAddress, ...] = (ENCODER_ADDRESS,)
+    engine_addresses: tuple[ZmqAddress, ...] = Field((ENGINE_ADDRESS,), min_length=1)  # one per engine replica
     served_model_name: str | None = None  # None: the name the engine reports
     # Several models behind one gateway: name → its encoders and engines. When
     # set, it replaces the three keys above. Reloaded on SIGHUP.
@@ -163,6 +163,22 @@ class GatewayConfig(FrozenConfig):
         if self.heartbeat_timeout_s < 2 * self.stats_interval_s:
             raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
                              f"stats_interval_s ({self.stats_interval_s:g}), the heartbeat's period")
+        return self
+
+    @model_validator(mode="after")
+    def _models_replace_the_single_route(self) -> "GatewayConfig":
+        """With `models`, the single model's keys are read by no one: refused, not ignored."""
+        if self.models and (ignored := sorted(self.model_fields_set & {"encoder_addresses", "engine_addresses", "served_model_name"})):
+            raise ValueError(f"{', '.join(ignored)}: with models set, each model's entry says where its services "
+                             "listen and its name is its key; move these into the entries")
+        return self
+
+    @model_validator(mode="after")
+    def _fetch_deadlines_in_order(self) -> "GatewayConfig":
+        if self.fetch_total_timeout_s < max(self.fetch_connect_timeout_s, self.fetch_read_timeout_s):
+            raise ValueError(f"fetch_total_timeout_s ({self.fetch_total_timeout_s:g}) is below fetch_connect_timeout_s "
+                             f"({self.fetch_connect_timeout_s:g}) or fetch_read_timeout_s ({self.fetch_read_timeout_s:g}), "
+                             "which it bounds")
         return self
 
     @model_validator(mode="after")

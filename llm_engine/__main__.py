@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from llm_engine.config import EngineConfig
 from llm_engine.service import EngineService
-from common.config import load_config
+from common.config import exit_on_config_error, load_config
 from common.logs import setup_logging
 from common.supervisor import stop_with_supervisor
 
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()
     setup_logging("engine")
-    sys.exit(asyncio.run(serve(load_config(EngineConfig, "engine", args.config))))
+    sys.exit(exit_on_config_error(lambda: asyncio.run(serve(load_config(EngineConfig, "engine", args.config)))))
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from common.config import FrozenConfig, check_redis_url, probing
-from protocol.addresses import ENGINE_ADDRESS
+from protocol.addresses import ENGINE_ADDRESS, ZmqAddress
 
 
 class EngineConfig(FrozenConfig):
-    model: str  # checkpoint directory (or hub id where there is internet)
+    model: str = Field(min_length=1)  # checkpoint directory (or hub id where there is internet)
     served_model_name: str | None = None
-    address: str = ENGINE_ADDRESS  # ROUTER bind address
+    address: ZmqAddress = ENGINE_ADDRESS  # ROUTER bind address
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
     max_model_len: int = Field(4096, ge=16)
     max_num_seqs: int = Field(32, ge=1)

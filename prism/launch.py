@@ -21,7 +21,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from common.config import DEFAULT_CONFIG, PROBE, ConfigError, configured_model, load_config, resolve_model
+from common.config import DEFAULT_CONFIG, EXIT_CONFIG, PROBE, ConfigError, configured_model, load_config, resolve_model
 from common.malloc import HEAP_KEPT_TUNABLES
 from common.supervisor import Child, Supervisor
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
@@ -69,7 +69,7 @@ def answers_on(address: str, expected: type) -> Callable[[], bool]:
     return partial(service_answers, local_address(address), expected, PROBE_TIMEOUT_S)
 
 
-def service_children(gateway_config, config_path: Path, shared_model: str) -> list[Child]:
+def service_children(gateway_config, config_path: Path, shared_model: str | None) -> list[Child]:
     """One encoder per encoder address and one engine per engine address of every
     served model (an address shared by several names starts once), each told
     its address and its model's checkpoint."""
@@ -101,7 +101,9 @@ def check_service_configs(children: list[Child]) -> list:
     """Every child's section validated here first, as the child will load it (its file, its
     environment): a bad value stops `prism serve` at once, naming the key, instead of a child
     that fails at start-up and is restarted until the gateway's start-up timeout gives up.
-    The configs, in the children's order."""
+    Checks that need vLLM or the checkpoint (a parser's name) are the child's own: it exits
+    with EXIT_CONFIG, and `prism serve` stops (`Supervisor.on_refused`). The configs, in the
+    children's order."""
     from llm_engine.config import EngineConfig
     from vision_encoder.config import EncoderConfig
 
@@ -129,11 +131,26 @@ def serve(config_path: Path) -> None:
     setup_logging("gateway")  # the gateway runs in this process
     try:
         gateway_config = load_config(GatewayConfig, "gateway", config_path)
-        children = service_children(gateway_config, config_path, configured_model(config_path))
+        # the top-level model (or PRISM_MODEL), needed only where a route names no checkpoint of its own
+        shared = None
+        if any(route.checkpoint is None for route in gateway_config.routes().values()):
+            shared = configured_model(config_path)
+        children = service_children(gateway_config, config_path, shared)
         configs = check_service_configs(children)
     except ConfigError as exc:
         raise SystemExit(f"prism serve: {exc}") from None
-    supervisor = Supervisor(children, liveness_s=gateway_config.child_liveness_s)
+    refused: list[str] = []
+
+    def stop_refused(child) -> None:  # the supervisor's thread: the gateway's signal stops it as Ctrl-C would
+        refused.append(child.label)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def exit_status() -> int:
+        if refused:
+            log.error("prism serve: %s refused its configuration (its log above names the key)", ", ".join(refused))
+        return EXIT_CONFIG if refused else 0
+
+    supervisor = Supervisor(children, liveness_s=gateway_config.child_liveness_s, on_refused=stop_refused)
     supervisor.start()
     # An engine finishes what it holds (engine.drain_timeout_s), then shuts vLLM down; killed
     # sooner, vLLM's processes leave their shared-memory queues in /dev/shm.
@@ -143,12 +160,12 @@ def serve(config_path: Path) -> None:
         from gateway.ops.workers import serve_workers
 
         serve_workers(gateway_config, config_path)  # returns on SIGTERM, once the workers have drained
-        return
+        sys.exit(exit_status())
     from gateway.api.app import serve as serve_gateway
 
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
     # down) and raises it again when done; this handler then runs atexit.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_status()))
     serve_gateway(gateway_config, config_path)
 
 

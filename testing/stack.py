@@ -112,6 +112,7 @@ class LocalStack:
     encoder_replicas: int = 1
     engine_replicas: int = 1
     transport: str = "ipc"  # or "tcp": loopback ports, as services on other hosts would use
+    routed_by_config: bool = False  # the config's gateway.models says where each model's services listen
     process: subprocess.Popen | None = None
     _tcp_ports: dict[str, list[int]] = field(default_factory=dict)
 
@@ -138,12 +139,12 @@ class LocalStack:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(
-            PRISM_MODEL=str(self.model),
-            PRISM_GATEWAY__PORT=str(self.port),
-            PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(self.encoder_addresses),  # JSON is YAML
-            PRISM_GATEWAY__ENGINE_ADDRESSES=json.dumps(self.engine_addresses),
-        )
+        env.update(PRISM_MODEL=str(self.model), PRISM_GATEWAY__PORT=str(self.port))
+        if not self.routed_by_config:
+            env.update(
+                PRISM_GATEWAY__ENCODER_ADDRESSES=json.dumps(self.encoder_addresses),  # JSON is YAML
+                PRISM_GATEWAY__ENGINE_ADDRESSES=json.dumps(self.engine_addresses),
+            )
         env.update(self.overrides)
         return env
 

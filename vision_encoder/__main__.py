@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zmq
 
-from common.config import load_config
+from common.config import exit_on_config_error, load_config
 from common.logs import setup_logging
 from common.supervisor import stop_with_supervisor
 from vision_encoder.config import EncoderConfig
@@ -44,13 +44,13 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=None)
     args = parser.parse_args()
     setup_logging("encoder")
-    config = load_config(EncoderConfig, "encoder", args.config)
+    config = exit_on_config_error(lambda: load_config(EncoderConfig, "encoder", args.config))
     logging.getLogger("prism.encoder").info("config: %s", config.model_dump())
     # A container's first process ignores SIGTERM unless it handles it (Kubernetes would
     # wait out the grace period, then kill): stop at once. The gateway sends the encodes
     # it had here to another replica, as for an encoder that died.
     signal.signal(signal.SIGTERM, _stop_at_once)
-    service = EncoderService.start(config, zmq.Context.instance())
+    service = exit_on_config_error(lambda: EncoderService.start(config, zmq.Context.instance()))
     service.signals, _writer = wake_on_signals()  # the writer stays open for the process's life
     service.run_forever()
 

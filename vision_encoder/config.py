@@ -7,15 +7,15 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from common.config import FrozenConfig, check_redis_url
-from protocol.addresses import ENCODER_ADDRESS
+from protocol.addresses import ENCODER_ADDRESS, ZmqAddress
 
 
 SMALLEST_GRAPH_BUCKET = 1024  # patches (vision_encoder/towers/graphs.py)
 
 
 class EncoderConfig(FrozenConfig):
-    model: str  # checkpoint directory (or hub id where there is internet)
-    address: str = ENCODER_ADDRESS  # ROUTER bind address
+    model: str = Field(min_length=1)  # checkpoint directory (or hub id where there is internet)
+    address: ZmqAddress = ENCODER_ADDRESS  # ROUTER bind address
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$")  # torch's device string: cpu, cuda or cuda:N
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # A batch closes at whichever comes first: this many images, this many ViT

@@ -47,7 +47,7 @@ def routed(tmp_path_factory):
     config["model"] = str(RANDOM_MODEL)
     path = run_dir / "models.yaml"
     path.write_text(yaml.safe_dump(config))
-    stack = LocalStack(run_dir, {"PRISM_CONFIG": str(path), **ONE_PROCESS_ENGINE})
+    stack = LocalStack(run_dir, {"PRISM_CONFIG": str(path), **ONE_PROCESS_ENGINE}, routed_by_config=True)
     stack.start(timeout_s=600)
     stack.config_path = path
     yield stack

@@ -96,6 +96,46 @@ def test_the_launcher_reads_the_shared_model_from_the_file_or_prism_model(tmp_pa
         configured_model(write(tmp_path, "engine:\n  max_model_len: 64\n"), env={})
 
 
+@pytest.mark.parametrize("text,named", [
+    ("model: m\nengin:\n  max_model_len: 5\n", "engin: not a section"),  # the engine would run at its defaults
+    ("gateway:\n  port: 9000\ngateway:\n  workers: 2\n", "'gateway' is given twice"),  # the first port: lost
+    ("engine:\n  max_model_len: 64\n  max_model_len: 128\n", "'max_model_len' is given twice"),
+    ("encoder: [a]\n", "encoder: must be a mapping of keys"),
+])
+def test_a_file_s_shape_is_checked_before_its_keys(tmp_path, text, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(EngineConfig, "engine", write(tmp_path, text), env={})
+
+
+def test_an_empty_prism_model_is_unset_and_an_empty_model_is_refused(tmp_path):
+    """`${PRISM_MODEL:-}` in a compose file is empty, not the repo root as a checkpoint."""
+    path = write(tmp_path, "model: /ckpt/a\n")
+    assert load_config(EngineConfig, "engine", path, env={"PRISM_MODEL": ""}).model == "/ckpt/a"
+    assert configured_model(path, env={"PRISM_MODEL": ""}) == "/ckpt/a"
+    with pytest.raises(ConfigError, match=r"encoder\.model: String should have at least 1 character"):
+        load_config(EncoderConfig, "encoder", write(tmp_path, "model: ''\n"), env={})
+
+
+def test_the_launcher_and_the_services_read_prism_model_alike(tmp_path):
+    """As written (a string key): the launcher passes its reading to the children it starts."""
+    env = {"PRISM_MODEL": "/x/a #b"}
+    assert configured_model(write(tmp_path, "{}"), env=env) == load_config(EngineConfig, "engine", write(tmp_path, "{}"), env=env).model == "/x/a #b"
+
+
+@pytest.mark.parametrize("address", ["localhost:5555", "tcp://127.0.0.1", "tcp://host:70000", "ipc:/tmp/x", "", "tcp://[::1]"])
+def test_an_address_zmq_would_refuse_is_refused_naming_its_key(tmp_path, address):
+    env = {"PRISM_ENGINE__ADDRESS": address, "PRISM_GATEWAY__ENGINE_ADDRESSES": f"['{address}']", "PRISM_MODEL": "m"}
+    with pytest.raises(ConfigError, match=r"engine\.address: .*not a ZMQ address"):
+        load_config(EngineConfig, "engine", write(tmp_path, "{}"), env=env)
+    with pytest.raises(ConfigError, match=r"gateway\.engine_addresses\.0: .*not a ZMQ address"):
+        load_config(GatewayConfig, "gateway", write(tmp_path, "{}"), env=env)
+
+
+def test_the_addresses_services_use_are_taken():
+    for address in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://[::1]:5556", "tcp://llm-engine-qwen3-vl-8b:5556", "ipc:///tmp/prism/e.sock"):
+        EngineConfig(model="m", address=address)
+
+
 def test_the_services_default_addresses_meet(tmp_path):
     """With no addresses configured, the gateway connects where the encoder and engine bind."""
     path = write(tmp_path, "model: m\n")
@@ -185,3 +225,16 @@ def test_an_encoder_device_torch_would_refuse_is_refused_at_start_up_naming_the_
         load_config(EncoderConfig, "encoder", REPO_ROOT / "configs" / "cpu-demo.yaml", env={"PRISM_ENCODER__DEVICE": "gpu"})
     assert "cuda" in str(refused.value)
     assert load_config(EncoderConfig, "encoder", REPO_ROOT / "configs" / "cpu-demo.yaml", env={"PRISM_ENCODER__DEVICE": "cuda:1"}).device == "cuda:1"
+
+
+@pytest.mark.parametrize("text,named", [
+    ("gateway:\n  models: {chat: {engine_addresses: ['ipc:///tmp/g.sock']}}\n  engine_addresses: ['ipc:///tmp/h.sock']\n",
+     r"gateway: .*engine_addresses: with models set"),  # read by no one
+    ("gateway:\n  fetch_connect_timeout_s: 5\n  fetch_total_timeout_s: 1\n", r"gateway: .*fetch_total_timeout_s \(1\) is below"),
+    ("engine:\n  drain_timeout_s: .inf\n", r"engine\.drain_timeout_s: Input should be a finite number"),  # a stop for ever
+])
+def test_values_that_contradict_each_other_or_never_end_are_refused(tmp_path, text, named):
+    path = write(tmp_path, "model: m\n" + text)
+    section, model = ("engine", EngineConfig) if text.startswith("engine") else ("gateway", GatewayConfig)
+    with pytest.raises(ConfigError, match=named):
+        load_config(model, section, path, env={})

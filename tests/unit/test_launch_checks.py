@@ -85,3 +85,19 @@ def test_services_count_against_the_physical_gpu_their_visible_devices_name():
 def test_engines_alone_or_beside_a_cpu_encoder_are_not_counted():
     check_gpu_shares([("a", _engine(0.9), {}), ("b", _engine(0.9), {})])  # text-only: nothing says this is a GPU host
     check_gpu_shares([("encoder", _encoder("cpu", None), {}), ("a", _engine(0.9), {}), ("b", _engine(0.9), {})])
+
+
+def test_a_service_that_refuses_its_config_as_it_starts_stops_prism_serve(tmp_path):
+    """A value only the engine can judge (its structured-outputs backend is checked against vLLM's):
+    the engine exits with EXIT_CONFIG and `prism serve` stops with it, instead of restarting it
+    until the gateway's start-up timeout."""
+    from common.config import EXIT_CONFIG
+    from testing.stack import free_port
+
+    env = {**os.environ, "PRISM_ENGINE__STRUCTURED_OUTPUTS": "{backend: bogus}", "PRISM_GATEWAY__PORT": str(free_port()),
+           "PRISM_GATEWAY__ENCODER_ADDRESSES": f"['ipc://{tmp_path}/e.sock']", "PRISM_GATEWAY__ENGINE_ADDRESSES": f"['ipc://{tmp_path}/g.sock']"}
+    done = subprocess.run([sys.executable, "-m", "prism", "serve", "--config", "configs/cpu-demo.yaml"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_CONFIG, output[-3000:]
+    assert "engine.structured_outputs" in output and "prism serve: llm_engine[prism-demo:0] refused its configuration" in output, output[-3000:]

@@ -111,6 +111,21 @@ def test_an_error_while_restarting_one_child_stops_no_restart(supervisors):
     wait_until(lambda: failing.restarts >= 3, 20, "restarted again and again, each exit's on_exit failing")
 
 
+def test_a_child_that_refused_its_config_is_not_restarted_and_the_supervisor_is_told(supervisors):
+    """The same config would be refused again: `prism serve` stops, naming the child, instead of
+    restarting it until the gateway's start-up timeout."""
+    from common.config import EXIT_CONFIG
+
+    refused: list[Child] = []
+    child = Child(RESTARTED, None, env={"CHILD_EXITS": str(EXIT_CONFIG)}, name="refuses its config", backoff_s=0.01)
+    supervisor = Supervisor([child], max_backoff_s=0.01, on_refused=refused.append)
+    supervisors.append(supervisor)
+    supervisor.start()
+    wait_until(lambda: refused, 20, "the supervisor told of the refusal")
+    time.sleep(0.5)  # many back-offs' time: what is tested is that no restart comes
+    assert refused == [child] and child.restarts == 0
+
+
 def test_a_child_waiting_out_a_long_back_off_delays_no_other_restart(supervisors):
     failing = Child(RESTARTED, None, name="fails at start-up", backoff_s=60)
     running = Child(RESTARTED, None, env={"CHILD_SLEEPS": "1"}, name="runs")
