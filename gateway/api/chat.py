@@ -128,7 +128,7 @@ class ChatHandler:
         gateway = self.gateway
         parse_started = time.perf_counter()
         request = await parse_request(http_request, gateway.config.max_body_bytes, gateway.config.body_timeout_s,
-                                      record.ticket.memory)
+                                      record.ticket.memory, gateway.config.max_json_containers)
         body_read.set()
         record.timer.add("parse", time.perf_counter() - parse_started)
         record.timer.choices = request.n

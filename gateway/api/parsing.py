@@ -116,9 +116,31 @@ async def read_body(request: Request, limit: int, timeout_s: float, memory: Memo
     return b"".join(chunks)  # a body that came whole is returned as it is, not copied
 
 
-async def parse_request(request: Request, limit: int, timeout_s: float,
-                        memory: MemoryHold | None = None) -> ChatCompletionRequest:
+# What parsing holds beyond the body: pydantic builds an object for every JSON object and array,
+# and a str of up to 4 bytes a character for text that is not ASCII.
+PARSED_BYTES_PER_CONTAINER = 1024
+NON_ASCII_EXPANSION = 4
+
+
+def parsing_cost(body: bytes, max_containers: int) -> int:
+    """The memory parsing `body` will hold, or 413 for a body of more JSON objects and arrays than
+    `max_containers`: a body of tiny parts (`[{}, {}, ...]`) grows some thirty times over as it
+    is parsed, all of it on the event loop. The brackets are counted in the raw bytes, an upper
+    bound (those within strings count too) found at memchr's pace, where a parse is needed to
+    tell them apart."""
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > max_containers:
+        raise APIError(413, f"request body holds {containers} JSON objects and arrays (brackets within its strings "
+                       f"counted); the limit is {max_containers} (gateway.max_json_containers)", code="request_too_large")
+    return containers * PARSED_BYTES_PER_CONTAINER + (0 if body.isascii() else NON_ASCII_EXPANSION * len(body))
+
+
+async def parse_request(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None,
+                        max_containers: int = 100_000) -> ChatCompletionRequest:
     body = await read_body(request, limit, timeout_s, memory)
+    cost = parsing_cost(body, max_containers)
+    if memory is not None:
+        memory.admit(cost, "parsing the request body")
     try:
         return ChatCompletionRequest.model_validate_json(body)
     except pydantic.ValidationError as exc:

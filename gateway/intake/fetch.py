@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ def _split(url: str, where: str):
         raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code="invalid_image_url") from None
 
 
+# A host as the resolver reads it: a DNS name (underscores included, as some are), or an IPv6 literal.
+_HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+")
+
+
 def _ascii_host(host: str, where: str) -> str:
     """An internationalised name as DNS, the Host header and TLS know it (IDNA 2008, as httpx encodes
     names: the `idna` package)."""
@@ -120,6 +125,8 @@ class AddressGuard:
         if not host:
             raise APIError(400, f"{where}: URL has no host", param=where, code="invalid_image_url")
         named = _ascii_host(host, where)
+        if not _HOST.fullmatch(named):  # a NUL ends the name for getaddrinfo, past what the allowed domains saw
+            raise APIError(400, f"{where}: host {host!r} has characters no host name has", param=where, code="invalid_image_url")
         if not (self._domain_allowed(host) or self._domain_allowed(named)):  # listed as written or as punycode
             raise APIError(400, f"{where}: host {host!r} is not in the allowed domains", param=where, code="image_url_refused")
         try:

@@ -286,6 +286,7 @@ def inspect(raw: bytes, where: str, policy: IntakePolicy, budget: PixelBudget) -
             with _opened(raw, fmt, HEADER_READ_S) as image:
                 width, height = image.size
                 _check_declared_size(where, width, height, policy.limits)
+                _check_bmp_compression(where, image, fmt)
                 # Sized and counted as the encoder sees it, turned by its EXIF orientation: a tiling
                 # family's grid is not symmetric in height and width.
                 turned = _sides_swap(image)
@@ -310,6 +311,17 @@ def _bytes_per_pixel(opened: Image.Image, fmt: str) -> int:
         return WEBP_BYTES_PER_PIXEL
     alpha = opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info
     return TURNED_OR_ALPHA_BYTES_PER_PIXEL if alpha or _orientation(opened) != 1 else DECODE_BYTES_PER_PIXEL
+
+
+# Pillow decodes a run-length-encoded BMP in Python, holding the GIL: some 70 ns a pixel, seconds for a
+# large one sent in a few hundred KB. Past this many pixels it is refused; uncompressed BMP is C's.
+MAX_RLE_BMP_PIXELS = 4_000_000
+
+
+def _check_bmp_compression(where: str, image: Image.Image, fmt: str) -> None:
+    if fmt == "BMP" and image.info.get("compression") in (1, 2) and image.size[0] * image.size[1] > MAX_RLE_BMP_PIXELS:
+        raise _invalid(where, f"a run-length-encoded BMP of more than {MAX_RLE_BMP_PIXELS:,} pixels is not decoded; "
+                       "send it uncompressed or as PNG", 415, "unsupported_image_format")
 
 
 def _check_declared_size(where: str, width: int, height: int, limits: ImageLimits) -> None:

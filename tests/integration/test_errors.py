@@ -73,6 +73,19 @@ def test_bad_request_gets_clear_error_then_service_still_serves(stack, payload, 
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_body_of_more_json_objects_than_the_limit_is_refused_before_it_is_parsed(stack):
+    """150,000 empty text parts in 4 MB: parsed, some 150 MB of Python objects and a second of the
+    event loop; three such bodies at once, the gateway's whole memory."""
+    parts = b",".join([b'{"type":"text","text":""}'] * 150_000)
+    content = b'{"model":"%s","messages":[{"role":"user","content":[%s]}]}' % (MODEL_NAME.encode(), parts)
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", content=content, headers={"content-type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large" and "gateway.max_json_containers" in response.text
+    ok = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body(messages=image_message(png_url())), timeout=60)
+    assert ok.status_code == 200
+
+
 def test_malformed_json_is_400(stack):
     response = httpx.post(f"{stack.base_url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]

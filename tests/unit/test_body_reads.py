@@ -76,3 +76,15 @@ def test_a_body_that_came_whole_is_not_copied() -> None:
 
     request = Request({"type": "http", "method": "POST", "headers": []}, receive)
     assert asyncio.run(read_body(request, 4 * 2**20, 5)) is BODY
+
+
+def test_parsing_is_counted_as_what_it_builds_and_a_body_of_tiny_parts_is_refused():
+    from gateway.api.parsing import PARSED_BYTES_PER_CONTAINER, parsing_cost
+    from gateway.errors import APIError
+
+    image = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,' + BODY + b'"}}]}]}'
+    assert parsing_cost(image, 100) == 6 * PARSED_BYTES_PER_CONTAINER  # a data URL's bytes: one str, already counted
+    assert parsing_cost('{"content":"héllo"}'.encode(), 100) == PARSED_BYTES_PER_CONTAINER + 4 * len('{"content":"héllo"}'.encode())
+    with pytest.raises(APIError) as refused:
+        parsing_cost(b"[" + b",".join([b"{}"] * 200) + b"]", 100)
+    assert refused.value.status == 413 and "201 JSON objects and arrays" in refused.value.message

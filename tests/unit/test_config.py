@@ -230,7 +230,6 @@ def test_an_encoder_device_torch_would_refuse_is_refused_at_start_up_naming_the_
 @pytest.mark.parametrize("text,named", [
     ("gateway:\n  models: {chat: {engine_addresses: ['ipc:///tmp/g.sock']}}\n  engine_addresses: ['ipc:///tmp/h.sock']\n",
      r"gateway: .*engine_addresses: with models set"),  # read by no one
-    ("gateway:\n  fetch_connect_timeout_s: 5\n  fetch_total_timeout_s: 1\n", r"gateway: .*fetch_total_timeout_s \(1\) is below"),
     ("engine:\n  drain_timeout_s: .inf\n", r"engine\.drain_timeout_s: Input should be a finite number"),  # a stop for ever
 ])
 def test_values_that_contradict_each_other_or_never_end_are_refused(tmp_path, text, named):

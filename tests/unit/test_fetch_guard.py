@@ -76,6 +76,16 @@ def test_urls_python_cannot_parse_are_a_400_not_a_500(url, needle):
     assert refused.value.status == 400
 
 
+@pytest.mark.parametrize("url", ["http://1.2.3.4\x00.example.org/a.png", "https://1.2.3.4\x00.example.org/a.png",
+                                 "http://a b.example.org/a.png"])
+def test_a_host_with_characters_no_host_has_is_refused_before_it_is_resolved(url):
+    """getaddrinfo reads the name up to its NUL: 1.2.3.4, past the allowed domains that saw the whole
+    string (over TLS, a 500 from the wrap)."""
+    with pytest.raises(APIError, match="characters no host name has") as refused:
+        check(AddressGuard(("example.org",), ()), url)
+    assert refused.value.status == 400
+
+
 def test_an_ipv6_literal_keeps_its_brackets_in_the_host_header():
     target = check(AddressGuard((), ("::1/128",)), "http://[::1]:8080/a.png")
     assert (target.url, target.host_header) == ("http://[::1]:8080/a.png", "[::1]:8080")

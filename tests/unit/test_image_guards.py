@@ -42,6 +42,25 @@ def with_repeated_scans(times: int) -> bytes:
     return jpeg[:-2] + jpeg[last_scan:-2] * times + b"\xff\xd9"
 
 
+def rle8_bmp(width: int, height: int) -> bytes:
+    """An 8-bit BMP run-length encoded (BI_RLE8), which Pillow cannot write: rows of 255-pixel runs."""
+    runs = width // 255 * bytes([255, 7]) + (bytes([width % 255, 7]) if width % 255 else b"")
+    pixels = (runs + b"\x00\x00") * height + b"\x00\x01"  # end of line, end of bitmap
+    palette = b"".join(bytes([i, i, i, 0]) for i in range(256))
+    offset = 14 + 40 + len(palette)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(pixels), 2835, 2835, 256, 0)
+    return b"BM" + struct.pack("<IHHI", offset + len(pixels), 0, 0, offset) + info + palette + pixels
+
+
+def test_a_large_run_length_encoded_bmp_is_refused_before_pillow_decodes_it_in_python():
+    """Seconds of the GIL for a 7000² image in 400 KB; a small one is decoded as vLLM decodes it."""
+    with pytest.raises(APIError, match="run-length-encoded BMP") as refused:
+        inspect(rle8_bmp(7000, 7000), "img", POLICY, POLICY.default_budget)
+    assert refused.value.status == 415
+    small = rle8_bmp(600, 400)
+    assert np.array_equal(prism_pixels(small), vllm_pixels(small))
+
+
 def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded():
     with pytest.raises(APIError, match=r"scans; at most 100 are decoded") as refused:
         inspect(with_repeated_scans(1000), "img", POLICY, POLICY.default_budget)
