@@ -35,7 +35,7 @@ from redis.retry import Retry
 
 from cache.lru import CachedEmbedding
 from protocol.stats import SharedTierStats
-from protocol.tensors import ArrayMeta, to_frame, to_torch
+from protocol.tensors import TOKEN_DTYPES, ArrayMeta, to_frame, to_torch
 
 log = logging.getLogger("prism.cache")
 NAMESPACE = b"prism:vt:v2:"  # v2: the checksum covers the header's fields too
@@ -49,7 +49,6 @@ MAX_VALUE_BYTES = 256 * 2**20
 # Writes waiting for the writer thread, in bytes: past it a write is skipped, so a slow
 # Redis holds at most this much of the encoder's memory.
 MAX_PENDING_WRITE_BYTES = 512 * 2**20
-TOKEN_DTYPES = frozenset({"float16", "bfloat16", "float32"})  # what a tower's tokens are
 
 
 class SharedEntry(msgspec.Struct, array_like=True, frozen=True):

@@ -43,7 +43,7 @@ from cache import CachedEmbedding, EmbeddingCache
 from cache.shared import SharedTier
 from llm_engine.config import EngineConfig
 from protocol.sockets import AsyncDealer
-from protocol.tensors import meta_of, to_torch
+from protocol.tensors import TOKEN_DTYPES, meta_of, to_torch
 from protocol.to_encoder import FetchEmbeddings
 from protocol.to_engine import FetchedEmbeddings, FetchInbound, ImageEmbedding, PushedEmbedding
 from protocol.to_gateway import EMBEDDINGS_UNAVAILABLE, GenerateFailed
@@ -136,6 +136,8 @@ class EngineImages:
             log.warning("a pushed embedding was dropped: it comes as 1 frame, not %d", len(frames))
             return
         try:
+            if push.embeddings.dtype not in TOKEN_DTYPES:
+                raise ValueError(f"its dtype {push.embeddings.dtype} is no token dtype")
             tensor = to_torch(push.embeddings, frames[0])
         except ValueError as exc:
             log.warning("a pushed embedding was dropped: %s", exc)

@@ -17,9 +17,9 @@ import torch
 
 from llm_engine.templates import ChatTemplate
 from llm_engine.videos import check_video, embeds_of, video_data
+from protocol.tensors import TOKEN_DTYPES
 from protocol.to_engine import GenerateRequest
 
-_FLOAT_DTYPES = {"float32", "bfloat16", "float16"}
 OPENAI_CONTENT = ChatTemplate(None)  # content as a list of parts, with the tokenizer's own template
 
 
@@ -113,8 +113,8 @@ def image_parts(messages: list[dict]) -> int:
 
 
 def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> None:
-    """One image part per image sent, and every image's embeddings, as
-    described, fit the model: checked before any tensor is fetched."""
+    """One image part per image sent, one video part per video, and every image's and video's
+    embeddings, as described, fit the model: checked before any tensor is fetched."""
     sent = len(request.images)
     if (parts := image_parts(chat.messages)) != sent:
         raise InvalidPrompt(f"{parts} image parts in the messages but {sent} images sent")
@@ -124,11 +124,13 @@ def check_images(chat, request: GenerateRequest, shape: ModelShape | None) -> No
         raise InvalidPrompt(f"{sent} images in one prompt; this engine takes at most {shape.max_images} "
                             "(engine.max_images_per_prompt)")
     for index, image in enumerate(request.images):
-        _check(index, image, shape)
+        _check(f"image {index}", image, shape)
     if (parts := video_parts(chat.messages)) != len(request.videos):
         raise InvalidPrompt(f"{parts} video parts in the messages but {len(request.videos)} videos sent")
     if request.videos and (shape is None or shape.merge_size is None):
         raise InvalidPrompt("this model takes no videos")
+    for index, video in enumerate(request.videos):
+        _check(f"video {index}", video, shape)
 
 
 def image_data(request: GenerateRequest, tensors: list, shape: ModelShape | None) -> dict | None:
@@ -144,26 +146,28 @@ def image_data(request: GenerateRequest, tensors: list, shape: ModelShape | None
     return {"image": {"image_embeds": embeds, "image_grid_thw": grids}}
 
 
-def _check(index: int, image, shape: ModelShape) -> None:
-    meta = image.embeddings
-    if meta.dtype not in _FLOAT_DTYPES:
-        raise InvalidPrompt(f"image {index}: embeddings dtype {meta.dtype} is not a float type")
+def _check(what: str, item, shape: ModelShape) -> None:
+    """An image's or a video's embeddings, as described, against the model (vLLM's engine core dies of some
+    shapes its front end lets through); nothing is fetched yet."""
+    meta = item.embeddings
+    if meta.dtype not in TOKEN_DTYPES:
+        raise InvalidPrompt(f"{what}: embeddings dtype {meta.dtype} is not a float type")
     if len(meta.shape) != 2 or meta.shape[0] < 1:
-        raise InvalidPrompt(f"image {index}: embeddings must be 2-D (tokens, hidden), got shape {meta.shape}")
+        raise InvalidPrompt(f"{what}: embeddings must be 2-D (tokens, hidden), got shape {meta.shape}")
     rows = meta.shape[0]
     if shape.merge_size is None:
-        if image.grid_thw is not None:
-            raise InvalidPrompt(f"image {index}: this model's images have no grid, got grid {image.grid_thw}")
+        if item.grid_thw is not None:
+            raise InvalidPrompt(f"{what}: this model's images have no grid, got grid {item.grid_thw}")
     else:
-        if image.grid_thw is None:
-            raise InvalidPrompt(f"image {index}: this model needs each image's (t, h, w) grid")
-        t, h, w = image.grid_thw
+        if item.grid_thw is None:
+            raise InvalidPrompt(f"{what}: this model needs each image's (t, h, w) grid")
+        t, h, w = item.grid_thw
         if min(t, h, w) < 1 or h % shape.merge_size or w % shape.merge_size:
-            raise InvalidPrompt(f"image {index}: grid {image.grid_thw} is not a positive multiple of merge size {shape.merge_size}")
+            raise InvalidPrompt(f"{what}: grid {item.grid_thw} is not a positive multiple of merge size {shape.merge_size}")
         rows = t * h * w // shape.merge_size**2
     if meta.shape != (rows, shape.embedding_width):
-        given = f"grid {image.grid_thw}" if image.grid_thw else "the model"
-        raise InvalidPrompt(f"image {index}: embeddings shape {meta.shape} does not match {given} (expected ({rows}, {shape.embedding_width}))")
+        given = f"grid {item.grid_thw}" if item.grid_thw else "the model"
+        raise InvalidPrompt(f"{what}: embeddings shape {meta.shape} does not match {given} (expected ({rows}, {shape.embedding_width}))")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ class ArrayMeta(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 
 _TORCH_ONLY_DTYPES = {"bfloat16"}
+TOKEN_DTYPES = frozenset({"float16", "bfloat16", "float32"})  # what a tower's visual tokens may be
 
 
 def _torch_dtype(name: str):

@@ -127,7 +127,9 @@ async def _pushes() -> None:
         assert torch.equal(again[0], TOKENS) and (fetcher.pushed, fetcher.cache.stats.hits) == (2, 1)
         fetcher.received(PushedEmbedding(b"c", b"id-c", meta_of(TOKENS), None), [])  # malformed: dropped, not raised
         fetcher.received(PushedEmbedding(b"d", b"id-d", meta_of(TOKENS), None), [b"short"])
-        assert fetcher.cache.get(b"c", b"id-c", record=False) is None and fetcher.cache.get(b"d", b"id-d", record=False) is None
+        integers = TOKENS.to(torch.int16)  # the size of the bf16 tokens, of no token dtype
+        fetcher.received(PushedEmbedding(b"e", b"id-e", meta_of(integers), None), [integers.numpy().tobytes()])
+        assert all(fetcher.cache.get(k, b"id-" + k, record=False) is None for k in (b"c", b"d", b"e"))
 
 
 def test_pushed_tokens_are_used_whether_they_come_before_or_after_the_request_and_fetched_if_they_never_come():

@@ -176,15 +176,15 @@ def test_a_message_of_images_alone_counts_every_image():
     assert inputs_of(req, frames, SHAPE)["prompt_token_ids"] == ["<img>", "<img>"]
 
 
-def video_request(video_rows: int, video_parts: int = 1):
+def video_request(video_rows: int, video_parts: int = 1, dtype=torch.float32, grid=(2, 4, 4)):
     """An image then a video in one message (the engine finds each tensor as an image's)."""
     image, image_frame = to_frame(torch.randn(4, 128))
-    video, video_frame = to_frame(torch.randn(video_rows, 128))
+    video, video_frame = to_frame(torch.randn(video_rows, 128).to(dtype))
     parts = ([{"type": "image_url", "image_url": {"url": IMAGE_PLACEHOLDER}}]
              + [{"type": "video_url", "video_url": {"url": IMAGE_PLACEHOLDER}}] * video_parts + [{"type": "text", "text": "q"}])
     chat = msgspec.json.encode({"messages": [{"role": "user", "content": parts}], "max_tokens": 4})
     req = GenerateRequest("r", chat, [ImageEmbedding(image, (1, 4, 4), b"i" * 16, "ipc:///encoder", b"id")],
-                          [VideoEmbedding(video, (2, 4, 4), key=b"v" * 16, source="ipc:///encoder", identity=b"vid")])
+                          [VideoEmbedding(video, grid, key=b"v" * 16, source="ipc:///encoder", identity=b"vid")])
     return req, [to_torch(image, image_frame), to_torch(video, video_frame)]
 
 
@@ -208,3 +208,15 @@ def test_a_video_part_without_its_tokens_or_tokens_of_another_grid_are_refused()
     chat = read_chat(req.chat)
     with pytest.raises(ValueError, match=r"videos\[0\]: embeddings of shape \(6, 128\), expected \(8, 128\)"):
         vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL)
+
+
+@pytest.mark.parametrize("rows,dtype,grid,needle", [
+    (8, torch.int64, (2, 4, 4), "video 0: embeddings dtype int64 is not a float type"),
+    (4, torch.float32, (1, 3, 3), r"video 0: grid \(1, 3, 3\) is not a positive multiple of merge size 2"),
+    (6, torch.float32, (2, 4, 4), r"video 0: embeddings shape \(6, 128\) does not match grid \(2, 4, 4\)"),
+])
+def test_a_video_s_embeddings_are_checked_before_they_are_fetched_as_an_image_s_are(rows, dtype, grid, needle):
+    """A tensor of no token dtype, or a grid vLLM's positions cannot match, would reach vLLM's engine core."""
+    req, _ = video_request(rows, dtype=dtype, grid=grid)
+    with pytest.raises(InvalidPrompt, match=needle):
+        check_images(read_chat(req.chat), req, QWEN2_VL)
