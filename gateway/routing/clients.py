@@ -56,6 +56,7 @@ LAST_REPLIES_S = 1.0  # a dropped connection: at most this long reading the repl
 
 class ServiceClient:
     peer = ""  # the metrics' label for this kind of service
+    answers: tuple[type, type] = ()  # (its handshake's answer, its heartbeat's): another service's are refused
 
     def __init__(self, ctx: zmq.asyncio.Context, address: str, name: str, heartbeat_timeout_s: float) -> None:
         self.name = name
@@ -101,18 +102,32 @@ class ServiceClient:
                     ) from None
 
     async def _receive_loop(self) -> None:
+        """The only reader of the socket: nothing one message does may end it (every request to the
+        service would wait out its timeout, and a restart of the service would never be seen)."""
         while True:
             message, frames = await self.socket.recv()
-            if isinstance(message, (EncoderReady, EngineReady)):
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(message)
-                elif self.rejoining:
-                    self._rejoin(message)
-            elif isinstance(message, (EncoderStats, EngineStats)):
-                self._heartbeat(message)
-            elif (queue := self._streams.get(message.request_id)) is not None:
-                queue.put_nowait((message, frames))
-            # else: the request was already given up (timeout, disconnect, outage)
+            try:
+                self._received(message, frames)
+            except Exception:
+                log.exception("%s: a %s it sent could not be taken", self.name, type(message).__name__)
+
+    def _received(self, message, frames) -> None:
+        ready, stats = self.answers
+        if isinstance(message, ready):
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(message)
+            elif self.rejoining:
+                self._rejoin(message)
+        elif isinstance(message, stats):
+            self._heartbeat(message)
+        elif isinstance(message, (EncoderReady, EngineReady, EncoderStats, EngineStats)):
+            if type(message) is not type(self._refused):  # said once, not at every heartbeat
+                log.error("%s at %s answers as another kind of service (%s): is the address right?", self.name,
+                          self.address, type(message).__name__)
+                self._refused = message
+        elif (queue := self._streams.get(message.request_id)) is not None:
+            queue.put_nowait((message, frames))
+        # else: the request was already given up (timeout, disconnect, outage)
 
     async def _watch_connection(self) -> None:
         """A dropped connection means the process is gone or unreachable: the
@@ -332,6 +347,7 @@ def _raise_if_error(message: Any) -> None:
 
 class EncoderClient(ServiceClient):
     peer = "encoder"
+    answers = (EncoderReady, EncoderStats)
 
     async def encode(
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
@@ -369,6 +385,7 @@ class EncoderClient(ServiceClient):
 
 class EngineClient(ServiceClient):
     peer = "engine"
+    answers = (EngineReady, EngineStats)
 
     async def submit(self, request: GenerateRequest) -> asyncio.Queue:
         """Send a request now and open its reply queue, to stream (`generate`) or `withdraw`."""

@@ -273,7 +273,7 @@ class ReplicaPool(Generic[C]):
         replica = self.replicas[index]
         try:
             info = await replica.connect(timeout_s)
-        except RuntimeError as exc:  # no answer within the timeout
+        except Exception as exc:  # no answer within the timeout (an answer as another kind of service is none)
             log.error("%s; it is left out", exc)
         else:
             if self.accepts(info, index):

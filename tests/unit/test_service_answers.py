@@ -1,0 +1,38 @@
+"""What the gateway's client of a service does with answers it cannot use (gateway/routing/clients.py),
+over real sockets: a service of another kind at the address is refused, saying so, and nothing one
+message does ends the client's only reader (every request to the service would wait out its
+timeout, and the service's restarts would go unseen)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.routing.clients import EngineClient
+from protocol.base import Hello
+from protocol.stats import EngineStats
+from protocol.to_engine import EngineInbound
+from protocol.to_gateway import EncoderReady, ProcessorInfo
+from tests.unit.test_client_cancellation import client_and_service
+from tests.waiting import wait_until_async
+
+
+def test_an_encoder_at_an_engine_s_address_is_refused_and_the_reader_outlives_a_message_it_fails_on(tmp_path, caplog):
+    async def run() -> None:
+        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
+            await client._send_quietly(Hello("gateway"))
+            peer, _, _ = await asyncio.wait_for(service.recv(), 5)
+            with caplog.at_level(logging.ERROR, logger="prism.gateway"):
+                await service.send(peer, EncoderReady("m", "fingerprint", ProcessorInfo(14, 2, 3136, 19600)))
+                await wait_until_async(lambda: "answers as another kind of service (EncoderReady)" in caplog.text, 5,
+                                       "the mixed-up answer logged")
+                client._heartbeat = lambda stats: 1 / 0
+                await service.send(peer, EngineStats("boot", 0, 0, 0, 0))
+                await wait_until_async(lambda: "could not be taken" in caplog.text, 5, "the failure logged")
+            del client._heartbeat  # the class's own again
+            await service.send(peer, EngineStats("boot", 0, 0, 0, 0))
+            await wait_until_async(lambda: client.stats is not None, 5, "the next heartbeat taken: the reader lives")
+            assert client.info is None
+
+    asyncio.run(run())
+
