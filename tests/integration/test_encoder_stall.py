@@ -70,7 +70,7 @@ async def serving(socket: AsyncDealer) -> bool:
 async def stall_then_recover(address: str, held: HeldTower) -> None:
     socket = AsyncDealer(zmq.asyncio.Context.instance(), address, GatewayInbound)
     await handshake(socket)
-    assert isinstance(await ask(socket, "warm", 1), EncodeResult)  # the watchdog learns a batch's time
+    assert isinstance(await ask(socket, "warm", 1), EncodeResult)  # the tower warm (its first batch teaches the watchdog nothing)
     held.hold.set()
     started = asyncio.get_running_loop().time()
     failed = await ask(socket, "held", 2)
