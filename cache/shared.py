@@ -154,22 +154,25 @@ class SharedTier:
         return value
 
     def put(self, key: bytes, value: CachedEmbedding) -> None:
-        """Store in the background; skipped (and counted) when Redis is down or behind."""
-        if not self._available() or value.embeddings.nbytes > MAX_VALUE_BYTES:
+        """Store in the background; skipped (and counted) when Redis is down or behind. Packed on
+        the writer's thread (a copy and a checksum of megabytes): the caller is the encoder's
+        loop, whose replies and heartbeats would wait behind it. The tokens are never written
+        to once cached."""
+        size = value.embeddings.nbytes
+        if not self._available() or size > MAX_VALUE_BYTES:
             self.stats.writes_skipped += 1
             return
         self._start_writer()
-        blob = pack(value)
         with self._writer_lock:
-            if self._pending_bytes + len(blob) > MAX_PENDING_WRITE_BYTES:
+            if self._pending_bytes + size > MAX_PENDING_WRITE_BYTES:
                 self.stats.writes_skipped += 1
                 return
             try:
-                self._writes.put_nowait((key, blob))
+                self._writes.put_nowait((key, value))
             except queue.Full:
                 self.stats.writes_skipped += 1
                 return
-            self._pending_bytes += len(blob)
+            self._pending_bytes += size
 
     def _start_writer(self) -> None:
         with self._writer_lock:  # the encoder's lanes may write at once
@@ -181,13 +184,13 @@ class SharedTier:
 
     def _write_loop(self) -> None:
         while True:
-            key, blob = self._writes.get()
+            key, value = self._writes.get()
             try:
                 if key is None:
                     return
                 with self._writer_lock:
-                    self._pending_bytes -= len(blob)
-                self._write(key, blob)
+                    self._pending_bytes -= value.embeddings.nbytes
+                self._write(key, pack(value))
             except Exception:  # never the thread: a dead writer would leave the tier up with every write skipped
                 self.stats.errors += 1
                 log.exception("a shared cache write failed")
