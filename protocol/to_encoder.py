@@ -28,7 +28,7 @@ class ImageInput(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class EncodeRequest(Message):
     request_id: str
     images: list[ImageInput]
-    retry: bool = False  # answers an EncodeNeedsPixels: its lookups were counted already
+    retry: bool = False  # its lookups were counted already: it answers an EncodeNeedsPixels, or another replica refused it
     # The engine this request will go to (its address, as the gateway knows it):
     # each image encoded for it is pushed there (PushedEmbedding) the moment its
     # batch ends, so the tokens travel while the gateway makes the request.

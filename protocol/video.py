@@ -59,7 +59,7 @@ class EncodeVideos(Message):
     request_id: str
     videos: list[VideoInput]
     push_to: str = ""  # as EncodeRequest.push_to: the engine the tokens are pushed to as they are encoded
-    retry: bool = False  # as EncodeRequest.retry: answers an EncodeNeedsPixels, its lookups counted already
+    retry: bool = False  # as EncodeRequest.retry: its lookups were counted already
 
 
 class EncodedVideo(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -25,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.timing import STAGES, ran
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, HistogramSnapshot, ServiceState
 
-# Half a millisecond (a cache lookup, an idle queue) to minutes (a long answer's end to end),
-# with steps of at most 1.5x from a second to ten, where a CPU demo's TTFT falls: a quantile
-# there is not one wide bucket's interpolation.
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 5, 7.5, 10,
+# 50 µs (a cache lookup, a parse) to minutes (a long answer's end to end), with steps of at
+# most 1.5x from a second to ten, where a CPU demo's TTFT falls: a quantile there is not one
+# wide bucket's interpolation, nor one of a stage that takes a tenth of the first bucket.
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 5, 7.5, 10,
                    15, 25, 60, 120, 300)
 # A decode step: a few ms on a GPU to a few hundred on two cores, finely enough
 # that a quantile is not one wide bucket's interpolation; seconds where another

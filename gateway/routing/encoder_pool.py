@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq.asyncio
 
 from gateway.routing.clients import EncoderClient
@@ -120,6 +121,8 @@ class EncoderPool(ReplicaPool[EncoderClient]):
                 raise refused or self.unavailable()
             if refused is not None:
                 self.note_failover(refused, route.replica)
+                # its cache lookups were counted by the replica that refused it: the next counts none
+                request = msgspec.structs.replace(request, retry=True)
             replica = self.replicas[route.replica]
             route.sent_at = time.perf_counter()
             try:

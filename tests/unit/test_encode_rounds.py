@@ -21,7 +21,7 @@ from gateway.api.pipeline import ChatPipeline
 from gateway.timing import RequestTimer
 from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest
-from protocol.to_gateway import EncodedImage, EncodeNeedsPixels, EncoderTimings, EncodeResult
+from protocol.to_gateway import EncodedImage, EncodeFailed, EncodeNeedsPixels, EncoderTimings, EncodeResult
 from tests.unit.by_hand import EncoderByHand
 from tests.waiting import wait_until_async
 
@@ -217,3 +217,37 @@ def test_a_request_holds_its_pixels_until_its_encoder_has_answered_for_them(tmp_
     encoder answered, not held for the whole of the request's answer."""
     held_at_rounds, pixels, held_after = asyncio.run(_held(tmp_path))
     assert pixels > 0 and held_at_rounds == [pixels] and held_after == 0
+
+
+class EncoderFullToFirstRounds(Encoder):
+    """Refuses as full (429) whatever comes as a first round, and answers what comes marked as a
+    retry: only a request another replica refused first gets through, and only if marked so."""
+
+    def answer(self, request: EncodeRequest):
+        if not request.retry:
+            return EncodeFailed(request.request_id, "queue full", 429)
+        return super().answer(request)
+
+
+async def _refused_then_served(tmp_path) -> list[list[bool]]:
+    ctx = zmq.asyncio.Context()
+    addresses = [f"ipc://{tmp_path}/encoder-{i}.sock" for i in range(2)]
+    encoders = [EncoderFullToFirstRounds(ctx, address) for address in addresses]
+    pool = EncoderPool(ctx, addresses, heartbeat_timeout_s=30)
+    try:
+        await pool.connect(timeout_s=5)
+        pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
+        items = [inspect(png((10, 10, 200)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
+        await pipeline.handoff.deliver("r", items, [digest_of(item, POLICY) for item in items], RequestTimer())
+        return sorted(encoder.rounds for encoder in encoders)
+    finally:
+        await pool.close()
+        for encoder in encoders:
+            encoder.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_round_another_replica_refused_is_not_counted_again_where_it_is_served(tmp_path):
+    """The refusing replica looked its images up (a miss, counted): the one that serves it counts
+    none, or every image refused under load would be two misses in prism_cache_events_total."""
+    assert asyncio.run(_refused_then_served(tmp_path)) == [[], [[True]]]
