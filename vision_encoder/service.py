@@ -229,8 +229,15 @@ class EncoderService:
         elif isinstance(message, StatsRequest):
             self._send(peer, self.stats())
         elif isinstance(message, Hello):
-            ready = EncoderReady(self.tower.model_id, self.tower.fingerprint, self._processor_info())
+            ready = EncoderReady(self.tower.model_id, self._fingerprint(), self._processor_info())
             self._send(peer, ready)
+
+    def _fingerprint(self) -> str:
+        """The handshake's: every parameter of every key this encoder makes, a video path's included."""
+        try:
+            return self._video_path().fingerprint()
+        except ValueError:  # no video path: the tower's images' alone
+            return self.tower.fingerprint
 
     def _processor_info(self):
         """The handshake's processor: the tower's, with its video path's frame sizing (Qwen's towers)."""

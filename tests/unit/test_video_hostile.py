@@ -392,6 +392,32 @@ def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypat
     assert seeks and seeks[0] <= 2  # the reads that found the stop, no more
 
 
+def test_a_resent_video_whose_header_read_ran_out_of_time_is_refused_without_reading_it_again(sparse_keyframes, monkeypatch):
+    """The count's seek decodes the whole of a one-keyframe clip: each resend of the same few MB
+    would hold an intake thread for the whole deadline again."""
+    seek = video_intake.visible_frames
+    seeks = []
+
+    def seek_late(video, claimed):
+        seeks.append(claimed)
+        time.sleep(0.3)  # past max_decode_s
+        return seek(video, claimed)
+
+    monkeypatch.setattr(video_intake, "visible_frames", seek_late)
+    with ThreadPoolExecutor(1) as pool:
+        intake = VideoIntake(fetcher=None, limits=dataclasses.replace(LIMITS, max_decode_s=0.2), pool=pool)
+        for _ in range(3):
+            with pytest.raises(APIError, match=r"s to read \(gateway.max_video_decode_s\)") as refused:
+                inspect(sparse_keyframes, WHERE, VideoSampling(), LIMITS, intake=intake)
+            assert refused.value.status == 413
+        assert len(seeks) == 1
+        intake.slow_headers.ttl_s = 0  # remembered no longer than its time: read again
+        intake.slow_headers.add(video_intake.digest_of(sparse_keyframes, VideoSampling()))
+        with pytest.raises(APIError):
+            inspect(sparse_keyframes, WHERE, VideoSampling(), LIMITS, intake=intake)
+        assert len(seeks) == 2
+
+
 def test_a_header_read_given_up_is_stopped_and_awaited(sparse_keyframes, monkeypatch):
     """A request whose header read is cancelled (its client left, another of its videos was refused)
     tells the read to stop and lets go only once the thread has: the intake threads are every
@@ -481,3 +507,15 @@ def test_a_header_read_beside_a_decode_keeps_what_the_decode_found(clip12):
     known.put(b"d", dataclasses.replace(source, last_frame_unreadable=True))  # the decode's finding
     known.put(b"d", source)  # a header read that began before it
     assert known.get(b"d").last_frame_unreadable
+
+
+def test_a_clip_with_no_frame_rate_is_held_to_the_duration_its_loader_assumes():
+    """Qwen3-VL's loader takes such a clip at 24 fps: its timestamps run as long as its frames at that
+    rate, where the header's duration (none) passed every limit."""
+    raw = clip(num_frames=60, fps=10.0)
+    figures = dataclasses.replace(video_intake.read_figures(raw, WHERE, LIMITS), fps=0.0, duration_s=0.0)
+    shorter = dataclasses.replace(LIMITS, max_duration_s=2)  # 60 frames at 24 fps: 2.5 s
+    with pytest.raises(APIError, match="reports no frame rate, and its 60 frames at the 24 fps this model assumes run 2.5 s") as refused:
+        video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), shorter, figures)
+    assert refused.value.status == 413
+    assert video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), LIMITS, figures).fps == 24

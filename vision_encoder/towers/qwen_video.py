@@ -24,6 +24,7 @@ import torch
 
 from transformers.image_utils import PILImageResampling
 
+from cache import content_key
 from cache.video_keys import video_key
 from protocol.to_gateway import VideoSizing
 from vision_encoder.towers.fused_patches import channels_first_view, fuse_normalize_into_patchify
@@ -172,6 +173,12 @@ class QwenVideo:
 
     def sizing(self) -> VideoSizing | None:
         return video_sizing(self.processor, self.family)
+
+    def fingerprint(self) -> str:
+        """The encoder's handshake fingerprint with this video path: the tower's (its images' keys) and
+        this processor's parameters (its videos' keys, and the frame sizing the gateway applies). A
+        replica restarted with another video_preprocessor_config.json answers as another encoder."""
+        return content_key(self.tower.fingerprint, self.preprocessing_params()).hex()
 
     def cache_key(self, digest: bytes, sampling: VideoSampling = VideoSampling(), metadata: Mapping | None = None) -> bytes:
         """The key of this clip's tokens: `digest` is the gateway's (source bytes + its loader's sampling),

@@ -128,6 +128,34 @@ class KnownHeaders:
             self._headers[digest] = source
 
 
+class SlowHeaders:
+    """Videos whose header read ran out of `max_video_decode_s`, by digest, for a while: counting the
+    frames of a clip with one keyframe decodes all of it, and a resend of the same few megabytes
+    would cost an intake thread the whole deadline again, every time. Forgotten after `ttl_s`: a
+    read cut off because the machine was busy is not refused for ever."""
+
+    def __init__(self, size: int = 1024, ttl_s: float = 300.0) -> None:
+        self._until: LRUCache[bytes, float] = LRUCache(size)
+        self._lock = threading.Lock()
+        self.ttl_s = ttl_s
+
+    def add(self, digest: bytes) -> None:
+        with self._lock:
+            self._until[digest] = time.monotonic() + self.ttl_s
+
+    def __contains__(self, digest: bytes) -> bool:
+        with self._lock:
+            until = self._until.get(digest)
+            if until is not None and time.monotonic() >= until:
+                del self._until[digest]
+                until = None
+            return until is not None
+
+
+class _ReadTooSlow(APIError):
+    """A header read cut off by `max_video_decode_s` (SlowHeaders)."""
+
+
 def checked_digest(raw: bytes, where: str, sampling: VideoSampling) -> bytes:
     """The video's digest, once its bytes look like a video container."""
     if not raw:
@@ -171,7 +199,13 @@ def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoL
     with _reading(where, limits, stop) as past_deadline, open_video(raw, past_deadline) as video:
         total = visible_frames(video, figures.total_frames)
     counted = dataclasses.replace(figures, total_frames=total, duration_s=total / figures.fps if figures.fps > 0 else 0)
-    return prepared_source(counted, sampling.loader)
+    prepared = prepared_source(counted, sampling.loader)
+    # A clip that reports no frame rate has no duration to check, until its loader assumes one (Qwen3-VL's 24
+    # fps), by which its frames' timestamps run as long as their count says
+    if figures.fps <= 0 < prepared.fps and (seconds := total / prepared.fps) > limits.max_duration_s:
+        raise refused(where, f"reports no frame rate, and its {total} frames at the {prepared.fps:g} fps this model "
+                      f"assumes run {seconds:.1f} s; the limit is {limits.max_duration_s:g} s", 413, "video_too_long")
+    return prepared
 
 
 @contextlib.contextmanager
@@ -187,10 +221,15 @@ def _reading(where: str, limits: VideoLimits, stop: Callable[[], bool] | None):
         yield past_deadline
     except Unreadable as exc:
         if past_deadline():
-            raise _too_slow(where, limits, "read") from None
+            raise _read_too_slow(where, limits) from None
         raise refused(where, f"cannot be read: {exc}") from None
     if past_deadline():  # the reads ended early: what they found is not the stream's
-        raise _too_slow(where, limits, "read")
+        raise _read_too_slow(where, limits)
+
+
+def _read_too_slow(where: str, limits: VideoLimits) -> _ReadTooSlow:
+    error = _too_slow(where, limits, "read")
+    return _ReadTooSlow(error.status, error.message, error.param, error.code)
 
 
 def _too_slow(where: str, limits: VideoLimits, what: str) -> APIError:
@@ -243,6 +282,7 @@ class VideoIntake:
         self.limits = limits
         self.pool = pool
         self.known = KnownHeaders()
+        self.slow_headers = SlowHeaders()
         self.speeds = DecodeSpeeds()
 
     async def _in_pool(self, fn, *args):
@@ -269,6 +309,7 @@ class VideoIntake:
         if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
             self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
             if (fewer := item.without_last_frame()).frame_size != item.frame_size:
+                del video  # its frames go before the second decode's are made (and counted)
                 video = await self._decode(fewer)
         hold(video.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)
         return video
@@ -323,11 +364,20 @@ class VideoIntake:
         keyframe on: the whole stream of a clip with one keyframe), their memory counted."""
         digest = await self._in_pool(checked_digest, raw, where, sampling)
         if (source := self.known.get(digest)) is None:
-            figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits))
-            async with working(decoding_bytes(figures, 0), f"counting the frames of {where} ({figures.width}×{figures.height})"):
-                source = await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures))
+            if digest in self.slow_headers:
+                raise _read_too_slow(where, self.limits)
+            try:
+                source = await self._read_header(raw, where, sampling)
+            except _ReadTooSlow:
+                self.slow_headers.add(digest)
+                raise
             self.known.put(digest, source)
         return within_limits(sampled(raw, where, source, sampling, digest, planner), self.limits)
+
+    async def _read_header(self, raw: bytes, where: str, sampling: VideoSampling) -> SourceInfo:
+        figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits))
+        async with working(decoding_bytes(figures, 0), f"counting the frames of {where} ({figures.width}×{figures.height})"):
+            return await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures))
 
     async def decode_all(self, items: list[InspectedVideo], timer: RequestTimer) -> list[SampledVideo]:
         """The videos' frames, in order (the hand-off's, for the videos its encoder needs)."""
