@@ -84,6 +84,10 @@ class Batcher:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def all_within(self, max_job_patches: int) -> bool:
+        """Whether every waiting image is at most this large (none waiting: True)."""
+        return all(job.patches <= max_job_patches for job in self._queue.values())
+
     def seconds_until_due(self, now: float) -> float | None:
         """None when empty; 0 when a batch should run now."""
         if not self._queue:

@@ -162,7 +162,14 @@ class EncoderService:
     def _can_start(self) -> bool:
         # one batch preprocessed ahead per pipeline stage past the first, beside one in each ViT thread
         in_flight = self.config.vit_threads + self.config.pipeline_depth - 1
-        return len(self.running) < in_flight and not self.watch.stalled
+        return len(self.running) < in_flight and not self.watch.stalled and not self._small_work_waits_for_express()
+
+    def _small_work_waits_for_express(self) -> bool:
+        """With every ViT thread busy, a new main batch would wait behind their batches; small images
+        alone in the queue wait for the express lane instead (busy with an earlier small batch, it
+        frees in a small batch's time), not for a large batch's ViT time."""
+        limit = self.config.express_max_patches
+        return bool(limit) and len(self.running) >= self.config.vit_threads and self.batcher.all_within(limit)
 
     def _poll_timeout_ms(self) -> int:
         due = None if not self._can_start() else self.batcher.seconds_until_due(time.monotonic())
