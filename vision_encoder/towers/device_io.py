@@ -3,8 +3,11 @@
 On CUDA the image processor runs on a stream of its own, so batch N+1 is
 prepared on the GPU while the ViT's stream runs batch N (the preprocessing
 and ViT stages already run on two threads: vision_encoder/work.py); the ViT
-waits for that stream's event, not for the whole device. Inputs go up from
-pinned memory, and the tokens come down into pinned memory on a copy stream.
+waits for that stream's event, not for the whole device. What `to_device`
+moves goes up from pinned memory, and the tokens come down into pinned memory
+on a copy stream. The image processor, given the device, uploads its images
+itself, from pageable memory, which waits for the copy: whether pinning them
+first pays is for a GPU's profile to say (docs/gpu.md).
 On a CPU every method is a no-op or a plain move.
 """
 
