@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from torch.profiler import profile
 
 from bench import real_towers
@@ -32,18 +33,25 @@ def run_bench(out, sections: str) -> list[dict]:
     return results
 
 
-def test_the_gpu_bench_runs_every_section_it_can_on_a_cpu(tmp_path):
-    results = run_bench(tmp_path, "env,towers,oom,profile")
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One smoke run of every section the CPU can run (one process: the imports and tiny towers once)."""
+    out = tmp_path_factory.mktemp("gpu-bench")
+    return out, run_bench(out, "env,towers,oom,profile,compile")
+
+
+def test_the_gpu_bench_runs_every_section_it_can_on_a_cpu(smoke_run):
+    out, results = smoke_run
     towers = {(r["family"], r["mix"]) for r in results if r["section"] == "tower"}
     families = {"Qwen2.5-VL", "Qwen3-VL", "LLaVA-OneVision", "InternVL3"}
     assert {family for family, _ in towers} == families and len(towers) == 2 * len(families)
     qwen = next(r for r in results if r["section"] == "tower" and r["family"] == "Qwen2.5-VL")
     assert qwen["loop_ms"] > 0 and qwen["padded_rel_diff"] < 0.05 and qwen["tflop"] > 0
-    assert (tmp_path / "profile-1x256.txt").exists()
+    assert (out / "profile-1x256.txt").exists()
 
 
-def test_the_compile_section_gives_each_qwen_tower_eager_and_compiled_on_the_same_batches(tmp_path):
-    results = run_bench(tmp_path, "env,compile")
+def test_the_compile_section_gives_each_qwen_tower_eager_and_compiled_on_the_same_batches(smoke_run):
+    _, results = smoke_run
     compiled = [r for r in results if r["section"] == "tower-compiled"]
     assert {(r["family"], r["mix"]) for r in compiled} == {(f, m) for f in ("Qwen2.5-VL", "Qwen3-VL") for m in ("1x256", "2x300")}
     for r in compiled:  # bf16, compiled against the same tower run eagerly (the loop: the path a CPU ships with)

@@ -495,7 +495,7 @@ def test_a_clip_whose_only_frame_cannot_be_read_is_refused_again_as_a_400():
     one_frame, qwen3 = clip(num_frames=1, fps=10.0), VideoSampling("qwen3_vl")
     intake = _intake()
     source = inspect(one_frame, WHERE, qwen3, LIMITS).source
-    intake.known.put(video_intake.digest_of(one_frame, qwen3), dataclasses.replace(source, last_frame_unreadable=True))
+    intake.known.put(video_intake.digest_of(one_frame, qwen3), dataclasses.replace(source, readable_frames=0))
     with pytest.raises(APIError) as caught:
         inspect(one_frame, WHERE, qwen3, LIMITS, intake=intake)
     assert caught.value.status == 400 and "no frame the decoder can read" in caught.value.message
@@ -504,9 +504,9 @@ def test_a_clip_whose_only_frame_cannot_be_read_is_refused_again_as_a_400():
 def test_a_header_read_beside_a_decode_keeps_what_the_decode_found(clip12):
     known = video_intake.KnownHeaders()
     source = inspect(clip12, WHERE, VideoSampling(), LIMITS).source
-    known.put(b"d", dataclasses.replace(source, last_frame_unreadable=True))  # the decode's finding
+    known.put(b"d", dataclasses.replace(source, readable_frames=11))  # the decode's finding
     known.put(b"d", source)  # a header read that began before it
-    assert known.get(b"d").last_frame_unreadable
+    assert known.get(b"d").readable_frames == 11
 
 
 def test_a_clip_with_no_frame_rate_is_held_to_the_duration_its_loader_assumes():
@@ -519,3 +519,41 @@ def test_a_clip_with_no_frame_rate_is_held_to_the_duration_its_loader_assumes():
         video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), shorter, figures)
     assert refused.value.status == 413
     assert video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), LIMITS, figures).fps == 24
+
+
+def variable_rate_mkv(frames: int = 40) -> bytes:
+    """An MJPEG Matroska clip at 10 fps whose nominal frame duration says a third of that (30 fps), as
+    a variable-rate recording's can: OpenCV estimates 120 frames (108 once vLLM's check seeks) where
+    the stream holds 40."""
+    import cv2
+
+    path = f"/tmp/prism-vfr-{os.getpid()}.mkv"
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
+    for i in range(frames):
+        writer.write(np.full((48, 64, 3), (i * 6) % 255, np.uint8))
+    writer.release()
+    raw = bytearray(open(path, "rb").read())
+    os.unlink(path)
+    at = raw.find(b"\x23\xe3\x83")  # DefaultDuration: its size byte, then the value (ns per frame)
+    size = raw[at + 3] & 0x7F
+    value = int.from_bytes(raw[at + 4:at + 4 + size], "big")
+    raw[at + 4:at + 4 + size] = (value // 3).to_bytes(size, "big")
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("loader", ["qwen2_vl", "qwen3_vl"])
+def test_a_matroska_clip_holding_fewer_frames_than_its_estimate_is_served_as_vllm_serves_it(loader):
+    """vLLM's loader serves the frames it reads; Prism refused the clip as truncated. Where the header
+    counts its frames exactly (mp4), a missing tail is still a truncated upload (tests above)."""
+    from vllm.multimodal.video import VIDEO_LOADER_REGISTRY
+
+    raw, sampling = variable_rate_mkv(), VideoSampling(loader)
+    frames, metadata = VIDEO_LOADER_REGISTRY.load(loader).load_bytes(raw, num_frames=32)
+    with ThreadPoolExecutor(1) as pool:
+        intake = VideoIntake(fetcher=None, limits=LIMITS, pool=pool)
+        video = asyncio.run(intake.decode(inspect(raw, WHERE, sampling, LIMITS, intake=intake)))
+        assert list(video.frame_indices) == list(metadata["frames_indices"]) and np.array_equal(video.frames, frames)
+        assert {k: video.hf_metadata()[k] for k in ("total_num_frames", "fps", "frames_indices")} == {
+            k: metadata[k] for k in ("total_num_frames", "fps", "frames_indices")}
+        repeat = inspect(raw, WHERE, sampling, LIMITS, intake=intake)  # knows what the decode found
+        assert sorted(set(repeat.indices)) == list(metadata["frames_indices"])

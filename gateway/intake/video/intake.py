@@ -52,7 +52,7 @@ from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInf
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
 from gateway.intake.video.speed import DecodeSpeeds
-from gateway.intake.video.sniff import describe_not_video, is_video_container
+from gateway.intake.video.sniff import counts_frames_exactly, describe_not_video, is_video_container
 
 T = TypeVar("T")
 
@@ -98,10 +98,11 @@ class InspectedVideo:
         s = self.source
         return loader_metadata(s.fps, s.total_frames, s.duration_s, sorted(set(self.indices)))
 
-    def without_last_frame(self) -> "InspectedVideo":
-        """As sampled had its header said its last frame cannot be read (a decode found so): the frames
-        vLLM's loader keeps, sized as its processor sizes that many (Qwen3-VL's budget is the clip's)."""
-        return sampled(self.raw, self.where, dataclasses.replace(self.source, last_frame_unreadable=True),
+    def reading(self, readable_frames: int) -> "InspectedVideo":
+        """As sampled had its header said only its first `readable_frames` can be read (a decode found
+        so): the frames vLLM's loader keeps, sized as its processor sizes that many (Qwen3-VL's budget
+        is the clip's)."""
+        return sampled(self.raw, self.where, dataclasses.replace(self.source, readable_frames=readable_frames),
                        self.sampling, self.digest, self.planner)
 
 
@@ -120,12 +121,12 @@ class KnownHeaders:
             return self._headers.get(digest)
 
     def put(self, digest: bytes, source: SourceInfo) -> None:
-        """A decode's finding that the last frame cannot be read stays: a header read beside that
-        decode (the same clip in another request) knows nothing of it."""
+        """A decode's finding of how many frames can be read stays: a header read beside that decode
+        (the same clip in another request) knows nothing of it."""
         with self._lock:
-            if (before := self._headers.get(digest)) is not None and before.last_frame_unreadable:
-                source = dataclasses.replace(source, last_frame_unreadable=True)
-            self._headers[digest] = source
+            before = self._headers.get(digest)
+            known = [s.readable_frames for s in (before, source) if s is not None and s.readable_frames is not None]
+            self._headers[digest] = dataclasses.replace(source, readable_frames=min(known)) if known else source
 
 
 class SlowHeaders:
@@ -175,8 +176,8 @@ def sampled(raw: bytes, where: str, source: SourceInfo, sampling: VideoSampling,
             planner: Planner | None) -> InspectedVideo:
     """The frames sampling keeps of a video whose header was read, and how they will be sent."""
     indices = _sample(source, sampling, where)
-    if source.last_frame_unreadable:  # as vLLM's loader keeps it: without the frame it cannot read
-        indices = [index for index in indices if index != source.total_frames - 1]
+    if source.readable_frames is not None:  # as vLLM's loader keeps them: without the frames it cannot read
+        indices = [index for index in indices if index < source.readable_frames]
         if not indices:  # vLLM's processor gets no frame to work on
             raise refused(where, f"has no frame the decoder can read ({source.total_frames} claimed)")
     kept = len(set(indices))
@@ -251,9 +252,9 @@ def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int
 def decode(item: InspectedVideo, stop: Callable[[], bool] | None = None) -> SampledVideo:
     """The kept frames (CPU-bound: run it off the event loop). A stream that breaks off before a
     kept frame is refused: vLLM would serve the frames it got, but a truncated upload is an error.
-    Only the header's last frame may be missing: a count one over the stream passes vLLM's check
-    (`visible_frames`), and its loader serves the others. `stop`: asked before every frame; True
-    ends the decode (Stopped)."""
+    Only a tail vLLM's loader serves without may be missing (`_a_tail_vllm_serves_without`): the
+    header's last frame, or the end of a Matroska clip whose count is an estimate. `stop`: asked
+    before every frame; True ends the decode (Stopped)."""
     source = item.source
     try:
         with open_video(item.raw) as video:
@@ -261,11 +262,22 @@ def decode(item: InspectedVideo, stop: Callable[[], bool] | None = None) -> Samp
     except Unreadable as exc:
         raise refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
-    if missing and missing != [source.total_frames - 1]:
+    if missing and not _a_tail_vllm_serves_without(item, missing, read):
         raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
                       f"frames could not be decoded (first: frame {missing[0]} of {source.total_frames} claimed)")
     return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
                         digest=item.digest)
+
+
+def _a_tail_vllm_serves_without(item: InspectedVideo, missing: list[int], read: list[int]) -> bool:
+    """Sampled frames missing past the last one read, which vLLM's loader serves without: the header's
+    last frame (a count one over the stream passes vLLM's check), or any tail of a container whose
+    count is an estimate (`counts_frames_exactly`). A frame missing between two read is a broken
+    stream, and a tail missing where the header counts its frames a truncated upload: refused, where
+    vLLM would serve the rest."""
+    if read and missing[0] < max(read):
+        return False
+    return missing == [item.source.total_frames - 1] or not counts_frames_exactly(item.raw)
 
 
 def digest_of(raw: bytes, sampling: VideoSampling) -> bytes:
@@ -303,12 +315,13 @@ class VideoIntake:
     async def decode(self, item: InspectedVideo) -> SampledVideo:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
         still take minutes of a core, and the intake threads are every request's. A clip whose
-        last frame turns out unreadable is decoded again where that changes the frames' size:
-        they were sized for one frame more than vLLM's processor gets."""
+        last frames turn out unreadable (`_a_tail_vllm_serves_without`) is decoded again where that
+        changes the frames' size: they were sized for more frames than vLLM's processor gets."""
         video = await self._decode(item)
-        if len(video.frame_indices) < len(set(item.indices)):  # its last frame unreadable: a repeat samples without it
-            self.known.put(item.digest, dataclasses.replace(item.source, last_frame_unreadable=True))
-            if (fewer := item.without_last_frame()).frame_size != item.frame_size:
+        if len(video.frame_indices) < len(set(item.indices)):  # a tail unreadable: a repeat samples without it
+            readable = min(set(item.indices) - set(video.frame_indices))
+            self.known.put(item.digest, dataclasses.replace(item.source, readable_frames=readable))
+            if (fewer := item.reading(readable)).frame_size != item.frame_size:
                 del video  # its frames go before the second decode's are made (and counted)
                 video = await self._decode(fewer)
         hold(video.nbytes)  # until its encoder has it (gateway/routing/handoff.py, _rounds)

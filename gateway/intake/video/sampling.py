@@ -75,9 +75,11 @@ class SourceInfo:
     width: int
     height: int
     codec: str = ""  # the stream's FourCC as OpenCV reads it ("avc1", "FMP4"); "" where unknown
-    # The header counts one frame more than the stream shows, which vLLM's frame-count check lets
-    # pass: its loader then reads every kept frame but that one (found by a decode).
-    last_frame_unreadable: bool = False
+    # The frames the stream holds from its start, where a decode found fewer than the header
+    # counts (None: as counted): its last frame (a count one over the stream passes vLLM's check),
+    # or a tail of a Matroska clip whose count is an estimate. vLLM's loader then reads every kept
+    # frame below it.
+    readable_frames: int | None = None
 
 
 @dataclass(frozen=True, eq=False)

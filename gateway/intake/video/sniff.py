@@ -20,6 +20,13 @@ def is_video_container(data: bytes) -> bool:
     return data[:4] == b"RIFF" and data[8:12] == b"AVI "
 
 
+def counts_frames_exactly(data: bytes) -> bool:
+    """Whether the container's header counts its frames (mp4 and mov's sample tables, AVI's index).
+    Matroska and WebM give a duration and a nominal rate, from which OpenCV estimates the count: a
+    clip of variable frame rate (a screen or browser recording) holds fewer."""
+    return not data.startswith(b"\x1a\x45\xdf\xa3")
+
+
 def describe_not_video(data: bytes) -> str:
     image = sniff(data)
     if image is not None:
