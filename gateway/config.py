@@ -17,7 +17,7 @@ class ModelRoute(FrozenConfig):
     engine_addresses: tuple[ZmqAddress, ...] = Field(min_length=1)
     # The checkpoint `prism serve` starts this model's services with (None: the
     # shared top-level `model`). Gateways started alone ignore it.
-    checkpoint: str | None = None
+    checkpoint: str | None = Field(None, min_length=1)
 
 
 class GatewayConfig(FrozenConfig):

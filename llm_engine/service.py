@@ -226,6 +226,16 @@ class EngineService:
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = start_vllm(config, family, [step_clock_factory(watch)])
+        try:
+            return await cls._around(engine, config, family, ctx, watch, shape)
+        except BaseException:  # a parser vLLM does not have (exit 78), a socket taken: vLLM's engine core goes too
+            engine.shutdown()
+            raise
+
+    @classmethod
+    async def _around(cls, engine, config: EngineConfig, family, ctx: zmq.asyncio.Context, watch: StallWatch,
+                      shape: ModelShape | None) -> "EngineService":
+        """The service around a started vLLM: its socket, tokenizer, templates and parsers."""
         router = AsyncRouter(ctx, config.address, EngineInbound, receive_limit=RECEIVE_LIMIT)
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))

@@ -120,6 +120,7 @@ async def read_body(request: Request, limit: int, timeout_s: float, memory: Memo
 # and a str of up to 4 bytes a character for text that is not ASCII.
 PARSED_BYTES_PER_CONTAINER = 1024
 NON_ASCII_EXPANSION = 4
+_BASE64 = b";base64,"
 
 
 def parsing_cost(body: bytes, max_containers: int) -> int:
@@ -132,7 +133,20 @@ def parsing_cost(body: bytes, max_containers: int) -> int:
     if containers > max_containers:
         raise APIError(413, f"request body holds {containers} JSON objects and arrays (brackets within its strings "
                        f"counted); the limit is {max_containers} (gateway.max_json_containers)", code="request_too_large")
-    return containers * PARSED_BYTES_PER_CONTAINER + (0 if body.isascii() else NON_ASCII_EXPANSION * len(body))
+    return containers * PARSED_BYTES_PER_CONTAINER + (0 if body.isascii() else NON_ASCII_EXPANSION * _text_bytes(body))
+
+
+def _text_bytes(body: bytes) -> int:
+    """The body less its data URLs' base64: a str holding a character past ASCII takes up to 4 bytes for
+    each of its characters, and the data URLs, ASCII strings of their own, one."""
+    text, at = len(body), body.find(_BASE64)
+    while at != -1:
+        end = body.find(b'"', at)
+        if end == -1:
+            break
+        text -= end - at
+        at = body.find(_BASE64, end)
+    return text
 
 
 async def parse_request(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None,

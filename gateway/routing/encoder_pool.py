@@ -121,8 +121,8 @@ class EncoderPool(ReplicaPool[EncoderClient]):
                 raise refused or self.unavailable()
             if refused is not None:
                 self.note_failover(refused, route.replica)
-                # its cache lookups were counted by the replica that refused it: the next counts none
-                request = msgspec.structs.replace(request, retry=True)
+                if refused.status == 429:  # refused as full once its lookups were counted: the next counts none
+                    request = msgspec.structs.replace(request, retry=True)
             replica = self.replicas[route.replica]
             route.sent_at = time.perf_counter()
             try:

@@ -39,6 +39,8 @@ def routed(tmp_path_factory):
     # so an engine stopped under load is sure to hold requests
     main_checkpoint = write_demo_model(run_dir / "prism-demo-seed7", seed=7)
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for single_route in ("encoder_addresses", "engine_addresses", "served_model_name"):  # `models` replaces them
+        config["gateway"].pop(single_route, None)
     config["gateway"].update(stats_interval_s=0.5, models={
         MAIN: {"checkpoint": str(main_checkpoint), "encoder_addresses": tcp_addresses(2), "engine_addresses": tcp_addresses(2)},
         OTHER: {"encoder_addresses": [f"ipc://{run_dir}/b-encoder.sock"], "engine_addresses": [f"ipc://{run_dir}/b-engine.sock"]},

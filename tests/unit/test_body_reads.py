@@ -85,6 +85,8 @@ def test_parsing_is_counted_as_what_it_builds_and_a_body_of_tiny_parts_is_refuse
     image = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,' + BODY + b'"}}]}]}'
     assert parsing_cost(image, 100) == 6 * PARSED_BYTES_PER_CONTAINER  # a data URL's bytes: one str, already counted
     assert parsing_cost('{"content":"héllo"}'.encode(), 100) == PARSED_BYTES_PER_CONTAINER + 4 * len('{"content":"héllo"}'.encode())
+    accented = image[:-4] + ',{"type":"text","text":"l’image"}]}]}'.encode()  # the data URL: one byte a character still
+    assert parsing_cost(accented, 100) < 7 * PARSED_BYTES_PER_CONTAINER + 4 * 200
     with pytest.raises(APIError) as refused:
         parsing_cost(b"[" + b",".join([b"{}"] * 200) + b"]", 100)
     assert refused.value.status == 413 and "201 JSON objects and arrays" in refused.value.message

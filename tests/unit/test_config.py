@@ -237,3 +237,14 @@ def test_values_that_contradict_each_other_or_never_end_are_refused(tmp_path, te
     section, model = ("engine", EngineConfig) if text.startswith("engine") else ("gateway", GatewayConfig)
     with pytest.raises(ConfigError, match=named):
         load_config(model, section, path, env={})
+
+
+def test_yaml_merge_keys_still_load_and_a_key_may_override_what_they_bring(tmp_path):
+    path = write(tmp_path, "model: m\nengine:\n  <<: {max_model_len: 64, enforce_eager: true}\n  max_model_len: 128\n")
+    config = load_config(EngineConfig, "engine", path, env={})
+    assert (config.max_model_len, config.enforce_eager) == (128, True)
+
+
+def test_an_empty_checkpoint_in_a_route_is_refused_naming_it():
+    with pytest.raises(pydantic.ValidationError, match=r"models\.chat\.checkpoint"):
+        GatewayConfig(models={"chat": {"engine_addresses": ["ipc:///tmp/g.sock"], "checkpoint": ""}})
