@@ -52,7 +52,7 @@ from vision_encoder.towers.qwen_video import QwenVideo, video_path_of
 from vision_encoder.videos import images_first, video_item
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import (
-    Lanes, PendingRequest, RunningBatch, StageTimes, batch_stages, both_stages, prepare_into, requests_of, vit_after,
+    SKIPPED, Lanes, PendingRequest, RunningBatch, StageTimes, batch_stages, both_stages, prepare_into, requests_of, vit_after,
 )
 
 log = logging.getLogger("prism.encoder")
@@ -500,6 +500,9 @@ class EncoderService:
             self.watch.finished(batch.patches, time.monotonic() - batch.started, batch.started)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
+        if encoded and all(result is SKIPPED for result in encoded):  # nobody waited on it: it did not run
+            self._requeue_joined(batch.jobs)
+            return
         self.watch.finished(batch.patches, batch.times.busy_s, batch.started)
         self.encodes += sum(result is not None for result in encoded)  # one that did not fit even alone was not
         self.batches += 1
@@ -521,6 +524,15 @@ class EncoderService:
         for state in requests_of(batch.jobs):
             state.encoded_in(batch.times)
             self._reply_if_done(state)
+
+    def _requeue_joined(self, jobs: list[Job]) -> None:
+        """A skipped batch's jobs: dropped, but for requests that joined one after the skip was decided,
+        for which it is queued again."""
+        for job in jobs:
+            live = [waiter for waiter in job.waiters if not waiter[0].cancelled]
+            for waiter in live:
+                self.batcher.add(job.key, job.image, job.patches, waiter, job.identity, job.nbytes)
+            self.batcher.dropped += not live
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):

@@ -148,6 +148,17 @@ def prepared_or_none(prepare: Callable[[], Any]):
         return None
 
 
+SKIPPED = "skipped"  # each job's result in a batch nobody waited on any more when its stage began
+
+
+def abandoned(jobs: list[Job]) -> bool:
+    """Every request waiting on these jobs has gone (its client left, the gateway gave up or failed it
+    over): their work would answer nobody. Read on a worker thread, set on the loop's: a request that
+    joins one of them after this is read is answered from a new encode (`EncoderService._finish_batch`)."""
+    waiting = [state for job in jobs for state, _ in job.waiters]
+    return bool(waiting) and all(state.cancelled for state in waiting)
+
+
 def prepare_into(box: list, preprocess: Callable[[], Any]) -> None:
     """Leave the batch's preprocessed inputs in `box` (nothing where preprocessing ran out of
     device memory). A box, not a return value: whatever holds a result (a future, a caller's
@@ -176,6 +187,8 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce, times: StageTimes):
     The main lane runs them on two threads, the express lane on one."""
 
     def preprocess():
+        if abandoned(jobs):  # queued behind another batch while its requests went: `vit` skips it too
+            return None
         times.preprocess_start = time.monotonic()
         try:
             return prepare(tower, jobs)
@@ -183,6 +196,8 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce, times: StageTimes):
             times.preprocess_end = time.monotonic()
 
     def vit(box: list):
+        if abandoned(jobs):
+            return [SKIPPED] * len(jobs)
         with in_vit.inside():
             times.vit_start = time.monotonic()
             encoded = encode_splitting(tower, jobs, box, times)

@@ -23,7 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.routing.handoff import ImageHandoff, RequestImages
-from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.intake.memory import hold, working
 from gateway.intake.together import all_or_none, on_thread
 from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, PreparedImage, decode, decode_data_url, digest_of, inspect
 from gateway.api.record import RequestRecord
@@ -122,8 +122,7 @@ class ChatPipeline:
     async def _fetch(self, ref: ImageRef) -> bytes:
         if ref.url.startswith("data:"):  # its bytes were counted with the body's
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.policy.limits)
-        async with working(BODY_COPIES * self.config.max_image_bytes, f"fetching {ref.where}"):
-            raw = await self.fetcher.fetch(ref.url, ref.where)
+        raw = await self.fetcher.fetch(ref.url, ref.where)  # counted while it comes (ImageFetcher)
         hold(len(raw))
         return raw
 

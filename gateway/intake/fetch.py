@@ -25,6 +25,7 @@ import idna
 
 from gateway.errors import APIError
 from gateway.intake.images import ImageLimits
+from gateway.intake.memory import BODY_COPIES, working
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -207,11 +208,15 @@ class ImageFetcher:
         declared = response.headers.get("content-length", "")
         if declared.isdigit():
             byte_limits.check_bytes(int(declared), where)
-        body = bytearray()
-        async for chunk in response.aiter_raw():  # as sent: nothing is inflated
-            body += chunk
-            byte_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
-        return bytes(body)
+        # Counted from the response on, by what it declares (the cap where it declares nothing): the
+        # body as it comes and its copy. A host that never answers holds a socket, not the budget.
+        expected = int(declared) if declared.isdigit() else byte_limits.max_bytes
+        async with working(BODY_COPIES * expected, f"fetching {where}"):
+            body = bytearray()
+            async for chunk in response.aiter_raw():  # as sent: nothing is inflated
+                body += chunk
+                byte_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
+            return bytes(body)
 
     async def close(self) -> None:
         await self.client.aclose()

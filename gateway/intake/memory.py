@@ -17,8 +17,9 @@ What one request holds (`MemoryHold`):
   copy it hands over; then the parsed request (a data URL is a str as long)
   and each image's bytes (3/4 of its base64). A body without Content-Length
   is counted as it arrives;
-- an http(s) image, BODY_COPIES × gateway.max_image_bytes while it is
-  fetched, then its size;
+- an http(s) image, from its response on, BODY_COPIES × the size it
+  declares (gateway.max_image_bytes where it declares none) while it is
+  read, then its size; nothing while its host is looked up and connected;
 - an image or a video being decoded, its `decoding_bytes`; then its pixels
   (a video's frames) until the encoder has answered for them
   (gateway/routing/handoff.py, `_rounds`);

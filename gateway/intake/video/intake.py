@@ -43,7 +43,7 @@ from cache import content_key
 from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
-from gateway.intake.memory import BODY_COPIES, hold, working
+from gateway.intake.memory import hold, working
 from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Stopped, Unreadable, open_video, probe, read_frames, visible_frames
@@ -307,8 +307,7 @@ class VideoIntake:
                 raise APIError(400, f"{ref.where}: video_url: a list of JPEG frames (video/jpeg) is not served; "
                                "send a video file", param=ref.where, code="unsupported_video_format")
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.limits)
-        async with working(BODY_COPIES * self.limits.max_bytes, f"fetching {ref.where}"):
-            raw = await self.fetcher.fetch(ref.url, ref.where, self.limits)
+        raw = await self.fetcher.fetch(ref.url, ref.where, self.limits)  # counted while it comes (ImageFetcher)
         hold(len(raw))
         return raw
 
