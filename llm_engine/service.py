@@ -313,7 +313,8 @@ class EngineService:
         elif isinstance(message, Hello):
             takes_images = self.shape is not None
             max_images = self.shape.max_images if takes_images else None
-            ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images)
+            ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images,
+                                self.boot_id)
             await self._send(peer, ready, wait=False)
 
     def stats(self) -> EngineStats:

@@ -4,14 +4,16 @@
   python -m prism.healthcheck engine    # Hello → EngineReady
   python -m prism.healthcheck gateway   # GET /health/ready → 200
 
-Each reads its section of the same config file (PRISM_CONFIG) the service
-does, so the check asks exactly where the service listens.
+Each reads its section of the same config file the service does (PRISM_CONFIG,
+or `--config` as the service was given it), so the check asks exactly where
+the service listens.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import httpx
 import zmq
@@ -65,20 +67,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("service", choices=("encoder", "engine", "gateway"))
     parser.add_argument("--timeout-s", type=float, default=3.0)
+    parser.add_argument("--config", type=Path, default=None, help="the service's config file (default: PRISM_CONFIG)")
     args = parser.parse_args()
     if args.service == "gateway":
         from gateway.config import GatewayConfig
 
-        config = load_config(GatewayConfig, "gateway", context=PROBE)
+        config = load_config(GatewayConfig, "gateway", args.config, context=PROBE)
         ok = gateway_ready(config.host, config.port, args.timeout_s)
     elif args.service == "encoder":
         from vision_encoder.config import EncoderConfig
 
-        ok = service_answers(local_address(load_config(EncoderConfig, "encoder", context=PROBE).address), EncoderReady, args.timeout_s)
+        ok = service_answers(local_address(load_config(EncoderConfig, "encoder", args.config, context=PROBE).address), EncoderReady, args.timeout_s)
     else:
         from llm_engine.config import EngineConfig
 
-        ok = service_answers(local_address(load_config(EngineConfig, "engine", context=PROBE).address), EngineReady, args.timeout_s)
+        ok = service_answers(local_address(load_config(EngineConfig, "engine", args.config, context=PROBE).address), EngineReady, args.timeout_s)
     sys.exit(0 if ok else 1)
 
 

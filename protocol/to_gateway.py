@@ -71,6 +71,7 @@ class EncoderReady(Message):
     model: str
     fingerprint: str  # model identity + preprocessing parameters, as hashed into the cache key
     processor: ProcessorInfo | AnyresInfo | TilesInfo
+    boot_id: str = ""  # the answering process's, as its heartbeats carry it ("": not said)
 
 
 class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -115,6 +116,7 @@ class EngineReady(Message):
     # Images it takes in one prompt (engine.max_images_per_prompt, for a family vLLM runs with its tower);
     # None: no limit of its own. The gateway refuses more before fetching any.
     max_images: int | None = None
+    boot_id: str = ""  # the answering process's, as its heartbeats carry it ("": not said)
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

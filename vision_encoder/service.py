@@ -236,7 +236,7 @@ class EncoderService:
         elif isinstance(message, StatsRequest):
             self._send(peer, self.stats())
         elif isinstance(message, Hello):
-            ready = EncoderReady(self.tower.model_id, self._fingerprint(), self._processor_info())
+            ready = EncoderReady(self.tower.model_id, self._fingerprint(), self._processor_info(), self.boot_id)
             self._send(peer, ready)
 
     def _fingerprint(self) -> str:

@@ -156,8 +156,11 @@ class ServiceClient:
         self._fail_in_flight(f"{self.name} {why}")
 
     def _heartbeat(self, stats) -> None:
-        restarted = self.stats is not None and stats.boot_id != self.stats.boot_id
-        if restarted:  # the new process counts from zero: the old one's counters stay in the sums
+        # The process the last heartbeat came from, else the one that answered the handshake: a
+        # service restarted between its handshake and its first heartbeat is a restart too.
+        known = self.stats.boot_id if self.stats is not None else getattr(self.info, "boot_id", "")
+        restarted = bool(known) and stats.boot_id != known
+        if restarted and self.stats is not None:  # the new process counts from zero: the old one's counters stay in the sums
             RETIRED.retire(self.stats, restarted=True)
         self.stats = stats
         self.stats_received_at = asyncio.get_running_loop().time()

@@ -217,11 +217,11 @@ def test_the_compose_profile_validates_for_every_service(profile):
         load_config(model, section, path, env={})
 
 
-def healthcheck(service: str, env: dict[str, str]) -> int:
+def healthcheck(service: str, env: dict[str, str], *args: str) -> int:
     import os
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "prism.healthcheck", service, "--timeout-s", "3"], cwd=REPO_ROOT,
+    done = subprocess.run([sys.executable, "-m", "prism.healthcheck", service, "--timeout-s", "3", *args], cwd=REPO_ROOT,
                           env={**os.environ, **env}, capture_output=True, timeout=60)
     return done.returncode
 
@@ -232,6 +232,9 @@ def test_the_health_checks_pass_against_a_live_stack_and_fail_without_one(stack,
     assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": str(stack.port)}) == 0
     assert healthcheck("encoder", {"PRISM_ENCODER__ADDRESS": f"ipc://{tmp_path}/nobody.sock"}) == 1
     assert healthcheck("gateway", {"PRISM_GATEWAY__PORT": "9"}) == 1
+    elsewhere = tmp_path / "elsewhere.yaml"  # a service started with --config is checked with the same file
+    elsewhere.write_text(f"model: m\nengine:\n  address: {stack.engine_addresses[0]}\n")
+    assert healthcheck("engine", {}, "--config", str(elsewhere)) == 0
 
 
 def test_the_prism_services_have_the_kubernetes_manifests_memory_limits(base):

@@ -36,3 +36,21 @@ def test_an_encoder_at_an_engine_s_address_is_refused_and_the_reader_outlives_a_
 
     asyncio.run(run())
 
+
+
+def test_a_first_heartbeat_from_another_process_than_answered_the_handshake_is_a_restart(tmp_path):
+    """Restarted between its handshake and its first heartbeat (maybe with another config), the new
+    process must answer a handshake of its own before it serves, as any restarted one does."""
+    from protocol.stats import ServiceState
+    from protocol.to_gateway import EngineReady
+
+    async def run() -> tuple[bool, bool]:
+        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
+            client.info = EngineReady("m", 4096, boot_id="first")  # the handshake's answer
+            await client._send_quietly(Hello("gateway"))
+            peer, _, _ = await asyncio.wait_for(service.recv(), 5)
+            await service.send(peer, EngineStats("second", 0, 0, 0, 0, ServiceState.SERVING))
+            await wait_until_async(lambda: client.stats is not None, 5, "the heartbeat taken")
+            return client.rejoining, client.up
+
+    assert asyncio.run(run()) == (True, False)
