@@ -501,6 +501,8 @@ class EncoderService:
             self._fail_batch(batch.jobs, f"encoder error: {exc}")
             return
         if encoded and all(result is SKIPPED for result in encoded):  # nobody waited on it: it did not run
+            if self.watch.stalled and batch.started == self.watch.stalled_batch:  # its requests were failed: the stall is over
+                self.watch.finished(batch.patches, 0.0, batch.started)
             self._requeue_joined(batch.jobs)
             return
         self.watch.finished(batch.patches, batch.times.busy_s, batch.started)
@@ -528,11 +530,13 @@ class EncoderService:
     def _requeue_joined(self, jobs: list[Job]) -> None:
         """A skipped batch's jobs: dropped, but for requests that joined one after the skip was decided,
         for which it is queued again."""
+        joins = self.batcher.joins  # they were counted as they joined
         for job in jobs:
             live = [waiter for waiter in job.waiters if not waiter[0].cancelled]
             for waiter in live:
                 self.batcher.add(job.key, job.image, job.patches, waiter, job.identity, job.nbytes)
             self.batcher.dropped += not live
+        self.batcher.joins = joins
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):

@@ -122,9 +122,7 @@ class ChatPipeline:
     async def _fetch(self, ref: ImageRef) -> bytes:
         if ref.url.startswith("data:"):  # its bytes were counted with the body's
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.policy.limits)
-        raw = await self.fetcher.fetch(ref.url, ref.where)  # counted while it comes (ImageFetcher)
-        hold(len(raw))
-        return raw
+        return await self.fetcher.fetch(ref.url, ref.where)  # counted while it comes, then held (ImageFetcher)
 
     async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], record: RequestRecord) -> list[Inspected]:
         """Fetch and judge every image by its header; nothing is decoded yet."""

@@ -13,6 +13,7 @@ the original name), so DNS cannot change between check and fetch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import re
 import socket
@@ -25,7 +26,7 @@ import idna
 
 from gateway.errors import APIError
 from gateway.intake.images import ImageLimits
-from gateway.intake.memory import BODY_COPIES, working
+from gateway.intake.memory import BODY_COPIES, hold, working
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -170,10 +171,11 @@ class ImageFetcher:
         )
 
     async def fetch(self, url: str, where: str, byte_limits=None) -> bytes:
-        """`byte_limits`: another cap than the images' (anything with ImageLimits.check_bytes; videos')."""
+        """The body's bytes, held by the current request from here on (`hold`). `byte_limits`: another
+        cap than the images' (anything with ImageLimits.check_bytes; videos')."""
         try:
-            async with asyncio.timeout(self.limits.total_timeout_s):
-                return await self._follow(url, where, byte_limits or self.image_limits)
+            async with asyncio.timeout(self.limits.total_timeout_s) as deadline:
+                return await self._follow(url, where, byte_limits or self.image_limits, deadline)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise APIError(504, f"{where}: fetching the image timed out ({_expired(exc, self.limits)})", param=where, code="image_fetch_timeout") from None
         except httpx.InvalidURL as exc:  # not an HTTPError: a path httpx will not send (control characters)
@@ -181,7 +183,7 @@ class ImageFetcher:
         except httpx.HTTPError as exc:
             raise APIError(400, f"{where}: fetching the image failed ({type(exc).__name__})", param=where, code="image_fetch_failed") from None
 
-    async def _follow(self, url: str, where: str, byte_limits) -> bytes:
+    async def _follow(self, url: str, where: str, byte_limits, deadline: asyncio.Timeout) -> bytes:
         for _ in range(self.limits.max_redirects + 1):
             target = await self.guard.check(url, where)
             extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
@@ -195,12 +197,12 @@ class ImageFetcher:
                     continue
                 if response.status_code != 200:
                     raise APIError(400, f"{where}: fetching the image returned HTTP {response.status_code}", param=where, code="image_fetch_failed")
-                return await self._read_capped(response, where, byte_limits)
+                return await self._read_capped(response, where, byte_limits, deadline)
             finally:
                 await response.aclose()
         raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code="image_fetch_failed")
 
-    async def _read_capped(self, response: httpx.Response, where: str, byte_limits) -> bytes:
+    async def _read_capped(self, response: httpx.Response, where: str, byte_limits, deadline: asyncio.Timeout) -> bytes:
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise APIError(400, f"{where}: the image server sent a {encoding}-encoded body though asked for none "
@@ -208,15 +210,33 @@ class ImageFetcher:
         declared = response.headers.get("content-length", "")
         if declared.isdigit():
             byte_limits.check_bytes(int(declared), where)
-        # Counted from the response on, by what it declares (the cap where it declares nothing): the
-        # body as it comes and its copy. A host that never answers holds a socket, not the budget.
-        expected = int(declared) if declared.isdigit() else byte_limits.max_bytes
-        async with working(BODY_COPIES * expected, f"fetching {where}"):
+        # Counted from the response on, by what it declares (the cap where it declares nothing, or
+        # where a chunked encoding, not the length, says where the body ends): the body as it comes
+        # and its copy. A host that never answers holds a socket, not the budget.
+        chunked = "transfer-encoding" in response.headers
+        expected = int(declared) if declared.isdigit() and not chunked else byte_limits.max_bytes
+        async with self._room(BODY_COPIES * expected, where, deadline):
             body = bytearray()
             async for chunk in response.aiter_raw():  # as sent: nothing is inflated
                 body += chunk
                 byte_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
+                if len(body) > expected:
+                    raise APIError(400, f"{where}: the server sent more than the {expected} bytes it declared",
+                                   param=where, code="image_fetch_failed")
+            hold(len(body))  # the request's from here: counted before the reservation ends
             return bytes(body)
+
+    @contextlib.asynccontextmanager
+    async def _room(self, nbytes: int, where: str, deadline: asyncio.Timeout):
+        """`working(nbytes)` for the body's read; the wait for room is not the fetch's time (a full
+        budget is a 503 memory_full, not a fetch timeout)."""
+        loop = asyncio.get_running_loop()
+        when, started = deadline.when(), loop.time()
+        deadline.reschedule(None)
+        async with working(nbytes, f"fetching {where}"):
+            if when is not None:
+                deadline.reschedule(when + loop.time() - started)
+            yield
 
     async def close(self) -> None:
         await self.client.aclose()

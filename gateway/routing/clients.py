@@ -23,6 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -183,8 +184,8 @@ class ServiceClient:
     def _rejoin(self, info) -> None:
         """A restarted process answered the handshake: used again if it serves what its predecessor
         did, or what its pool now takes (ReplicaPool.accepts: the others changed too, or are gone)."""
-        if info != self.info and not (self.accepts is not None and self.accepts(info)):
-            if info != self._refused:
+        if not _serves_alike(info, self.info) and not (self.accepts is not None and self.accepts(info)):
+            if not _serves_alike(info, self._refused):
                 log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
                 self._refused = info
             return
@@ -336,6 +337,13 @@ async def next_reply(queue: asyncio.Queue, timeout_s: float) -> tuple[Any, list]
     """
     async with asyncio.timeout(timeout_s):
         return await queue.get()
+
+
+def _serves_alike(info, other) -> bool:
+    """Two handshake answers alike but for the process that gave them (its boot id)."""
+    if info is None or other is None or type(info) is not type(other):
+        return info is other
+    return msgspec.structs.replace(info, boot_id="") == msgspec.structs.replace(other, boot_id="")
 
 
 def retry_after(status: int) -> dict[str, str] | None:

@@ -6,6 +6,7 @@ socket, the gateway's wire messages) whose first ViT call is held until the test
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import zmq
@@ -13,7 +14,8 @@ import zmq.asyncio
 
 from protocol.sockets import AsyncDealer
 from protocol.to_encoder import CancelEncode
-from protocol.to_gateway import EncodeResult, GatewayInbound
+from protocol.stats import ServiceState
+from protocol.to_gateway import EncodeFailed, EncodeResult, GatewayInbound
 from tests.integration.encoder_socket import encoder_in_thread, handshake, reply_to, stats_of
 from tests.integration.test_express_lane import GatedTower, send
 from tests.waiting import wait_until_async
@@ -66,3 +68,56 @@ async def cancel_a_waiting_batch(address: str, gated: GatedTower) -> tuple[int, 
 
 def test_a_batch_nobody_waits_on_any_more_is_not_run(encoder):
     assert asyncio.run(cancel_a_waiting_batch(*encoder)) == (1, 2, 1)
+
+
+class HeldPreprocessing:
+    """The real tower, whose first preprocessing waits for `gate` (a batch whose ViT thread waits on it)."""
+
+    def __init__(self, tower) -> None:
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.calls, self.preprocess_real = 0, tower.preprocess
+        tower.preprocess = self.preprocess
+
+    def preprocess(self, images):
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            self.gate.wait(60)
+        return self.preprocess_real(images)
+
+
+@pytest.fixture(scope="module")
+def stalling_encoder(tmp_path_factory):
+    address, service = encoder_in_thread(tmp_path_factory.mktemp("stall-skip"), vit_threads=1, max_wait_ms=0,
+                                         express_max_patches=0, stall_min_s=1.0, stall_factor=5, stall_restart_s=600)
+    held = HeldPreprocessing(service.tower)
+    yield address, held
+    held.gate.set()
+
+
+async def serving(socket: AsyncDealer) -> bool:
+    return (await stats_of(socket)).state == ServiceState.SERVING
+
+
+async def stall_in_preprocessing_then_recover(address: str, held: HeldPreprocessing) -> None:
+    socket = AsyncDealer(zmq.asyncio.Context.instance(), address, GatewayInbound)
+    await handshake(socket)
+    try:
+        await send(socket, "stalls", (252, 252), 21)
+        assert await asyncio.to_thread(held.entered.wait, 60), "the batch in its preprocessing"
+        failed, _ = await reply_to(socket, "stalls", 30)
+        assert isinstance(failed, EncodeFailed) and failed.code == "encoder_stalled"  # its request failed by the stall
+        held.gate.set()  # the batch returns, skipped: nobody waits on it any more
+        await wait_until_async(lambda: serving(socket), 10, "the encoder serving once the stalled batch returned",
+                               observe=lambda: stats_of(socket))
+        await send(socket, "after", (252, 252), 22)
+        assert isinstance((await reply_to(socket, "after", 60))[0], EncodeResult)
+    finally:
+        held.gate.set()
+        socket.close()
+
+
+def test_a_stalled_batch_that_returns_skipped_ends_the_stall(stalling_encoder):
+    """Its requests were failed by the stall, so it returns without running: that ends the stall as
+    any return of the stalled batch does, or the encoder would refuse everything until it restarts."""
+    asyncio.run(stall_in_preprocessing_then_recover(*stalling_encoder))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+from gateway.errors import APIError
 from gateway.intake.fetch import FetchLimits, ImageFetcher
 from gateway.intake.images import ImageLimits
 from gateway.intake.memory import BODY_COPIES, MemoryBudget, MemoryHold, current_hold
@@ -55,3 +56,76 @@ async def fetch_counts() -> tuple[int, int, int]:
 
 def test_a_fetch_counts_what_its_response_declares_while_it_comes_and_nothing_before():
     assert asyncio.run(fetch_counts()) == (0, BODY_COPIES * DECLARED, 0)
+
+
+async def chunked_peak() -> tuple[int, int]:
+    """(the most counted while a chunked body that also says Content-Length: 1 came, its bytes)."""
+    budget = MemoryBudget()
+    budget.size(2**30)
+    current_hold.set(MemoryHold(budget))
+    fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(2**20, 10**8, 2, 200))
+    peak = 0
+
+    async def chunked_host(reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(30):  # 30 chunks of 10 KB: the chunking, not the length, ends the body
+            writer.write(b"2710\r\n" + b"x" * 10_000 + b"\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, budget.working)
+            await asyncio.sleep(0.001)
+
+    host, port = await server(chunked_host)
+    watching = asyncio.create_task(watch())
+    try:
+        body = await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
+        return peak, len(body)
+    finally:
+        watching.cancel()
+        host.close()
+        await fetcher.close()
+
+
+def test_a_chunked_body_is_counted_at_the_cap_whatever_length_it_declares():
+    """h11 ends a chunked body where its chunks end, past a Content-Length it also sends: counted by
+    that length, 300 KB came under a reservation of 2 bytes."""
+    assert asyncio.run(chunked_peak()) == (BODY_COPIES * 2**20, 300_000)
+
+
+async def full_budget_refusal() -> tuple[int, str]:
+    """A fetch whose response waits for room longer than the fetch's whole deadline: what it gets."""
+    budget = MemoryBudget(wait_s=1.0)
+    budget.size(1000)
+    budget.working = 1000  # full: every fetch waits for room
+    current_hold.set(MemoryHold(budget))
+    fetcher = ImageFetcher(FetchLimits(2, 10, 0.5, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(2**20, 10**8, 2, 200))
+
+    async def host_handler(reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789")
+        await writer.drain()
+        await asyncio.sleep(5)
+        writer.close()
+
+    host, port = await server(host_handler)
+    try:
+        await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
+    except APIError as refused:
+        return refused.status, refused.code
+    finally:
+        host.close()
+        await fetcher.close()
+    raise AssertionError("fetched with no room")
+
+
+def test_a_fetch_waiting_for_memory_is_refused_as_memory_full_not_as_a_fetch_timeout():
+    """The wait for room is the budget's (memory_wait_s, then 503 + Retry-After), not the host's time."""
+    assert asyncio.run(full_budget_refusal()) == (503, "memory_full")

@@ -54,3 +54,20 @@ def test_a_first_heartbeat_from_another_process_than_answered_the_handshake_is_a
             return client.rejoining, client.up
 
     assert asyncio.run(run()) == (True, False)
+
+
+def test_a_restarted_process_that_serves_what_its_predecessor_did_is_taken_back_whatever_its_boot_id(tmp_path):
+    """Its Ready differs from the last one only by the process (boot id): alike, so a client no pool judges
+    takes it back, as it did before Ready carried the boot id."""
+    from protocol.stats import ServiceState
+    from protocol.to_gateway import EngineReady
+
+    async def run() -> bool:
+        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
+            client.info = EngineReady("m", 4096, boot_id="first")
+            client.stats = EngineStats("second", 0, 0, 0, 0, ServiceState.SERVING)
+            client.rejoining = True
+            client._received(EngineReady("m", 4096, boot_id="second"), [])
+            return client.up and not client.rejoining
+
+    assert asyncio.run(run())

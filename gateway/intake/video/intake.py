@@ -307,9 +307,7 @@ class VideoIntake:
                 raise APIError(400, f"{ref.where}: video_url: a list of JPEG frames (video/jpeg) is not served; "
                                "send a video file", param=ref.where, code="unsupported_video_format")
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.limits)
-        raw = await self.fetcher.fetch(ref.url, ref.where, self.limits)  # counted while it comes (ImageFetcher)
-        hold(len(raw))
-        return raw
+        return await self.fetcher.fetch(ref.url, ref.where, self.limits)  # counted while it comes, then held (ImageFetcher)
 
     async def decode(self, item: InspectedVideo) -> SampledVideo:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
