@@ -49,14 +49,17 @@ class Batcher:
         self.joins = 0
         self.dropped = 0
 
-    def add(self, key: bytes, image: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"", nbytes: int = 0) -> None:
+    def add(self, key: bytes, image: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"", nbytes: int = 0,
+            record: bool = True) -> None:
+        """Queue an encode for `waiter`, or join the one queued for the same slot (counted unless
+        `record` is false: a join counted already, as `join`'s)."""
         slot = identity or key
         job = self._queue.get(slot)
         if job is None:
             job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity, nbytes=nbytes)
             self.queued_bytes += nbytes
         else:
-            self.joins += 1
+            self.joins += record
         job.waiters.append(waiter)
 
     def join(self, slot: bytes, waiter: tuple[Any, int], record: bool = True) -> bool:

@@ -530,13 +530,11 @@ class EncoderService:
     def _requeue_joined(self, jobs: list[Job]) -> None:
         """A skipped batch's jobs: dropped, but for requests that joined one after the skip was decided,
         for which it is queued again."""
-        joins = self.batcher.joins  # they were counted as they joined
         for job in jobs:
             live = [waiter for waiter in job.waiters if not waiter[0].cancelled]
-            for waiter in live:
-                self.batcher.add(job.key, job.image, job.patches, waiter, job.identity, job.nbytes)
+            for waiter in live:  # their joins were counted as they joined
+                self.batcher.add(job.key, job.image, job.patches, waiter, job.identity, job.nbytes, record=False)
             self.batcher.dropped += not live
-        self.batcher.joins = joins
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:
         for state in requests_of(batch):

@@ -149,8 +149,8 @@ def _text_bytes(body: bytes) -> int:
     return text
 
 
-async def parse_request(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None,
-                        max_containers: int = 100_000) -> ChatCompletionRequest:
+async def parse_request(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None,
+                        max_containers: int) -> ChatCompletionRequest:
     body = await read_body(request, limit, timeout_s, memory)
     cost = parsing_cost(body, max_containers)
     if memory is not None:

@@ -76,6 +76,7 @@ class ServiceClient:
         # The pool's judgement of a handshake answer (ReplicaPool.accepts); None: it must equal `info`
         self.accepts: Callable[[Any], bool] | None = None
         self._refused: Any = None  # the last answer refused, logged once
+        self._other_kind: type | None = None  # the last answer of another service's kind, logged once
         self.stats: Any = None  # latest EncoderStats / EngineStats
         self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
         self.up = False
@@ -122,10 +123,10 @@ class ServiceClient:
         elif isinstance(message, stats):
             self._heartbeat(message)
         elif isinstance(message, (EncoderReady, EngineReady, EncoderStats, EngineStats)):
-            if type(message) is not type(self._refused):  # said once, not at every heartbeat
+            if type(message) is not self._other_kind:  # said once, not at every heartbeat
                 log.error("%s at %s answers as another kind of service (%s): is the address right?", self.name,
                           self.address, type(message).__name__)
-                self._refused = message
+                self._other_kind = type(message)
         elif (queue := self._streams.get(message.request_id)) is not None:
             queue.put_nowait((message, frames))
         # else: the request was already given up (timeout, disconnect, outage)
