@@ -41,7 +41,7 @@ from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
 from common.families import Family, family_of
 from common.logs import request_id_var
-from protocol.base import Hello
+from protocol.base import Hello, answer_hello
 from protocol.stats import EngineStats, ServiceState, StatsRequest
 from protocol.sockets import AsyncRouter
 from protocol.to_engine import AbortGenerate, EngineInbound, GenerateRequest, PushedEmbedding
@@ -315,7 +315,7 @@ class EngineService:
             max_images = self.shape.max_images if takes_images else None
             ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images,
                                 self.boot_id)
-            await self._send(peer, ready, wait=False)
+            await self._send(peer, answer_hello(message, ready), wait=False)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -19,7 +19,7 @@ import httpx
 import zmq
 
 from common.config import PROBE, load_config
-from protocol.base import Hello
+from protocol.base import PROTOCOL, Hello
 from protocol.sockets import pack
 from protocol.to_gateway import EncoderReady, EngineReady, GatewayInbound
 
@@ -37,7 +37,7 @@ def service_answers(address: str, expected: type, timeout_s: float) -> bool:
     socket.setsockopt(zmq.LINGER, 0)
     try:
         socket.connect(address)
-        socket.send_multipart(pack(Hello("healthcheck")))
+        socket.send_multipart(pack(Hello("healthcheck", PROTOCOL)))
         if not socket.poll(int(timeout_s * 1000)):
             return False
         header, *_ = socket.recv_multipart()

@@ -4,8 +4,8 @@ A multipart message is [header, *frames]: the header is the msgpack-encoded
 message (its class name is the tag) and each frame is one raw array buffer,
 sent and received without copies. ROUTER sockets prefix the peer identity.
 
-A message this side cannot read (garbage, a truncated message, a tag from a
-newer peer) is logged and skipped by `recv`: one bad message never ends a
+A message this side cannot read (garbage, a truncated message, a peer of
+another wire version: protocol/base.py) is logged and skipped by `recv`: one bad message never ends a
 service's loop or a reader task.
 """
 
@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from protocol.base import Message
+from protocol.base import PROTOCOL, Message
 
 In = TypeVar("In")
 log = logging.getLogger("prism.protocol")
@@ -73,6 +73,17 @@ def _answers(path: Path) -> bool:
 LOG_FIRST, LOG_EVERY = 10, 1000
 
 
+def _other_version(parts: list[zmq.Frame]) -> str:
+    """A hint where an unreadable message's tag names another wire version than this side's."""
+    try:
+        tag = msgspec.msgpack.decode(parts[0].buffer)[0]
+    except Exception:  # no tag to read: nothing to add
+        return ""
+    if isinstance(tag, str) and "/v" in tag and not tag.endswith(f"/v{PROTOCOL}"):
+        return f" (its sender speaks wire protocol {tag.rsplit('/', 1)[1]}, this side v{PROTOCOL})"
+    return ""
+
+
 class _Typed(Generic[In]):
     def __init__(self, socket: zmq.Socket, inbound: Any) -> None:
         self.socket = socket
@@ -88,7 +99,8 @@ class _Typed(Generic[In]):
             self.unreadable += 1
             if self.unreadable <= LOG_FIRST or self.unreadable % LOG_EVERY == 0:
                 sender = f" from peer {peer.hex()}" if peer is not None else ""
-                log.warning("skipped a message%s this side cannot read (%d so far): %s", sender, self.unreadable, exc)
+                log.warning("skipped a message%s this side cannot read (%d so far): %s%s", sender, self.unreadable, exc,
+                            _other_version(parts))
             return None
 
     def close(self, linger_ms: int = 0) -> None:

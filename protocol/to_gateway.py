@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from protocol.base import Message
+from protocol.base import Message, WrongProtocol
 from protocol.stats import EncoderStats, EngineStats
 from protocol.tensors import ArrayMeta
 from protocol.timings import EncoderTimings
@@ -192,4 +192,5 @@ EMBEDDINGS_UNAVAILABLE = "embeddings_unavailable"
 STREAM_DROPPED = "stream_dropped"
 
 
-GatewayInbound = EncoderReady | EncodeResult | VideosEncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta | GenerateFailed | EncoderStats | EngineStats
+GatewayInbound = (EncoderReady | EncodeResult | VideosEncodeResult | EncodeNeedsPixels | EncodeFailed | EngineReady | TokenDelta
+                  | GenerateFailed | EncoderStats | EngineStats | WrongProtocol)

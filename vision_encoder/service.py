@@ -36,7 +36,7 @@ import zmq
 
 from cache import CachedEmbedding, EmbeddingCache, content_key
 from cache.shared import SharedTier
-from protocol.base import Hello
+from protocol.base import Hello, answer_hello
 from protocol.sockets import Pusher, SyncRouter
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStats, HistogramCounter, ServiceState, StatsRequest
 from protocol.tensors import to_numpy
@@ -237,7 +237,7 @@ class EncoderService:
             self._send(peer, self.stats())
         elif isinstance(message, Hello):
             ready = EncoderReady(self.tower.model_id, self._fingerprint(), self._processor_info(), self.boot_id)
-            self._send(peer, ready)
+            self._send(peer, answer_hello(message, ready))
 
     def _fingerprint(self) -> str:
         """The handshake's: every parameter of every key this encoder makes, a video path's included."""

@@ -32,7 +32,7 @@ from gateway.ops import metrics
 from gateway.ops.retired import RETIRED
 from gateway.errors import APIError
 from gateway.intake.memory import MemoryHold, current_hold
-from protocol.base import Hello, Message
+from protocol.base import PROTOCOL, Hello, Message, WrongProtocol
 from protocol.sockets import AsyncDealer
 from protocol.stats import EncoderStats, EngineStats, ServiceState, StatsRequest
 from protocol.to_encoder import CancelEncode, EncodeRequest, ImageInput
@@ -53,6 +53,7 @@ log = logging.getLogger("prism.gateway")
 RETRY_AFTER_S = 2
 SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is not reading
 LAST_REPLIES_S = 1.0  # a dropped connection: at most this long reading the replies already received
+HELLO = Hello("gateway", PROTOCOL)
 
 
 class ServiceClient:
@@ -77,6 +78,7 @@ class ServiceClient:
         self.accepts: Callable[[Any], bool] | None = None
         self._refused: Any = None  # the last answer refused, logged once
         self._other_kind: type | None = None  # the last answer of another service's kind, logged once
+        self.other_protocol: int | None = None  # the wire version it said it speaks, where not this gateway's
         self.stats: Any = None  # latest EncoderStats / EngineStats
         self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
         self.up = False
@@ -90,18 +92,22 @@ class ServiceClient:
         deadline = loop.time() + timeout_s
         while True:
             self._ready = loop.create_future()
-            await self._send_quietly(Hello("gateway"))
+            await self._send_quietly(HELLO)
             try:
                 async with asyncio.timeout(2.0):
                     self.info = await asyncio.shield(self._ready)
-                self.up = True
+                self.up, self.other_protocol = True, None
                 self.stats_received_at = loop.time()
                 return self.info
             except asyncio.TimeoutError:
                 if loop.time() > deadline:
-                    raise RuntimeError(
-                        f"{self.name} at {self.address} did not answer within {timeout_s:.0f} s (gateway.startup_timeout_s)"
-                    ) from None
+                    raise RuntimeError(f"{self.name} at {self.address} {self._silence()} within {timeout_s:.0f} s "
+                                       "(gateway.startup_timeout_s)") from None
+
+    def _silence(self) -> str:
+        if self.other_protocol is None:
+            return "did not answer"
+        return f"speaks wire protocol v{self.other_protocol}, this gateway v{PROTOCOL}, and served nothing"
 
     async def _receive_loop(self) -> None:
         """The only reader of the socket: nothing one message does may end it (every request to the
@@ -122,6 +128,11 @@ class ServiceClient:
                 self._rejoin(message)
         elif isinstance(message, stats):
             self._heartbeat(message)
+        elif isinstance(message, WrongProtocol):
+            if message.protocol != self.other_protocol:  # said once, not at every hello
+                log.error("%s at %s speaks wire protocol v%d, this gateway v%d: it serves nothing until both run one "
+                          "release", self.name, self.address, message.protocol, PROTOCOL)
+                self.other_protocol = message.protocol
         elif isinstance(message, (EncoderReady, EngineReady, EncoderStats, EngineStats)):
             if type(message) is not self._other_kind:  # said once, not at every heartbeat
                 log.error("%s at %s answers as another kind of service (%s): is the address right?", self.name,
@@ -172,7 +183,7 @@ class ServiceClient:
             log.warning("%s restarted; handshaking with the new process", self.name)
             self.rejoining = True
         if self.rejoining:
-            self._in_background(self._send_quietly(Hello("gateway")))
+            self._in_background(self._send_quietly(HELLO))
             return
         serving = stats.state == ServiceState.SERVING
         if not serving and self.up:  # draining, stalled or dead: nothing new goes to it
@@ -190,7 +201,7 @@ class ServiceClient:
                 log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
                 self._refused = info
             return
-        self.info, self._refused = info, None
+        self.info, self._refused, self.other_protocol = info, None, None
         self.rejoining = False
         if self.stats.state == ServiceState.SERVING:
             log.warning("%s is back", self.name)
@@ -219,8 +230,11 @@ class ServiceClient:
                     continue
                 silent_for = loop.time() - (self.stats_received_at or 0)
                 # a draining replica is not `up`, but the requests it still holds wait on it
-                if (self.up or self._streams) and silent_for > self.heartbeat_timeout_s:
-                    self._mark_down(f"stopped answering ({silent_for:.1f} s > gateway.heartbeat_timeout_s)")
+                if silent_for > self.heartbeat_timeout_s:
+                    if self.up or self._streams:
+                        self._mark_down(f"stopped answering ({silent_for:.1f} s > gateway.heartbeat_timeout_s)")
+                    # A process of another release reads no stats request, but answers a hello saying so.
+                    await self._send_quietly(HELLO)
 
         self._tasks.append(asyncio.create_task(beat()))
 

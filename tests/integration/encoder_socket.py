@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from common.config import REPO_ROOT
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
-from protocol.base import Hello
+from protocol.base import PROTOCOL, Hello
 from protocol.sockets import AsyncDealer
 from loadtest.synthetic import make_image
 from protocol.tensors import to_frame, to_torch
@@ -107,7 +107,7 @@ async def handshake(socket: AsyncDealer, timeout_s: float = 120) -> EncoderReady
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while loop.time() < deadline:
-        await socket.send(Hello("test"))
+        await socket.send(Hello("test", PROTOCOL))
         try:
             message, _ = await asyncio.wait_for(socket.recv(), 2)
             if isinstance(message, EncoderReady):

@@ -15,7 +15,7 @@ import os
 import msgspec
 import zmq.asyncio
 
-from protocol.base import Hello
+from protocol.base import PROTOCOL, Hello, WrongProtocol
 from protocol.sockets import AsyncDealer, pack
 from protocol.tensors import ArrayMeta
 from protocol.to_encoder import EncodeRequest, ImageInput
@@ -23,12 +23,14 @@ from protocol.to_engine import GenerateRequest, PushedEmbedding
 from protocol.to_gateway import EncodeFailed, EncoderReady, EncodeResult, EngineReady, GatewayInbound, GenerateFailed
 from tests.integration.helpers import ask, chat_json, child_pid, engine_pid, final_reply
 
-# Neither service takes these: empty, not msgpack, a message with an unknown tag, another service's message.
+# Neither service takes these: empty, not msgpack, a message with an unknown tag, another service's message,
+# a message of another wire version (shaped as this one's: read, it would be answered).
 UNREADABLE = [
     [b""],
     [b"\xc1\xc1\xc1"],
     [msgspec.msgpack.encode({"type": "NoSuchMessage", "request_id": "x"})],
     pack(EngineReady("m", 1)),
+    [msgspec.msgpack.encode(["StatsRequest/v999", "x"])],
 ]
 
 
@@ -51,9 +53,11 @@ BAD_PUSH = ("bad-push-address", ImageInput(os.urandom(16), ArrayMeta("uint8", (2
 
 
 async def still_answers(socket: AsyncDealer, ready_type: type) -> None:
-    await socket.send(Hello("after"))
-    while not isinstance((await asyncio.wait_for(socket.recv(), 10))[0], ready_type):
-        pass
+    """It answers a Hello of another wire version with its own, one of its own with its Ready; nothing else came."""
+    await socket.send(Hello("other-release", PROTOCOL + 1))
+    await socket.send(Hello("after", PROTOCOL))
+    answers = [(await asyncio.wait_for(socket.recv(), 10))[0] for _ in range(2)]
+    assert answers[0] == WrongProtocol(PROTOCOL) and isinstance(answers[1], ready_type), answers
 
 
 async def hostile_encoder_traffic(address: str) -> dict[str, object]:

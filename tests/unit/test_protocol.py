@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import logging
 import pkgutil
 import threading
 import time
@@ -28,7 +29,7 @@ import zmq.asyncio
 import protocol
 from tests.unit.test_video_protocol import VIDEO_CASES
 from tests.waiting import wait_until
-from protocol.base import Hello, Message
+from protocol.base import Hello, Message, WrongProtocol
 from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, bind, pack
 from protocol.stats import (
     BATCH_IMAGE_BUCKETS,
@@ -93,8 +94,9 @@ CHAT = (
 
 # (the union the receiving socket decodes, a message); every field non-default somewhere.
 CASES = [
-    (EncoderInbound, Hello("gateway-5f0c")),
-    (EngineInbound, Hello("gateway-5f0c")),
+    (EncoderInbound, Hello("gateway-5f0c", 7)),
+    (EngineInbound, Hello("gateway-5f0c", 7)),
+    (GatewayInbound, WrongProtocol(7)),
     (EncoderInbound, StatsRequest("gateway-5f0c")),
     (EngineInbound, StatsRequest("gateway-5f0c")),
     (EncoderInbound, EncodeRequest(
@@ -435,10 +437,12 @@ def test_a_hostile_header_is_a_value_error_on_both_sides(meta):
             to_torch(meta, b"\x00" * 4)
 
 
-UNREADABLE = [[b""], [b"\xc1 not msgpack"], pack(GenerateRequest("r", b"{}", []))]  # the last: another service's message
+# The third: another service's message; the last: a message of another wire version, shaped as this one's.
+UNREADABLE = [[b""], [b"\xc1 not msgpack"], pack(GenerateRequest("r", b"{}", [])),
+              [msgspec.msgpack.encode(["StatsRequest/v999", "x"])]]
 
 
-async def _unreadable_messages_are_skipped():
+async def _unreadable_messages_are_skipped(caplog):
     ctx = zmq.asyncio.Context()
     router = AsyncRouter(ctx, "inproc://skips", EncoderInbound)
     dealer = AsyncDealer(ctx, "inproc://skips", GatewayInbound)
@@ -447,19 +451,22 @@ async def _unreadable_messages_are_skipped():
             await dealer.socket.send_multipart(parts)
         await dealer.send(Hello("after"))
         peer, message, _ = await asyncio.wait_for(router.recv(), 5)
-        assert message == Hello("after") and router.unreadable == 3
+        assert message == Hello("after") and router.unreadable == len(UNREADABLE)
+        assert "its sender speaks wire protocol v999, this side v" in caplog.text
         for parts in UNREADABLE:
             await router.socket.send_multipart([peer, *parts])
         await router.send(peer, EngineReady("m", 1))
-        assert (await asyncio.wait_for(dealer.recv(), 5))[0] == EngineReady("m", 1) and dealer.unreadable == 3
+        assert (await asyncio.wait_for(dealer.recv(), 5))[0] == EngineReady("m", 1) and dealer.unreadable == len(UNREADABLE)
     finally:
         for socket in (dealer, router):
             socket.close()
         ctx.term()
 
 
-def test_the_async_sockets_skip_what_they_cannot_read_and_return_the_next_message():
-    asyncio.run(_unreadable_messages_are_skipped())
+def test_the_async_sockets_skip_what_they_cannot_read_and_return_the_next_message(caplog):
+    """A message of another wire version is skipped even where its fields would read as this one's."""
+    with caplog.at_level(logging.WARNING, logger="prism.protocol"):
+        asyncio.run(_unreadable_messages_are_skipped(caplog))
 
 
 @contextlib.contextmanager

@@ -71,3 +71,33 @@ def test_a_restarted_process_that_serves_what_its_predecessor_did_is_taken_back_
             return client.up and not client.rejoining
 
     assert asyncio.run(run())
+
+
+def test_a_service_of_another_wire_version_is_named_as_such_when_the_handshake_times_out(tmp_path, caplog):
+    """It answers every hello with the version it speaks (protocol/base.py): the gateway neither serves
+    with it nor says it "did not answer"."""
+    from protocol.base import PROTOCOL, WrongProtocol
+
+    async def run() -> str:
+        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
+            async def answer_in_another_version() -> None:
+                while True:
+                    peer, hello, _ = await service.recv()
+                    assert hello.protocol == PROTOCOL
+                    await service.send(peer, WrongProtocol(PROTOCOL + 1))
+
+            answering = asyncio.create_task(answer_in_another_version())
+            client.up = False  # not yet handshaken
+            try:
+                with caplog.at_level(logging.ERROR, logger="prism.gateway"):
+                    await client.connect(timeout_s=3)
+            except RuntimeError as exc:
+                assert not client.up
+                return str(exc)
+            finally:
+                answering.cancel()
+        return "connected"
+
+    said = asyncio.run(run())
+    assert f"speaks wire protocol v{PROTOCOL + 1}, this gateway v{PROTOCOL}, and served nothing within 3 s" in said, said
+    assert caplog.text.count(f"speaks wire protocol v{PROTOCOL + 1}") == 1  # logged once, not at every hello
