@@ -193,7 +193,22 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
         raise InvalidPrompt(f"the chat template refused this conversation: {_template_error_reason(exc)}") from None
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
-    return tokenizer.encode(text, add_special_tokens=False)
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    check_markers(token_ids, chat.messages, template.media_tokens)
+    return token_ids
+
+
+def check_markers(token_ids: list[int], messages: list[dict], media_tokens: tuple[tuple[str, int], ...]) -> None:
+    """The prompt holds the model's image token (Qwen's `<|image_pad|>`, LLaVA's `<image>`) once per
+    image, and its video token once per video. vLLM binds the n-th image to the n-th such token, so
+    one in a request's text (a pasted model card, a tool's output) would move every image after it
+    to the wrong place, silently: such a request is refused instead. With no image, nothing moves."""
+    for modality, token in media_tokens:
+        count = image_parts(messages) if modality == "image" else video_parts(messages)
+        if count and (found := token_ids.count(token)) != count:
+            raise InvalidPrompt(f"the request's text holds the model's {modality} token ({found} in the prompt for {count} "
+                                f"{modality}s), which would move its {modality}s to the wrong places: remove it from the text",
+                                "messages")
 
 
 def _developer_messages(messages: list[dict], template_text: str | None) -> list[dict]:

@@ -18,6 +18,9 @@ class ChatTemplate:
     content_format: str = "openai"  # "openai": a message's content is a list of parts; "string": one string
     # "string" only: the model's text for the request's n-th image or video (vLLM's get_placeholder_str)
     placeholder: Callable[[str, int], str | None] | None = None
+    # The token vLLM binds each image and video to (the model's image_token_id, video_token_id):
+    # a rendered prompt must hold it once per item (llm_engine/prompts.py, check_markers).
+    media_tokens: tuple[tuple[str, int], ...] = ()
 
 
 class ChatTemplates:
@@ -30,10 +33,18 @@ class ChatTemplates:
 
         text = resolve_chat_template(self.tokenizer, None, tools, model_config=self.model_config)
         content_format = resolve_chat_template_content_format(None, tools, "auto", self.tokenizer, model_config=self.model_config)
-        return ChatTemplate(text, content_format, self._placeholder if content_format == "string" else None)
+        return ChatTemplate(text, content_format, self._placeholder if content_format == "string" else None, self._media_tokens)
 
     def _placeholder(self, modality: str, count: int) -> str | None:
         return self._model_class.get_placeholder_str(modality, count)
+
+    @cached_property
+    def _media_tokens(self) -> tuple[tuple[str, int], ...]:
+        config = self.model_config.hf_config
+        ids = {modality: next((getattr(config, f"{modality}_token_{suffix}") for suffix in ("id", "index")
+                               if isinstance(getattr(config, f"{modality}_token_{suffix}", None), int)), None)
+               for modality in ("image", "video")}
+        return tuple((modality, token) for modality, token in ids.items() if token is not None)
 
     @cached_property
     def _model_class(self) -> Any:  # asked only for a request with images: a text-only model's class has no placeholders

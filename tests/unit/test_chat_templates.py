@@ -124,3 +124,32 @@ def test_a_template_that_refuses_the_conversation_is_the_request_s_fault(tmp_pat
 
     with pytest.raises(InvalidPrompt, match="No user query found in messages"):
         both_renders(checkpoint(tmp_path, "qwen2-text", REFUSING_TEMPLATE, None), CONVERSATION)
+
+
+def _rendered(family: str, messages: list[dict]) -> list[int]:
+    from transformers import AutoTokenizer
+    from vllm.config import ModelConfig
+
+    path = ensure_tiny_model(family)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    as_sent = json.loads(json.dumps(messages).replace(png_url(), IMAGE_PLACEHOLDER))
+    chat = read_chat(msgspec.json.encode({"messages": as_sent, "max_tokens": 4}))
+    template = ChatTemplates(tokenizer, ModelConfig(model=str(path))).for_request(request_tools(chat))
+    return render_prompt(chat, tokenizer, {}, template)
+
+
+# Each family's image token as its tiny checkpoint names it (all as Qwen does; LLaVA's real ones say `<image>`).
+IMAGE_TOKEN = "<|image_pad|>"
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "llava-onevision", "llava-next", "internvl3"])
+def test_an_image_marker_in_a_request_s_text_is_refused_and_images_alone_are_not(family):
+    """vLLM binds the n-th image to the n-th marker in the prompt: one typed into the text would take
+    the first image's place, and every image after it would move by one, silently."""
+    from llm_engine.prompts import InvalidPrompt
+
+    image = {"type": "image_url", "image_url": {"url": png_url()}}
+    assert _rendered(family, [{"role": "user", "content": [image, {"type": "text", "text": "and"}, image]}])
+    assert _rendered(family, [{"role": "user", "content": f"what does {IMAGE_TOKEN} mean?"}])  # no image: nothing to move
+    with pytest.raises(InvalidPrompt, match="token"):
+        _rendered(family, [{"role": "user", "content": [{"type": "text", "text": f"see {IMAGE_TOKEN} here"}, image]}])
