@@ -12,7 +12,10 @@ Redis is an optimisation, never a dependency. A failed call, or a lookup
 slower in all than `timeout_s` plus its bytes at `SLOW_LINK_BYTES_PER_S` (a
 slow link whose every read meets the socket timeout), marks the tier down
 for `retry_s` with one logged warning; meanwhile lookups miss and writes are
-skipped, and the first call after it probes again. Writes go through one
+skipped, and the first call after it probes again. A lookup asks the values'
+sizes first and is waited for no longer than that budget (the caller is an
+encoder's loop: its heartbeats wait too), and only a call begun after the
+tier went down may bring it back up (a slow write begun before would). Writes go through one
 background thread and a bounded queue, so a reply never waits on Redis; that
 thread's calls may take as long as the largest value takes at
 `SLOW_LINK_BYTES_PER_S`, and values over `MAX_VALUE_BYTES` are not shared.
@@ -25,6 +28,8 @@ import queue
 import struct
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitedTooLong
 from dataclasses import dataclass
 
 import msgspec
@@ -100,6 +105,8 @@ class SharedTier:
         self.client = self._client(self.timeout_s)
         self.stats = SharedTierStats()
         self._down_until = 0.0
+        self._down_since = 0.0  # when it last went down: a call begun before cannot bring it back
+        self._lookups = ThreadPoolExecutor(4, thread_name_prefix="shared-cache-lookup")  # a caller stops waiting at its budget
         self._writes: queue.Queue = queue.Queue(self.max_pending_writes)
         self._pending_bytes = 0  # in `_writes`, under `_writer_lock`
         self._writer: threading.Thread | None = None  # started by the first write: a reader (an engine) has none
@@ -113,20 +120,20 @@ class SharedTier:
         """One round trip for all keys; a miss (None) for anything not found or not trusted."""
         if not keys or not self._available():
             return [None] * len(keys)
-        started = time.monotonic()
+        started, names = time.monotonic(), [NAMESPACE + key for key in keys]
         try:
-            blobs = self.client.mget([NAMESPACE + key for key in keys])
+            budget_s = self.lookup_budget_s(self._sizes(names))
+            blobs = self._lookups.submit(self.client.mget, names).result(timeout=budget_s - (time.monotonic() - started))
+        except WaitedTooLong:
+            # Each socket read met the timeout, the whole lookup did not: the caller's loop would
+            # wait all along, so a slow link is down like a dead one (the read ends on its thread).
+            self._failed(TimeoutError(f"a lookup took over its {budget_s:.2f} s (shared_cache_timeout_ms, plus its "
+                                      f"bytes at {SLOW_LINK_BYTES_PER_S / 1e6:g} MB/s)"))
+            return [None] * len(keys)
         except redis.RedisError as exc:
             self._failed(exc)
             return [None] * len(keys)
-        took_s, budget_s = time.monotonic() - started, self.lookup_budget_s(blobs)
-        if took_s > budget_s:
-            # Each socket read met the timeout, the whole lookup did not: the caller's loop
-            # waited all along, so a slow link is down like a dead one (this reply still counts).
-            self._failed(TimeoutError(f"a lookup took {took_s:.2f} s, over its {budget_s:.2f} s "
-                                      f"(shared_cache_timeout_ms, plus its bytes at {SLOW_LINK_BYTES_PER_S / 1e6:g} MB/s)"))
-        else:
-            self._succeeded()
+        self._succeeded(started)
         found = [self._read(blob, identity) for blob, identity in zip(blobs, identities)]
         if record:
             hits = sum(value is not None for value in found)
@@ -134,10 +141,17 @@ class SharedTier:
             self.stats.misses += len(found) - hits
         return found
 
-    def lookup_budget_s(self, blobs: list[bytes | None]) -> float:
-        """How long a lookup that brought `blobs` may take: the call's timeout, plus the time its
-        bytes take on a link slower than any this tier is worth using over."""
-        return self.timeout_s + sum(len(blob) for blob in blobs if blob) / SLOW_LINK_BYTES_PER_S
+    def _sizes(self, names: list[bytes]) -> list[int]:
+        """The values' lengths, in one round trip of small replies (0 for a key not held, or not a string)."""
+        pipeline = self.client.pipeline(transaction=False)
+        for name in names:
+            pipeline.strlen(name)
+        return [size if isinstance(size, int) else 0 for size in pipeline.execute(raise_on_error=False)]
+
+    def lookup_budget_s(self, sizes: list[int]) -> float:
+        """How long a lookup of values of `sizes` bytes may take: the call's timeout, plus the time
+        its bytes take on a link slower than any this tier is worth using over."""
+        return self.timeout_s + sum(sizes) / SLOW_LINK_BYTES_PER_S
 
     def _read(self, blob: bytes | None, identity: bytes) -> CachedEmbedding | None:
         if blob is None:
@@ -201,6 +215,7 @@ class SharedTier:
         if not self._available():
             self.stats.writes_skipped += 1
             return
+        started = time.monotonic()
         try:
             self._writer_client.set(NAMESPACE + key, blob, px=int(self.ttl_s * 1000))
         except redis.ResponseError as exc:  # refused (out of memory, a read-only replica): reads still work
@@ -211,7 +226,7 @@ class SharedTier:
         except redis.RedisError as exc:
             self._failed(exc)
             return
-        self._succeeded()
+        self._succeeded(started)
         self.stats.writes += 1
 
     def flush(self, timeout_s: float = 5.0) -> None:
@@ -225,6 +240,7 @@ class SharedTier:
             self._writes.put((None, None))
             self._writer.join(timeout=2)
             self._writer_client.close()
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
     def _available(self) -> bool:
@@ -232,12 +248,16 @@ class SharedTier:
 
     def _failed(self, exc: Exception) -> None:
         self.stats.errors += 1
-        self._down_until = time.monotonic() + self.retry_s
+        self._down_since = time.monotonic()
+        self._down_until = self._down_since + self.retry_s
         if self.stats.up:
             log.warning("shared cache at %s unavailable (%s); local cache only, retrying in %.0f s", self.url, exc, self.retry_s)
         self.stats.up = False
 
-    def _succeeded(self) -> None:
+    def _succeeded(self, started: float) -> None:
+        """A call begun at `started` went through: the tier is up, unless it went down meanwhile."""
+        if started < self._down_since:
+            return
         if not self.stats.up:
             log.warning("shared cache at %s is back", self.url)
             self.stats.reattaches += 1

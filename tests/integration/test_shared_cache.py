@@ -185,8 +185,9 @@ class SlowLink:
 
 def test_a_lookup_slower_than_the_timeout_in_all_marks_the_tier_down(server, tier, caplog):
     """Redis on a slow link: each read arrives within the socket timeout, so no
-    call fails, yet the encoder's loop waits through the whole lookup. Past
-    timeout_s in all the tier is down like a dead one: the next lookups miss without a call."""
+    call fails, yet the encoder's loop would wait through the whole lookup. It is waited for no
+    longer than timeout_s plus its bytes' time (a miss), and the tier is down like a dead one:
+    the next lookups miss without a call."""
     entry = value(tokens=4096)  # 128 KiB: 32 pieces, 0.6 s or more through the link
     stored(tier, b"big", entry)
     link = SlowLink(server.port)
@@ -194,12 +195,32 @@ def test_a_lookup_slower_than_the_timeout_in_all_marks_the_tier_down(server, tie
     try:
         with caplog.at_level(logging.WARNING, logger="prism.cache"):
             (found,) = slow.get_many([b"big"], [entry.identity])
-        assert found is not None and torch.equal(found.embeddings, entry.embeddings)  # what came is used
+        assert found is None  # not waited for: the value was still on its way
         assert not slow.stats.up and slow.stats.errors == 1
         assert any("(shared_cache_timeout_ms, plus its bytes at" in r.getMessage() for r in caplog.records)
         server.stop()  # a call now would fail and count a second error
         assert slow.get_many([b"big"], [entry.identity]) == [None]
         assert slow.stats.errors == 1  # down: no call was made
+    finally:
+        slow.close()
+        link.close()
+
+
+def test_a_write_begun_before_the_tier_went_down_does_not_bring_it_back(server, tier):
+    """A slow link: a lookup marks the tier down while a write over the same link is still on its
+    way. The write's success, once it lands, says nothing of the link now: the tier stays down
+    for retry_s, so the lookups after it miss without a call instead of each waiting out its budget."""
+    entry = value(tokens=4096)  # 128 KiB: 32 pieces each way, 0.6 s or more through the link
+    stored(tier, b"big", entry)
+    link = SlowLink(server.port, request_pause_s=0.02)
+    slow = SharedTier(f"redis://127.0.0.1:{link.port}", timeout_s=0.2, retry_s=60, ttl_s=60)
+    try:
+        slow.put(b"written-meanwhile", entry)
+        wait_until(lambda: slow._writes.empty(), 5, "the writer took the write")
+        assert slow.get_many([b"big"], [entry.identity]) == [None] and not slow.stats.up
+        slow.flush(timeout_s=30)
+        assert slow.stats.writes == 1, slow.stats  # it did land
+        assert not slow.stats.up
     finally:
         slow.close()
         link.close()
