@@ -176,6 +176,8 @@ def test_the_gpu_override_gives_each_service_a_gpu_of_its_own_and_the_gpu_pods_a
         assert any(volume.split(":")[1] == "/var/cache/prism" for volume in service["volumes"]), name
         startup = container["startupProbe"]
         assert seconds(service["healthcheck"]["start_period"]) == startup["periodSeconds"] * startup["failureThreshold"], name
+    startup = containers["gateway"]["startupProbe"]  # it waits the GPU services' start-up too
+    assert seconds(services["gateway"]["healthcheck"]["start_period"]) == startup["periodSeconds"] * startup["failureThreshold"]
 
 
 @pytest.mark.parametrize("service,section", [("gateway", "gateway"), ("vision-encoder", "encoder"), ("llm-engine", "engine")])

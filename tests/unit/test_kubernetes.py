@@ -68,7 +68,8 @@ def container_config(objects, deployment: dict, container: dict, module: str, tm
     config_maps = {c["metadata"]["name"]: c.get("data", {}) for c in of_kind(objects, "ConfigMap")}
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env.update(config_maps[source["configMapRef"]["name"]])
+        if "configMapRef" in source:  # a secretRef is the operator's own (none here)
+            env.update(config_maps[source["configMapRef"]["name"]])
     env.update({e["name"]: e["value"] for e in container.get("env", [])})
     section, model = SERVICES[module]
     return load_config(model, section, local_profile(env["PRISM_CONFIG"], deployment, container, config_maps, tmp_path), env)
@@ -124,6 +125,24 @@ def test_every_object_is_valid_against_the_api_schema(overlay):
             kubernetes_validate.validate(obj, version, strict=True)  # raises, naming the field
 
 
+OPERATOR_TARGET_LABELS = {"namespace", "service", "pod", "container", "endpoint", "job", "instance"}
+
+
+def prism_label_names() -> set[str]:
+    from gateway.ops import metrics
+    from prometheus_client import REGISTRY
+
+    assert metrics.PEER_BYTES is not None  # imported: its metrics are registered
+    return {label for family in REGISTRY.collect() if family.name.startswith("prism_")
+            for sample in family.samples for label in sample.labels} | {
+        label for collector in vars(metrics).values() for label in getattr(collector, "_labelnames", ())}
+
+
+def test_prism_s_metrics_carry_a_label_the_operator_sets_too():
+    """What the ServiceMonitor's honorLabels is there for (if this fails, it may go)."""
+    assert "service" in prism_label_names()
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_service_monitor_scrapes_the_gateway(overlay):
     objects = render(overlay)
@@ -135,7 +154,10 @@ def test_the_service_monitor_scrapes_the_gateway(overlay):
     assert service["metadata"]["name"] == "gateway"
     ports = {p["name"] for p in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval"}
+        assert set(endpoint) <= {"port", "path", "interval", "honorLabels"}
+        # The Operator labels every series with its target's namespace, service, pod...: a Prism label of
+        # one of those names is renamed exported_<name> unless honoured, and queries on it find nothing.
+        assert endpoint.get("honorLabels") or not prism_label_names() & OPERATOR_TARGET_LABELS
         assert endpoint["port"] in ports and endpoint["path"] in gateway_get_routes()
         assert re.fullmatch(r"\d+s", endpoint["interval"])
 
@@ -468,3 +490,41 @@ def test_compose_and_kubernetes_run_redis_alike(tmp_path):
     (deployment,) = [d for d in of_kind(render(OVERLAYS[0]), "Deployment") if d["metadata"]["name"].endswith("redis")]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["args"] == compose
     assert compose[compose.index("--protected-mode") + 1] == "no"  # Debian's build refuses other hosts' clients
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_gpu_deployment_rolls_out_without_a_spare_gpu(overlay):
+    """A surge pod would ask for a GPU of its own, and wait for ever on a cluster with none spare."""
+    for deployment, _, module in prism_containers(render(overlay)):
+        rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+        if on_a_gpu(overlay, module):
+            assert rolling == {"maxSurge": 0, "maxUnavailable": 1}, deployment["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_gateway_reads_the_optional_secret(overlay):
+    for deployment, container, module in prism_containers(render(overlay)):
+        secrets = [source["secretRef"] for source in container.get("envFrom", []) if "secretRef" in source]
+        assert secrets == ([{"name": "prism-secrets", "optional": True}] if module == "gateway" else []), module
+
+
+def test_the_documented_cluster_fits_the_cpu_demo_s_requests():
+    """docs/deployment.md's cluster size: every pod's memory request, and a rollout's largest surge pod beside them."""
+    gib = {"Gi": 1, "Mi": 1 / 1024}
+    requests = [float(value[:-2]) * gib[value[-2:]] for deployment in of_kind(render("cpu-demo"), "Deployment")
+                for container in deployment["spec"]["template"]["spec"]["containers"]
+                for value in [container["resources"]["requests"]["memory"]] for _ in range(deployment["spec"].get("replicas", 1))]
+    text = " ".join((REPO_ROOT / "docs" / "deployment.md").read_text().split())
+    free, rolling = map(int, re.search(r"(\d+) GiB of memory free \((\d+) GiB to roll out", text).groups())
+    assert sum(requests) <= free and sum(requests) + max(requests) <= rolling, (sum(requests), max(requests))
+
+
+def test_each_model_of_the_multi_model_overlay_runs_its_own_profile_s_pixel_budget(tmp_path):
+    objects = render("multi-model")
+    for deployment, container, module in prism_containers(objects):
+        if module != "vision_encoder":
+            continue
+        model = deployment["metadata"]["labels"]["prism.dev/model"]
+        profile = load_config(EncoderConfig, "encoder", REPO_ROOT / "configs" / f"{model}.yaml", {})
+        pod = container_config(objects, deployment, container, module, tmp_path)
+        assert (pod.min_pixels, pod.max_pixels) == (profile.min_pixels, profile.max_pixels), model
