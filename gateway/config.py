@@ -80,6 +80,9 @@ class GatewayConfig(FrozenConfig):
     # Auth and admission. API keys may also come from the environment:
     # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    # Web pages of these origins may call the API from a browser (CORS); "*": any, as vLLM's
+    # server allows by default (API keys are bearer tokens, never cookies); empty: none.
+    cors_allowed_origins: tuple[str, ...] = ("*",)
     max_concurrent_requests: int | None = Field(None, ge=1)  # whole gateway; past it: 429
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.

@@ -263,10 +263,11 @@ def output_budget(chat, prompt_tokens: int, max_model_len: int, generation_defau
     context has left (vllm/entrypoints/serve/utils/api_utils.py, get_max_tokens)."""
     from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
-    requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+    field = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
+    requested = getattr(chat, field)
     if requested is not None and requested > max_model_len:
-        raise InvalidPrompt(f"max_tokens={requested} cannot be greater than this model's context length, {max_model_len} tokens: "
-                            "request fewer output tokens", "max_tokens")
+        raise InvalidPrompt(f"{field}={requested} cannot be greater than this model's context length, {max_model_len} tokens: "
+                            "request fewer output tokens", field)
     if prompt_tokens >= max_model_len:
         raise InvalidPrompt(f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_tokens}", "messages")
     return get_max_tokens(max_model_len, requested, prompt_tokens, generation_defaults or {})

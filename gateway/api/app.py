@@ -16,6 +16,7 @@ import uvicorn
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -76,6 +77,7 @@ class Gateway:
         self.siblings: Siblings | None = None
         self.ctx = zmq.asyncio.Context()
         self.models: dict[str, ServedModel] = {}
+        self.started_at = int(time.time())  # /v1/models' `created`
         self.retired: list[ServedModel] = []  # draining after a reload; still exported until gone
         self._sampler: asyncio.Task | None = None
         self._loop_probe: LoopProbe | None = None
@@ -321,6 +323,9 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
 
     app = FastAPI(title="Prism", lifespan=lifespan)
     app.state.gateway = gateway
+    if config.cors_allowed_origins:  # a browser's preflight (OPTIONS) answered, as vLLM's server answers it
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     app.mount("/dashboard/static", StaticFiles(directory=STATIC), name="dashboard-static")
     chat = ChatHandler(gateway)
 
@@ -361,7 +366,10 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
         return gateway.window.snapshot()
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "prism"}
+        """vLLM's server's card: what the engine serves, and its context length (clients size requests by it)."""
+        engine = gateway.models[name].engine.info
+        return {"id": name, "object": "model", "created": gateway.started_at, "owned_by": "prism",
+                "root": engine.model, "parent": None, "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

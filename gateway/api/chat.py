@@ -132,10 +132,7 @@ class ChatHandler:
         body_read.set()
         record.timer.add("parse", time.perf_counter() - parse_started)
         record.timer.choices = request.n
-        served = gateway.models.get(request.model)
-        if served is None:
-            names = ", ".join(repr(name) for name in gateway.models)
-            raise APIError(404, f"model '{request.model}' does not exist; this server serves {names}", param="model", code="model_not_found")
+        served = _served(gateway.models, request.model)
         served.enter()
         record.ticket.on_release(served.leave)  # a stream leaves when it ends
         record.model = served.name
@@ -237,6 +234,18 @@ def internal_error() -> APIError:
     and answered in OpenAI's shape like every other error."""
     log.exception("the gateway failed on this request")
     return APIError(500, "the gateway failed on this request; its log has the details under this request's id", code="internal_error")
+
+
+def _served(models: dict, name: str | None):
+    """The model a request names; one that names none gets the one served, as on vLLM's server."""
+    names = ", ".join(repr(name) for name in models)
+    if name is None:
+        if len(models) != 1:
+            raise APIError(400, f"name a model: this server serves {names}", param="model", code="missing_required_parameter")
+        return next(iter(models.values()))
+    if (served := models.get(name)) is None:
+        raise APIError(404, f"model '{name}' does not exist; this server serves {names}", param="model", code="model_not_found")
+    return served
 
 
 async def _wait_for_disconnect(http_request: Request, body_read: asyncio.Event) -> None:

@@ -16,6 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from gateway.errors import APIError
 from gateway.intake.memory import BODY_COPIES, MemoryHold
+from gateway.api import schemas
 from gateway.api.schemas import ChatCompletionRequest
 
 log = logging.getLogger("prism.gateway")
@@ -42,16 +43,18 @@ def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> 
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+# The request's own classes: pydantic names a union's branch by its class ('NamedToolChoice').
+_CLASS_NAMES = {name for name, value in vars(schemas).items() if isinstance(value, type) and issubclass(value, pydantic.BaseModel)}
 
 
 def request_path(loc: tuple) -> str:
     """Where in the request an error is, without the labels pydantic adds for
-    union branches ('str', 'list[...]', 'NamedToolChoice') and the tag it
+    union branches ('str', 'list[...]', 'NamedToolChoice': never a field the client sent) and the tag it
     repeats for a tagged part ('image_url', 'image_url')."""
     path: list[str] = []
     for step in loc:
         step = str(step)
-        label = step == "body" or "[" in step or step in _TYPE_NAMES or step[:1].isupper()
+        label = step == "body" or "[" in step or step in _TYPE_NAMES or step in _CLASS_NAMES
         if not label and (not path or path[-1] != step):
             path.append(step)
     return ".".join(path)

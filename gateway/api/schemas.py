@@ -127,8 +127,6 @@ class Message(_Strict):
             raise ValueError("only assistant messages carry tool_calls")
         if self.reasoning is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry reasoning")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs the tool_call_id it answers")
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning is not None)):
             # an answer that stopped inside its reasoning comes back with null content (gateway/api/responses.py)
             raise ValueError("content is required (only an assistant message with tool_calls or reasoning may omit it)")
@@ -139,11 +137,8 @@ class Message(_Strict):
         return self
 
 
-_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
-
-
 class FunctionDefinition(_Strict):
-    name: str = Field(pattern=_FUNCTION_NAME)
+    name: str = Field(min_length=1)  # any, as vLLM's server takes it (OpenAI's own allows no dots)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema
     strict: bool | None = None
@@ -174,7 +169,7 @@ class JsonObjectFormat(_Strict):
 class JsonSchema(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(pattern=_FUNCTION_NAME)
+    name: str = Field(min_length=1)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")  # vLLM's server constrains nothing without one
     strict: bool | None = None
@@ -281,21 +276,26 @@ def _non_finite(value: Any, path: str = "") -> str | None:
     return None
 
 
+# A 64-bit integer: what vLLM's engine core takes (its messages are msgpack); past it a request
+# would fail inside vLLM, after its images were fetched and encoded.
+Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+
+
 class ChatCompletionRequest(_Strict):
-    model: str
+    model: str | None = None  # None: the one model served (vLLM's server takes it so); several: a 400 naming them
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=-2**63, le=2**63 - 1)  # vLLM's: a 64-bit integer
+    seed: Int64 | None = None  # vLLM's: a 64-bit integer
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)  # at most gateway.max_n
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    tools: list[Tool] | None = Field(None, min_length=1, max_length=128)  # [] refused, as vLLM and OpenAI refuse it
+    tools: list[Tool] | None = Field(None, min_length=1)  # [] refused, as vLLM and OpenAI refuse it
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
@@ -303,13 +303,13 @@ class ChatCompletionRequest(_Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[int, float] | None = None  # token id → bias in [-100, 100] (OpenAI sends ids as strings)
+    logit_bias: dict[Int64, float] | None = None  # token id → bias, held to [-100, 100] by vLLM (OpenAI sends ids as strings)
     # vLLM's sampling extensions (`extra_body` in the openai SDK); unset: the
     # checkpoint's generation_config.json value, else vLLM's default.
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=2**63 - 1)  # -1 or 0: off; past the vocabulary, all of it
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's bound
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[Int64] = Field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: PixelOverrides | None = None
@@ -346,20 +346,9 @@ class ChatCompletionRequest(_Strict):
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
         stops = [value] if isinstance(value, str) else (value or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
         return stops
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_range(cls, value: dict[int, float] | None) -> dict[int, float] | None:
-        if value and len(value) > 300:
-            raise ValueError("at most 300 token biases")
-        if value and any(not -100 <= bias <= 100 for bias in value.values()):
-            raise ValueError("each bias must be between -100 and 100")
-        return value
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "ChatCompletionRequest":

@@ -224,7 +224,6 @@ REFUSED = [
     ("required-without-tools", {"tool_choice": "required"}, 400, "needs tools"),
     ("two-constraints", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "exactly one of"),
     ("bad-response-format", {"response_format": {"type": "yaml"}}, 400, "response_format"),
-    ("tool-without-id", {"messages": QUESTION + [{"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
     ("image-in-tool-result", {"messages": QUESTION + [{"role": "tool", "tool_call_id": "c", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "text only"),
     ("bad-schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "no-such-type"}}}}, 400, "no-such-type"),

@@ -86,6 +86,12 @@ def test_a_body_of_more_json_objects_than_the_limit_is_refused_before_it_is_pars
     assert ok.status_code == 200
 
 
+def test_a_request_naming_no_model_gets_the_one_served_as_on_vllm_s_server(stack):
+    unnamed = {key: value for key, value in body(temperature=0).items() if key != "model"}
+    response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=unnamed, timeout=60)
+    assert response.status_code == 200 and response.json()["model"] == MODEL_NAME, response.text
+
+
 def test_malformed_json_is_400(stack):
     response = httpx.post(f"{stack.base_url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}, timeout=10)
     assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]

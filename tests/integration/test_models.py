@@ -106,6 +106,8 @@ def test_each_model_answers_under_its_own_name(routed):
     unknown = chat(routed, "nope", "hi")
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert MAIN in unknown.json()["error"]["message"] and OTHER in unknown.json()["error"]["message"]
+    unnamed = httpx.post(f"{routed.base_url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "model"  # which of two? never a guess
 
 
 def test_load_spreads_over_engines_and_an_image_sticks_to_its_engine(routed):

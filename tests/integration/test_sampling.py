@@ -59,10 +59,16 @@ def test_repetition_penalty_and_min_p_change_the_answer(client):
     assert answer(client, temperature=1.0, seed=4, min_p=1.0).message.content == greedy  # only the likeliest token stays
 
 
-@pytest.mark.parametrize("field,value", [("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0), ("logit_bias", {"5": 101})])
+@pytest.mark.parametrize("field,value", [("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0), ("logit_bias", {"x": 1})])
 def test_values_out_of_range_are_refused_naming_the_field(client, field, value):
     with pytest.raises(openai.BadRequestError, match=field):
         answer(client, **{field: value})
+
+
+def test_a_bias_past_100_is_held_to_it_as_vllm_s_server_holds_it(client, first_token):
+    banned = answer(client, max_tokens=1, logit_bias={str(first_token): -100}).message.content
+    assert answer(client, max_tokens=1, logit_bias={str(first_token): -1000}).message.content == banned
+    assert banned != answer(client, max_tokens=1).message.content
 
 
 def test_a_token_id_outside_the_vocabulary_is_a_400(client):

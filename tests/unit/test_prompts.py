@@ -162,6 +162,13 @@ def test_an_output_limit_past_the_context_left_is_cut_to_it_as_vllm_s_server_doe
         budget(3, 32)
 
 
+def test_a_limit_past_the_context_is_refused_naming_the_field_it_came_in():
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 33}))
+    with pytest.raises(InvalidPrompt, match="max_completion_tokens=33 cannot be greater") as refused:
+        output_budget(chat, 5, 32)
+    assert refused.value.param == "max_completion_tokens"
+
+
 def test_the_checkpoint_s_max_new_tokens_is_the_default_limit():
     req, _ = request_with([], [], max_tokens=None)
     assert output_budget(read_chat(req.chat), 1, 4096, {"max_tokens": 512}) == 512

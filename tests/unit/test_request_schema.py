@@ -111,3 +111,34 @@ def test_numbers_that_are_not_finite_are_refused_wherever_they_are(number):
 def test_a_body_that_is_not_an_object_is_a_400_naming_no_field():
     error = refused(b"[]")
     assert error["param"] is None and error["message"].startswith("invalid request body")
+
+
+def test_what_vllm_s_server_takes_past_openai_s_limits_is_taken():
+    """vLLM's server serves these (OpenAI's API refuses some): an application moving from vLLM keeps working."""
+    many = request(stop=[f"s{i}" for i in range(8)], logit_bias={str(i): 150 for i in range(400)},
+                   stop_token_ids=list(range(100)), tools=[{"type": "function", "function": {"name": f"tool.{i}"}} for i in range(130)],
+                   response_format={"type": "json_schema", "json_schema": {"name": "github.issue", "schema": {}}})
+    assert len(many.stop) == 8 and many.logit_bias[0] == 150  # held to [-100, 100] by vLLM, as on its server
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "done"}]
+    assert request(messages=history).messages[2].tool_call_id is None
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).model is None
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 2**63), ("stop_token_ids", [2**64]), ("logit_bias", {str(10**25): 1})])
+def test_integers_vllm_s_engine_core_cannot_carry_are_refused_at_the_door(field, value):
+    """Past 64 bits msgpack (vLLM's engine core's wire) cannot carry them: vLLM failed after the images' encode."""
+    with pytest.raises(pydantic.ValidationError, match=field):
+        request(**{field: value})
+
+
+@pytest.mark.parametrize("body,param", [({"Temperature": 0.2}, "Temperature"),
+                                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "Schema": {}}}},
+                                         "response_format.json_schema.Schema")])
+def test_an_unknown_field_of_capitals_is_named_as_sent(body, param):
+    from gateway.api.parsing import validation_error
+
+    with pytest.raises(pydantic.ValidationError) as raised:
+        request(**body)
+    error = validation_error(raised.value)
+    assert (error.param, error.code) == (param, "unsupported_parameter"), error.message
