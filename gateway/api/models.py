@@ -42,6 +42,9 @@ class ServedModel:
     def create(cls, name: str | None, route: ModelRoute, ctx: zmq.asyncio.Context, config: GatewayConfig) -> "ServedModel":
         encoder = EncoderPool(ctx, expand_addresses(route.encoder_addresses), config.heartbeat_timeout_s)
         engine = EnginePool(ctx, expand_addresses(route.engine_addresses), config.heartbeat_timeout_s)
+        # A model the config names is the operator's: the checkpoint behind the name may roll. One it
+        # does not name is called what its engines said at start: another model would be served under it.
+        engine.adopts = name is not None
         return cls(name, route, encoder, engine)
 
     async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher) -> None:

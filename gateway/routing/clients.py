@@ -194,9 +194,10 @@ class ServiceClient:
             self.up = True
 
     def _rejoin(self, info) -> None:
-        """A restarted process answered the handshake: used again if it serves what its predecessor
-        did, or what its pool now takes (ReplicaPool.accepts: the others changed too, or are gone)."""
-        if not _serves_alike(info, self.info) and not (self.accepts is not None and self.accepts(info)):
+        """A restarted process answered the handshake: used again if its pool takes that answer
+        (ReplicaPool.accepts: what the others serve now, which may not be what its predecessor
+        served), or, a client in no pool, if it serves what its predecessor did."""
+        if not (self.accepts(info) if self.accepts is not None else _serves_alike(info, self.info)):
             if not _serves_alike(info, self._refused):
                 log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
                 self._refused = info

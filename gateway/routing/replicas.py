@@ -90,6 +90,7 @@ class ReplicaPool(Generic[C]):
         self._discovery: asyncio.Task | None = None
         self._last_served: OrderedDict[bytes, int] = OrderedDict()  # digest → replica (LRU)
         self._rotation = itertools.count()
+        self.adopts = True  # takes a new answer once no replica serves the old (`accepts`)
 
     async def connect(self, timeout_s: float):
         """Handshake with every replica; they must agree on `same`. The first one's answer (None without replicas)."""
@@ -111,10 +112,10 @@ class ReplicaPool(Generic[C]):
     def accepts(self, info, index: int) -> bool:
         """Whether replica `index`, answering the handshake as `info`, may serve: it agrees with the
         pool on `same`; or none of the others serves any more (a rolling change of config replaced
-        them all), and then the pool takes its answer as the one later replicas must match."""
+        them all) and the pool `adopts`, and then it takes its answer as the one later replicas must match."""
         if self.info is None or getattr(info, self.same) == getattr(self.info, self.same):
             return True
-        if any(r.up for i, r in enumerate(self.replicas) if i != index and i not in self.retired):
+        if not self.adopts or any(r.up for i, r in enumerate(self.replicas) if i != index and i not in self.retired):
             return False
         log.warning("no %s serves %s=%s any more: %s at %s serves %s, taken as the pool's now", self.kind, self.same,
                     getattr(self.info, self.same), self.replicas[index].name, self.replicas[index].address, getattr(info, self.same))

@@ -165,10 +165,11 @@ async def two_engines_and_a_pool(tmp_path, make_engine=FakeEngine):
         ctx.destroy(linger=0)
 
 
-async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
+async def _a_rolling_change_of_model(tmp_path, adopts: bool = True) -> list[tuple[bool, bool, str]]:
     """Two engines restarted one after the other with another model: (up, up, the pool's model) as it goes."""
     seen = []
     async with two_engines_and_a_pool(tmp_path) as (engines, pool):
+        pool.adopts = adopts
 
         def state() -> tuple[bool, bool, str]:
             return pool.replicas[0].up, pool.replicas[1].up, pool.info.model
@@ -178,8 +179,8 @@ async def _a_rolling_change_of_model(tmp_path) -> list[tuple[bool, bool, str]]:
         for index in (0, 1):
             engines[index].boot_id, engines[index].model = "boot-2", "m2"
             await wait_until_async(lambda: pool.replicas[index].stats.boot_id == "boot-2", 5, f"engine {index}'s restart seen")
-            if index == 0:  # refused while engine 1 serves m: asked again at each heartbeat
-                await wait_until_async(lambda: engines[0].handshakes >= 3, 5, "engine 0 handshaken again")
+            if index == 0 or not adopts:  # refused while engine 1 serves m (or for good): asked again at each heartbeat
+                await wait_until_async(lambda: engines[index].handshakes >= 3, 5, f"engine {index} handshaken again")
             else:
                 await wait_until_async(lambda: all(r.up for r in pool.replicas), 5, "both engines serving m2")
             seen.append(state())
@@ -190,3 +191,28 @@ def test_replicas_restarted_with_another_model_are_taken_once_none_serves_the_ol
     """A rolling change of config: the first restarted engine waits while the other serves the old
     model; once neither does, the pool takes the new answer and both serve."""
     assert asyncio.run(_a_rolling_change_of_model(tmp_path)) == [(False, True, "m"), (True, True, "m2")]
+
+
+def test_an_unnamed_model_s_engines_restarted_with_another_model_stay_out(tmp_path):
+    """A model the config does not name is called what its engines said at start: engines of another
+    model would answer under that name (gateway/api/models.py: the pool does not adopt)."""
+    assert asyncio.run(_a_rolling_change_of_model(tmp_path, adopts=False)) == [(False, True, "m"), (False, False, "m")]
+
+
+async def _back_with_the_old_model_after_the_pool_moved_on(tmp_path) -> tuple[bool, bool, str]:
+    async with two_engines_and_a_pool(tmp_path) as (engines, pool):
+        pool.start_heartbeat(0.05)
+        await wait_until_async(lambda: all(r.stats is not None for r in pool.replicas), 5, "both engines' first stats")
+        engines[1].state = ServiceState.DRAINING
+        await wait_until_async(lambda: not pool.replicas[1].up, 5, "engine 1 out of service")
+        engines[0].boot_id, engines[0].model = "boot-2", "m2"  # none other serves: the pool takes m2
+        await wait_until_async(lambda: pool.info.model == "m2" and pool.replicas[0].up, 5, "the pool on m2")
+        handshakes = engines[1].handshakes
+        engines[1].boot_id, engines[1].state = "boot-2", ServiceState.SERVING  # restarted, still serving m
+        await wait_until_async(lambda: engines[1].handshakes >= handshakes + 3, 5, "engine 1 handshaken again")
+        return pool.replicas[0].up, pool.replicas[1].up, pool.info.model
+
+
+def test_a_replica_restarted_as_its_predecessor_is_judged_by_what_its_pool_serves_now(tmp_path):
+    """Its own last answer is m, but the pool moved on to m2: taken back, it would serve one name as two models."""
+    assert asyncio.run(_back_with_the_old_model_after_the_pool_moved_on(tmp_path)) == (True, False, "m2")
