@@ -53,6 +53,8 @@ class EncoderPool(ReplicaPool[EncoderClient]):
     service = "encoder"
     client = EncoderClient
     same = "fingerprint"  # checkpoint and every preprocessing parameter
+    # A repeat of an image is a cache hit where it was served last (a lookup, no ViT): worth a queue there.
+    affinity_bounded = False
     optional = True  # a text-only model has none
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:

@@ -71,6 +71,9 @@ class ReplicaPool(Generic[C]):
     client: type[C]  # the client class of one replica
     same: str  # the handshake field every replica must agree on
     optional = False  # may have no replicas at all (encoders, for a text-only model)
+    # The replica that last served an image takes it again only below the load bound, as its own
+    # replica does (a hot image's requests spill over); False: whatever its load.
+    affinity_bounded = True
 
     def __init__(self, ctx: zmq.asyncio.Context, addresses: Sequence[str], heartbeat_timeout_s: float) -> None:
         if not addresses and not self.optional:
@@ -173,14 +176,18 @@ class ReplicaPool(Generic[C]):
         if not candidates:
             return None
         served = self.last_served(digests, candidates)
-        if served is not None:
+        if served is not None and (not self.affinity_bounded or self.replicas[served].outstanding < self._load_bound(candidates)):
             return served
         return self.by_content(digests[0], candidates) if digests else self.least_outstanding(candidates)
+
+    def _load_bound(self, candidates: list[int]) -> int:
+        """LOAD_SLACK × the candidates' mean load with one request more."""
+        return math.ceil(LOAD_SLACK * (sum(self.replicas[i].outstanding for i in candidates) + 1) / len(candidates))
 
     def by_content(self, digest: bytes, candidates: list[int]) -> int:
         """The highest-ranked replica for this image (the same in every gateway
         process) whose load is below LOAD_SLACK × the mean with this request."""
-        bound = math.ceil(LOAD_SLACK * (sum(self.replicas[i].outstanding for i in candidates) + 1) / len(candidates))
+        bound = self._load_bound(candidates)
         ranked = sorted(candidates, key=lambda i: xxhash.xxh3_64_intdigest(digest + self.replicas[i].address.encode()), reverse=True)
         # The least loaded candidate is always below the bound (its load ≤ the mean < bound).
         return next(i for i in ranked if self.replicas[i].outstanding < bound)

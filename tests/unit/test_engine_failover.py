@@ -79,3 +79,29 @@ def test_a_service_silent_past_the_deadline_is_a_504_and_the_work_is_withdrawn(t
             assert (request.request_id, withdrawn) == ("slow", withdrawal)
 
     asyncio.run(run())
+
+
+def test_a_hot_image_s_requests_spill_over_from_the_engine_that_served_it_past_the_load_bound(tmp_path):
+    """Its prefix cache there saves a prefill; not a queue of every request for that image
+    while the other engines idle."""
+    import zmq.asyncio
+
+    from gateway.routing.engine_pool import EnginePool
+
+    async def picks() -> list[int]:
+        ctx = zmq.asyncio.Context()
+        pool = EnginePool(ctx, [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(3)], heartbeat_timeout_s=5)
+        for replica in pool.replicas:
+            replica.up = True
+        pool.remember([b"hot"], 1)
+        chosen = []
+        for n in range(6):
+            index = pool.pick([b"hot"], set())
+            pool.replicas[index].open(f"r{n}")  # outstanding until the end
+            chosen.append(index)
+        await pool.close()
+        ctx.term()
+        return chosen
+
+    chosen = asyncio.run(picks())
+    assert chosen[0] == 1 and max(chosen.count(i) for i in range(3)) <= 3, chosen  # LOAD_SLACK × the mean of 2, at most
