@@ -178,6 +178,19 @@ def engine_timings(metrics, received: float, fetch_s: float, first_ready: float)
     )
 
 
+class OutputFailed(RuntimeError):
+    """Turning vLLM's output into a reply failed (a parser, the wire): the engine's fault, a 500,
+    never the request's 400, which the ValueError or TypeError it was would otherwise be."""
+
+
+@contextlib.contextmanager
+def _engine_s_own_fault():
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise OutputFailed(f"{type(exc).__name__}: {exc}") from exc
+
+
 @dataclass(eq=False)
 class InFlight:
     peer: bytes
@@ -507,25 +520,26 @@ class EngineService:
         async with self._in_vllm(rid), contextlib.aclosing(self.engine.generate(prompt.inputs, params, rid, **reasoning)) as outputs:
             async for output in outputs:
                 self.waiting.discard(rid)
-                deltas = []
-                for choice in output.outputs:
-                    if choice.index not in choices:  # parsers are stateful: one per choice
-                        choices[choice.index] = ChoiceStream(choice.index, chat, new_parser(), self.tokenizer, output.prompt_token_ids)
-                    deltas.append(choices[choice.index].delta(choice))
-                    completion_tokens += len(choice.token_ids)
-                first_ready = first_ready or time.monotonic()  # the first token, ready to leave the engine
-                finished = output.finished
-                delta = TokenDelta(
-                    request_id=rid,
-                    choices=deltas,
-                    completion_tokens=completion_tokens,
-                    prompt_tokens=len(output.prompt_token_ids or ()),
-                    finished=finished,
-                    timings=engine_timings(output.metrics, *arrival, first_ready) if first or finished else None,
-                    cached_tokens=output.num_cached_tokens or 0,
-                )
-                if not await self._send(peer, delta):
-                    return None  # closing the generator aborts the request in vLLM
+                with _engine_s_own_fault():  # vLLM took the request: what fails from here is not its fault
+                    deltas = []
+                    for choice in output.outputs:
+                        if choice.index not in choices:  # parsers are stateful: one per choice
+                            choices[choice.index] = ChoiceStream(choice.index, chat, new_parser(), self.tokenizer, output.prompt_token_ids)
+                        deltas.append(choices[choice.index].delta(choice))
+                        completion_tokens += len(choice.token_ids)
+                    first_ready = first_ready or time.monotonic()  # the first token, ready to leave the engine
+                    finished = output.finished
+                    delta = TokenDelta(
+                        request_id=rid,
+                        choices=deltas,
+                        completion_tokens=completion_tokens,
+                        prompt_tokens=len(output.prompt_token_ids or ()),
+                        finished=finished,
+                        timings=engine_timings(output.metrics, *arrival, first_ready) if first or finished else None,
+                        cached_tokens=output.num_cached_tokens or 0,
+                    )
+                    if not await self._send(peer, delta):
+                        return None  # closing the generator aborts the request in vLLM
                 first = False
         return completion_tokens
 

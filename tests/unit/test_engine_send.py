@@ -64,3 +64,43 @@ async def _a_stream_to_a_gateway_that_stopped_reading(message, expected: tuple, 
 ], ids=["a-stream", "a-refusal", "a-refusal-from-the-receive-loop"])
 def test_what_a_full_gateway_could_not_take_reaches_it_once_it_reads_again(message, expected, wait):
     asyncio.run(_a_stream_to_a_gateway_that_stopped_reading(message, expected, wait))
+
+
+async def _reply_when_an_output_cannot_be_turned_into_a_delta() -> list:
+    """vLLM took the request and answered; turning its output into a reply raised a ValueError
+    (a parser, an unencodable string): that is the engine's failure, not the request's."""
+    from protocol.to_engine import GenerateRequest
+
+    class Output:
+        @property
+        def outputs(self):
+            raise ValueError("a parser choked on the model's output")
+
+    async def generate(*_args, **_kwargs):
+        yield Output()
+
+    ctx = zmq.asyncio.Context()
+    router = AsyncRouter(ctx, ADDRESS, EngineInbound)
+    gateway = ctx.socket(zmq.DEALER)
+    try:
+        gateway.connect(ADDRESS)
+        await gateway.send_multipart(pack(Hello("gateway")))
+        peer = (await asyncio.wait_for(router.recv(), 5))[0]
+        service = _service(router)
+        service.engine = SimpleNamespace(generate=generate, errored=False)
+        service.watch = SimpleNamespace(note_work_arrived=lambda *_args, **_kwargs: None)
+        service.images = SimpleNamespace(tensors=lambda _refs: asyncio.sleep(0, []))
+        read = SimpleNamespace(chat=None, new_parser=lambda: None, reasoning=lambda _ids: {})
+        service._read_and_render = lambda _request: (read, [1, 2])
+        service._plan = lambda *_args: asyncio.sleep(0, (SimpleNamespace(inputs={}, num_tokens=2, max_tokens=4), None))
+        await service._generate(peer, GenerateRequest("r", b"{}"), 0.0)
+        return [m for m in await _read_all(gateway) if isinstance(m, GenerateFailed)]
+    finally:
+        gateway.close(linger=0)
+        router.close()
+        ctx.term()
+
+
+def test_a_failure_past_vllm_s_answer_is_the_engine_s_500_not_the_request_s_400():
+    (failed,) = asyncio.run(_reply_when_an_output_cannot_be_turned_into_a_delta())
+    assert failed.status == 500 and "a parser choked" in failed.message, failed
