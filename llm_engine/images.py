@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import zmq
@@ -110,6 +110,7 @@ class EngineImages:
         self._encoders: OrderedDict[str, _Encoder] = OrderedDict()  # least recently asked first
         self._fetching: dict[tuple[bytes, bytes], asyncio.Future] = {}  # (key, identity) → the fetch bringing it
         self._awaited: dict[tuple[bytes, bytes], asyncio.Future] = {}  # pushes a request waits for
+        self._waiters: Counter[asyncio.Future] = Counter()  # requests waiting on each of those
         self._arrived: OrderedDict[tuple[bytes, bytes], None] = OrderedDict()  # pushes no request used yet
         # pushes a request waited out: a later request for the same image fetches at once (if
         # the push comes after all, the LRU holds it) instead of waiting push_wait_s again
@@ -224,17 +225,25 @@ class EngineImages:
         return self._awaited[slot]
 
     async def _await_pushes(self, images: Sequence[ImageEmbedding], awaited: dict[int, asyncio.Future], found: list) -> None:
-        """Wait up to `push_wait_s` for pushes on their way; what does not come is fetched."""
+        """Wait up to `push_wait_s` for pushes on their way; what does not come is fetched. A push
+        another request waits for too stays awaited when this one ends (it may be cancelled, its
+        gateway gone): the other's wait ends when the push comes, not at its timeout."""
+        self._waiters.update(awaited.values())
+        waited_out = False
         try:
             await asyncio.wait(awaited.values(), timeout=self.push_wait_s)  # never cancels them: others may wait too
+            waited_out = True
         finally:
+            self._waiters.subtract(awaited.values())
             for index, future in awaited.items():
                 if future.done() and _as_referenced(tensor := future.result(), images[index]):
                     found[index] = tensor
                     self.pushed += 1
-                elif self._awaited.get(slot := (images[index].key, images[index].identity)) is future:
+                elif not self._waiters[future] and self._awaited.get(slot := (images[index].key, images[index].identity)) is future:
                     del self._awaited[slot]  # not come: if it comes later, the LRU keeps it
-                    _remember(self._overdue, slot)
+                    if waited_out:
+                        _remember(self._overdue, slot)
+            self._waiters += Counter()  # drop the zero counts
 
     async def _fetch_marked(self, images: Sequence[ImageEmbedding], wanted: dict[str, list[int]], found: list) -> None:
         """`_fetch`, with each image it brings marked in flight until it ends."""

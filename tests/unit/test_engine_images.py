@@ -229,3 +229,21 @@ async def _encoders_forgotten() -> None:
 def test_sockets_to_encoders_no_longer_asked_are_closed_past_a_bound(monkeypatch):
     monkeypatch.setattr("llm_engine.images.ENCODERS_REMEMBERED", 2)
     asyncio.run(_encoders_forgotten())
+
+
+async def _a_shared_push_after_one_waiter_went_away() -> tuple[bool, list]:
+    source = "inproc://encoder-shared-push"
+    async with encoder_and_fetcher(source, {b"s": TOKENS * 5}, push_wait_s=30) as (encoder, fetcher):
+        first = asyncio.create_task(fetcher.tensors([pushed_reference(b"s", source)]))
+        second = asyncio.create_task(fetcher.tensors([pushed_reference(b"s", source)]))
+        await wait_until_async(lambda: (b"s", b"id-s") in fetcher._awaited, 5, "the requests waiting for the push")
+        await asyncio.sleep(0.1)  # both of them
+        first.cancel()  # its gateway went away
+        await asyncio.gather(first, return_exceptions=True)
+        push(fetcher, b"s", TOKENS * 2)
+        got = await asyncio.wait_for(second, 5)  # the push ends its wait, not push_wait_s (30 s)
+        return torch.equal(got[0], TOKENS * 2), encoder.asked
+
+
+def test_a_push_two_requests_wait_for_ends_the_other_s_wait_when_one_is_cancelled():
+    assert asyncio.run(_a_shared_push_after_one_waiter_went_away()) == (True, [])
