@@ -129,7 +129,7 @@ class GatewayConfig(FrozenConfig):
     max_video_bytes: int = Field(64 * 2**20, ge=1)  # encoded size, data: or fetched
     max_video_frame_pixels: int = Field(3840 * 2160, ge=1)  # one frame's width × height
     max_video_frames: int = Field(108_000, ge=1)  # frames the header claims (an hour at 30 fps)
-    max_video_duration_s: float = Field(3600, gt=0)  # length the header claims
+    max_video_duration_s: float = Field(3600, gt=0, le=36000)  # length the header claims; the engine takes up to 10 h
     max_video_sampled_frames: int = Field(768, ge=1)  # frames kept per video (Qwen's loaders cap at 768 too)
     max_video_decode_s: float = Field(120, gt=0)  # one video's decode; past it a 413 (it holds an intake thread)
     intake_workers: int = Field(2, ge=1)  # threads decoding and resizing images

@@ -18,6 +18,7 @@ Without it vLLM would take one second per temporal patch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +47,11 @@ def embeds_of(video, tokens: torch.Tensor) -> VideoEmbeds:
     return VideoEmbeds(tokens, tuple(video.grid_thw), video.second_per_grid_t, timestamps)
 
 
+# The longest clip: its time becomes rotary positions (Qwen2.5-VL: 2 a second), which must stay
+# inside the model's position table (128k); the gateway holds clips to it (gateway.max_video_duration_s).
+MAX_VIDEO_SECONDS = 36000.0
+
+
 def check_video(video: VideoEmbeds, family: str, width: int, merge_size: int, index: int = 0) -> None:
     """What vLLM's front end lets through and its engine core then dies on, refused here."""
     t, h, w = video.grid_thw
@@ -53,10 +59,14 @@ def check_video(video: VideoEmbeds, family: str, width: int, merge_size: int, in
     if video.tokens.ndim != 2 or tuple(video.tokens.shape) != (rows, width):
         raise InvalidVideo(f"videos[{index}]: embeddings of shape {tuple(video.tokens.shape)}, expected ({rows}, {width}) "
                            f"for grid {video.grid_thw}")
-    if family == "Qwen2.5-VL" and not (video.second_per_grid_t and video.second_per_grid_t > 0):
-        raise InvalidVideo(f"videos[{index}]: Qwen2.5-VL needs second_per_grid_t > 0")
+    # Each becomes rotary positions in vLLM's engine core: past its position table, the core dies.
+    if family == "Qwen2.5-VL" and not (video.second_per_grid_t and 0 < video.second_per_grid_t * t <= MAX_VIDEO_SECONDS):
+        raise InvalidVideo(f"videos[{index}]: Qwen2.5-VL needs second_per_grid_t > 0, over at most {MAX_VIDEO_SECONDS:g} s "
+                           f"in all, not {video.second_per_grid_t} s × {t}")
     if family == "Qwen3-VL" and (video.timestamps is None or len(video.timestamps) != t):
         raise InvalidVideo(f"videos[{index}]: Qwen3-VL needs one timestamp per temporal patch ({t})")
+    if family == "Qwen3-VL" and not all(math.isfinite(stamp) and 0 <= stamp <= MAX_VIDEO_SECONDS for stamp in video.timestamps):
+        raise InvalidVideo(f"videos[{index}]: Qwen3-VL's timestamps must lie in [0, {MAX_VIDEO_SECONDS:g}] s")
 
 
 def video_data(videos: Sequence[VideoEmbeds], family: str) -> dict:

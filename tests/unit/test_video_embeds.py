@@ -31,6 +31,16 @@ def test_each_family_s_time_axis_is_required():
     check_video(VideoEmbeds(torch.zeros(24, 128), (2, 6, 8), second_per_grid_t=0.5), "Qwen2.5-VL", 128, 2)
 
 
+
+@pytest.mark.parametrize("second_per_grid_t,timestamps", [(float("inf"), None), (float("nan"), None), (1e9, None),
+                                                          (None, (0.0, float("inf"))), (None, (0.0, 1e9))])
+def test_a_time_axis_past_the_model_s_positions_is_refused_before_it_reaches_vllm_s_engine_core(second_per_grid_t, timestamps):
+    """It becomes rotary positions there: past the position table, the engine core (and every request on it) dies."""
+    family = "Qwen2.5-VL" if timestamps is None else "Qwen3-VL"
+    with pytest.raises(InvalidVideo, match="second_per_grid_t|timestamps"):
+        check_video(VideoEmbeds(torch.zeros(24, 128), (2, 6, 8), second_per_grid_t, timestamps), family, 128, 2)
+
+
 def test_videos_are_one_flat_tensor_with_their_grids_and_time_axes():
     a = VideoEmbeds(torch.ones(24, 8), (2, 6, 8), 0.5, (0.25, 1.25))
     b = VideoEmbeds(torch.zeros(4, 8), (1, 4, 4), 2.0, (0.0,))
