@@ -160,7 +160,8 @@ class SharedTier:
             _, value = unpack(blob)
         except Exception as exc:  # whatever it holds: a miss, never the lookup's error (the image is encoded again)
             self.stats.corrupt += 1
-            log.warning("shared cache entry refused: %s", exc)
+            if self.stats.corrupt % 1000 == 1:  # one that is never overwritten (a read-only replica) is read again and again
+                log.warning("shared cache entry refused (%d so far): %s", self.stats.corrupt, exc)
             return None
         if value.identity != identity:
             self.stats.collisions += 1

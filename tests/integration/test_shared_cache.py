@@ -79,7 +79,7 @@ def forged(identity: bytes, shape: tuple[int, ...], dtype: str = "float32", payl
 
 @pytest.mark.parametrize("tamper", ["flip_payload_byte", "flip_grid", "truncate", "foreign_value", "strides_past_memory",
                                     "size_past_memory", "quantised_dtype", "not_a_float"])
-def test_tampered_values_are_refused(tier, server, tamper):
+def test_tampered_values_are_refused(tier, server, tamper, caplog):
     entry = value()
     stored(tier, b"k1", entry)
     raw = redis.Redis(port=server.port)
@@ -102,8 +102,12 @@ def test_tampered_values_are_refused(tier, server, tamper):
     else:
         blob = bytearray(forged(entry.identity, (12, 16), "int32", bytes(12 * 16 * 4)))
     raw.set(NAMESPACE + b"k1", bytes(blob))
-    assert tier.get_many([b"k1"], [entry.identity]) == [None]
-    assert tier.stats.corrupt == 1 and tier.stats.hits == 0
+    with caplog.at_level(logging.WARNING, logger="prism.cache"):
+        assert tier.get_many([b"k1"], [entry.identity]) == [None]
+        assert tier.stats.corrupt == 1 and tier.stats.hits == 0
+        for _ in range(3):  # read again and again where no write replaces it (a read-only replica): said once
+            assert tier.get_many([b"k1"], [entry.identity]) == [None]
+    assert tier.stats.corrupt == 4 and caplog.text.count("shared cache entry refused") == 1
 
 
 def test_another_identity_under_the_same_key_is_a_collision_not_a_hit(tier):
