@@ -14,6 +14,8 @@ decode time.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import struct
 from collections.abc import Mapping
@@ -48,3 +50,10 @@ def content_key(*parts: Any) -> bytes:
         hasher.update(tag + struct.pack("<Q", len(payload)))
         hasher.update(payload)
     return hasher.digest()
+
+
+@functools.cache
+def library_versions(*distributions: str) -> dict[str, str]:
+    """The installed versions of the libraries that make a key's pixels or tokens: a key part, so
+    that an upgrade whose decoder, resize or tower rounds otherwise shares no key with the last one."""
+    return {name: importlib.metadata.version(name) for name in distributions}

@@ -31,7 +31,7 @@ import numpy as np
 import pybase64
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from cache import content_key
+from cache import content_key, library_versions
 from gateway.errors import APIError
 from gateway.intake.resize import resize_pixels, smart_resize
 from gateway.intake.together import Stopped
@@ -128,6 +128,7 @@ class IntakePolicy:
             "exif_transpose": True,
             "first_frame": True,
             "jpeg_draft": self.jpeg_draft,
+            "libraries": library_versions("pillow", "torch"),  # the decode, the resize
         }
 
 

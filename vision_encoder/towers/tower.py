@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
-from cache import content_key
+from cache import content_key, library_versions
 from common.families import Family
 from vision_encoder.towers.device_io import DeviceIO
 from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
@@ -198,6 +198,8 @@ class VisionTower:
                for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop")},
             "dtype": str(self.dtype),
             "numerics": NUMERICS_REVISION,
+            # the processor's and the tower's code: an upgrade may resize or round otherwise
+            "libraries": library_versions("torch", "torchvision", "transformers"),
             # torchvision resizes uint8 on a GPU through float32, on a CPU with its own uint8
             # kernel: up to a few grey levels apart; and a GPU's kernels round otherwise than a
             # CPU's: tokens made on either are not the other's

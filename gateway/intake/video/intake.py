@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from cachetools import LRUCache
 
-from cache import content_key
+from cache import content_key, library_versions
 from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
@@ -282,7 +282,8 @@ def _a_tail_vllm_serves_without(item: InspectedVideo, missing: list[int], read: 
 
 def digest_of(raw: bytes, sampling: VideoSampling) -> bytes:
     """The video's part of the cache key: its bytes and what decided the frames kept."""
-    return content_key({"version": VIDEO_INTAKE_VERSION, **sampling.key_part()}, raw)
+    return content_key({"version": VIDEO_INTAKE_VERSION, "libraries": library_versions("opencv-python-headless", "torch"),
+                        **sampling.key_part()}, raw)
 
 
 class VideoIntake:
