@@ -8,6 +8,7 @@ import gc
 import logging
 import signal
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import anyio
@@ -45,6 +46,7 @@ from common.config import ConfigError, load_config
 from common.malloc import keep_freed_heap, one_heap
 
 log = logging.getLogger("prism.gateway")
+RESTART_MODEL_AFTER_S = 5.0  # between the attempts to start a model whose services did not answer
 STATIC = Path(__file__).with_name("static")
 
 
@@ -82,6 +84,9 @@ class Gateway:
         self._sampler: asyncio.Task | None = None
         self._loop_probe: LoopProbe | None = None
         self._reloading = asyncio.Lock()
+        # Models whose services did not answer at start (or by a reload): started again in the background
+        # while the others serve; their requests get a 503 meanwhile. Name → (route, its task).
+        self.starting: dict[str, tuple[ModelRoute, asyncio.Task]] = {}
         self._reloads: set[asyncio.Task] = set()  # SIGHUP's, cancelled by stop()
         self.auth = Authenticator(config.api_keys)
         self.limiter = ConcurrencyLimiter.for_worker(
@@ -106,8 +111,16 @@ class Gateway:
         return served
 
     async def start(self) -> None:
-        started = await asyncio.gather(*(self._start_model(n, r) for n, r in self.config.routes().items()))
-        self.models = {served.name: served for served in started}
+        """Every model of the map; one whose services do not answer does not keep the others off the
+        air (unless none answers: then nothing would serve)."""
+        routes = self.config.routes()
+        started = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items()), return_exceptions=True)
+        failed = {name: result for name, result in zip(routes, started) if isinstance(result, BaseException)}
+        if len(failed) == len(routes):
+            raise next(iter(failed.values()))
+        self.models = {served.name: served for served in started if not isinstance(served, BaseException)}
+        for name, error in failed.items():
+            self._start_later(name, routes[name], error)
         if self.slot.count > 1:
             self.siblings = Siblings(self.ctx, self.run_dir, self.slot, self.window)
         self._sampler = asyncio.create_task(self._sample_every(self.config.stats_interval_s))
@@ -116,6 +129,24 @@ class Gateway:
         REGISTRY.register(self.stats_collector)
         log.info("Prism ready: http://%s:%d/v1 (models %s%s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)),
                  f"; worker {self.slot.index + 1} of {self.slot.count}" if self.slot.count > 1 else "")
+
+    def _start_later(self, name: str, route: ModelRoute, error: BaseException) -> None:
+        log.error("model %r did not start (%s); serving the others, and starting it again", name, error)
+        self.starting[name] = (route, asyncio.create_task(self._keep_starting(name, route)))
+
+    async def _keep_starting(self, name: str, route: ModelRoute) -> None:
+        while True:
+            await asyncio.sleep(RESTART_MODEL_AFTER_S)
+            try:
+                served = await self._start_model(name, route)
+            except Exception as exc:  # still not there: asked again (each attempt waits out its handshakes)
+                log.warning("model %r still does not start: %s", name, exc)
+                continue
+            async with self._reloading:  # a reload decides the map meanwhile: it cancels this task first
+                self.starting.pop(name, None)
+                self.models[name] = served
+            log.warning("model %r started", name)
+            return
 
     def plan_memory(self) -> MemoryPlan:
         """Size the memory budget and the kept heap from the limit and this
@@ -147,7 +178,9 @@ class Gateway:
             if None in routes and len(self.models) == 1:  # an unnamed model keeps the engine's name
                 routes = {next(iter(self.models)): routes[None]}
             keep = {name: served for name, served in self.models.items() if routes.get(name) == served.route}
-            started = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep),
+            # a model still starting on the route the map gives it goes on starting
+            pending = {name for name, (route, _) in self.starting.items() if routes.get(name) == route}
+            started = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep | pending),
                                            return_exceptions=True)
             if failed := [result for result in started if isinstance(result, BaseException)]:
                 # a model that cannot start leaves the running map as it is; those that did are let go
@@ -155,6 +188,8 @@ class Gateway:
                 log.error("reload failed, the running map stays: %s", failed[0])
                 return
             fresh = started
+            for name in set(self.starting) - pending:  # off the map now, or on another route
+                self.starting.pop(name)[1].cancel()
             retiring = [served for name, served in self.models.items() if name not in keep]
             self.models = {**keep, **{served.name: served for served in fresh}}
             for served in retiring:
@@ -225,7 +260,8 @@ class Gateway:
         self.ctx.destroy(linger=0)
 
     async def stop(self) -> None:
-        for task in list(self._reloads):  # one waiting on handshakes would hold sockets term() waits for
+        # one waiting on handshakes would hold sockets term() waits for
+        for task in [*self._reloads, *(task for _, task in self.starting.values())]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -277,19 +313,20 @@ def _each_process(replicas) -> list:
     return list(newest.values())
 
 
-def readiness(models: dict) -> tuple[dict, int]:
+def readiness(models: dict, starting: Collection[str] = ()) -> tuple[dict, int]:
     """The readiness answer and its status: 200 while any model serves ("ready" when all do,
     "degraded" when some do), 503 when none does. One model's outage must not take the others
     off the air: a gateway pod that fails readiness leaves its Service for every model, while the
-    requests for the model that is down get their own 503 with Retry-After."""
-    serving = [served.up for served in models.values()]
+    requests for the model that is down get their own 503 with Retry-After. A model still
+    `starting` (its services did not answer at start) is down."""
+    serving = [served.up for served in models.values()] + [False] * len(starting)
     status = ("ready" if all(serving) else "degraded") if any(serving) else "down"
     body = {"status": status, "models": {
         name: {"encoder": ("up" if served.encoder.up else "down") if served.takes_images else "none",
                "engine": "up" if served.engine.up else "down",
                "replicas": {r.address: "up" if r.up else "down"
                             for _, r in (*served.encoder.serving(), *served.engine.serving())}}
-        for name, served in models.items()}}
+        for name, served in models.items()} | {name: {"status": "starting"} for name in starting}}
     return body, 200 if any(serving) else 503
 
 
@@ -351,7 +388,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
     @app.get("/health/ready")
     @app.get("/health")
     async def ready() -> JSONResponse:
-        return JSONResponse(*readiness(gateway.models))
+        return JSONResponse(*readiness(gateway.models, gateway.starting))
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -16,7 +16,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Collection, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -132,7 +132,7 @@ class ChatHandler:
         body_read.set()
         record.timer.add("parse", time.perf_counter() - parse_started)
         record.timer.choices = request.n
-        served = _served(gateway.models, request.model)
+        served = _served(gateway.models, request.model, gateway.starting)
         served.enter()
         record.ticket.on_release(served.leave)  # a stream leaves when it ends
         record.model = served.name
@@ -236,9 +236,12 @@ def internal_error() -> APIError:
     return APIError(500, "the gateway failed on this request; its log has the details under this request's id", code="internal_error")
 
 
-def _served(models: dict, name: str | None):
+def _served(models: dict, name: str | None, starting: Collection[str] = ()):
     """The model a request names; one that names none gets the one served, as on vLLM's server."""
     names = ", ".join(repr(name) for name in models)
+    if name in starting:
+        raise APIError(503, f"model '{name}' is starting: its services have not answered yet; retry shortly", param="model",
+                       code="model_starting", headers={"Retry-After": "5"})
     if name is None:
         if len(models) != 1:
             raise APIError(400, f"name a model: this server serves {names}", param="model", code="missing_required_parameter")

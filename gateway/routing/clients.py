@@ -73,6 +73,7 @@ class ServiceClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._ready: asyncio.Future | None = None
         self._tasks: list[asyncio.Task] = []
+        self._reading = False  # its receive loop and connection watch started (`connect`)
         self.info: Any = None
         # The pool's judgement of a handshake answer (ReplicaPool.accepts); None: it must equal `info`
         self.accepts: Callable[[Any], bool] | None = None
@@ -85,9 +86,12 @@ class ServiceClient:
         self.rejoining = False  # a restarted process: up again once it answers the handshake
 
     async def connect(self, timeout_s: float) -> Any:
-        """Handshake: Hello until the service answers (it may still be loading)."""
-        self._tasks.append(asyncio.create_task(self._receive_loop()))
-        self._tasks.append(asyncio.create_task(self._watch_connection()))
+        """Handshake: Hello until the service answers (it may still be loading). Asked again after a
+        timeout, it goes on with the reader it started."""
+        if not self._reading:
+            self._reading = True
+            self._tasks.append(asyncio.create_task(self._receive_loop()))
+            self._tasks.append(asyncio.create_task(self._watch_connection()))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:

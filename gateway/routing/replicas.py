@@ -96,15 +96,47 @@ class ReplicaPool(Generic[C]):
         self.adopts = True  # takes a new answer once no replica serves the old (`accepts`)
 
     async def connect(self, timeout_s: float):
-        """Handshake with every replica; they must agree on `same`. The first one's answer (None without replicas)."""
+        """Handshake with every replica, each for up to `timeout_s`: those that answer must agree on
+        `same`, and serve; one that does not (down, not scheduled yet) is asked on in the background and
+        joins once it answers as the others did. None answering is the pool's failure to start. The
+        first answer (None without replicas)."""
         if not self.replicas:
             return None
-        infos = await asyncio.gather(*(replica.connect(timeout_s) for replica in self.replicas))
-        if len({getattr(info, self.same) for info in infos}) > 1:
+        attempts = [asyncio.create_task(replica.connect(timeout_s)) for replica in self.replicas]
+        try:
+            await asyncio.wait(attempts)
+        finally:
+            for attempt in attempts:
+                attempt.cancel()  # done already, unless this start was itself cancelled
+        answered = {i: attempt.result() for i, attempt in enumerate(attempts) if attempt.exception() is None}
+        if not answered:
+            raise attempts[0].exception()
+        if len({getattr(info, self.same) for info in answered.values()}) > 1:
             raise RuntimeError(f"{self.kind} replicas differ in {self.same}: " + ", ".join(
-                f"{r.address} ({i.model})" for r, i in zip(self.replicas, infos)))
-        self.info = infos[0]
-        return infos[0]
+                f"{self.replicas[i].address} ({info.model})" for i, info in answered.items()))
+        self.info = next(iter(answered.values()))
+        for index in sorted(set(range(len(self.replicas))) - set(answered)):
+            log.error("%s; serving without it until it answers", attempts[index].exception())
+            self._joining[index] = asyncio.create_task(self._join_late(index, timeout_s))
+        return self.info
+
+    async def _join_late(self, index: int, timeout_s: float) -> None:
+        """A replica that did not answer at start: asked until it answers, then used as a newcomer is."""
+        replica = self.replicas[index]
+        while True:
+            try:
+                info = await replica.connect(timeout_s)
+            except RuntimeError:
+                continue  # silent all along: asked again (said at start)
+            if self.accepts(info, index):
+                if self._heartbeat_interval_s is not None:  # else it starts with everyone's
+                    replica.start_heartbeat(self._heartbeat_interval_s)
+                log.warning("%s at %s joined", replica.name, replica.address)
+                self._joining.pop(index, None)
+                return
+            log.error("%s at %s serves %s, not %s: it is left out", replica.name, replica.address, info, self.info)
+            replica.up = False
+            await asyncio.sleep(REJOIN_AFTER_S[0])
 
     def _new_client(self, address: str, name: str, index: int) -> C:
         """The client of the replica at `index`, its handshakes judged by the pool (`accepts`)."""
@@ -136,9 +168,12 @@ class ReplicaPool(Generic[C]):
         return [(i, r) for i, r in enumerate(self.replicas) if i not in self._free]
 
     def start_heartbeat(self, interval_s: float) -> None:
+        """For every replica that has answered its handshake (one yet to answer starts its own then:
+        a heartbeat answered before a handshake would put it in service unchecked)."""
         self._heartbeat_interval_s = interval_s
-        for replica in self.replicas:
-            replica.start_heartbeat(interval_s)
+        for index, replica in enumerate(self.replicas):
+            if index not in self._joining:
+                replica.start_heartbeat(interval_s)
 
     def follow_dns(self, addresses: Sequence[str], interval_s: float, join_timeout_s: float, lookup=None) -> None:
         """Re-resolve the configured addresses every interval (gateway/routing/discovery.py)."""

@@ -37,3 +37,64 @@ def test_ready_while_any_model_serves_and_down_when_none_does():
                     replica.socket.close()
                     replica._monitor.close()
         ctx.term()
+
+
+async def _a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch) -> list:
+    """Two text-only models, each one (fake) engine; model b's is not there when the gateway starts."""
+    import asyncio
+
+    import gateway.api.app as app
+    from gateway.ops.workers import WorkerSlot
+    from protocol.to_engine import EngineInbound
+    from protocol.sockets import AsyncRouter
+    from tests.unit.test_service_states import FakeEngine
+    from tests.waiting import wait_until_async
+
+    monkeypatch.setattr(app, "RESTART_MODEL_AFTER_S", 0.1)
+    addresses = {name: f"ipc://{tmp_path}/{name}.sock" for name in "ab"}
+    config = GatewayConfig(models={name: ModelRoute(encoder_addresses=[], engine_addresses=[address])
+                                   for name, address in addresses.items()}, startup_timeout_s=1)
+    ctx = zmq.asyncio.Context()
+    engines = {"a": FakeEngine(AsyncRouter(ctx, addresses["a"], EngineInbound))}
+    serving = [asyncio.create_task(engines["a"].serve())]
+    gateway = app.Gateway(config, None, WorkerSlot(), tmp_path)
+    seen = []
+    try:
+        await gateway.start()  # b's engine never answers: a serves, b is started again in the background
+        body, status = readiness(gateway.models, gateway.starting)
+        seen.append((sorted(gateway.models), sorted(gateway.starting), status, body["status"]))
+        engines["b"] = FakeEngine(AsyncRouter(ctx, addresses["b"], EngineInbound))
+        serving.append(asyncio.create_task(engines["b"].serve()))
+        await wait_until_async(lambda: "b" in gateway.models, 10, "model b started once its engine answered")
+        seen.append((sorted(gateway.models), sorted(gateway.starting)))
+    finally:
+        await gateway.stop()
+        for task in serving:
+            task.cancel()
+        for engine in engines.values():
+            engine.router.close()
+        ctx.destroy(linger=0)
+    return seen
+
+
+def test_a_model_whose_services_are_down_at_start_does_not_keep_the_others_off_the_air(tmp_path, monkeypatch):
+    """A gateway restarted during one model's outage serves the others (ready, "degraded") instead of failing
+    its start, and serves that model once its services answer."""
+    import asyncio
+
+    assert asyncio.run(_a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch)) == [
+        (["a"], ["b"], 200, "degraded"), (["a", "b"], [])]
+
+
+def test_a_request_for_a_model_still_starting_is_a_503_to_retry_not_a_404():
+    import pytest
+
+    from gateway.api.chat import _served
+    from gateway.errors import APIError
+
+    with pytest.raises(APIError) as refused:
+        _served({"a": object()}, "b", {"b": None})
+    assert (refused.value.status, refused.value.code) == (503, "model_starting")
+    with pytest.raises(APIError) as unknown:
+        _served({"a": object()}, "c", {"b": None})
+    assert unknown.value.status == 404

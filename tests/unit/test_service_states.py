@@ -216,3 +216,37 @@ async def _back_with_the_old_model_after_the_pool_moved_on(tmp_path) -> tuple[bo
 def test_a_replica_restarted_as_its_predecessor_is_judged_by_what_its_pool_serves_now(tmp_path):
     """Its own last answer is m, but the pool moved on to m2: taken back, it would serve one name as two models."""
     assert asyncio.run(_back_with_the_old_model_after_the_pool_moved_on(tmp_path)) == (True, False, "m2")
+
+
+async def _a_pool_started_with_one_replica_down(tmp_path) -> list[tuple[bool, bool]]:
+    from gateway.routing.engine_pool import EnginePool
+
+    ctx = zmq.asyncio.Context()
+    addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
+    engines, serving = [FakeEngine(AsyncRouter(ctx, addresses[0], EngineInbound))], []
+    serving.append(asyncio.create_task(engines[0].serve()))
+    pool = EnginePool(ctx, addresses, heartbeat_timeout_s=30)
+    seen = []
+    try:
+        await pool.connect(timeout_s=1)  # engine 1 is not there: the pool starts without it
+        pool.start_heartbeat(0.05)
+        seen.append((pool.replicas[0].up, pool.replicas[1].up))
+        engines.append(FakeEngine(AsyncRouter(ctx, addresses[1], EngineInbound)))  # it comes up later
+        serving.append(asyncio.create_task(engines[1].serve()))
+        await wait_until_async(lambda: pool.replicas[1].up, 10, "engine 1 joined once it answered")
+        await wait_until_async(lambda: pool.replicas[1].stats is not None, 5, "engine 1's heartbeat")
+        seen.append((pool.replicas[0].up, pool.replicas[1].up))
+    finally:
+        for task in serving:
+            task.cancel()
+        await pool.close()
+        for engine in engines:
+            engine.router.close()
+        ctx.destroy(linger=0)
+    return seen
+
+
+def test_a_replica_down_at_start_does_not_stop_its_pool_and_joins_once_it_answers(tmp_path):
+    """A gateway restarted while one replica of many is down (a node lost, a pod not scheduled) serves with
+    the others instead of failing its start, and uses the late one once it answers its handshake."""
+    assert asyncio.run(_a_pool_started_with_one_replica_down(tmp_path)) == [(True, False), (True, True)]
