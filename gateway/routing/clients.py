@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ RETRY_AFTER_S = 2
 SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is not reading
 LAST_REPLIES_S = 1.0  # a dropped connection: at most this long reading the replies already received
 HELLO = Hello("gateway", PROTOCOL)
+SENT_IDS_KEPT = 65536  # request ids an engine client remembers sending (a resend comes within a request's life)
 
 
 class ServiceClient:
@@ -418,6 +420,20 @@ class EngineClient(ServiceClient):
     peer = "engine"
     answers = (EngineReady, EngineStats)
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent_ids: OrderedDict[str, int] = OrderedDict()  # request id → times sent here (recent ones)
+
+    def _wire_id(self, request_id: str) -> str:
+        """The id a request goes to this engine under: its own the first time, another at each resend (a
+        re-encode's, a failover back to this engine). Deltas of an earlier try, still on their way after its
+        abort, then reach no stream instead of the new one's."""
+        tries = self._sent_ids.pop(request_id, 0)
+        self._sent_ids[request_id] = tries + 1
+        while len(self._sent_ids) > SENT_IDS_KEPT:
+            self._sent_ids.popitem(last=False)
+        return request_id if not tries else f"{request_id}~{tries}"
+
     async def submit(self, request: GenerateRequest) -> asyncio.Queue:
         """Send a request now and open its reply queue, to stream (`generate`) or `withdraw`."""
         queue = self.open(request.request_id)
@@ -438,6 +454,8 @@ class EngineClient(ServiceClient):
     ) -> AsyncIterator[TokenDelta]:
         """Token deltas until the finishing one; aborts in vLLM if abandoned."""
         finished = False
+        if (wire_id := self._wire_id(request.request_id)) != request.request_id:
+            request = msgspec.structs.replace(request, request_id=wire_id)
         try:
             try:
                 queue = await self.submit(request)

@@ -101,3 +101,33 @@ def test_a_service_of_another_wire_version_is_named_as_such_when_the_handshake_t
     said = asyncio.run(run())
     assert f"speaks wire protocol v{PROTOCOL + 1}, this gateway v{PROTOCOL}, and served nothing within 3 s" in said, said
     assert caplog.text.count(f"speaks wire protocol v{PROTOCOL + 1}") == 1  # logged once, not at every hello
+
+
+def test_a_resend_to_the_same_engine_goes_under_another_id_so_the_last_try_s_late_tokens_reach_no_stream(tmp_path):
+    """A re-encode (or a failover back) sends a request to an engine that may still be streaming its
+    last try: the deltas already on their way after its abort must not land in the new try's stream."""
+    from protocol.to_engine import AbortGenerate, GenerateRequest
+    from protocol.to_gateway import TokenDelta
+
+    async def run() -> tuple[list[str], list[int]]:
+        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
+            first = client.generate(GenerateRequest("r", b"{}"), timeout_s=5)
+            pending = asyncio.ensure_future(anext(first))
+            peer, sent, _ = await asyncio.wait_for(service.recv(), 5)
+            await service.send(peer, TokenDelta("r", [], 1, 1))
+            await pending
+            await first.aclose()  # given up (a re-encode): aborted
+            second = client.generate(GenerateRequest("r", b"{}"), timeout_s=5)
+            pending = asyncio.ensure_future(anext(second))
+            ids = [sent.request_id]
+            while len(ids) < 3:  # the abort, then the resend
+                _, message, _ = await asyncio.wait_for(service.recv(), 5)
+                ids.append(message.request_id if isinstance(message, GenerateRequest) else f"abort:{message.request_id}"
+                           if isinstance(message, AbortGenerate) else type(message).__name__)
+            await service.send(peer, TokenDelta("r", [], 7, 1))  # the first try's, late
+            await service.send(peer, TokenDelta(ids[-1], [], 2, 1, finished=True))
+            got = [(await pending).completion_tokens] + [delta.completion_tokens async for delta in second]
+            return ids, got
+
+    ids, got = asyncio.run(run())
+    assert ids == ["r", "abort:r", "r~1"] and got == [2], (ids, got)
