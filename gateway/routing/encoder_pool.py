@@ -101,9 +101,11 @@ class EncoderPool(ReplicaPool[EncoderClient]):
         self._encoding[route.replica].update(route.digests)
         return True
 
-    def _leave(self, route: Route) -> None:
+    def _leave(self, route: Route, served: bool = True) -> None:
+        """`served`: the replica holds the route's images now (not one that refused them)."""
         if route.replica is not None:
-            self.remember(route.digests, route.replica)
+            if served:
+                self.remember(route.digests, route.replica)
             self._encoding[route.replica].subtract(route.digests)
             self._encoding[route.replica] += Counter()  # drop zero counts
             route.replica = None
@@ -135,4 +137,4 @@ class EncoderPool(ReplicaPool[EncoderClient]):
                     raise
                 refused = error
                 route.tried.add(route.replica)
-                self._leave(route)
+                self._leave(route, served=False)

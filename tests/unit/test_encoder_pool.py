@@ -144,3 +144,23 @@ def test_a_host_name_becomes_one_replica_per_address():
     assert local and all(a.startswith("tcp://") and a.endswith(":5555") for a in local)
     assert "tcp://127.0.0.1:5555" in local
     assert expand_addresses(["tcp://127.0.0.1:5555", "tcp://localhost:5555"]).count("tcp://127.0.0.1:5555") == 1
+
+
+def test_a_replica_that_refused_an_image_is_not_remembered_as_holding_it(pool, monkeypatch):
+    """Every encoder full (429): the image was encoded nowhere, so a repeat must come with its pixels,
+    not by digest (which costs an EncodeNeedsPixels round)."""
+    from protocol.to_encoder import EncodeRequest
+
+    async def full(*_args, **_kwargs):
+        raise APIError(429, "encoder queue is full", headers={"Retry-After": "1"})
+
+    for replica in pool.replicas:
+        monkeypatch.setattr(replica, "ask", full)
+
+    async def ask() -> None:
+        with pool.route([b"refused-everywhere"]) as route:
+            await pool.ask(route, EncodeRequest("r", []), [], timeout_s=1)
+
+    with pytest.raises(APIError):
+        asyncio.run(ask())
+    assert not pool.routed(b"refused-everywhere")
