@@ -3,15 +3,19 @@ model is looked up by id as OpenAI's SDK does (`client.models.retrieve`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from fastapi.testclient import TestClient
 
 from gateway.api.app import create_app
 from gateway.config import GatewayConfig
+from protocol.to_gateway import EngineReady
 
 
 def client() -> TestClient:
     app = create_app(GatewayConfig())
-    app.state.gateway.models["m"] = object()  # a routing map's entry: only its name is read here
+    # a routing map's entry: its name, and its engines' handshake (a card's root and context length)
+    app.state.gateway.models["m"] = SimpleNamespace(engine=SimpleNamespace(info=EngineReady("checkpoint-m", 4096)))
     return TestClient(app)
 
 
@@ -23,7 +27,9 @@ def test_an_unknown_path_or_method_is_an_openai_error():
 
 
 def test_a_model_is_retrieved_by_its_id():
-    assert client().get("/v1/models/m").json() == {"id": "m", "object": "model", "created": 0, "owned_by": "prism"}
+    card = client().get("/v1/models/m").json()
+    assert card == {"id": "m", "object": "model", "created": card["created"], "owned_by": "prism", "root": "checkpoint-m",
+                    "parent": None, "max_model_len": 4096} and card["created"] > 0
     assert client().get("/v1/models/").json()["data"][0]["id"] == "m"
     missing = client().get("/v1/models/gpt-nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
