@@ -15,7 +15,7 @@ decode time.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
+import importlib
 import json
 import struct
 from collections.abc import Mapping
@@ -53,7 +53,8 @@ def content_key(*parts: Any) -> bytes:
 
 
 @functools.cache
-def library_versions(*distributions: str) -> dict[str, str]:
-    """The installed versions of the libraries that make a key's pixels or tokens: a key part, so
-    that an upgrade whose decoder, resize or tower rounds otherwise shares no key with the last one."""
-    return {name: importlib.metadata.version(name) for name in distributions}
+def library_versions(*modules: str) -> dict[str, str]:
+    """The versions of the libraries (by module: however they were installed) that make a key's pixels
+    or tokens: a key part, so that an upgrade whose decoder, resize or tower rounds otherwise shares no
+    key with the last one."""
+    return {name: str(importlib.import_module(name).__version__) for name in modules}

@@ -301,7 +301,7 @@ class EncoderService:
         if len(frames) != with_pixels:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
-        keys = [content_key(self.tower.fingerprint, image.digest) for image in request.images]
+        keys = [content_key(self.tower.key_fingerprint, image.digest) for image in request.images]
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to)
         frame_of = iter(frames)
         frame_at = {index: next(frame_of) for index, image in enumerate(request.images) if image.pixels is not None}
@@ -440,7 +440,7 @@ class EncoderService:
         return full_key[: self.config.test_key_bytes] if self.config.test_key_bytes else full_key
 
     def _identity(self, digest: bytes) -> bytes:
-        return self.tower.fingerprint.encode() + digest
+        return self.tower.key_fingerprint.encode() + digest
 
     def _join_in_flight(self, slot: bytes, waiter: tuple[PendingRequest, int], record: bool = True) -> bool:
         """Wait on an encode of the same image that is queued or running (counted unless `record` is

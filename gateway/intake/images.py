@@ -128,7 +128,7 @@ class IntakePolicy:
             "exif_transpose": True,
             "first_frame": True,
             "jpeg_draft": self.jpeg_draft,
-            "libraries": library_versions("pillow", "torch"),  # the decode, the resize
+            "libraries": library_versions("PIL", "torch"),  # the decode, the resize
         }
 
 

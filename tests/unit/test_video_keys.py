@@ -64,13 +64,13 @@ def test_the_checkpoint_s_video_processor_defaults_are_in_the_key(video, tmp_pat
         changed = QwenVideo(load_tower(str(copy), "float32", "cpu"))
         assert changed.preprocessing_params() != base
         # the same fingerprint (the copy's path alone would change it): the video processor's part does it
-        assert video_key(video.tower.fingerprint, changed.preprocessing_params(), {}, DIGEST, {}) != video.cache_key(DIGEST)
+        assert video_key(video.tower.key_fingerprint, changed.preprocessing_params(), {}, DIGEST, {}) != video.cache_key(DIGEST)
         # and the replica answers the gateway's handshake as another encoder: its frames are sized otherwise
         assert changed.tower.fingerprint == video.tower.fingerprint and changed.fingerprint() != video.fingerprint()
 
 
 def test_the_key_is_the_documented_hash(video):
-    assert video.cache_key(DIGEST) == video_key(video.tower.fingerprint, video.preprocessing_params(), {}, DIGEST, {})
+    assert video.cache_key(DIGEST) == video_key(video.tower.key_fingerprint, video.preprocessing_params(), {}, DIGEST, {})
 
 
 def test_the_frames_sent_are_in_the_key(video):

@@ -183,7 +183,7 @@ class QwenVideo:
     def cache_key(self, digest: bytes, sampling: VideoSampling = VideoSampling(), metadata: Mapping | None = None) -> bytes:
         """The key of this clip's tokens: `digest` is the gateway's (source bytes + its loader's sampling),
         `metadata` the loader's for the frames sent (`LoaderMetadata.as_dict()`)."""
-        return video_key(self.tower.fingerprint, self.preprocessing_params(), sampling.params(), digest, metadata or {})
+        return video_key(self.tower.key_fingerprint, self.preprocessing_params(), sampling.params(), digest, metadata or {})
 
     def _kwargs(self, clip: VideoClip, sampling: VideoSampling) -> dict:
         """The processor's arguments as vLLM passes them for this family (docs/video.md)."""

@@ -134,6 +134,9 @@ class VisionTower:
         # paths are the same encoder, for the gateway's check and for a shared cache.
         config_bytes = (path / "config.json").read_bytes()
         self.fingerprint = content_key(config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
+        # Its keys' too: the code that preprocesses and encodes. Not in the handshake's fingerprint:
+        # replicas of two releases serve side by side in a rolling upgrade, each with keys of its own.
+        self.key_fingerprint = content_key(self.fingerprint, library_versions("torch", "torchvision", "transformers")).hex()
 
     def _vision_state(self, files: list[Path]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -198,8 +201,6 @@ class VisionTower:
                for switch in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb", "do_center_crop")},
             "dtype": str(self.dtype),
             "numerics": NUMERICS_REVISION,
-            # the processor's and the tower's code: an upgrade may resize or round otherwise
-            "libraries": library_versions("torch", "torchvision", "transformers"),
             # torchvision resizes uint8 on a GPU through float32, on a CPU with its own uint8
             # kernel: up to a few grey levels apart; and a GPU's kernels round otherwise than a
             # CPU's: tokens made on either are not the other's

@@ -282,7 +282,7 @@ def _a_tail_vllm_serves_without(item: InspectedVideo, missing: list[int], read: 
 
 def digest_of(raw: bytes, sampling: VideoSampling) -> bytes:
     """The video's part of the cache key: its bytes and what decided the frames kept."""
-    return content_key({"version": VIDEO_INTAKE_VERSION, "libraries": library_versions("opencv-python-headless", "torch"),
+    return content_key({"version": VIDEO_INTAKE_VERSION, "libraries": library_versions("cv2", "torch"),
                         **sampling.key_part()}, raw)
 
 
