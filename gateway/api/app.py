@@ -84,7 +84,7 @@ class Gateway:
         self._sampler: asyncio.Task | None = None
         self._loop_probe: LoopProbe | None = None
         self._reloading = asyncio.Lock()
-        # Models whose services did not answer at start (or by a reload): started again in the background
+        # Models whose services did not answer at start: started again in the background
         # while the others serve; their requests get a 503 meanwhile. Name → (route, its task).
         self.starting: dict[str, tuple[ModelRoute, asyncio.Task]] = {}
         self._reloads: set[asyncio.Task] = set()  # SIGHUP's, cancelled by stop()
@@ -142,9 +142,13 @@ class Gateway:
             except Exception as exc:  # still not there: asked again (each attempt waits out its handshakes)
                 log.warning("model %r still does not start: %s", name, exc)
                 continue
-            async with self._reloading:  # a reload decides the map meanwhile: it cancels this task first
-                self.starting.pop(name, None)
-                self.models[name] = served
+            try:
+                async with self._reloading:  # a reload decides the map meanwhile, and may cancel this task
+                    self.starting.pop(name, None)
+                    self.models[name] = served
+            except BaseException:  # cancelled waiting for the reload: the model it started is no one's
+                await served.close()
+                raise
             log.warning("model %r started", name)
             return
 

@@ -243,7 +243,7 @@ def _served(models: dict, name: str | None, starting: Collection[str] = ()):
         raise APIError(503, f"model '{name}' is starting: its services have not answered yet; retry shortly", param="model",
                        code="model_starting", headers={"Retry-After": "5"})
     if name is None:
-        if len(models) != 1:
+        if len(models) + len(starting) != 1:  # one served while another starts: still not the only one
             raise APIError(400, f"name a model: this server serves {names}", param="model", code="missing_required_parameter")
         return next(iter(models.values()))
     if (served := models.get(name)) is None:

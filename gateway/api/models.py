@@ -49,7 +49,13 @@ class ServedModel:
 
     async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher) -> None:
         timeout = config.startup_timeout_s
-        encoder_info, engine_info = await asyncio.gather(self.encoder.connect(timeout), self.engine.connect(timeout))
+        connecting = [asyncio.ensure_future(self.encoder.connect(timeout)), asyncio.ensure_future(self.engine.connect(timeout))]
+        try:
+            encoder_info, engine_info = await asyncio.gather(*connecting)
+        except BaseException:  # one pool failed (or the start was stopped): the other's handshakes end too
+            for task in connecting:
+                task.cancel()
+            raise
         self.name = self.name or engine_info.model
         self.encoder.model = self.engine.model = self.name  # their metrics' label
         if encoder_info is not None and not engine_info.takes_images:

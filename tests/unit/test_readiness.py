@@ -98,3 +98,6 @@ def test_a_request_for_a_model_still_starting_is_a_503_to_retry_not_a_404():
     with pytest.raises(APIError) as unknown:
         _served({"a": object()}, "c", {"b": None})
     assert unknown.value.status == 404
+    with pytest.raises(APIError) as unnamed:  # a is not the only model: b is on its way
+        _served({"a": object()}, None, {"b": None})
+    assert unnamed.value.status == 400
