@@ -73,15 +73,19 @@ def _answers(path: Path) -> bool:
 LOG_FIRST, LOG_EVERY = 10, 1000
 
 
-def _other_version(parts: list[zmq.Frame]) -> str:
-    """A hint where an unreadable message's tag names another wire version than this side's."""
+def _other_version(parts: list[zmq.Frame]) -> int | None:
+    """The wire version an unreadable message's tag names, where it is not this side's: 0 for a
+    message of a release from before versions were said (its tag a bare class name)."""
     try:
         tag = msgspec.msgpack.decode(parts[0].buffer)[0]
-    except Exception:  # no tag to read: nothing to add
-        return ""
-    if isinstance(tag, str) and "/v" in tag and not tag.endswith(f"/v{PROTOCOL}"):
-        return f" (its sender speaks wire protocol {tag.rsplit('/', 1)[1]}, this side v{PROTOCOL})"
-    return ""
+    except Exception:  # no tag to read
+        return None
+    if not isinstance(tag, str) or tag in ("Hello", "WrongProtocol") or tag.endswith(f"/v{PROTOCOL}"):
+        return None
+    name, _, version = tag.rpartition("/v")
+    if not name:
+        return 0 if tag.isidentifier() else None
+    return int(version) if version.isdigit() else None
 
 
 class _Typed(Generic[In]):
@@ -89,6 +93,7 @@ class _Typed(Generic[In]):
         self.socket = socket
         self._decoder = msgspec.msgpack.Decoder(inbound)
         self.unreadable = 0  # messages skipped so far
+        self.other_version: int | None = None  # the wire version of the last unreadable message, where another
 
     def _read(self, parts: list[zmq.Frame], peer: bytes | None = None) -> tuple[In, list[memoryview]] | None:
         """The message and its frames; None for one this side cannot read (logged and counted)."""
@@ -97,10 +102,12 @@ class _Typed(Generic[In]):
             return self._decoder.decode(header.buffer), [f.buffer for f in frames]
         except (ValueError, msgspec.DecodeError) as exc:  # no header; not msgpack, or not a message of this side's
             self.unreadable += 1
+            if (version := _other_version(parts)) is not None:
+                self.other_version = version
             if self.unreadable <= LOG_FIRST or self.unreadable % LOG_EVERY == 0:
                 sender = f" from peer {peer.hex()}" if peer is not None else ""
-                log.warning("skipped a message%s this side cannot read (%d so far): %s%s", sender, self.unreadable, exc,
-                            _other_version(parts))
+                hint = "" if version is None else f" (its sender speaks wire protocol v{version}, this side v{PROTOCOL})"
+                log.warning("skipped a message%s this side cannot read (%d so far): %s%s", sender, self.unreadable, exc, hint)
             return None
 
     def close(self, linger_ms: int = 0) -> None:

@@ -111,9 +111,12 @@ class ServiceClient:
                                        "(gateway.startup_timeout_s)") from None
 
     def _silence(self) -> str:
-        if self.other_protocol is None:
+        """Why the handshake got no answer: its answers, if any, were of another wire version (said, or
+        by their tags: a release from before versions answers in tags this side cannot read)."""
+        version = self.other_protocol if self.other_protocol is not None else self.socket.other_version
+        if version is None:
             return "did not answer"
-        return f"speaks wire protocol v{self.other_protocol}, this gateway v{PROTOCOL}, and served nothing"
+        return f"speaks wire protocol v{version}, this gateway v{PROTOCOL}, and served nothing"
 
     async def _receive_loop(self) -> None:
         """The only reader of the socket: nothing one message does may end it (every request to the
