@@ -493,12 +493,12 @@ def test_compose_and_kubernetes_run_redis_alike(tmp_path):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_a_gpu_deployment_rolls_out_without_a_spare_gpu(overlay):
-    """A surge pod would ask for a GPU of its own, and wait for ever on a cluster with none spare."""
+def test_a_rollout_never_takes_a_model_off_the_air_and_the_docs_say_what_that_asks_of_gpus(overlay):
+    """The old pod serves until its replacement is ready (one engine: no engine at all while it starts
+    otherwise); on GPUs that asks for a spare one, which docs/kubernetes.md says."""
     for deployment, _, module in prism_containers(render(overlay)):
-        rolling = deployment["spec"]["strategy"]["rollingUpdate"]
-        if on_a_gpu(overlay, module):
-            assert rolling == {"maxSurge": 0, "maxUnavailable": 1}, deployment["metadata"]["name"]
+        assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}, deployment["metadata"]["name"]
+    assert "spare GPU" in (REPO_ROOT / "docs" / "kubernetes.md").read_text()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
