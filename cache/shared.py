@@ -28,7 +28,7 @@ import queue
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as WaitedTooLong
 from dataclasses import dataclass
 
@@ -93,6 +93,21 @@ def unpack(blob: bytes) -> tuple[SharedEntry, CachedEmbedding]:
     return entry, CachedEmbedding(embeddings, None if entry.grid_thw is None else tuple(entry.grid_thw), entry.identity)
 
 
+def _on_a_thread(call, *args) -> Future:
+    """`call(*args)` on a thread of its own, so that its caller may stop waiting: no pool, whose
+    queue (the engine's concurrent lookups) would count against a lookup's budget."""
+    result: Future = Future()
+
+    def run() -> None:
+        try:
+            result.set_result(call(*args))
+        except BaseException as exc:  # the caller's to see
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name="shared-cache-lookup", daemon=True).start()
+    return result
+
+
 @dataclass
 class SharedTier:
     url: str
@@ -106,7 +121,6 @@ class SharedTier:
         self.stats = SharedTierStats()
         self._down_until = 0.0
         self._down_since = 0.0  # when it last went down: a call begun before cannot bring it back
-        self._lookups = ThreadPoolExecutor(4, thread_name_prefix="shared-cache-lookup")  # a caller stops waiting at its budget
         self._writes: queue.Queue = queue.Queue(self.max_pending_writes)
         self._pending_bytes = 0  # in `_writes`, under `_writer_lock`
         self._writer: threading.Thread | None = None  # started by the first write: a reader (an engine) has none
@@ -123,7 +137,7 @@ class SharedTier:
         started, names = time.monotonic(), [NAMESPACE + key for key in keys]
         try:
             budget_s = self.lookup_budget_s(self._sizes(names))
-            blobs = self._lookups.submit(self.client.mget, names).result(timeout=budget_s - (time.monotonic() - started))
+            blobs = _on_a_thread(self.client.mget, names).result(timeout=budget_s - (time.monotonic() - started))
         except WaitedTooLong:
             # Each socket read met the timeout, the whole lookup did not: the caller's loop would
             # wait all along, so a slow link is down like a dead one (the read ends on its thread).
@@ -241,7 +255,6 @@ class SharedTier:
             self._writes.put((None, None))
             self._writer.join(timeout=2)
             self._writer_client.close()
-        self._lookups.shutdown(wait=False, cancel_futures=True)
         self.client.close()
 
     def _available(self) -> bool:
