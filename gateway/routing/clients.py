@@ -55,7 +55,7 @@ RETRY_AFTER_S = 2
 SEND_TIMEOUT_S = 2.0  # a socket that takes no message this long: the peer is not reading
 LAST_REPLIES_S = 1.0  # a dropped connection: at most this long reading the replies already received
 HELLO = Hello("gateway", PROTOCOL)
-SENT_IDS_KEPT = 65536  # request ids an engine client remembers sending (a resend comes within a request's life)
+WITHDRAWN_IDS_KEPT = 4096  # request ids an engine client remembers giving up (a resend comes right after)
 
 
 class ServiceClient:
@@ -425,17 +425,19 @@ class EngineClient(ServiceClient):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._sent_ids: OrderedDict[str, int] = OrderedDict()  # request id → times sent here (recent ones)
+        self._withdrawn: OrderedDict[str, int] = OrderedDict()  # request id → its tries here given up (recent ones)
 
     def _wire_id(self, request_id: str) -> str:
-        """The id a request goes to this engine under: its own the first time, another at each resend (a
-        re-encode's, a failover back to this engine). Deltas of an earlier try, still on their way after its
-        abort, then reach no stream instead of the new one's."""
-        tries = self._sent_ids.pop(request_id, 0)
-        self._sent_ids[request_id] = tries + 1
-        while len(self._sent_ids) > SENT_IDS_KEPT:
-            self._sent_ids.popitem(last=False)
-        return request_id if not tries else f"{request_id}~{tries}"
+        """The id a request goes to this engine under: its own, unless a try of it here was given up
+        (a re-encode's resend, a failover back to this engine): then another, so that the deltas of the
+        try given up, still on their way after its abort, reach no stream instead of the new one's."""
+        withdrawn = self._withdrawn.get(request_id, 0)
+        return request_id if not withdrawn else f"{request_id}~{withdrawn}"
+
+    def _given_up(self, request_id: str) -> None:
+        self._withdrawn[request_id] = self._withdrawn.pop(request_id, 0) + 1
+        while len(self._withdrawn) > WITHDRAWN_IDS_KEPT:
+            self._withdrawn.popitem(last=False)
 
     async def submit(self, request: GenerateRequest) -> asyncio.Queue:
         """Send a request now and open its reply queue, to stream (`generate`) or `withdraw`."""
@@ -457,7 +459,8 @@ class EngineClient(ServiceClient):
     ) -> AsyncIterator[TokenDelta]:
         """Token deltas until the finishing one; aborts in vLLM if abandoned."""
         finished = False
-        if (wire_id := self._wire_id(request.request_id)) != request.request_id:
+        base_id = request.request_id
+        if (wire_id := self._wire_id(base_id)) != base_id:
             request = msgspec.structs.replace(request, request_id=wire_id)
         try:
             try:
@@ -481,4 +484,5 @@ class EngineClient(ServiceClient):
             if finished:
                 self.close_stream(request.request_id)
             else:
+                self._given_up(base_id)
                 await self.withdraw(request.request_id)
