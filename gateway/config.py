@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 
 from pydantic import ByteSize, Field, field_validator, model_validator
 
@@ -80,9 +81,10 @@ class GatewayConfig(FrozenConfig):
     # Auth and admission. API keys may also come from the environment:
     # PRISM_GATEWAY__API_KEYS='[key-1, key-2]'.
     api_keys: tuple[str, ...] = ()  # empty: no authentication
-    # Web pages of these origins may call the API from a browser (CORS); "*": any, as vLLM's
-    # server allows by default (API keys are bearer tokens, never cookies); empty: none.
-    cors_allowed_origins: tuple[str, ...] = ("*",)
+    # Web pages of these origins ("https://app.example.com") may call the API from a browser (CORS);
+    # "*": any, as vLLM's server allows by default. Empty: none, so a page a user visits cannot
+    # read answers from a gateway on their machine or network that has no API keys.
+    cors_allowed_origins: tuple[str, ...] = ()
     max_concurrent_requests: int | None = Field(None, ge=1)  # whole gateway; past it: 429
     max_concurrent_requests_per_key: int | None = Field(None, ge=1)
     # Visual tokens of all requests in flight (the KV cache is finite); past it: 429.
@@ -193,6 +195,16 @@ class GatewayConfig(FrozenConfig):
         if self.models:
             return dict(self.models)
         return {self.served_model_name: ModelRoute(encoder_addresses=self.encoder_addresses, engine_addresses=self.engine_addresses)}
+
+    @field_validator("cors_allowed_origins")
+    @classmethod
+    def _origins(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for origin in value:  # a browser sends scheme://host[:port], nothing after: another never matches
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"{origin!r} is no origin: scheme://host[:port], no path (or \"*\" for any)")
+        if "*" in value and len(value) > 1:
+            raise ValueError('"*" allows any origin: list it alone')
+        return value
 
     @field_validator("fetch_allowed_networks")
     @classmethod

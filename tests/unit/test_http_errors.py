@@ -33,3 +33,21 @@ def test_a_model_is_retrieved_by_its_id():
     assert client().get("/v1/models/").json()["data"][0]["id"] == "m"
     missing = client().get("/v1/models/gpt-nothing")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_browser_s_preflight_is_answered_for_the_origins_configured_and_no_other():
+    """A web page on another origin sends an OPTIONS first (its Authorization header is not a simple one)."""
+    import pydantic
+    import pytest
+
+    headers = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+    allowed = TestClient(create_app(GatewayConfig(cors_allowed_origins=("https://app.example",))))
+    preflight = allowed.options("/v1/chat/completions", headers=headers)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://app.example"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    unlisted = TestClient(create_app(GatewayConfig())).options("/v1/chat/completions", headers=headers)
+    assert "access-control-allow-origin" not in unlisted.headers  # none by default: the browser refuses
+    for bad in (("https://app.example/",), ("app.example",), ("*", "https://app.example")):
+        with pytest.raises(pydantic.ValidationError, match="origin"):
+            GatewayConfig(cors_allowed_origins=bad)
