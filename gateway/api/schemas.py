@@ -264,14 +264,18 @@ class PromptCacheOptions(_Strict):
     ttl: Literal["30m"] | None = None
 
 
-def _non_finite(value: Any, path: str = "") -> str | None:
-    """Where in `value` a NaN or an infinity is (the JSON reader takes `NaN`, `Infinity` and
-    `1e400`; sent on to the engine they would become null), or None."""
+def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
+    """Where in `value` a number vLLM's engine cannot carry is, and why, or None: a NaN or an
+    infinity (the JSON reader takes `NaN`, `Infinity` and `1e400`; sent on they would become
+    null), or an integer past 64 bits anywhere (a schema's bound, a tool's parameter: msgpack,
+    the wire of vLLM's engine core, has none, and vLLM failed on it after the images' encode)."""
     if isinstance(value, float) and not math.isfinite(value):
-        return path
+        return path, "numbers must be finite (NaN and infinities are not JSON)"
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+        return path, "integers must fit in 64 bits"
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        if (found := _non_finite(item, f"{path}.{key}" if path else str(key))) is not None:
+        if (found := _unsendable(item, f"{path}.{key}" if path else str(key))) is not None:
             return found
     return None
 
@@ -330,9 +334,9 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _finite_numbers(cls, data: Any) -> Any:
-        if (path := _non_finite(data)) is not None:
-            raise invalid(path, "numbers must be finite (NaN and infinities are not JSON)")
+    def _sendable_numbers(cls, data: Any) -> Any:
+        if (found := _unsendable(data)) is not None:
+            raise invalid(*found)
         return data
 
     @field_validator("modalities")
