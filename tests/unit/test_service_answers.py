@@ -73,34 +73,53 @@ def test_a_restarted_process_that_serves_what_its_predecessor_did_is_taken_back_
     assert asyncio.run(run())
 
 
+async def _start_up_error(tmp_path, answer) -> str:
+    """What a handshake with a service that answers every Hello with `answer(service, peer, hello)` ends in."""
+    async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
+        async def answering() -> None:
+            while True:
+                peer, hello, _ = await service.recv()
+                await answer(service, peer, hello)
+
+        answers = asyncio.create_task(answering())
+        client.up = False  # not yet handshaken
+        try:
+            await client.connect(timeout_s=3)
+        except RuntimeError as exc:
+            assert not client.up
+            return str(exc)
+        finally:
+            answers.cancel()
+    return "connected"
+
+
 def test_a_service_of_another_wire_version_is_named_as_such_when_the_handshake_times_out(tmp_path, caplog):
     """It answers every hello with the version it speaks (protocol/base.py): the gateway neither serves
     with it nor says it "did not answer"."""
     from protocol.base import PROTOCOL, WrongProtocol
 
-    async def run() -> str:
-        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
-            async def answer_in_another_version() -> None:
-                while True:
-                    peer, hello, _ = await service.recv()
-                    assert hello.protocol == PROTOCOL
-                    await service.send(peer, WrongProtocol(PROTOCOL + 1))
+    async def another_version(service, peer, hello) -> None:
+        assert hello.protocol == PROTOCOL
+        await service.send(peer, WrongProtocol(PROTOCOL + 1))
 
-            answering = asyncio.create_task(answer_in_another_version())
-            client.up = False  # not yet handshaken
-            try:
-                with caplog.at_level(logging.ERROR, logger="prism.gateway"):
-                    await client.connect(timeout_s=3)
-            except RuntimeError as exc:
-                assert not client.up
-                return str(exc)
-            finally:
-                answering.cancel()
-        return "connected"
-
-    said = asyncio.run(run())
+    with caplog.at_level(logging.ERROR, logger="prism.gateway"):
+        said = asyncio.run(_start_up_error(tmp_path, another_version))
     assert f"speaks wire protocol v{PROTOCOL + 1}, this gateway v{PROTOCOL}, and served nothing within 3 s" in said, said
     assert caplog.text.count(f"speaks wire protocol v{PROTOCOL + 1}") == 1  # logged once, not at every hello
+
+
+def test_a_service_of_a_release_from_before_wire_versions_is_named_as_such(tmp_path):
+    """It reads the new Hello (its version is a trailing field it ignores) and answers in a tag with no
+    version: unreadable here, but the start-up error says why."""
+    import msgspec
+
+    from protocol.base import PROTOCOL
+
+    async def an_old_release(service, peer, _hello) -> None:
+        await service.socket.send_multipart([peer, msgspec.msgpack.encode(["EngineReady", "m", 4096])])
+
+    said = asyncio.run(_start_up_error(tmp_path, an_old_release))
+    assert f"speaks wire protocol v0, this gateway v{PROTOCOL}" in said, said
 
 
 def test_a_resend_to_the_same_engine_goes_under_another_id_so_the_last_try_s_late_tokens_reach_no_stream(tmp_path):
@@ -131,31 +150,3 @@ def test_a_resend_to_the_same_engine_goes_under_another_id_so_the_last_try_s_lat
 
     ids, got = asyncio.run(run())
     assert ids == ["r", "abort:r", "r~1"] and got == [2], (ids, got)
-
-
-def test_a_service_of_a_release_from_before_wire_versions_is_named_as_such(tmp_path):
-    """It reads the new Hello (its version is a trailing field it ignores) and answers in a tag with no
-    version: unreadable here, but the start-up error says why."""
-    import msgspec
-
-    async def run() -> str:
-        async with client_and_service(tmp_path, "engine", EngineClient, EngineInbound) as (client, service):
-            async def answer_as_an_old_release() -> None:
-                while True:
-                    peer, _, _ = await service.recv()
-                    await service.socket.send_multipart([peer, msgspec.msgpack.encode(["EngineReady", "m", 4096])])
-
-            answering = asyncio.create_task(answer_as_an_old_release())
-            client.up = False
-            try:
-                await client.connect(timeout_s=3)
-            except RuntimeError as exc:
-                return str(exc)
-            finally:
-                answering.cancel()
-        return "connected"
-
-    from protocol.base import PROTOCOL
-
-    said = asyncio.run(run())
-    assert f"speaks wire protocol v0, this gateway v{PROTOCOL}" in said, said

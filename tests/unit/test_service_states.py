@@ -157,12 +157,16 @@ async def two_engines_and_a_pool(tmp_path, make_engine=FakeEngine):
         await pool.connect(timeout_s=5)
         yield engines, pool
     finally:
-        for task in serving:
-            task.cancel()
-        await pool.close()
-        for engine in engines:
-            engine.router.close()
-        ctx.destroy(linger=0)
+        await _stop(serving, pool, engines, ctx)
+
+
+async def _stop(serving: list[asyncio.Task], pool, engines: list[FakeEngine], ctx: zmq.asyncio.Context) -> None:
+    for task in serving:
+        task.cancel()
+    await pool.close()
+    for engine in engines:
+        engine.router.close()
+    ctx.destroy(linger=0)
 
 
 async def _a_rolling_change_of_model(tmp_path, adopts: bool = True) -> list[tuple[bool, bool, str]]:
@@ -237,12 +241,7 @@ async def _a_pool_started_with_one_replica_down(tmp_path) -> list[tuple[bool, bo
         await wait_until_async(lambda: pool.replicas[1].stats is not None, 5, "engine 1's heartbeat")
         seen.append((pool.replicas[0].up, pool.replicas[1].up))
     finally:
-        for task in serving:
-            task.cancel()
-        await pool.close()
-        for engine in engines:
-            engine.router.close()
-        ctx.destroy(linger=0)
+        await _stop(serving, pool, engines, ctx)
     return seen
 
 
