@@ -12,6 +12,7 @@ from gateway.hangups import hold_hangups
 hold_hangups()
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from gateway.config import GatewayConfig  # noqa: E402
@@ -30,7 +31,7 @@ def main() -> None:
     config = load_config(GatewayConfig, "gateway", args.config)
     slot, run_dir = this_worker(config)
     if config.workers > 1 and run_dir is None:
-        serve_workers(config, args.config)  # without the app's imports (torch): its memory is the workers'
+        sys.exit(serve_workers(config, args.config))  # without the app's imports (torch): its memory is the workers'
     else:
         from gateway.api.app import serve
 

@@ -151,21 +151,30 @@ def serve(config_path: Path) -> None:
         return EXIT_CONFIG if refused else 0
 
     supervisor = Supervisor(children, liveness_s=gateway_config.child_liveness_s, on_refused=stop_refused)
-    supervisor.start()
     # An engine finishes what it holds (engine.drain_timeout_s), then shuts vLLM down; killed
     # sooner, vLLM's processes leave their shared-memory queues in /dev/shm.
     grace_s = max((getattr(config, "drain_timeout_s", 0) for config in configs), default=0) + STOP_MARGIN_S
-    atexit.register(supervisor.stop, grace_s)
+
+    def stop_children() -> None:
+        # A second Ctrl-C or SIGTERM meanwhile would end this stop half-way, its children left running.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: log.warning("prism serve: stopping the services already (up to %.0f s)", grace_s))
+        supervisor.stop(grace_s)
+
+    # From here a SIGTERM stops the children (atexit), before uvicorn takes the signal over and after it gives it back.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_status()))
+    supervisor.start()
+    atexit.register(stop_children)
     if gateway_config.workers > 1:
         from gateway.ops.workers import serve_workers
 
-        serve_workers(gateway_config, config_path)  # returns on SIGTERM, once the workers have drained
+        if serve_workers(gateway_config, config_path) == EXIT_CONFIG:  # returns on SIGTERM, once the workers have drained
+            refused.append("the gateway")
         sys.exit(exit_status())
     from gateway.api.app import serve as serve_gateway
 
     # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
-    # down) and raises it again when done; this handler then runs atexit.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_status()))
+    # down) and raises it again when done: the handler above then exits, and atexit stops the children.
     serve_gateway(gateway_config, config_path)
 
 

@@ -42,7 +42,7 @@ from gateway.api.schemas import ChatCompletionRequest
 from gateway.ops.siblings import Siblings
 from gateway.timing import RequestTimer
 from gateway.ops.workers import WorkerSlot
-from common.config import ConfigError, load_config
+from common.config import EXIT_CONFIG, ConfigError, load_config
 from common.malloc import keep_freed_heap, one_heap
 
 log = logging.getLogger("prism.gateway")
@@ -352,7 +352,11 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
         # event loop, stalling every request. Frozen, as vLLM's server does (freeze_gc_heap).
         gc.collect()
         gc.freeze()
-        gateway.plan_memory()  # from what the process holds now, started
+        try:
+            gateway.plan_memory()  # from what the process holds now, started
+        except ConfigError as exc:  # the limit leaves no budget: `serve` exits EXIT_CONFIG, not uvicorn's 3
+            app.state.refused = exc
+            raise
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, gateway.request_reload)
         if take_pending():  # one that came while it started: the routing map may have changed since it was read
@@ -474,4 +478,10 @@ def serve(config: GatewayConfig, config_path: Path | None = None, slot: WorkerSl
     app.state.server = server  # start-up gives up when it is told to stop (`started_unless_stopped`)
     listener = bound_socket(config.host, config.port, reuse_port=slot.count > 1,
                             receive_buffer_bytes=config.socket_receive_buffer_bytes)
-    server.run(sockets=[listener])
+    try:
+        server.run(sockets=[listener])
+    except SystemExit:  # uvicorn's start-up failure
+        if (refused := getattr(app.state, "refused", None)) is not None:
+            log.error("refused its configuration: %s", refused)
+            raise SystemExit(EXIT_CONFIG) from None  # not restarted: the same config would be refused again
+        raise

@@ -40,6 +40,7 @@ from pathlib import Path
 import zmq
 from prometheus_client import multiprocess
 
+from common.config import EXIT_CONFIG
 from common.supervisor import Child, Supervisor
 from gateway.config import GatewayConfig
 
@@ -106,8 +107,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return reserved
 
 
-def serve_workers(config: GatewayConfig, config_path: Path | None) -> None:
-    """Run `config.workers` gateway workers until SIGTERM or SIGINT."""
+def serve_workers(config: GatewayConfig, config_path: Path | None) -> int:
+    """Run `config.workers` gateway workers until SIGTERM or SIGINT: 0; or until a worker refuses its
+    configuration (its memory share leaves no budget, say): the others are stopped too, EXIT_CONFIG."""
     reserved = reserve_port(config.host, config.port)
     port = reserved.getsockname()[1]
     run_dir = Path(tempfile.mkdtemp(prefix="prism-gateway-"))
@@ -118,9 +120,14 @@ def serve_workers(config: GatewayConfig, config_path: Path | None) -> None:
     workers = [Child("gateway", config_path, {**shared, WORKER_ENV: str(i)}, f"gateway worker {i}",
                      probe=functools.partial(publishes, worker_address(run_dir, i), probe_timeout_s))
                for i in range(config.workers)]
+    stop, refused = threading.Event(), threading.Event()
+
+    def on_refused(_child) -> None:  # every worker has the same share: restarted, each would refuse again
+        refused.set()
+        stop.set()
+
     supervisor = Supervisor(workers, on_exit=lambda child: multiprocess.mark_process_dead(child.process.pid, str(metrics_dir)),
-                            liveness_s=config.child_liveness_s)
-    stop = threading.Event()
+                            liveness_s=config.child_liveness_s, on_refused=on_refused)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGHUP, lambda *_: supervisor.signal_all(signal.SIGHUP))
@@ -132,3 +139,4 @@ def serve_workers(config: GatewayConfig, config_path: Path | None) -> None:
         supervisor.stop(grace_s=config.drain_timeout_s + 5)  # each worker drains for drain_timeout_s
         reserved.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+    return EXIT_CONFIG if refused.is_set() else 0

@@ -18,6 +18,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from testing.stack import LocalStack
@@ -353,12 +354,17 @@ def test_graceful_shutdown_drains_in_flight_streams(faulty):
     with httpx.stream("POST", f"{faulty.base_url}/v1/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         first = next(lines)
+        services = psutil.Process(faulty.process.pid).children(recursive=True)  # vLLM's engine core included
         os.killpg(faulty.process.pid, signal.SIGTERM)  # launcher and children: stop accepting, drain, exit
         rest = [line for line in lines if line.startswith("data: ")]
+    # An impatient second one, as the launcher stops its services: it must not cut that stop short.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(faulty.process.pid, signal.SIGTERM)
     assert first.startswith("data: {")
     assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
     usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
     assert usage["completion_tokens"] == 400  # generated to its end, not aborted at the SIGTERM
     assert faulty.process.wait(60) == 0
+    assert not [p.pid for p in services if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # none left behind
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{faulty.base_url}/health/live", timeout=2)

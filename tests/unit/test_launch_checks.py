@@ -101,3 +101,41 @@ def test_a_service_that_refuses_its_config_as_it_starts_stops_prism_serve(tmp_pa
     output = done.stdout + done.stderr
     assert done.returncode == EXIT_CONFIG, output[-3000:]
     assert "engine.structured_outputs" in output and "prism serve: llm_engine[prism-demo:0] refused its configuration" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_gateway_whose_memory_limit_leaves_no_budget_exits_refusing_its_config(tmp_path, workers):
+    """Found only once started (the budget is the limit less what the started process holds): exit 78, as a
+    service's refusal, not uvicorn's 3; and with several workers not a restart of each for ever."""
+    import asyncio
+    import threading
+
+    import zmq.asyncio
+
+    from common.config import EXIT_CONFIG
+    from protocol.sockets import AsyncRouter
+    from protocol.to_engine import EngineInbound
+    from testing.stack import free_port
+    from tests.unit.test_service_states import FakeEngine
+
+    address = f"ipc://{tmp_path}/engine.sock"
+    ready = threading.Event()
+
+    def engine() -> None:  # the text-only model's engine, answering the handshake
+        async def serve() -> None:
+            ctx = zmq.asyncio.Context()
+            fake = FakeEngine(AsyncRouter(ctx, address, EngineInbound))
+            ready.set()
+            await fake.serve()
+        asyncio.run(serve())
+
+    threading.Thread(target=engine, daemon=True).start()
+    ready.wait(10)
+    env = {**os.environ, "PRISM_GATEWAY__PORT": str(free_port()), "PRISM_GATEWAY__WORKERS": str(workers),
+           "PRISM_GATEWAY__MEMORY_LIMIT_BYTES": "200MiB", "PRISM_GATEWAY__ENCODER_ADDRESSES": "[]",
+           "PRISM_GATEWAY__ENGINE_ADDRESSES": f"['{address}']"}
+    done = subprocess.run([sys.executable, "-m", "gateway", "--config", "configs/cpu-demo.yaml"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    output = done.stdout + done.stderr
+    assert done.returncode == EXIT_CONFIG, output[-3000:]
+    assert "gateway.memory_use_fraction" in output, output[-3000:]
