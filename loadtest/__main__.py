@@ -29,6 +29,16 @@ def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v.strip()]
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _positive(text: str) -> float:
+    if (value := float(text)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be > 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prism bench", description=__doc__.splitlines()[0])
     target = p.add_argument_group("target")
@@ -67,10 +77,10 @@ def parser() -> argparse.ArgumentParser:
     arrival = load.add_mutually_exclusive_group()
     arrival.add_argument("--concurrency", type=int, help="closed loop (default 1)")
     arrival.add_argument("--rate", type=float, help="open loop, Poisson requests/s")
-    arrival.add_argument("--sweep-concurrency", type=_floats, help="e.g. 1,2,4,8")
+    arrival.add_argument("--sweep-concurrency", type=_ints, help="e.g. 1,2,4,8")
     arrival.add_argument("--sweep-rate", type=_floats, help="e.g. 0.5,1,2,4")
     load.add_argument("--requests", type=int, default=100, help="timed requests (per sweep point)")
-    load.add_argument("--duration-s", type=float, default=None, help="stop issuing after this long")
+    load.add_argument("--duration-s", type=_positive, default=None, help="stop issuing after this long")
     load.add_argument("--warmup", type=int, default=2, help="requests sent first and left out")
     load.add_argument("--image-transport", choices=("data", "url"), default="data",
                       help="data URLs, or a local HTTP server the target fetches from")
@@ -127,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
             for path in reports.write_sweep(result, args.out_dir, args.name):
                 console.print(f"wrote {path}")
         return 0
-    arrival = Arrival(rate=args.rate, seed=args.seed) if args.rate else Arrival(concurrency=args.concurrency or 1)
+    try:  # 0 is refused there, not taken for "unset"
+        arrival = (Arrival(rate=args.rate, seed=args.seed) if args.rate is not None
+                   else Arrival(concurrency=1 if args.concurrency is None else args.concurrency))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     result = load_test(target, spec, arrival, plan, slo)
     reports.terminal(result, console)
     if args.out_dir:

@@ -60,8 +60,12 @@ def chat_body(target: Target, request: RequestSpec, urls: list[str]) -> dict:
     return body
 
 
-async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, urls: list[str]) -> RequestResult:
-    result = RequestResult(request.bucket, time.perf_counter(), index=request.index)
+async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, urls: list[str],
+               due: float | None = None) -> RequestResult:
+    """One request's result. `due`: when the open loop meant to send it: its times count from then, so a
+    client that fell behind (its loop busy encoding images, parsing streams) shows in them as a user's would."""
+    result = RequestResult(request.bucket, time.perf_counter() if due is None else min(due, time.perf_counter()),
+                           index=request.index)
     body = _ENCODE_JSON(chat_body(target, request, urls))
     try:
         async with client.stream("POST", f"{target.base_url}/v1/chat/completions", content=body, headers=target.headers,
@@ -78,6 +82,8 @@ async def send(client: httpx.AsyncClient, target: Target, request: RequestSpec, 
         result.error = "timeout"
     except httpx.HTTPError as exc:
         result.error = f"transport_{type(exc).__name__}"
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # an answer not in the API's shape
+        result.error = f"bad_response_{type(exc).__name__}"
     return result
 
 

@@ -4,6 +4,7 @@ request kind (an image resolution bucket, or a clip length, new or repeated)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -20,6 +21,22 @@ HEADLINE = (
 )
 
 
+def _shown(fmt: str, value: float) -> str:
+    """A figure as the table shows it; "—" where there was none (every request of it failed)."""
+    return "—" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+
+
+def _json_safe(value):
+    """NaN as null: JSON has no NaN (json.dumps writes one no strict reader takes)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _rows(report: dict) -> list[tuple[str, dict]]:
     return [("all", report["summary"]), *report["by_bucket"].items()]
 
@@ -31,7 +48,7 @@ def terminal(report: dict, console: Console | None = None) -> None:
     for _, title, _ in HEADLINE:
         table.add_column(title, justify="right")
     for name, summary in _rows(report):
-        table.add_row(name, *(fmt.format(summary[key]) for key, _, fmt in HEADLINE))
+        table.add_row(name, *(_shown(fmt, summary[key]) for key, _, fmt in HEADLINE))
     console.print(table)
     if errors := report["summary"]["errors"]:
         console.print("errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items()))
@@ -51,7 +68,7 @@ def markdown(report: dict) -> str:
     lines.append("| kind | " + " | ".join(title for _, title, _ in HEADLINE) + " |")
     lines.append("|---" * (len(HEADLINE) + 1) + "|")
     for name, summary in _rows(report):
-        lines.append(f"| {name} | " + " | ".join(fmt.format(summary[key]) for key, _, fmt in HEADLINE) + " |")
+        lines.append(f"| {name} | " + " | ".join(_shown(fmt, summary[key]) for key, _, fmt in HEADLINE) + " |")
     if errors := report["summary"]["errors"]:
         lines += ["", "errors: " + ", ".join(f"{kind} × {n}" for kind, n in errors.items())]
     if report["stages"]:
@@ -65,7 +82,7 @@ def markdown(report: dict) -> str:
 def _write_data(data: dict, text: str, out_dir: Path, name: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    files[0].write_text(json.dumps(data, indent=2))
+    files[0].write_text(json.dumps(_json_safe(data), indent=2))
     files[1].write_text(text)
     return files
 
@@ -155,7 +172,8 @@ def sweep_markdown(result: dict) -> str:
     for p in result["points"]:
         s = p["summary"]
         lines.append(f"| {p['load']:g} | {s['request_throughput']:.2f} | {s['request_goodput']:.2f} | {s['slo_attainment']:.0%} | "
-                     f"{s['median_ttft_ms']:.0f} | {s['p90_ttft_ms']:.0f} | {s['median_e2el_ms']:.0f} | {s['failed']} |")
+                     f"{_shown('{:.0f}', s['median_ttft_ms'])} | {_shown('{:.0f}', s['p90_ttft_ms'])} | "
+                     f"{_shown('{:.0f}', s['median_e2el_ms'])} | {s['failed']} |")
     best = result["best_load"]
     lines += ["", f"Highest load with ≥ {result['attainment']:.0%} of requests within the SLO: {best if best is not None else 'none'}"]
     return "\n".join(lines) + "\n"

@@ -103,8 +103,8 @@ async def run(
         deadline = started + duration_s if duration_s else None
         results: list[RequestResult] = []
 
-        async def one(request: RequestSpec) -> None:
-            result = await send(client, target, request, urls_of(request))
+        async def one(request: RequestSpec, due: float | None = None) -> None:
+            result = await send(client, target, request, urls_of(request), due)
             results.append(result)
             if on_done:
                 on_done(result)
@@ -137,5 +137,5 @@ async def _open_loop(requests, arrival: Arrival, deadline: float | None, one) ->
         if deadline and next_at >= deadline:
             break
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
-        tasks.append(asyncio.create_task(one(request)))
+        tasks.append(asyncio.create_task(one(request, next_at)))  # timed from when it was due, not when sent
     await asyncio.gather(*tasks)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 
 from gateway.timing import ran
@@ -51,14 +53,15 @@ class SLO:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default, as vLLM uses)."""
-    return float(np.percentile(values, q)) if values else 0.0
+    """Linear interpolation between closest ranks (numpy's default, as vLLM uses); NaN for no values
+    (every request of a bucket failed), which no report may show as the fastest, 0 ms."""
+    return float(np.percentile(values, q)) if values else math.nan
 
 
 def _distribution(name: str, values_s: list[float], percentiles) -> dict[str, float]:
     ms = [v * 1000 for v in values_s]
     out = {
-        f"mean_{name}_ms": float(np.mean(ms)) if ms else 0.0,
+        f"mean_{name}_ms": float(np.mean(ms)) if ms else math.nan,
         f"median_{name}_ms": percentile(ms, 50),
         f"std_{name}_ms": float(np.std(ms)) if ms else 0.0,
     }

@@ -14,7 +14,9 @@ def test_a_run_writes_json_markdown_and_plots(tmp_path):
     assert main([*DEAD, "--requests", "3", "--concurrency", "2", "--out-dir", str(tmp_path)]) == 1  # nothing completed
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["summary"]["failed"] == 3 and sum(result["summary"]["errors"].values()) == 3
-    assert (tmp_path / "result.md").read_text().startswith("### http://127.0.0.1:9")
+    assert result["summary"]["median_ttft_ms"] is None  # none, not a 0 ms that reads as the fastest
+    markdown = (tmp_path / "result.md").read_text()
+    assert markdown.startswith("### http://127.0.0.1:9") and "| all | 0 | 3 |" in markdown and "—" in markdown
     assert (tmp_path / "result-latency-cdf.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -53,3 +55,16 @@ def test_each_run_sends_new_images_unless_given_a_salt(tmp_path):
     assert salts[0] != salts[1]
     assert main([*DEAD, "--requests", "1", "--image-salt", str(salts[0]), "--out-dir", str(tmp_path), "--name", "again"]) == 1
     assert json.loads((tmp_path / "again.json").read_text())["workload"]["image_salt"] == salts[0]
+
+
+def test_a_load_of_zero_is_refused_not_taken_for_the_default(capsys):
+    """--rate 0 ran a closed loop at concurrency 1, --concurrency 0 concurrency 1, --duration-s 0 no limit."""
+    for flags in (["--rate", "0"], ["--concurrency", "0"]):
+        assert main([*DEAD, *flags]) == 2, flags
+    for flags in (["--duration-s", "0"], ["--sweep-concurrency", "1.5"]):
+        try:
+            main([*DEAD, *flags])
+        except SystemExit as exc:  # argparse's refusal
+            assert exc.code == 2, flags
+        else:
+            raise AssertionError(f"{flags} taken")

@@ -34,3 +34,31 @@ def test_the_body_is_the_chat_request_as_json() -> None:
     assert json.loads(sent.content) == chat_body(target, request, [URL])
     assert sent.headers["content-type"] == "application/json"
     assert sent.headers["authorization"] == "Bearer secret"
+
+
+def _sent_to(server, stream: bool = True, due: float | None = None):
+    target = Target("http://prism.test", "demo", stream=stream)
+    request = RequestSpec(0, (), "hi", None, 4)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as client:
+            return await send(client, target, request, [], due)
+
+    return asyncio.run(run())
+
+
+def test_an_answer_not_in_the_api_s_shape_is_that_request_s_error_not_the_run_s_end() -> None:
+    """A proxy's HTML page in a stream, a body of no JSON: one failed request, the others' results kept."""
+    html = _sent_to(lambda _: httpx.Response(200, text="data: <html>bad gateway</html>\n\n"))
+    assert html.error == "bad_response_JSONDecodeError" and not html.ok
+    body = _sent_to(lambda _: httpx.Response(200, text="<html>"), stream=False)
+    assert body.error == "bad_response_JSONDecodeError"
+
+
+def test_an_open_loop_request_is_timed_from_when_it_was_due() -> None:
+    """A client that fell behind its schedule (its loop busy) sends late: the wait is the user's too."""
+    import time
+
+    chunk = 'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\ndata: [DONE]\n\n'
+    result = _sent_to(lambda _: httpx.Response(200, text=chunk), due=time.perf_counter() - 1.0)
+    assert result.ttft_s >= 1.0  # a lower bound: the second it was late
