@@ -64,13 +64,34 @@ class ImageServer(BaseHTTPRequestHandler):
             self._send(200, gzip.compress(PNG), {"Content-Encoding": "gzip", "Content-Type": "image/png"})
         elif path == "/slow":
             self._slow()
+        elif path == "/slow-body":
+            self._slow_body()
+        elif path == "/late-404":  # after the other fetches of its request have started
+            time.sleep(0.5)
+            self._send(404, b"not here")
         else:
             self._send(404, b"not here")
 
     def _slow(self) -> None:
         """Answers after 6 s, past the gateway's fetch timeouts (the behaviour under test),
         unless the client hangs up first; which of the two happened goes in `slow_fates`."""
-        deadline = time.monotonic() + 6
+        if self._waited_out(6):
+            self._send(200, PNG)
+
+    def _slow_body(self) -> None:
+        """Declares the largest image taken, sends its first bytes, then stalls as `_slow` does: a
+        fetch that runs on holds twice the declared length of the memory budget meanwhile."""
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(MAX_IMAGE_BYTES))
+        self.end_headers()
+        self.wfile.write(PNG[:8])
+        self.wfile.flush()
+        self._waited_out(6)
+
+    def _waited_out(self, seconds: float) -> bool:
+        """True once `seconds` passed; False if the client hung up first (`slow_fates` says which)."""
+        deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             if not select.select([self.connection], [], [], left)[0]:
                 break
@@ -80,10 +101,10 @@ class ImageServer(BaseHTTPRequestHandler):
                 hung_up = True
             if hung_up:
                 ImageServer.slow_fates.append("hung up")
-                return
+                return False
             time.sleep(max(0.0, deadline - time.monotonic()))  # bytes from the client, not a hang-up: wait it out
         ImageServer.slow_fates.append("answered")
-        self._send(200, PNG)
+        return True
 
     def _stream_huge(self) -> None:
         self.send_response(200)
@@ -198,8 +219,9 @@ def test_a_request_refused_for_one_image_stops_fetching_its_others(stack, server
     timeout, each holding its share of the memory budget, behind an answered request."""
     allowed, _ = servers
     body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"{allowed}/missing.png"}},
-        {"type": "image_url", "image_url": {"url": f"{allowed}/slow"}}]}]}
+        {"type": "image_url", "image_url": {"url": f"{allowed}/slow-body"}},
+        {"type": "image_url", "image_url": {"url": f"{allowed}/late-404"}}]}]}
     response = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400 and "HTTP 404" in response.json()["error"]["message"]
-    assert metric_total(stack, "prism_gateway_memory_held_bytes") < BODY_COPIES * MAX_IMAGE_BYTES  # the slow fetch's share is back
+    # Run on, the stalled fetch would hold twice its declared length until its total timeout (4 s): it is back.
+    assert metric_total(stack, "prism_gateway_memory_held_bytes") < BODY_COPIES * MAX_IMAGE_BYTES
