@@ -107,9 +107,11 @@ async def stall_in_preprocessing_then_recover(address: str, held: HeldPreprocess
         assert await asyncio.to_thread(held.entered.wait, 60), "the batch in its preprocessing"
         failed, _ = await reply_to(socket, "stalls", 30)
         assert isinstance(failed, EncodeFailed) and failed.code == "encoder_stalled"  # its request failed by the stall
+        dropped = (await stats_of(socket)).jobs_dropped
         held.gate.set()  # the batch returns, skipped: nobody waits on it any more
         await wait_until_async(lambda: serving(socket), 10, "the encoder serving once the stalled batch returned",
                                observe=lambda: stats_of(socket))
+        assert (await stats_of(socket)).jobs_dropped == dropped + 1  # skipped, not run through the ViT
         await send(socket, "after", (252, 252), 22)
         assert isinstance((await reply_to(socket, "after", 60))[0], EncodeResult)
     finally:
