@@ -184,7 +184,7 @@ class Gateway:
             keep = {name: served for name, served in self.models.items() if routes.get(name) == served.route}
             # a model still starting on the route the map gives it goes on starting
             pending = {name for name, (route, _) in self.starting.items() if routes.get(name) == route}
-            started = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep | pending),
+            started = await asyncio.gather(*(self._start_model(n, r) for n, r in routes.items() if n not in keep.keys() | pending),
                                            return_exceptions=True)
             if failed := [result for result in started if isinstance(result, BaseException)]:
                 # a model that cannot start leaves the running map as it is; those that did are let go

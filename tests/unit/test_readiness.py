@@ -7,6 +7,9 @@ import zmq.asyncio
 
 from gateway.api.app import readiness
 from gateway.api.models import ServedModel
+import yaml
+
+from common.config import load_config
 from gateway.config import GatewayConfig, ModelRoute
 
 
@@ -52,17 +55,21 @@ async def _a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch)
 
     monkeypatch.setattr(app, "RESTART_MODEL_AFTER_S", 0.1)
     addresses = {name: f"ipc://{tmp_path}/{name}.sock" for name in "ab"}
-    config = GatewayConfig(models={name: ModelRoute(encoder_addresses=[], engine_addresses=[address])
-                                   for name, address in addresses.items()}, startup_timeout_s=1)
+    routes = {name: {"encoder_addresses": [], "engine_addresses": [address]} for name, address in addresses.items()}
+    config_path = tmp_path / "prism.yaml"
+    config_path.write_text(yaml.safe_dump({"gateway": {"models": routes, "startup_timeout_s": 1}}))
+    config = load_config(GatewayConfig, "gateway", config_path)
     ctx = zmq.asyncio.Context()
     engines = {"a": FakeEngine(AsyncRouter(ctx, addresses["a"], EngineInbound))}
     serving = [asyncio.create_task(engines["a"].serve())]
-    gateway = app.Gateway(config, None, WorkerSlot(), tmp_path)
+    gateway = app.Gateway(config, config_path, WorkerSlot(), tmp_path)
     seen = []
     try:
         await gateway.start()  # b's engine never answers: a serves, b is started again in the background
         body, status = readiness(gateway.models, gateway.starting)
         seen.append((sorted(gateway.models), sorted(gateway.starting), status, body["status"]))
+        await gateway.reload()  # the same map: a kept, b still on its way (not started twice, nor the reload failed)
+        seen.append((sorted(gateway.models), sorted(gateway.starting)))
         engines["b"] = FakeEngine(AsyncRouter(ctx, addresses["b"], EngineInbound))
         serving.append(asyncio.create_task(engines["b"].serve()))
         await wait_until_async(lambda: "b" in gateway.models, 10, "model b started once its engine answered")
@@ -83,7 +90,7 @@ def test_a_model_whose_services_are_down_at_start_does_not_keep_the_others_off_t
     import asyncio
 
     assert asyncio.run(_a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch)) == [
-        (["a"], ["b"], 200, "degraded"), (["a", "b"], [])]
+        (["a"], ["b"], 200, "degraded"), (["a"], ["b"]), (["a", "b"], [])]
 
 
 def test_a_request_for_a_model_still_starting_is_a_503_to_retry_not_a_404():
