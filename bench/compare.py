@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.servers import prism_stack, vllm_disaggregated, vllm_server
+from loadtest.report import json_safe
 from loadtest.bench import Plan, load_test, sweep
 from loadtest.client import Target
 from loadtest.runner import Arrival
@@ -124,7 +126,7 @@ def run_all(base_url: str, cases: list[Scenario], rates: list[float], sweep_requ
 
 
 def _ratio(prism: float, vllm: float) -> str:
-    return f"{prism / vllm:.2f}×" if vllm else "—"
+    return f"{prism / vllm:.2f}×" if vllm and not math.isnan(prism / vllm) else "—"  # NaN: no sample on a side
 
 
 def markdown(results: dict, cases: list[Scenario], slo: SLO, command: str) -> str:
@@ -297,7 +299,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     (REPO_ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (REPO_ROOT / "bench" / "results" / "compare.json").write_text(json.dumps(results, indent=2))
+    (REPO_ROOT / "bench" / "results" / "compare.json").write_text(json.dumps(json_safe(results), indent=2))
     print(text)
 
 

@@ -211,7 +211,7 @@ class Supervisor:
     def signal_all(self, sig: int) -> None:
         """`sig` to every child running (not one dead and waiting out its back-off)."""
         for index, child in enumerate(self.children):
-            if index not in self._restart_at:
+            if index not in self._restart_at and child.process is not None:  # None: not spawned yet (a stop during start)
                 kill_group(child.process, sig)
 
     def stop(self, grace_s: float = 10) -> None:
@@ -220,7 +220,8 @@ class Supervisor:
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:
-            end_group(child.process, max(0.1, deadline - time.monotonic()))
+            if child.process is not None:
+                end_group(child.process, max(0.1, deadline - time.monotonic()))
 
 
 def stop_with_supervisor() -> None:

@@ -26,11 +26,18 @@ from loadtest.workload import WorkloadSpec, parse_buckets, parse_distribution
 
 
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+    return _positive_each([float(v) for v in text.split(",") if v.strip()], text)
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+    return _positive_each([int(v) for v in text.split(",") if v.strip()], text)
+
+
+def _positive_each(values: list, text: str) -> list:
+    """A sweep's loads: each above 0 (one of 0 ended the sweep half-way, its points lost)."""
+    if not values or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"{text}: each load must be > 0")
+    return values
 
 
 def _positive(text: str) -> float:

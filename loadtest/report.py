@@ -26,14 +26,14 @@ def _shown(fmt: str, value: float) -> str:
     return "—" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
 
 
-def _json_safe(value):
+def json_safe(value):
     """NaN as null: JSON has no NaN (json.dumps writes one no strict reader takes)."""
     if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -82,7 +82,7 @@ def markdown(report: dict) -> str:
 def _write_data(data: dict, text: str, out_dir: Path, name: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    files[0].write_text(json.dumps(_json_safe(data), indent=2))
+    files[0].write_text(json.dumps(json_safe(data), indent=2))
     files[1].write_text(text)
     return files
 

@@ -120,7 +120,7 @@ def stage_percentiles(results: list[RequestResult], percentiles=(50, 90)) -> dic
     none ran it. Empty when the target is not Prism."""
     def row(name: str, values: list[float]) -> dict[str, float]:
         ran_in = [v for v in values if ran(name, v)]
-        return {f"p{p:g}": percentile(ran_in, p) for p in percentiles}
+        return {f"p{p:g}": percentile(ran_in, p) if ran_in else 0.0 for p in percentiles}  # 0: none ran it
 
     return {bucket: {name: row(name, values) for name, values in stages.items()}
             for bucket, stages in _stages_by_bucket(results).items()}

@@ -163,8 +163,8 @@ def serve(config_path: Path) -> None:
 
     # From here a SIGTERM stops the children (atexit), before uvicorn takes the signal over and after it gives it back.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_status()))
+    atexit.register(stop_children)  # before the first child: one stopped while the others spawn is stopped too
     supervisor.start()
-    atexit.register(stop_children)
     if gateway_config.workers > 1:
         from gateway.ops.workers import serve_workers
 

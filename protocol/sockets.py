@@ -85,7 +85,7 @@ def _other_version(parts: list[zmq.Frame]) -> int | None:
     name, _, version = tag.rpartition("/v")
     if not name:
         return 0 if tag.isidentifier() else None
-    return int(version) if version.isdigit() else None
+    return int(version) if version.isascii() and version.isdigit() else None  # "²" is a digit int() refuses
 
 
 class _Typed(Generic[In]):

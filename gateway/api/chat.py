@@ -242,6 +242,9 @@ def _served(models: dict, name: str | None, starting: Collection[str] = ()):
     if name in starting:
         raise APIError(503, f"model '{name}' is starting: its services have not answered yet; retry shortly", param="model",
                        code="model_starting", headers={"Retry-After": "5"})
+    if name is None and not models and starting:  # the only models are on their way
+        raise APIError(503, "no model has started yet: its services have not answered; retry shortly", param="model",
+                       code="model_starting", headers={"Retry-After": "5"})
     if name is None:
         if len(models) + len(starting) != 1:  # one served while another starts: still not the only one
             raise APIError(400, f"name a model: this server serves {names}", param="model", code="missing_required_parameter")

@@ -102,7 +102,7 @@ class ServiceClient:
             try:
                 async with asyncio.timeout(2.0):
                     self.info = await asyncio.shield(self._ready)
-                self.up, self.other_protocol = True, None
+                self.up, self.other_protocol, self.socket.other_version = True, None, None
                 self.stats_received_at = loop.time()
                 return self.info
             except asyncio.TimeoutError:

@@ -348,6 +348,18 @@ def test_a_stream_nobody_reads_is_cut_and_its_generation_aborted(faulty):
     wait_until(lambda: gateway_in_flight(faulty) == 0 and engine_in_flight(faulty) == 0, 10, "nothing left in flight")
 
 
+def port_open(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_graceful_shutdown_drains_in_flight_streams(faulty):
     body = {"model": MODEL_NAME, "max_tokens": 400, "temperature": 1.0, "seed": 11, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "Write a long story."}]}
@@ -357,7 +369,9 @@ def test_graceful_shutdown_drains_in_flight_streams(faulty):
         services = psutil.Process(faulty.process.pid).children(recursive=True)  # vLLM's engine core included
         os.killpg(faulty.process.pid, signal.SIGTERM)  # launcher and children: stop accepting, drain, exit
         rest = [line for line in lines if line.startswith("data: ")]
-    # An impatient second one, as the launcher stops its services: it must not cut that stop short.
+    # An impatient second one once the gateway has closed, as the launcher stops its services: it must not
+    # cut that stop short (while uvicorn still drains, uvicorn takes it as the first).
+    wait_until(lambda: not port_open(faulty.port), 60, "the gateway closed")
     with contextlib.suppress(ProcessLookupError):
         os.kill(faulty.process.pid, signal.SIGTERM)
     assert first.startswith("data: {")
@@ -365,6 +379,6 @@ def test_graceful_shutdown_drains_in_flight_streams(faulty):
     usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
     assert usage["completion_tokens"] == 400  # generated to its end, not aborted at the SIGTERM
     assert faulty.process.wait(60) == 0
-    assert not [p.pid for p in services if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # none left behind
+    assert not [p.pid for p in services if alive(p)]  # none left behind
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{faulty.base_url}/health/live", timeout=2)

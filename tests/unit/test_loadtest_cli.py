@@ -61,7 +61,7 @@ def test_a_load_of_zero_is_refused_not_taken_for_the_default(capsys):
     """--rate 0 ran a closed loop at concurrency 1, --concurrency 0 concurrency 1, --duration-s 0 no limit."""
     for flags in (["--rate", "0"], ["--concurrency", "0"]):
         assert main([*DEAD, *flags]) == 2, flags
-    for flags in (["--duration-s", "0"], ["--sweep-concurrency", "1.5"]):
+    for flags in (["--duration-s", "0"], ["--sweep-concurrency", "1.5"], ["--sweep-concurrency", "1,0"], ["--sweep-rate", "0"]):
         try:
             main([*DEAD, *flags])
         except SystemExit as exc:  # argparse's refusal

@@ -22,7 +22,7 @@ def test_a_held_loop_is_seen():
     seen = asyncio.run(_probed(hold_s))
     assert max(seen) >= 0.15  # the probe posted during the hold waited it out
     # The rest of the time the loop was free: most probes saw less than the hold (no absolute lag: loaded cores).
-    assert sorted(seen)[len(seen) // 2] < max(seen)
+    assert sorted(seen)[len(seen) // 2] < max(seen) / 2
 
 
 def test_one_probe_at_a_time():

@@ -439,7 +439,7 @@ def test_a_hostile_header_is_a_value_error_on_both_sides(meta):
 
 # The third: another service's message; the last: a message of another wire version, shaped as this one's.
 UNREADABLE = [[b""], [b"\xc1 not msgpack"], pack(GenerateRequest("r", b"{}", [])),
-              [msgspec.msgpack.encode(["StatsRequest/v999", "x"])]]
+              [msgspec.msgpack.encode(["StatsRequest/v999", "x"])], [msgspec.msgpack.encode(["StatsRequest/v\u00b2", "x"])]]
 
 
 async def _unreadable_messages_are_skipped(caplog):

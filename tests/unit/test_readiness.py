@@ -84,13 +84,16 @@ async def _a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch)
     return seen
 
 
-def test_a_model_whose_services_are_down_at_start_does_not_keep_the_others_off_the_air(tmp_path, monkeypatch):
+def test_a_model_whose_services_are_down_at_start_does_not_keep_the_others_off_the_air(tmp_path, monkeypatch, caplog):
     """A gateway restarted during one model's outage serves the others (ready, "degraded") instead of failing
-    its start, and serves that model once its services answer."""
+    its start, and serves that model once its services answer. A reload meanwhile succeeds, b left starting."""
     import asyncio
+    import logging
 
-    assert asyncio.run(_a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch)) == [
-        (["a"], ["b"], 200, "degraded"), (["a"], ["b"]), (["a", "b"], [])]
+    with caplog.at_level(logging.INFO, logger="prism.gateway"):
+        seen = asyncio.run(_a_gateway_started_with_one_model_s_engine_down(tmp_path, monkeypatch))
+    assert seen == [(["a"], ["b"], 200, "degraded"), (["a"], ["b"]), (["a", "b"], [])]
+    assert "routing map reloaded" in caplog.text and "reload failed" not in caplog.text
 
 
 def test_a_request_for_a_model_still_starting_is_a_503_to_retry_not_a_404():
@@ -108,3 +111,14 @@ def test_a_request_for_a_model_still_starting_is_a_503_to_retry_not_a_404():
     with pytest.raises(APIError) as unnamed:  # a is not the only model: b is on its way
         _served({"a": object()}, None, {"b": None})
     assert unnamed.value.status == 400
+
+
+def test_a_request_naming_no_model_while_the_only_one_is_starting_is_a_503():
+    import pytest
+
+    from gateway.api.chat import _served
+    from gateway.errors import APIError
+
+    with pytest.raises(APIError) as starting:
+        _served({}, None, {"b": None})
+    assert (starting.value.status, starting.value.code) == (503, "model_starting")
