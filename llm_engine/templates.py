@@ -40,14 +40,19 @@ class ChatTemplates:
 
     @cached_property
     def _media_tokens(self) -> tuple[tuple[str, int], ...]:
-        config = self.model_config.hf_config
-        ids = {modality: next((getattr(config, f"{modality}_token_{suffix}") for suffix in ("id", "index")
-                               if isinstance(getattr(config, f"{modality}_token_{suffix}", None), int)), None)
-               for modality in ("image", "video")}
-        return tuple((modality, token) for modality, token in ids.items() if token is not None)
+        found = ((modality, _token_id(self.model_config.hf_config, modality)) for modality in ("image", "video"))
+        return tuple((modality, token) for modality, token in found if token is not None)
 
     @cached_property
     def _model_class(self) -> Any:  # asked only for a request with images: a text-only model's class has no placeholders
         from vllm.model_executor.model_loader import get_model_cls
 
         return get_model_cls(self.model_config)
+
+
+def _token_id(hf_config: Any, modality: str) -> int | None:
+    """The checkpoint's token for an image or a video: `image_token_id` (Qwen, InternVL) or `image_token_index` (LLaVA)."""
+    for suffix in ("id", "index"):
+        if isinstance(token := getattr(hf_config, f"{modality}_token_{suffix}", None), int):
+            return token
+    return None

@@ -93,7 +93,7 @@ class _Typed(Generic[In]):
         self.socket = socket
         self._decoder = msgspec.msgpack.Decoder(inbound)
         self.unreadable = 0  # messages skipped so far
-        self.other_version: int | None = None  # the wire version of the last unreadable message, where another
+        self.other_version: int | None = None  # the wire version its peer was last heard in, where not this side's
 
     def _read(self, parts: list[zmq.Frame], peer: bytes | None = None) -> tuple[In, list[memoryview]] | None:
         """The message and its frames; None for one this side cannot read (logged and counted)."""

@@ -81,7 +81,6 @@ class ServiceClient:
         self.accepts: Callable[[Any], bool] | None = None
         self._refused: Any = None  # the last answer refused, logged once
         self._other_kind: type | None = None  # the last answer of another service's kind, logged once
-        self.other_protocol: int | None = None  # the wire version it said it speaks, where not this gateway's
         self.stats: Any = None  # latest EncoderStats / EngineStats
         self.stats_received_at: float | None = None  # loop time of the last heartbeat answer
         self.up = False
@@ -102,7 +101,7 @@ class ServiceClient:
             try:
                 async with asyncio.timeout(2.0):
                     self.info = await asyncio.shield(self._ready)
-                self.up, self.other_protocol, self.socket.other_version = True, None, None
+                self.up, self.socket.other_version = True, None
                 self.stats_received_at = loop.time()
                 return self.info
             except asyncio.TimeoutError:
@@ -113,8 +112,7 @@ class ServiceClient:
     def _silence(self) -> str:
         """Why the handshake got no answer: its answers, if any, were of another wire version (said, or
         by their tags: a release from before versions answers in tags this side cannot read)."""
-        version = self.other_protocol if self.other_protocol is not None else self.socket.other_version
-        if version is None:
+        if (version := self.socket.other_version) is None:
             return "did not answer"
         return f"speaks wire protocol v{version}, this gateway v{PROTOCOL}, and served nothing"
 
@@ -138,10 +136,10 @@ class ServiceClient:
         elif isinstance(message, stats):
             self._heartbeat(message)
         elif isinstance(message, WrongProtocol):
-            if message.protocol != self.other_protocol:  # said once, not at every hello
+            if message.protocol != self.socket.other_version:  # said once, not at every hello
                 log.error("%s at %s speaks wire protocol v%d, this gateway v%d: it serves nothing until both run one "
                           "release", self.name, self.address, message.protocol, PROTOCOL)
-                self.other_protocol = message.protocol
+                self.socket.other_version = message.protocol
         elif isinstance(message, (EncoderReady, EngineReady, EncoderStats, EngineStats)):
             if type(message) is not self._other_kind:  # said once, not at every heartbeat
                 log.error("%s at %s answers as another kind of service (%s): is the address right?", self.name,
@@ -211,7 +209,7 @@ class ServiceClient:
                 log.error("%s restarted as %s, not %s: it stays out of service", self.name, info, self.info)
                 self._refused = info
             return
-        self.info, self._refused, self.other_protocol = info, None, None
+        self.info, self._refused, self.socket.other_version = info, None, None
         self.rejoining = False
         if self.stats.state == ServiceState.SERVING:
             log.warning("%s is back", self.name)

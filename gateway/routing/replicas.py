@@ -128,15 +128,23 @@ class ReplicaPool(Generic[C]):
                 info = await replica.connect(timeout_s)
             except RuntimeError:
                 continue  # silent all along: asked again (said at start)
-            if self.accepts(info, index):
-                if self._heartbeat_interval_s is not None:  # else it starts with everyone's
-                    replica.start_heartbeat(self._heartbeat_interval_s)
-                log.warning("%s at %s joined", replica.name, replica.address)
-                self._joining.pop(index, None)
+            if self._joined(index, info):
                 return
-            log.error("%s at %s serves %s, not %s: it is left out", replica.name, replica.address, info, self.info)
             replica.up = False
             await asyncio.sleep(REJOIN_AFTER_S[0])
+
+    def _joined(self, index: int, info) -> bool:
+        """Replica `index` answered its handshake as `info`: in service if the pool accepts it (its
+        heartbeat started, unless it starts with everyone's), else said to be left out."""
+        replica = self.replicas[index]
+        if not self.accepts(info, index):
+            log.error("%s at %s serves %s, not %s: it is left out", replica.name, replica.address, info, self.info)
+            return False
+        if self._heartbeat_interval_s is not None:
+            replica.start_heartbeat(self._heartbeat_interval_s)
+        log.warning("%s at %s joined", replica.name, replica.address)
+        self._joining.pop(index, None)
+        return True
 
     def _new_client(self, address: str, name: str, index: int) -> C:
         """The client of the replica at `index`, its handshakes judged by the pool (`accepts`)."""
@@ -319,14 +327,9 @@ class ReplicaPool(Generic[C]):
         except Exception as exc:  # no answer within the timeout (an answer as another kind of service is none)
             log.error("%s; it is left out", exc)
         else:
-            if self.accepts(info, index):
-                if self._heartbeat_interval_s is not None:  # else it starts with everyone's
-                    replica.start_heartbeat(self._heartbeat_interval_s)
-                log.warning("%s at %s joined", replica.name, replica.address)
-                self._joining.pop(index, None)
+            if self._joined(index, info):
                 self._left_out.pop(replica.address, None)
                 return
-            log.error("%s at %s serves %s, not %s: it is left out", replica.name, replica.address, info, self.info)
         self._leave_out(replica.address)
         replica.up = False
         self._joining.pop(index, None)
