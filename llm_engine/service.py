@@ -28,6 +28,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 from vllm.exceptions import VLLMClientError
+# Imported with this module, not when the engine starts: vLLM keeps an optional dependency's
+# ImportError at module level (vllm/multimodal/media/audio.py), and its traceback holds every
+# frame on the stack at that first import. Imported from `EngineService.start`, it held the
+# running AsyncLLM for the life of the process, to be collected only at interpreter exit,
+# where its __del__ failed on torn-down modules.
+from vllm.v1.engine.async_llm import AsyncLLM
 
 from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
@@ -100,8 +106,6 @@ def engine_args(config: EngineConfig, family: Family):
 
 def start_vllm(config: EngineConfig, family: Family, stat_loggers=None):
     """vLLM's AsyncLLM with Prism's settings; its engine core starts in a process of its own."""
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     if config.distributed_executor_backend == "uni":
         # vLLM's CPU platform turns "uni" into "mp" unless this is 0 when it
         # reads the config (vllm/platforms/cpu.py). AsyncLLM runs its engine core

@@ -367,6 +367,7 @@ def test_graceful_shutdown_drains_in_flight_streams(faulty):
         lines = response.iter_lines()
         first = next(lines)
         services = psutil.Process(faulty.process.pid).children(recursive=True)  # vLLM's engine core included
+        log_before_stop = faulty.stack_log.stat().st_size
         os.killpg(faulty.process.pid, signal.SIGTERM)  # launcher and children: stop accepting, drain, exit
         rest = [line for line in lines if line.startswith("data: ")]
     # An impatient second one once the gateway has closed, as the launcher stops its services: it must not
@@ -380,5 +381,9 @@ def test_graceful_shutdown_drains_in_flight_streams(faulty):
     assert usage["completion_tokens"] == 400  # generated to its end, not aborted at the SIGTERM
     assert faulty.process.wait(60) == 0
     assert not [p.pid for p in services if alive(p)]  # none left behind
+    with faulty.stack_log.open("rb") as log:
+        log.seek(log_before_stop)
+        stop_output = log.read().decode(errors="replace")
+    assert "Exception ignored" not in stop_output and "Traceback" not in stop_output, stop_output[-3000:]
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{faulty.base_url}/health/live", timeout=2)
