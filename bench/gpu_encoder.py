@@ -335,22 +335,33 @@ def compiled(args, device: torch.device, peak: float, budget: Budget) -> None:
             log(section="tower-compiled", family=name, skipped="out of time")
             continue
         try:  # one family's failure (a capture, a compile) must not cost the others their measurement
-            compiled_family(args, name, device, peak, attention, mixes, names)
+            compiled_family(args, name, device, peak, attention, mixes, names, budget)
         except Exception as exc:  # logged with the family, and the next one runs
             log(section="tower-compiled", family=name, error=repr(exc)[:500], trace=traceback.format_exc()[-3000:])
         free_device_memory()
 
 
-def compiled_family(args, name: str, device: torch.device, peak: float, attention: str, mixes: dict, names) -> None:
+def compiled_family(args, name: str, device: torch.device, peak: float, attention: str, mixes: dict, names,
+                    budget: Budget) -> None:
     options = RunOptions(attention=attention, graph_max_patches=args.graph_max_patches, max_batch_images=32,
                          compile_blocks=True)
-    tower = load(name, args.root, device, options)
+    try:
+        tower = load(name, args.root, device, options)
+    except Exception as exc:  # the graphs' capture at load: the compiled blocks are still measured, without them
+        if not options.graph_max_patches:
+            raise
+        log(section="tower-compiled", family=name, error=f"with graphs: {exc!r}"[:500], trace=traceback.format_exc()[-3000:])
+        free_device_memory()
+        tower = load(name, args.root, device, replace(options, graph_max_patches=0))
     graphed = [f"{tower.attention}+graphs"] if tower.graphs is not None else []
     # the chosen attention only: another attention function would recompile every block.
     # On a CPU, also the path it ships with (the loop, eagerly).
     shipped = ["loop+eager"] if device.type == "cpu" else []
     variants = [*shipped, f"{tower.attention}+eager", tower.attention, *graphed]
     for mix in names:
+        if budget.left() < 20:  # what was measured is kept: the call's limit would cut the run mid-mix
+            log(section="tower-compiled", family=name, mix=mix, skipped="out of time")
+            continue
         measure_mix(tower, mix, mixes[mix], device, peak, args.rounds, variants, "tower-compiled")
         log(section="compile-dynamo", family=name, mix=mix, block_graphs=block_graphs(tower), **dynamo_counters())
 

@@ -9,5 +9,6 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
 module=bench.gpu_encoder
 if [ "${1:-}" = "-m" ]; then module=$2; shift 2; fi
-# the console (the call's output_tail) without Python's and torch's warning lines; log.txt keeps all
-python3 -m "$module" "$@" 2>&1 | tee -a "${OUT:-/tmp}/log.txt" | grep --line-buffered -v -E '^[^ ]*Warning: |^W[0-9]{4} '
+# the console (the call's output_tail) without Python's and torch's warning lines and dynamo's
+# recompile reasons (torch's V lines, which would fill it); log.txt keeps all
+python3 -m "$module" "$@" 2>&1 | tee -a "${OUT:-/tmp}/log.txt" | grep --line-buffered -v -E '^[^ ]*Warning: |^[WV][0-9]{4} '

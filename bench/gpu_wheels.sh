@@ -8,7 +8,7 @@ exclude=$(git rev-parse --git-path info/exclude)
 grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
 # Python packages the image lacks (docs/measurements/gpu-encoder.md, "How these runs were made")
 LACKING="annotated-types blake3 dnspython email-validator fastapi msgspec pydantic pydantic-extra-types pydantic_core
-python-json-logger python-multipart pyzmq redis starlette transformers typing-inspection tokenizers"
+python-json-logger python-multipart pyzmq redis starlette transformers typing-inspection typing_extensions tokenizers"
 rm -f .whl/*.whl  # one version of each: an older pin's wheel beside the new one stops the install
 pins=()
 for name in $LACKING; do

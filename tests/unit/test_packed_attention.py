@@ -109,6 +109,7 @@ def test_buckets_grow_by_root_two_and_cover_the_largest():
     sizes = buckets_up_to(16384)
     assert sizes[0] == 1024 and sizes[-1] >= 16384 and all(s % 64 == 0 for s in sizes)
     assert all(1.3 < b / a < 1.5 for a, b in zip(sizes, sizes[1:]))
+    assert sizes[::2] == [1024, 2048, 4096, 8192, 16384]  # a 32 × 256² batch (32,768 patches) fills its bucket
 
 
 def test_auto_attention_is_the_loop_on_a_cpu_and_a_cuda_kernel_by_name_is_refused_there():

@@ -18,6 +18,7 @@ share a memory pool).
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -33,14 +34,14 @@ Forward = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 
 
 def buckets_up_to(max_patches: int, multiple: int = 64) -> list[int]:
-    """Patch counts of the graphs: from SMALLEST_BUCKET by √2, the last ≥ max_patches."""
-    sizes, size = [], float(SMALLEST_BUCKET)
-    while True:
-        bucket = math.ceil(size / multiple) * multiple
+    """Patch counts of the graphs: from SMALLEST_BUCKET by √2, the last ≥ max_patches. Every
+    other one is a power of two exactly (a running product of √2 drifted past them: 2,112)."""
+    sizes = []
+    for step in itertools.count():
+        bucket = math.ceil(round(SMALLEST_BUCKET * 2 ** (step / 2), 6) / multiple) * multiple
         sizes.append(bucket)
         if bucket >= max_patches:
             return sizes
-        size *= math.sqrt(2)
 
 
 def pad_bounds(cu: torch.Tensor, bucket: int, chunk: int, capacity: int) -> torch.Tensor | None:
