@@ -23,6 +23,7 @@ log = logging.getLogger("prism.gateway")
 
 # Validation failures that mean "Prism does not do this" rather than "this value is wrong".
 _UNSUPPORTED = {"extra_forbidden", "unsupported", "union_tag_invalid"}
+_NAMED_FIRST = {*_UNSUPPORTED, "unsendable_number"}  # over the other branches' type errors beside it
 
 
 def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> APIError:
@@ -30,8 +31,11 @@ def validation_error(exc: pydantic.ValidationError | RequestValidationError) -> 
     # "Prism does not do this" wins over the type mismatches a union reports beside it; else the
     # error deepest in the request, the union branch that matched the value's shape (a list of
     # parts, not the string `content` may also be).
-    first = next((e for e in errors if e["type"] in _UNSUPPORTED), None) or max(errors, key=lambda e: len(e["loc"]))
-    param = (first.get("ctx") or {}).get("field") or request_path(first["loc"])  # a whole-request check names its field
+    first = next((e for e in errors if e["type"] in _NAMED_FIRST), None) or max(errors, key=lambda e: len(e["loc"]))
+    context = first.get("ctx") or {}
+    param = context.get("field") or request_path(first["loc"])  # a whole-request check names its field
+    if within := context.get("within"):  # where in a free-form JSON object (schemas.JSONObject)
+        param = f"{param}.{within}"
     if first["type"] == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {first['msg']}", code="invalid_json")
     if not param:  # the body itself: not a JSON object
@@ -120,8 +124,10 @@ async def read_body(request: Request, limit: int, timeout_s: float, memory: Memo
 
 
 # What parsing holds beyond the body: pydantic builds an object for every JSON object and array,
-# and a str of up to 4 bytes a character for text that is not ASCII.
+# a list slot and often an object for every other value, and a str of up to 4 bytes a character
+# for text that is not ASCII.
 PARSED_BYTES_PER_CONTAINER = 1024
+PARSED_BYTES_PER_VALUE = 64
 NON_ASCII_EXPANSION = 4
 _BASE64 = b";base64,"
 
@@ -129,14 +135,16 @@ _BASE64 = b";base64,"
 def parsing_cost(body: bytes, max_containers: int) -> int:
     """The memory parsing `body` will hold, or 413 for a body of more JSON objects and arrays than
     `max_containers`: a body of tiny parts (`[{}, {}, ...]`) grows some thirty times over as it
-    is parsed, all of it on the event loop. The brackets are counted in the raw bytes, an upper
-    bound (those within strings count too) found at memchr's pace, where a parse is needed to
-    tell them apart."""
+    is parsed, and one of small numbers (`[7,7,...]`) some twenty, all of it on the event loop.
+    Brackets and commas are counted in the raw bytes, an upper bound (those within strings count
+    too) found at memchr's pace, where a parse is needed to tell them apart."""
     containers = body.count(b"{") + body.count(b"[")
     if containers > max_containers:
         raise APIError(413, f"request body holds {containers} JSON objects and arrays (brackets within its strings "
                        f"counted); the limit is {max_containers} (gateway.max_json_containers)", code="request_too_large")
-    return containers * PARSED_BYTES_PER_CONTAINER + (0 if body.isascii() else NON_ASCII_EXPANSION * _text_bytes(body))
+    values = body.count(b",")  # one past the first in each container
+    text = 0 if body.isascii() else NON_ASCII_EXPANSION * _text_bytes(body)
+    return containers * PARSED_BYTES_PER_CONTAINER + values * PARSED_BYTES_PER_VALUE + text
 
 
 def _text_bytes(body: bytes) -> int:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and infinities are not JSON (the reader takes `NaN`, `Infinity` and `1e400`): sent on, they
+    # would become null. Free-form JSON fields are checked by `JSONObject`.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -140,7 +142,7 @@ class Message(_Strict):
 class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)  # any, as vLLM's server takes it (OpenAI's own allows no dots)
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema
+    parameters: JSONObject | None = None  # a JSON Schema
     strict: bool | None = None
 
 
@@ -167,11 +169,11 @@ class JsonObjectFormat(_Strict):
 
 
 class JsonSchema(_Strict):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     name: str = Field(min_length=1)
     description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")  # vLLM's server constrains nothing without one
+    schema_: JSONObject = Field(alias="schema")  # vLLM's server constrains nothing without one
     strict: bool | None = None
 
 
@@ -190,7 +192,7 @@ class StructuredOutputs(_Strict):
     and `whitespace_pattern` are taken at their defaults only (vLLM's backends
     read them from the engine's config alone: engine.structured_outputs)."""
 
-    json_: dict[str, Any] | Annotated[str, Field(min_length=1)] | None = Field(None, alias="json")
+    json_: JSONObject | Annotated[str, Field(min_length=1)] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
     grammar: str | None = Field(None, min_length=1)
@@ -207,7 +209,7 @@ class StructuredOutputs(_Strict):
                               "vLLM's backends read it from there alone")
         return value
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="after")
     def _one_constraint(self) -> "StructuredOutputs":
@@ -266,9 +268,8 @@ class PromptCacheOptions(_Strict):
 
 def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
     """Where in `value` a number vLLM's engine cannot carry is, and why, or None: a NaN or an
-    infinity (the JSON reader takes `NaN`, `Infinity` and `1e400`; sent on they would become
-    null), or an integer past 64 bits anywhere (a schema's bound, a tool's parameter: msgpack,
-    the wire of vLLM's engine core, has none, and vLLM failed on it after the images' encode)."""
+    infinity, or an integer past 64 bits (msgpack, the wire of vLLM's engine core, has none,
+    and vLLM failed on it after the images' encode)."""
     if isinstance(value, float) and not math.isfinite(value):
         return path, "numbers must be finite (NaN and infinities are not JSON)"
     if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
@@ -278,6 +279,20 @@ def _unsendable(value: Any, path: str = "") -> tuple[str, str] | None:
         if (found := _unsendable(item, f"{path}.{key}" if path else str(key))) is not None:
             return found
     return None
+
+
+def _sendable(value: dict[str, Any]) -> dict[str, Any]:
+    if (found := _unsendable(value)) is not None:
+        within, message = found
+        raise PydanticCustomError("unsendable_number", message, {"within": within})
+    return value
+
+
+# A free-form JSON object (a schema, a tool's parameters, template arguments), walked for the
+# numbers vLLM's engine core cannot carry. Typed fields are checked by their types (`Int64`,
+# `allow_inf_nan`): a walk of the whole body cost a Python call per value, seconds of the
+# event loop for a body of a few million numbers.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_sendable)]
 
 
 # A 64-bit integer: what vLLM's engine core takes (its messages are msgpack); past it a request
@@ -302,7 +317,7 @@ class ChatCompletionRequest(_Strict):
     tools: list[Tool] | None = Field(None, min_length=1)  # [] refused, as vLLM and OpenAI refuse it
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. Qwen3's enable_thinking
+    chat_template_kwargs: JSONObject | None = None  # e.g. Qwen3's enable_thinking
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -331,13 +346,6 @@ class ChatCompletionRequest(_Strict):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = _NOT_FORWARDED
     prompt_cache_options: PromptCacheOptions | None = _NOT_FORWARDED
     modalities: list[Literal["text", "audio"]] | None = _NOT_FORWARDED
-
-    @model_validator(mode="before")
-    @classmethod
-    def _sendable_numbers(cls, data: Any) -> Any:
-        if (found := _unsendable(data)) is not None:
-            raise invalid(*found)
-        return data
 
     @field_validator("modalities")
     @classmethod

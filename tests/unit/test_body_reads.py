@@ -79,14 +79,17 @@ def test_a_body_that_came_whole_is_not_copied() -> None:
 
 
 def test_parsing_is_counted_as_what_it_builds_and_a_body_of_tiny_parts_is_refused():
-    from gateway.api.parsing import PARSED_BYTES_PER_CONTAINER, parsing_cost
+    from gateway.api.parsing import PARSED_BYTES_PER_CONTAINER, PARSED_BYTES_PER_VALUE, parsing_cost
     from gateway.errors import APIError
 
     image = b'{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:image/png;base64,' + BODY + b'"}}]}]}'
-    assert parsing_cost(image, 100) == 6 * PARSED_BYTES_PER_CONTAINER  # a data URL's bytes: one str, already counted
+    # a data URL's bytes: one str, already counted; the values beside it: three past each container's first
+    assert parsing_cost(image, 100) == 6 * PARSED_BYTES_PER_CONTAINER + 3 * PARSED_BYTES_PER_VALUE
+    numbers = b'{"stop_token_ids":[' + b",".join([b"7"] * 10**6) + b"]}"  # 2 MB that parse into tens of MB
+    assert parsing_cost(numbers, 100) == 2 * PARSED_BYTES_PER_CONTAINER + (10**6 - 1) * PARSED_BYTES_PER_VALUE
     assert parsing_cost('{"content":"héllo"}'.encode(), 100) == PARSED_BYTES_PER_CONTAINER + 4 * len('{"content":"héllo"}'.encode())
     accented = image[:-4] + ',{"type":"text","text":"l’image"}]}]}'.encode()  # the data URL: one byte a character still
-    assert parsing_cost(accented, 100) < 7 * PARSED_BYTES_PER_CONTAINER + 4 * 200
+    assert parsing_cost(accented, 100) < 7 * PARSED_BYTES_PER_CONTAINER + 5 * PARSED_BYTES_PER_VALUE + 4 * 200
     with pytest.raises(APIError) as refused:
         parsing_cost(b"[" + b",".join([b"{}"] * 200) + b"]", 100)
     assert refused.value.status == 413 and "201 JSON objects and arrays" in refused.value.message
