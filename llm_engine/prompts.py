@@ -177,10 +177,12 @@ class Prompt:
     max_tokens: int  # output budget, checked against the context length
 
 
-def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate | None = None) -> list[int]:
+def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate | None = None,
+                  max_chars: int | None = None) -> list[int]:
     """The chat template's token ids, one placeholder token per image (vLLM
     expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest;
-    `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's)."""
+    `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's);
+    `max_chars`: most_prompt_chars', past which the text is refused untokenized."""
     from vllm.renderers.hf import _template_error_reason
 
     template = template or OPENAI_CONTENT
@@ -191,11 +193,22 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
         )
     except Exception as exc:  # a template refusing the conversation (roles out of order, no user turn): the request's fault
         raise InvalidPrompt(f"the chat template refused this conversation: {_template_error_reason(exc)}") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise InvalidPrompt(f"the prompt is {len(text)} characters; one that fits this model's context has at most "
+                            f"{max_chars} (the context's tokens times its longest token's characters)", "messages")
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     check_markers(token_ids, chat.messages, template.media_tokens)
     return token_ids
+
+
+def most_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The most characters a prompt that fits the context can have: a token stands for at most as many
+    characters as its vocabulary entry has (byte-level BPE writes each byte as one, SentencePiece each
+    character as itself). A longer one is refused before it is tokenized, which takes the engine's one
+    rendering thread, and every request queued behind it, seconds for each few megabytes."""
+    return max_model_len * max(map(len, tokenizer.get_vocab()))
 
 
 def check_markers(token_ids: list[int], messages: list[dict], media_tokens: tuple[tuple[str, int], ...]) -> None:

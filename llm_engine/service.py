@@ -39,7 +39,8 @@ from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
 from llm_engine.prompts import (
-    InvalidPrompt, ModelShape, Prompt, check_images, output_budget, render_for_vllm, render_prompt, request_tools, vllm_inputs,
+    InvalidPrompt, ModelShape, Prompt, check_images, most_prompt_chars, output_budget, render_for_vllm, render_prompt,
+    request_tools, vllm_inputs,
 )
 from llm_engine.requests import Parsing, Read, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
@@ -212,6 +213,7 @@ class EngineService:
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
         self.tokenizer = None
+        self.max_prompt_chars: int | None = None  # prompts.most_prompt_chars, once the tokenizer is loaded
         self.templates: ChatTemplates | None = None  # which chat template renders a request, as vLLM's server picks it
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
@@ -257,6 +259,7 @@ class EngineService:
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
+        service.max_prompt_chars = most_prompt_chars(service.tokenizer, engine.model_config.max_model_len)
         service.templates = ChatTemplates(service.tokenizer, engine.model_config)
         service.templates.for_request(None)  # loads the processor's template now, not on the first request
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
@@ -463,7 +466,7 @@ class EngineService:
 
     def _read_and_render(self, request: GenerateRequest) -> tuple[Read, list[int]]:
         read = self._read(request)
-        return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template)
+        return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template, self.max_prompt_chars)
 
     async def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""

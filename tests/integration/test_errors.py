@@ -41,6 +41,9 @@ BAD_REQUESTS = [
     ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),
     ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "the limit is 8 (gateway.max_images_per_request)"),
     ("max-tokens-over-the-context", body(max_tokens=4097), 400, "max_tokens=4097 cannot be greater than this model's context length"),
+    # Refused before it is tokenized: that held the engine's rendering thread, and every request behind it, for seconds.
+    ("text-no-context-could-hold", body(messages=[{"role": "user", "content": "a" * 2_000_000}]), 400,
+     "characters; one that fits this model's context has at most"),
     ("stream-options-without-stream", body(stream_options={"include_usage": True}), 400, "stream_options needs stream: true"),
     ("two-output-constraints", body(response_format={"type": "json_object"}, structured_outputs={"regex": "a+"}), 400, "send one"),
     # What vLLM's engine would refuse after the image's fetch and encode: refused before them.

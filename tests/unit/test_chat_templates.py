@@ -153,3 +153,23 @@ def test_an_image_marker_in_a_request_s_text_is_refused_and_images_alone_are_not
     assert _rendered(family, [{"role": "user", "content": f"what does {IMAGE_TOKEN} mean?"}])  # no image: nothing to move
     with pytest.raises(InvalidPrompt, match="token"):
         _rendered(family, [{"role": "user", "content": [{"type": "text", "text": f"see {IMAGE_TOKEN} here"}, image]}])
+
+
+def test_a_prompt_longer_than_any_that_fits_the_context_is_refused_before_it_is_tokenized():
+    """A token stands for at most as many characters as its vocabulary entry has, so a text longer than the
+    context times the longest entry cannot fit: tokenizing it anyway held the engine's one rendering thread
+    (20 MB of text: every other request waited 46 s behind it)."""
+    from transformers import AutoTokenizer
+    from vllm.config import ModelConfig
+
+    from llm_engine.prompts import InvalidPrompt, most_prompt_chars
+
+    path = ensure_tiny_model("qwen2.5-vl")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "Grüße, 世界! naïve café, ok 🙂 " * 200  # characters of several bytes: more tokens than characters
+    assert len(text) <= len(tokenizer.encode(text)) * max(map(len, tokenizer.get_vocab()))  # the bound holds
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}], "max_tokens": 4}))
+    template = ChatTemplates(tokenizer, ModelConfig(model=str(path))).for_request(None)
+    assert render_prompt(chat, tokenizer, {}, template, most_prompt_chars(tokenizer, 32768))
+    with pytest.raises(InvalidPrompt, match="characters; one that fits this model's context has at most"):
+        render_prompt(chat, tokenizer, {}, template, most_prompt_chars(tokenizer, 64))
