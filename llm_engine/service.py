@@ -65,6 +65,8 @@ DROPPED_NOTICE_WAIT_S = 600.0
 # refused at the encoder (it counts them; the engine fetches those), a gateway's requests wait
 # on its side (its send timeout). zmq's 1,000 held a gigabyte of pushed tokens per encoder.
 RECEIVE_LIMIT = 64
+# A failure of the engine's own: its text (paths, internals) stays in the engine's log, under the request's id.
+ENGINE_FAILED = "the LLM engine failed on this request; its log has the error under this request's id"
 
 
 def engine_args(config: EngineConfig, family: Family):
@@ -316,10 +318,10 @@ class EngineService:
             peer, message, frames = await self.router.recv()
             try:
                 await self._handle(peer, message, frames)
-            except Exception as exc:  # that message's failure alone: every other peer is still served
+            except Exception:  # that message's failure alone: every other peer is still served
                 log.exception("a %s could not be handled", type(message).__name__)
                 if isinstance(message, GenerateRequest):
-                    await self._send(peer, GenerateFailed(message.request_id, f"LLM engine failed on this request: {exc!r}", 500), wait=False)
+                    await self._send(peer, GenerateFailed(message.request_id, ENGINE_FAILED, 500), wait=False)
 
     async def _handle(self, peer: bytes, message, frames) -> None:
         if isinstance(message, GenerateRequest):
@@ -507,13 +509,13 @@ class EngineService:
             log.info("refused: %s", exc)
             param = getattr(exc, "param", None) or getattr(exc, "parameter", None)  # InvalidPrompt's, vLLM's
             await self._send(peer, GenerateFailed(rid, str(exc), 400, "invalid_value" if param else None, param))
-        except Exception as exc:
+        except Exception:
             if self.engine.errored:  # EngineDeadError: this request and every other one fail as one
                 self._die("vLLM's engine core died")
                 return
             self.failed += 1
             log.exception("failed")
-            await self._send(peer, GenerateFailed(rid, f"engine error: {exc}", status=500))
+            await self._send(peer, GenerateFailed(rid, ENGINE_FAILED, status=500))
 
     async def _stream(self, peer: bytes, rid: str, prompt: Prompt, params, arrival: tuple[float, float], read: Read,
                       reasoning: dict) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,8 @@ import idna
 from gateway.errors import APIError
 from gateway.intake.images import ImageLimits
 from gateway.intake.memory import BODY_COPIES, hold, working
+
+log = logging.getLogger("prism.gateway")
 
 _REDIRECTS = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -148,13 +151,22 @@ class AddressGuard:
         try:
             infos = await asyncio.get_running_loop().run_in_executor(_resolver, _lookup, host, port)
         except (socket.gaierror, UnicodeError):
-            raise APIError(400, f"{where}: cannot resolve host {host!r}", param=where, code="image_fetch_failed") from None
+            log.info("%s: host %r does not resolve; refused", where, host)
+            raise _not_public(where, host) from None
         addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
         for address in addresses:  # every address must pass: DNS could hand out any of them
             reason = refusal_reason(address)
             if reason and not self._address_allowed(address):
-                raise APIError(400, f"{where}: host {host!r} resolves to a {reason} address ({address}); fetching from it is refused", param=where, code="image_url_refused")
+                log.info("%s: host %r resolves to a %s address (%s); refused", where, host, reason, address)
+                raise _not_public(where, host)
         return addresses[0]
+
+
+def _not_public(where: str, host: str) -> APIError:
+    """One answer, whether the name does not resolve or resolves to a refused address (the log tells
+    which): telling the client would let it map the names and addresses of the gateway's network."""
+    return APIError(400, f"{where}: host {host!r} does not resolve to a public address; fetching from it is refused",
+                    param=where, code="image_url_refused")
 
 
 class ImageFetcher:

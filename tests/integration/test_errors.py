@@ -38,7 +38,8 @@ BAD_REQUESTS = [
     ("empty-stop", body(stop=[""]), 400, "stop sequences must not be empty"),
     ("bad-role", body(messages=[{"role": "robot", "content": "x"}]), 400, "role"),
     ("unknown-model", body(model="gpt-nothing"), 404, "gpt-nothing"),
-    ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "cannot resolve host"),
+    # As a host that resolves to a private address is answered: a client cannot map the gateway's network.
+    ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "does not resolve to a public address"),
     ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "the limit is 8 (gateway.max_images_per_request)"),
     ("max-tokens-over-the-context", body(max_tokens=4097), 400, "max_tokens=4097 cannot be greater than this model's context length"),
     # Refused before it is tokenized: that held the engine's rendering thread, and every request behind it, for seconds.

@@ -167,7 +167,7 @@ def test_every_spelling_of_loopback_is_refused(stack, servers, host):
 def test_redirect_into_a_refused_address_is_refused(stack, servers, path):
     allowed, _ = servers
     response = fetch_through(stack, f"{allowed}{path}")
-    assert response.status_code == 400 and "loopback" in response.json()["error"]["message"]
+    assert response.status_code == 400 and "does not resolve to a public address" in response.json()["error"]["message"]
 
 
 def test_redirects_are_followed_up_to_the_cap(stack, servers):

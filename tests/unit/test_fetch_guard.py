@@ -136,3 +136,13 @@ def test_host_lookups_that_never_answer_hold_threads_of_their_own(monkeypatch):
         assert check(AddressGuard((), ()), "http://fast.example/a.png").url == "http://93.184.216.34:80/a.png"
     finally:
         release.set()
+
+
+def test_a_host_that_does_not_resolve_and_one_that_resolves_to_a_private_address_get_one_answer():
+    """Two answers would let a client map the names and addresses of the gateway's network."""
+    answers = []
+    for host in ("no-such-host.invalid", "localhost"):
+        with pytest.raises(APIError) as refused:
+            check(AddressGuard((), ()), f"http://{host}/a.png")
+        answers.append((refused.value.status, refused.value.code, refused.value.message.replace(host, "HOST")))
+    assert answers[0] == answers[1] and "127.0.0.1" not in answers[1][2]
