@@ -7,7 +7,8 @@ keeps the connection open. Here each chunk must be taken within
 `write_timeout_s`. Past it, the body iterator is told (`ClientNotReading`
 thrown in where it waits, so it ends its request: abort in vLLM, slot back),
 and the response is left incomplete, which makes uvicorn close the
-connection.
+connection. A client that hangs up is heard between two chunks (Starlette's
+disconnect listener cancels the stream), however many are queued.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class DeadlineStreamingResponse(StreamingResponse):
                         ClientNotReading(f"no chunk taken within {self.write_timeout_s:g} s (gateway.stream_write_timeout_s)")
                     )
                 return  # incomplete: uvicorn closes the connection
+            # A turn of the loop for everything else between chunks: neither a reply already queued nor a
+            # send into a socket with room waits, so a backlog of thousands of chunks ran in one go,
+            # holding every other request, and a client that hung up was heard only at its end.
+            await asyncio.sleep(0)
         with contextlib.suppress(TimeoutError):  # a client that stopped reading at the end: left incomplete
             async with asyncio.timeout(self.write_timeout_s):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -22,3 +22,27 @@ def test_a_client_that_stops_reading_at_the_stream_s_end_does_not_hold_it_open()
     response = DeadlineStreamingResponse(chunks(), 0.05)
     asyncio.run(asyncio.wait_for(response.stream_response(send), 5))
     assert [m.get("more_body") for m in sent] == [None, True, False]
+
+
+def test_a_client_that_hangs_up_is_heard_between_chunks_of_a_backlog():
+    """Replies already queued and a socket with room never wait: without a turn of the loop
+    between chunks, a backlog ran to its end (every other request held meanwhile) before the
+    hang-up was heard, and the request was logged as a 200."""
+    total, made, hung_up = 10_000, [0], asyncio.Event()
+
+    async def backlog():
+        for _ in range(total):
+            made[0] += 1
+            yield b"data: {}\n\n"
+
+    async def send(message: dict) -> None:  # as uvicorn's: returns at once, and quietly once the client is gone
+        if message["type"] == "http.response.body" and made[0] == 100:
+            hung_up.set()
+
+    async def receive() -> dict:
+        await hung_up.wait()
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}  # uvicorn's: Starlette listens for the disconnect
+    asyncio.run(asyncio.wait_for(DeadlineStreamingResponse(backlog(), 5)(scope, receive, send), 10))
+    assert made[0] < 200, f"{made[0]} of {total} chunks made for a client that hung up at the 100th"
