@@ -320,12 +320,20 @@ class ServiceClient:
 # What a reply waiting in a queue holds besides its text: the message, its
 # choices and their strings as Python objects.
 REPLY_BYTES = 512
+# A sampled token's logprob entry, and each of its alternatives: a str, a float and a list of
+# byte values as Python objects (twenty alternatives a token were counted as none, 70 times under).
+LOGPROB_BYTES = 240
 
 
 def reply_bytes(item: tuple[Any, list]) -> int:
     message, frames = item
-    text = sum(len(c.text) + len(c.reasoning) for c in message.choices) if isinstance(message, TokenDelta) else 0
-    return REPLY_BYTES + text + sum(memoryview(frame).nbytes for frame in frames)
+    choices = message.choices if isinstance(message, TokenDelta) else ()
+    return REPLY_BYTES + sum(map(_choice_bytes, choices)) + sum(memoryview(frame).nbytes for frame in frames)
+
+
+def _choice_bytes(choice) -> int:
+    entries = sum(1 + len(entry.top_logprobs) for entry in choice.logprobs or ())
+    return len(choice.text) + len(choice.reasoning) + entries * LOGPROB_BYTES
 
 
 class ReplyQueue(asyncio.Queue):

@@ -216,3 +216,21 @@ def test_a_16_bit_greyscale_conversion_stays_within_what_a_decode_is_counted():
         tracemalloc.stop()
     assert converted.mode == "L" and converted.getpixel((999, 999)) == round(999_999 % 65536 / 257)
     assert peak / side**2 < DECODE_BYTES_PER_PIXEL - 4, f"{peak / side**2:.1f} bytes a pixel"
+
+
+def test_a_reply_s_logprobs_are_counted_as_what_they_hold():
+    """Twenty alternatives a token, as Python objects once received, were counted as nothing."""
+    import tracemalloc
+
+    import msgspec
+
+    from gateway.routing.clients import reply_bytes
+    from protocol.to_gateway import TokenLogprob, TopLogprob
+
+    top = [TopLogprob(f"t{i}", -1.5, [116, 48 + i]) for i in range(20)]
+    sent = msgspec.msgpack.encode(TokenDelta("r", [ChoiceDelta(0, "x", logprobs=[TokenLogprob("x", -0.1, [120], top)] * 8)], 8, 1))
+    tracemalloc.start()
+    received = msgspec.msgpack.decode(sent, type=TokenDelta)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert held <= reply_bytes((received, [])) < 2 * held
