@@ -242,11 +242,14 @@ class ImageHandoff:
         return images
 
     async def _encode(self, request_id: str, images: RequestImages, timer: RequestTimer) -> None:
-        """ENCODING (or REENCODING) → REFERENCED, the references kept for repeats."""
+        """ENCODING (or REENCODING) → REFERENCED, the references kept for repeats: in the record of the
+        encoders the encode began with. Every encoder moving to another fingerprint meanwhile (a rolling
+        change of config) replaced that record, and the old encoders' references must not enter the new one."""
+        known = self.known
         images.references = await self._image_rounds(request_id, images, timer) if images.digests else []
         images.video_references = await self._video_rounds(request_id, images, timer) if images.videos else []
-        self.known.remember(images.digests, images.references)
-        self.known.remember(images.video_keys, images.video_references)
+        known.remember(images.digests, images.references)
+        known.remember(images.video_keys, images.video_references)
         images.stage = Stage.REFERENCED
 
     async def _rounds(self, digests: list[bytes], decode: Callable[[list[int]], Awaitable[list]], ask: Ask,

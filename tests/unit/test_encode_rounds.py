@@ -251,3 +251,45 @@ def test_a_round_another_replica_refused_is_not_counted_again_where_it_is_served
     """The refusing replica looked its images up (a miss, counted): the one that serves it counts
     none, or every image refused under load would be two misses in prism_cache_events_total."""
     assert asyncio.run(_refused_then_served(tmp_path)) == [[], [[True]]]
+
+
+class EncoderThatAnswersWhenLetGo(Encoder):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        super().__init__(ctx, address)
+        self.arrived, self.let_go = asyncio.Event(), asyncio.Event()
+
+    async def respond(self, peer: bytes, message) -> None:
+        if isinstance(message, EncodeRequest):
+            self.arrived.set()
+            await self.let_go.wait()
+        await super().respond(peer, message)
+
+
+async def _encoders_changed_mid_encode(tmp_path):
+    from gateway.routing.handoff import KnownTokens
+
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/encoder.sock"
+    encoder = EncoderThatAnswersWhenLetGo(ctx, address)
+    pool = EncoderPool(ctx, [address], heartbeat_timeout_s=30)
+    try:
+        await pool.connect(timeout_s=5)
+        pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
+        items = [inspect(png((10, 10, 200)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
+        digests = [digest_of(item, POLICY) for item in items]
+        encoding = asyncio.create_task(pipeline.handoff.deliver("r", items, digests, RequestTimer()))
+        await asyncio.wait_for(encoder.arrived.wait(), 10)
+        pipeline.handoff.known = KnownTokens()  # every encoder moved to another fingerprint (ServedModel._new_encoders)
+        encoder.let_go.set()
+        await asyncio.wait_for(encoding, 10)
+        return pipeline.handoff.known.recall(digests)
+    finally:
+        await pool.close()
+        encoder.stop()
+        ctx.destroy(linger=0)
+
+
+def test_an_encode_begun_before_the_encoders_changed_is_not_kept_for_the_new_ones(tmp_path):
+    """Its references are the old encoders' tokens: kept for the new ones, a repeat of the image
+    would go by them, and the engine would be handed tokens of the old tower."""
+    assert asyncio.run(_encoders_changed_mid_encode(tmp_path)) is None
