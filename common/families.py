@@ -27,6 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 
+# The vision parts of a checkpoint by layout, under the language model's `model.` where it has one
+# (Qwen's are named in `is_vision_weight`).
+_VISION_PARTS = {
+    "anyres": ("vision_tower.", "multi_modal_projector.", "image_newline"),
+    "tiles": ("vision_tower.", "multi_modal_projector."),
+}
+
+
 class UnsupportedModel(ValueError):
     """The checkpoint is of a family Prism cannot serve; the message says why."""
 
@@ -48,6 +56,13 @@ class Family:
     @property
     def takes_images(self) -> bool:
         return self.layout != "text"
+
+    def is_vision_weight(self, name: str) -> bool:
+        """A checkpoint tensor of the vision tower and its projection into the LLM: what the encoder
+        loads, and what an encoder and an engine must share (common/checkpoint.py)."""
+        if self.layout == "qwen":
+            return name.startswith(("model.visual.", "visual."))
+        return name.removeprefix("model.").startswith(_VISION_PARTS.get(self.layout, ()))
 
     def embedding_width(self, hf_config: Any) -> int:
         """Columns of one image's embeddings as vLLM takes them."""

@@ -24,6 +24,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -46,6 +47,7 @@ from llm_engine.requests import Parsing, Read, check_tool_choice, read_chat, sam
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
+from common.checkpoint import vision_weights_digest
 from common.families import Family, family_of
 from common.logs import request_id_var
 from protocol.base import Hello, answer_hello
@@ -216,6 +218,7 @@ class EngineService:
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
         self.tokenizer = None
         self.max_prompt_chars: int | None = None  # prompts.most_prompt_chars, once the tokenizer is loaded
+        self.vision_weights = ""  # its checkpoint's (common/checkpoint.py), for the gateway's check against its encoders
         self.templates: ChatTemplates | None = None  # which chat template renders a request, as vLLM's server picks it
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
         self.requests: dict[str, InFlight] = {}
@@ -244,14 +247,18 @@ class EngineService:
         hf = AutoConfig.from_pretrained(config.model)
         family = family_of(hf)  # an unsupported checkpoint stops here, naming why
         shape = model_shape(family, hf, config.max_images_per_prompt)
+        # What the gateway checks against its encoders' (a checkpoint on a hub is not read here: "").
+        vision_weights = vision_weights_digest(Path(config.model), family) if Path(config.model).is_dir() else ""
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = start_vllm(config, family, [step_clock_factory(watch)])
         try:
-            return await cls._around(engine, config, family, ctx, watch, shape)
+            service = await cls._around(engine, config, family, ctx, watch, shape)
         except BaseException:  # a parser vLLM does not have (exit 78), a socket taken: vLLM's engine core goes too
             engine.shutdown()
             raise
+        service.vision_weights = vision_weights
+        return service
 
     @classmethod
     async def _around(cls, engine, config: EngineConfig, family, ctx: zmq.asyncio.Context, watch: StallWatch,
@@ -336,7 +343,7 @@ class EngineService:
             takes_images = self.shape is not None
             max_images = self.shape.max_images if takes_images else None
             ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images,
-                                self.boot_id)
+                                self.boot_id, self.vision_weights)
             await self._send(peer, answer_hello(message, ready), wait=False)
 
     def stats(self) -> EngineStats:

@@ -72,6 +72,7 @@ class EncoderReady(Message):
     fingerprint: str  # model identity + preprocessing parameters, as hashed into the cache key
     processor: ProcessorInfo | AnyresInfo | TilesInfo
     boot_id: str = ""  # the answering process's, as its heartbeats carry it ("": not said)
+    vision_weights: str = ""  # its checkpoint's (common/checkpoint.py): its engines' must be the same
 
 
 class EncodedImage(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -117,6 +118,7 @@ class EngineReady(Message):
     # None: no limit of its own. The gateway refuses more before fetching any.
     max_images: int | None = None
     boot_id: str = ""  # the answering process's, as its heartbeats carry it ("": not said)
+    vision_weights: str = ""  # its checkpoint's (common/checkpoint.py); "": a text-only model, or not read
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -236,7 +236,8 @@ class EncoderService:
         elif isinstance(message, StatsRequest):
             self._send(peer, self.stats())
         elif isinstance(message, Hello):
-            ready = EncoderReady(self.tower.model_id, self._fingerprint(), self._processor_info(), self.boot_id)
+            ready = EncoderReady(self.tower.model_id, self._fingerprint(), self._processor_info(), self.boot_id,
+                                 self.tower.vision_weights)
             self._send(peer, answer_hello(message, ready))
 
     def _fingerprint(self) -> str:

@@ -24,6 +24,7 @@ from gateway.intake.images import ImageLimits, IntakePolicy
 from gateway.api.pipeline import ChatPipeline
 from gateway.routing.handoff import KnownTokens
 from gateway.routing.replicas import expand_addresses
+from protocol.to_gateway import EncoderReady, EngineReady
 
 log = logging.getLogger("prism.gateway")
 
@@ -36,6 +37,7 @@ class ServedModel:
     engine: EnginePool
     pipeline: ChatPipeline | None = None
     in_flight: int = 0
+    _engine_info: EngineReady | None = None  # the handshake the model was started with
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
@@ -61,6 +63,9 @@ class ServedModel:
         if encoder_info is not None and not engine_info.takes_images:
             raise RuntimeError(f"model {self.name!r} is text-only, yet encoders are configured for it: "
                                "list no encoder addresses for a text-only model")
+        if encoder_info is not None and (other := _another_checkpoint(encoder_info, engine_info)):
+            raise RuntimeError(f"model {self.name!r}: {other}")
+        self._engine_info = engine_info
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
         self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
         self.encoder.on_new_info(lambda info: self._new_encoders(info, limits, config.jpeg_draft))
@@ -79,6 +84,8 @@ class ServedModel:
         by the new processor, and no reference handed out by the old encoders is reused."""
         self.pipeline.policy = IntakePolicy(info.processor, limits, jpeg_draft)
         self.pipeline.handoff.known = KnownTokens()
+        if other := _another_checkpoint(info, self._engine_info):  # served on: the engines may be rolling too
+            log.error("model %r: %s", self.name, other)
 
     @property
     def takes_images(self) -> bool:
@@ -111,3 +118,14 @@ class ServedModel:
     async def close(self) -> None:
         await self.encoder.close()
         await self.engine.close()
+
+
+def _another_checkpoint(encoder: EncoderReady, engine: EngineReady) -> str | None:
+    """Why the encoders' tokens are not the engines' own, or None. An engine takes its encoders'
+    tokens as its own tower's: another checkpoint's of the same width are taken without an error
+    and answered wrongly. Unknown on either side ("": a checkpoint on a hub), not judged."""
+    if not encoder.vision_weights or not engine.vision_weights or encoder.vision_weights == engine.vision_weights:
+        return None
+    return (f"its encoders ({encoder.model}) and engines ({engine.model}) were started on different checkpoints: "
+            f"vision weights {encoder.vision_weights[:12]} and {engine.vision_weights[:12]} (common/checkpoint.py); "
+            "an engine fed another tower's tokens answers wrongly without an error")

@@ -135,7 +135,8 @@ CASES = [
     (GatewayInbound, EncoderReady(
         "llava-hf/llava-v1.6-mistral-7b-hf", "d03b5c9e1a64", AnyresInfo(336, 14, ((336, 672), (672, 336)), None)
     )),
-    (GatewayInbound, EncoderReady("OpenGVLab/InternVL3-1B-hf", "7a2f9b4c0e11", TilesInfo(448, 1, 12, True, 256), boot_id="a8f20b")),
+    (GatewayInbound, EncoderReady("OpenGVLab/InternVL3-1B-hf", "7a2f9b4c0e11", TilesInfo(448, 1, 12, True, 256), boot_id="a8f20b",
+                                     vision_weights="22beda081ad6c4eaa6006e2d7b386380")),
     (GatewayInbound, EncodeResult(
         "chatcmpl-41",
         [EncodedImage(QWEN_EMBEDDINGS, (1, 34, 46), True, b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16), True),
@@ -145,7 +146,8 @@ CASES = [
     (GatewayInbound, EncodeNeedsPixels("chatcmpl-41", [0, 2], 0.0007, 0.0011)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "encoder queue is full (512 images waiting)", 429)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "vision encoder is stalled; retry shortly", 503, "encoder_stalled")),
-    (GatewayInbound, EngineReady("Qwen/Qwen3-VL-8B-Instruct", 32768, takes_pushes=True, max_images=8, boot_id="3c1d9e")),
+    (GatewayInbound, EngineReady("Qwen/Qwen3-VL-8B-Instruct", 32768, takes_pushes=True, max_images=8, boot_id="3c1d9e",
+                                 vision_weights="8c1e48dbca376ab165791c9d5bff0e91")),
     (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41", [ChoiceDelta(0, "A red")], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0)

@@ -10,16 +10,15 @@ images are preprocessed, run and measured; towers.py picks one by family.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from cache import content_key, library_versions
+from common.checkpoint import vision_weights_digest, weight_files
 from common.families import Family
 from vision_encoder.towers.device_io import DeviceIO
 from vision_encoder.towers.patch_matmul import patch_convs_as_matmul
@@ -57,22 +56,6 @@ def local_checkpoint(model: str) -> Path:
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]))
-
-
-def _weight_files(checkpoint: Path) -> list[Path]:
-    index = checkpoint / "model.safetensors.index.json"
-    if index.exists():
-        names = set(json.loads(index.read_text())["weight_map"].values())
-        return sorted(checkpoint / n for n in names)
-    return sorted(checkpoint.glob("*.safetensors"))
-
-
-def _weights_digest(state: dict[str, torch.Tensor]) -> bytes:
-    hasher = xxhash.xxh3_128()
-    for name in sorted(state):
-        hasher.update(name.encode())
-        hasher.update(state[name].contiguous().reshape(-1).view(torch.uint8).numpy())
-    return hasher.digest()
 
 
 def compile_blocks(model: torch.nn.Module) -> int:
@@ -124,7 +107,7 @@ class VisionTower:
                              f"{sizing} instead: leave them unset")
 
     def _load(self, path: Path, config: Any) -> None:
-        state = self._vision_state(_weight_files(path))
+        state = self._vision_state(weight_files(path))
         self.model = self._build(config, state)
         # Weights revision: the config and the vision weights' own bytes, so a
         # re-trained checkpoint of the same shapes gets new keys (file sizes
@@ -133,7 +116,8 @@ class VisionTower:
         # Not the checkpoint's path: replicas that mount one checkpoint at different
         # paths are the same encoder, for the gateway's check and for a shared cache.
         config_bytes = (path / "config.json").read_bytes()
-        self.fingerprint = content_key(config_bytes, _weights_digest(state), self.preprocessing_params()).hex()
+        self.vision_weights = vision_weights_digest(path, self.family)  # the engine's must be the same (handshakes)
+        self.fingerprint = content_key(config_bytes, self.vision_weights, self.preprocessing_params()).hex()
         # Its keys' too: the code that preprocesses and encodes. Not in the handshake's fingerprint:
         # replicas of two releases serve side by side in a rolling upgrade, each with keys of its own.
         self.key_fingerprint = content_key(self.fingerprint, library_versions("torch", "torchvision", "transformers")).hex()

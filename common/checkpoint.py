@@ -1,0 +1,71 @@
+"""A checkpoint's files, and the identity of its vision weights.
+
+An encoder and an engine must run one checkpoint: the engine hands vLLM the
+encoder's tokens as its own tower's, and another tower's tokens of the same
+width are taken without an error and answered wrongly. Each service reports
+the digest of its checkpoint's vision weights in its handshake, and the
+gateway serves a model only where the two agree (gateway/api/models.py).
+
+Read from the safetensors files' headers and bytes alone (no torch: the
+engine's process does not load the weights, vLLM's engine core does), one
+tensor at a time, so hashing a 7B checkpoint's tower holds no copy of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+from pathlib import Path
+
+import xxhash
+
+from common.families import Family
+
+_HEADER_LENGTH_BYTES = 8  # safetensors: a little-endian u64, then that many bytes of JSON
+
+
+def weight_files(checkpoint: Path) -> list[Path]:
+    index = checkpoint / "model.safetensors.index.json"
+    if index.exists():
+        names = set(json.loads(index.read_text())["weight_map"].values())
+        return sorted(checkpoint / n for n in names)
+    return sorted(checkpoint.glob("*.safetensors"))
+
+
+def vision_weights_digest(checkpoint: Path, family: Family) -> str:
+    """xxh3-128 of the vision tensors' names, dtypes, shapes and bytes, in name order; "" for a
+    checkpoint with no vision weights (a text-only model)."""
+    tensors = sorted((name, file, info) for file in weight_files(checkpoint)
+                     for name, info in _header(file).items() if family.is_vision_weight(name))
+    if not tensors:
+        return ""
+    hasher = xxhash.xxh3_128()
+    with contextlib.ExitStack() as opened:
+        data = {file: opened.enter_context(_mapped(file)) for file in {file for _, file, _ in tensors}}
+        for name, file, info in tensors:
+            hasher.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
+            start, end = info["data_offsets"]
+            offset = _data_start(file)
+            with data[file][offset + start:offset + end] as tensor:  # a view of the file: no copy
+                hasher.update(tensor)
+    return hasher.hexdigest()
+
+
+@contextlib.contextmanager
+def _mapped(file: Path):
+    with file.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data, memoryview(data) as view:
+        yield view
+
+
+def _header(file: Path) -> dict:
+    with file.open("rb") as f:
+        length = int.from_bytes(f.read(_HEADER_LENGTH_BYTES), "little")
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _data_start(file: Path) -> int:
+    with file.open("rb") as f:
+        return _HEADER_LENGTH_BYTES + int.from_bytes(f.read(_HEADER_LENGTH_BYTES), "little")
