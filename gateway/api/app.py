@@ -47,6 +47,7 @@ from common.malloc import keep_freed_heap, one_heap
 
 log = logging.getLogger("prism.gateway")
 RESTART_MODEL_AFTER_S = 5.0  # between the attempts to start a model whose services did not answer
+DASHBOARD_FRESH_S = 1.0  # a dashboard summary is reused this long (dashboards ask every 2 s)
 STATIC = Path(__file__).with_name("static")
 
 
@@ -97,6 +98,7 @@ class Gateway:
         self.image_limits = image_limits(config)
         self.fetcher = ImageFetcher(fetch_limits(config), self.image_limits)
         self.window = DashboardWindow()
+        self._summary: tuple[float, asyncio.Future] | None = None  # the dashboard's latest, and when it was asked
         self.stats_collector = metrics.ServiceStatsCollector(self)
 
     async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
@@ -151,6 +153,14 @@ class Gateway:
                 raise
             log.warning("model %r started", name)
             return
+
+    async def dashboard_summary(self) -> dict:
+        """The window summarised on a thread, over a copy taken here (the loop keeps serving
+        meanwhile), and at most once a second however many dashboards ask."""
+        now = time.monotonic()
+        if self._summary is None or now - self._summary[0] >= DASHBOARD_FRESH_S:
+            self._summary = (now, asyncio.ensure_future(asyncio.to_thread(self.window.view().summary)))
+        return await asyncio.shield(self._summary[1])
 
     def plan_memory(self) -> MemoryPlan:
         """Size the memory budget and the kept heap from the limit and this
@@ -408,7 +418,7 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
 
     @app.get("/dashboard/data")
     async def dashboard_data() -> dict:
-        return gateway.window.snapshot()
+        return await gateway.dashboard_summary()
 
     def model_card(name: str) -> dict:
         """vLLM's server's card: what the engine serves, and its context length (clients size requests by it)."""

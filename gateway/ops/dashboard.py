@@ -105,45 +105,61 @@ class DashboardWindow:
     def add_sample(self, sample: ServiceSample) -> None:
         self.samples.append(sample)
 
-    def _recent(self, now: float) -> list[FinishedRequest]:
-        return [r for r in self.records if r.at >= now - self.span_s]
-
     def _forget_before(self, now: float) -> None:
         while self.counts and self.counts[0][0] + 1 <= now - self.span_s:  # wholly out of the window
             self.counts.popleft()
 
-    def _counted(self, now: float) -> dict[int, list[int]]:
+    def view(self) -> "WindowView":
+        """The window as it is now, copied (a few milliseconds for a full one): `WindowView.summary`
+        can then run off the event loop while requests keep arriving here."""
+        now = time.time()
         self._forget_before(now)
-        return dict(self.counts)
+        return WindowView(self, now, list(self.records), {second: list(c) for second, c in self.counts},
+                          list(self.samples))
 
     def snapshot(self) -> dict:
-        now = time.time()
-        recent = self._recent(now)
-        counts = self._counted(now)
-        answered, failed = sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())
+        return self.view().summary()
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """A copy of a window: summarising a full one (50,000 requests) takes the better part of a second,
+    which on the event loop held every stream up each time a dashboard asked (every 2 s)."""
+
+    window: DashboardWindow  # its settings (span, buckets, start), never its records
+    now: float
+    records: list[FinishedRequest]
+    counts: dict[int, list[int]]
+    samples: list[ServiceSample]
+
+    def summary(self) -> dict:
+        now, span_s = self.now, self.window.span_s
+        recent = [r for r in self.records if r.at >= now - span_s]
+        answered, failed = sum(c[0] for c in self.counts.values()), sum(c[1] for c in self.counts.values())
         ok = [r for r in recent if r.ok]
         hits = sum(r.cache_hits for r in recent)
         lookups = hits + sum(r.cache_misses for r in recent)
         return {
-            "window_s": self.span_s,
+            "window_s": span_s,
             "requests": answered + failed,
             "errors": failed,
-            "throughput_rps": _round(answered / min(self.span_s, max(now - self.started, self.bucket_s))),
+            "throughput_rps": _round(answered / min(span_s, max(now - self.window.started, self.window.bucket_s))),
             "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
             "stages": {s: _stage_summary(s, ok) for s in STAGES},
             "breakdown": {f"p{q}": breakdown_near(ok, q) for q in (50, 95)},
             "ttft": {"p50": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 50)), "p95": _round(percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 95))},
-            "series": self._series(now, recent, counts),
-            "services": self._service_series(now),
+            "series": self._series(recent),
+            "services": self._service_series(),
         }
 
-    def _series(self, now: float, recent: list[FinishedRequest], counts: dict[int, list[int]]) -> list[dict]:
+    def _series(self, recent: list[FinishedRequest]) -> list[dict]:
+        now, bucket_s = self.now, self.window.bucket_s
         buckets: dict[int, list[FinishedRequest]] = {}
         for record in recent:
-            buckets.setdefault(int((now - record.at) // self.bucket_s), []).append(record)
+            buckets.setdefault(int((now - record.at) // bucket_s), []).append(record)
         answered: dict[int, int] = {}
-        for second, (done, _) in counts.items():
-            age = int((now - second) // self.bucket_s)
+        for second, (done, _) in self.counts.items():
+            age = int((now - second) // bucket_s)
             answered[age] = answered.get(age, 0) + done
         series = []
         for age in sorted(buckets.keys() | answered.keys(), reverse=True):
@@ -153,15 +169,15 @@ class DashboardWindow:
             hits = sum(r.cache_hits for r in rows)
             lookups = hits + sum(r.cache_misses for r in rows)
             series.append({
-                "t": round(now - age * self.bucket_s), "rps": round(answered.get(age, 0) / self.bucket_s, 3),
+                "t": round(now - age * bucket_s), "rps": round(answered.get(age, 0) / bucket_s, 3),
                 "ttft_p50": _round(percentile(ttft, 50)), "ttft_p95": _round(percentile(ttft, 95)),
                 "tpot_p50": _round(percentile(tpot, 50)), "tpot_p95": _round(percentile(tpot, 95)),
                 "cache_hit_rate": None if not lookups else round(hits / lookups, 4),
             })
         return series
 
-    def _service_series(self, now: float) -> list[dict]:
-        samples = [s for s in self.samples if s.at >= now - self.span_s]
+    def _service_series(self) -> list[dict]:
+        samples = [s for s in self.samples if s.at >= self.now - self.window.span_s]
         out = []
         for before, after in zip(samples, samples[1:]):
             batches = after.batches - before.batches

@@ -86,3 +86,22 @@ def test_counts_keep_to_the_window_with_no_one_looking_and_take_late_records():
     window.add(request(start + 50))  # late, past the window: forgotten with the rest
     assert sum(slot[0] for _, slot in window.counts if _ == int(start + 95)) == 2
     assert [at for at, _ in window.counts] == sorted(at for at, _ in window.counts)
+
+
+def test_a_view_is_a_copy_that_a_thread_summarises_while_requests_keep_arriving():
+    """The summary of a full window takes the better part of a second: the gateway takes a view on
+    its loop and summarises it on a thread, so the window must go on taking requests meanwhile."""
+    import threading
+
+    window, now = DashboardWindow(), time.time()
+    for _ in range(1000):
+        window.add(request(now, encode=5.0))
+    view = window.view()
+    summaries: list[dict] = []
+    summarising = threading.Thread(target=lambda: summaries.extend(view.summary() for _ in range(20)))
+    summarising.start()
+    while summarising.is_alive():
+        window.add(request(time.time(), encode=5.0))  # as the loop does, while the thread reads
+    summarising.join()
+    assert {summary["requests"] for summary in summaries} == {1000}
+    assert window.snapshot()["requests"] > 1000
