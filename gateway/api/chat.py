@@ -30,7 +30,7 @@ from gateway.intake.together import outlast
 from gateway.api.parsing import parse_request
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import StreamOptions
-from gateway.api.streaming import ClientNotReading, DeadlineStreamingResponse
+from gateway.api.streaming import ClientNotReading, DeadlineJSONResponse, DeadlineStreamingResponse
 from common.logs import request_id_var
 from protocol.to_gateway import TokenDelta
 
@@ -75,7 +75,10 @@ class ChatHandler:
         except BaseException:
             ticket.release()
             raise
-        if not isinstance(response, StreamingResponse):
+        if isinstance(response, DeadlineJSONResponse):  # a completion gives its slot and memory back once sent
+            ticket.memory.take(len(response.body))
+            response.on_sent = ticket.release
+        elif not isinstance(response, StreamingResponse):
             ticket.release()  # a stream gives its slot back when it ends
         response.headers["X-Request-Id"] = record.echoed_id
         return response
@@ -160,7 +163,7 @@ class ChatHandler:
         usage = responses.usage(last, timer.visual_tokens, reasoning_tokens=reasoning.total())
         body = responses.completion(record.id, record.model, answer.choices(), usage, timer.breakdown())
         self.finish(record, 200, "ok")
-        return JSONResponse(body, headers={"Server-Timing": timer.server_timing()})
+        return DeadlineJSONResponse(body, self.gateway.config.stream_write_timeout_s, {"Server-Timing": timer.server_timing()})
 
     async def _stream(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions) -> AsyncIterator[bytes]:
         outcome = None  # (status, reason); still None at the end: the client went away mid-stream

@@ -1,4 +1,4 @@
-"""Server-sent events with a write deadline.
+"""Responses with a write deadline: server-sent events, and a completion's body.
 
 A client that stops reading its stream fills the socket buffers, and then
 uvicorn's `send` waits for them to drain, for ever: the request would hold
@@ -17,8 +17,10 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from starlette.responses import StreamingResponse
-from starlette.types import Send
+from collections.abc import Callable
+
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 
 class ClientNotReading(Exception):
@@ -49,3 +51,25 @@ class DeadlineStreamingResponse(StreamingResponse):
         with contextlib.suppress(TimeoutError):  # a client that stopped reading at the end: left incomplete
             async with asyncio.timeout(self.write_timeout_s):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class DeadlineJSONResponse(JSONResponse):
+    """A completion's body, which a client that does not read would otherwise hold in the
+    gateway's memory (uvicorn's write buffer) for as long as it keeps the connection: the body
+    must be taken within `write_timeout_s`, or it is left incomplete and uvicorn closes the
+    connection. `on_sent` runs once it was taken or given up (the request's ticket: its slot,
+    and its memory, the body's bytes counted in it until then)."""
+
+    def __init__(self, content, write_timeout_s: float, headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, headers=headers)
+        self.write_timeout_s = write_timeout_s
+        self.on_sent: Callable[[], None] = lambda: None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await super().__call__(scope, receive, send)
+        except TimeoutError:
+            pass  # incomplete: uvicorn closes the connection
+        finally:
+            self.on_sent()

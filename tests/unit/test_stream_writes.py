@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.api.streaming import DeadlineStreamingResponse
+import pytest
+
+from gateway.api.streaming import DeadlineJSONResponse, DeadlineStreamingResponse
 
 
 def test_a_client_that_stops_reading_at_the_stream_s_end_does_not_hold_it_open():
@@ -46,3 +48,25 @@ def test_a_client_that_hangs_up_is_heard_between_chunks_of_a_backlog():
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}  # uvicorn's: Starlette listens for the disconnect
     asyncio.run(asyncio.wait_for(DeadlineStreamingResponse(backlog(), 5)(scope, receive, send), 10))
     assert made[0] < 200, f"{made[0]} of {total} chunks made for a client that hung up at the 100th"
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_a_completion_s_body_is_given_up_past_the_deadline_and_its_ticket_released_once(reads):
+    """A client that does not read a completion held its body in uvicorn's buffer for as long as it kept
+    the connection, uncounted, its slot given back before a byte was sent."""
+    sent: list[dict] = []
+    released: list[bool] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not reads:
+            await asyncio.Event().wait()  # its socket's buffer full: the body never drains
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    response = DeadlineJSONResponse({"choices": []}, 0.05)
+    response.on_sent = lambda: released.append(True)
+    asyncio.run(asyncio.wait_for(response({"type": "http"}, receive, send), 5))
+    assert released == [True] and [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
