@@ -298,6 +298,18 @@ class Gateway:
 PUBLISHED_FRESH_POLLS = 5
 
 STOP_POLL_S = 0.2  # how often start-up looks whether uvicorn was told to stop
+STREAMS_END_BEFORE_DRAIN_DEADLINE_S = 2.0  # time for their error events to go out
+
+
+async def end_streams_before_the_drain_deadline(gateway: Gateway, server) -> None:
+    """uvicorn cancels what still runs at its graceful-shutdown deadline (gateway.drain_timeout_s):
+    a stream cut so ends with neither an error event nor [DONE], and reads as a client that went
+    away. A little before it, the streams still open end with a 503 error event instead."""
+    while not server.should_exit:
+        await asyncio.sleep(STOP_POLL_S)
+    await asyncio.sleep(max(0.0, gateway.config.drain_timeout_s - STREAMS_END_BEFORE_DRAIN_DEADLINE_S))
+    for served in [*gateway.models.values(), *gateway.retired]:
+        served.engine.fail_in_flight("the gateway is shutting down; retry shortly")
 
 
 async def started_unless_stopped(gateway: Gateway, app: FastAPI) -> bool:
@@ -371,7 +383,11 @@ def create_app(config: GatewayConfig, config_path: Path | None = None, slot: Wor
         loop.add_signal_handler(signal.SIGHUP, gateway.request_reload)
         if take_pending():  # one that came while it started: the routing map may have changed since it was read
             gateway.request_reload()
+        server = getattr(app.state, "server", None)  # set by `serve`
+        ending = None if server is None else asyncio.create_task(end_streams_before_the_drain_deadline(gateway, server))
         yield
+        if ending is not None:
+            ending.cancel()
         loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not its default, which kills: the stop is under way
         await gateway.stop()

@@ -173,7 +173,7 @@ class ServiceClient:
     def _mark_down(self, why: str) -> None:
         self.up = False
         log.error("%s %s; failing its in-flight requests", self.name, why)
-        self._fail_in_flight(f"{self.name} {why}")
+        self.fail_in_flight(f"{self.name} {why}")
 
     def _heartbeat(self, stats) -> None:
         # The process the last heartbeat came from, else the one that answered the handshake: a
@@ -186,7 +186,7 @@ class ServiceClient:
         self.stats_received_at = asyncio.get_running_loop().time()
         if restarted:
             self.up = False
-            self._fail_in_flight(f"{self.name} restarted; the request was lost with it")
+            self.fail_in_flight(f"{self.name} restarted; the request was lost with it")
             log.warning("%s restarted; handshaking with the new process", self.name)
             self.rejoining = True
         if self.rejoining:
@@ -249,7 +249,7 @@ class ServiceClient:
     def unavailable(self, message: str) -> APIError:
         return APIError(503, message, code="service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _fail_in_flight(self, message: str) -> None:
+    def fail_in_flight(self, message: str) -> None:
         for queue in self._streams.values():
             queue.put_nowait((self.unavailable(message), []))
 
@@ -306,7 +306,7 @@ class ServiceClient:
         if self.socket.socket.closed:  # closed before (a retired model's pools, then the gateway's stop)
             return
         if self._streams:  # past a retired model's drain: they end now, not at their own timeouts
-            self._fail_in_flight(f"{self.name} was disconnected (its model was reloaded away)")
+            self.fail_in_flight(f"{self.name} was disconnected (its model was reloaded away)")
         if self.stats is not None:  # its counters stay in the sums; what it holds goes with it
             RETIRED.retire(self.stats)
             self.stats = None

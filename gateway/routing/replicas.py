@@ -197,6 +197,12 @@ class ReplicaPool(Generic[C]):
             if index not in self._free:
                 await replica.close()
 
+    def fail_in_flight(self, message: str) -> None:
+        """Every request in flight on any replica fails now, with a 503 saying `message`."""
+        for index, replica in enumerate(self.replicas):
+            if index not in self._free:
+                replica.fail_in_flight(message)
+
     @property
     def up(self) -> bool:
         return any(replica.up for i, replica in enumerate(self.replicas) if i not in self.retired)
