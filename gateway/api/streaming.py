@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from collections.abc import Callable
-
+import anyio
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -33,6 +32,13 @@ class DeadlineStreamingResponse(StreamingResponse):
         self.write_timeout_s = write_timeout_s
 
     async def stream_response(self, send: Send) -> None:
+        try:
+            await self._send_chunks(send)
+        finally:  # cancelled between chunks (a hang-up): the iterator's own cleanup (abort, slot back) runs now,
+            with anyio.CancelScope(shield=True):  # not whenever the collector gets to it
+                await self.body_iterator.aclose()
+
+    async def _send_chunks(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for chunk in self.body_iterator:
             try:
@@ -54,11 +60,11 @@ class DeadlineStreamingResponse(StreamingResponse):
 
 
 class DeadlineJSONResponse(JSONResponse):
-    """A completion's body, which a client that does not read would otherwise hold in the
-    gateway's memory (uvicorn's write buffer) for as long as it keeps the connection: the body
-    must be taken within `write_timeout_s`, or it is left incomplete and uvicorn closes the
-    connection. `on_sent` runs once it was taken or given up (the request's ticket: its slot,
-    and its memory, the body's bytes counted in it until then)."""
+    """A completion's body, sent in pieces each of which the client must take within
+    `write_timeout_s`, or the rest is not sent and uvicorn closes the connection. Sent whole,
+    uvicorn took all of it into its write buffer at once, where a client that does not read
+    held it for as long as it kept the connection. `on_sent` runs once it was taken or given up
+    (the request's ticket: its slot, and its memory, the body's bytes counted in it until then)."""
 
     def __init__(self, content, write_timeout_s: float, headers: dict[str, str] | None = None) -> None:
         super().__init__(content, headers=headers)
@@ -67,9 +73,16 @@ class DeadlineJSONResponse(JSONResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with asyncio.timeout(self.write_timeout_s):
-                await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            last = max(0, len(self.body) - 1) // BODY_PIECE_BYTES * BODY_PIECE_BYTES
+            for start in range(0, last + 1, BODY_PIECE_BYTES):
+                async with asyncio.timeout(self.write_timeout_s):  # uvicorn waits for its buffer to drain first
+                    await send({"type": "http.response.body", "body": self.body[start:start + BODY_PIECE_BYTES],
+                                "more_body": start < last})
         except TimeoutError:
             pass  # incomplete: uvicorn closes the connection
         finally:
             self.on_sent()
+
+
+BODY_PIECE_BYTES = 2**20  # what a completion's body holds in uvicorn's buffer at most
