@@ -303,8 +303,8 @@ Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 class ChatCompletionRequest(_Strict):
     model: str | None = None  # None: the one model served (vLLM's server takes it so); several: a 400 naming them
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int64 | None = Field(None, ge=1)
+    max_completion_tokens: Int64 | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: Int64 | None = None  # vLLM's: a 64-bit integer
@@ -335,7 +335,7 @@ class ChatCompletionRequest(_Strict):
     media_io_kwargs: MediaIOKwargs | None = None  # video sampling (gateway/intake/video/)
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int64 = Field(0, ge=0)
     # Accepted, and change nothing about the result (OpenAI's prompt-cache hints too: Prism caches every prefix by itself).
     user: str | None = _NOT_FORWARDED
     safety_identifier: str | None = _NOT_FORWARDED

@@ -125,7 +125,9 @@ def test_what_vllm_s_server_takes_past_openai_s_limits_is_taken():
     assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).model is None
 
 
-@pytest.mark.parametrize("field,value", [("top_k", 2**63), ("stop_token_ids", [2**64]), ("logit_bias", {str(10**25): 1})])
+@pytest.mark.parametrize("field,value", [("top_k", 2**63), ("stop_token_ids", [2**64]), ("logit_bias", {str(10**25): 1}),
+                                         ("max_tokens", 2**64), ("max_completion_tokens", 2**64), ("min_tokens", 2**64),
+                                         ("seed", -2**63 - 1)])
 def test_integers_vllm_s_engine_core_cannot_carry_are_refused_at_the_door(field, value):
     """Past 64 bits msgpack (vLLM's engine core's wire) cannot carry them: vLLM failed after the images' encode."""
     from gateway.api.parsing import validation_error
