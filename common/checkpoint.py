@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 from pathlib import Path
 
 import xxhash
 
 from common.families import Family
+
+log = logging.getLogger("prism")
 
 _HEADER_LENGTH_BYTES = 8  # safetensors: a little-endian u64, then that many bytes of JSON
 
@@ -31,6 +34,22 @@ def weight_files(checkpoint: Path) -> list[Path]:
         names = set(json.loads(index.read_text())["weight_map"].values())
         return sorted(checkpoint / n for n in names)
     return sorted(checkpoint.glob("*.safetensors"))
+
+
+def model_vision_weights(model: str, family: Family) -> str:
+    """`vision_weights_digest` of a checkpoint directory, or of a hub id's snapshot in the local cache
+    (vLLM has downloaded it by the time the engine asks); "" where there is none to read."""
+    path = Path(model)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(model, local_files_only=True))
+        except Exception as exc:  # not in the cache (another layout, a mirror): the gateway cannot check the pair
+            log.warning("the vision weights of %s were not read (%s): the gateway cannot check that its encoders run "
+                        "this checkpoint", model, exc)
+            return ""
+    return vision_weights_digest(path, family)
 
 
 def vision_weights_digest(checkpoint: Path, family: Family) -> str:

@@ -178,11 +178,11 @@ class Prompt:
 
 
 def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate | None = None,
-                  max_chars: int | None = None) -> list[int]:
+                  bound: PromptBound | None = None) -> list[int]:
     """The chat template's token ids, one placeholder token per image (vLLM
     expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest;
     `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's);
-    `max_chars`: most_prompt_chars', past which the text is refused untokenized."""
+    `bound`: the context's, checked before the whole text is tokenized."""
     from vllm.renderers.hf import _template_error_reason
 
     template = template or OPENAI_CONTENT
@@ -193,9 +193,8 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
         )
     except Exception as exc:  # a template refusing the conversation (roles out of order, no user turn): the request's fault
         raise InvalidPrompt(f"the chat template refused this conversation: {_template_error_reason(exc)}") from None
-    if max_chars is not None and len(text) > max_chars:
-        raise InvalidPrompt(f"the prompt is {len(text)} characters; one that fits this model's context has at most "
-                            f"{max_chars} (the context's tokens times its longest token's characters)", "messages")
+    if bound is not None:
+        bound.check(text, tokenizer)
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
     token_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -203,12 +202,40 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
     return token_ids
 
 
-def most_prompt_chars(tokenizer, max_model_len: int) -> int:
-    """The most characters a prompt that fits the context can have: a token stands for at most as many
-    characters as its vocabulary entry has (byte-level BPE writes each byte as one, SentencePiece each
-    character as itself). A longer one is refused before it is tokenized, which takes the engine's one
-    rendering thread, and every request queued behind it, seconds for each few megabytes."""
-    return max_model_len * max(map(len, tokenizer.get_vocab()))
+# Of a text longer than this many characters a token of context, only the first so many are
+# tokenized to judge it: prose is some four characters a token, so they hold twice the context.
+PREFIX_CHARS_PER_TOKEN = 8
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """A prompt too long for the context, refused before the whole of it is tokenized: tokenizing
+    takes the engine's one rendering thread, and every request queued behind it, seconds for each
+    few megabytes (20 MB of text held the others 46 s). A token stands for at most as many
+    characters as its vocabulary entry has (byte-level BPE writes each byte as one, SentencePiece
+    each character as itself): a text longer than the context times the longest entry cannot fit.
+    Past PREFIX_CHARS_PER_TOKEN characters a token, its beginning is tokenized first."""
+
+    max_model_len: int
+    longest_token_chars: int
+
+    @classmethod
+    def of(cls, tokenizer, max_model_len: int) -> "PromptBound":
+        return cls(max_model_len, max(map(len, tokenizer.get_vocab())))
+
+    def check(self, text: str, tokenizer) -> None:
+        most = self.max_model_len * self.longest_token_chars
+        if len(text) > most:
+            raise InvalidPrompt(f"the prompt is {len(text)} characters; one that fits this model's context has at most "
+                                f"{most} (the context's tokens times its longest token's characters)", "messages")
+        prefix = self.max_model_len * PREFIX_CHARS_PER_TOKEN
+        if len(text) <= prefix:
+            return
+        # A cut can split what the whole text makes one token into as many as it has characters.
+        tokens = len(tokenizer.encode(text[:prefix], add_special_tokens=False)) - self.longest_token_chars
+        if tokens >= self.max_model_len:
+            raise InvalidPrompt(f"this model's maximum context length is {self.max_model_len} tokens; the prompt's "
+                                f"first {prefix} characters alone are more than {tokens}", "messages")
 
 
 def check_markers(token_ids: list[int], messages: list[dict], media_tokens: tuple[tuple[str, int], ...]) -> None:

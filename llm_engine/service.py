@@ -24,7 +24,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 import zmq.asyncio
@@ -40,14 +39,14 @@ from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream
 from llm_engine.prompts import (
-    InvalidPrompt, ModelShape, Prompt, check_images, most_prompt_chars, output_budget, render_for_vllm, render_prompt,
+    InvalidPrompt, ModelShape, Prompt, PromptBound, check_images, output_budget, render_for_vllm, render_prompt,
     request_tools, vllm_inputs,
 )
 from llm_engine.requests import Parsing, Read, check_tool_choice, read_chat, sampling_params, template_kwargs
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
-from common.checkpoint import vision_weights_digest
+from common.checkpoint import model_vision_weights
 from common.families import Family, family_of
 from common.logs import request_id_var
 from protocol.base import Hello, answer_hello
@@ -217,7 +216,7 @@ class EngineService:
         self.shape = shape
         self.generation_defaults = generation_defaults  # from the checkpoint's generation_config.json
         self.tokenizer = None
-        self.max_prompt_chars: int | None = None  # prompts.most_prompt_chars, once the tokenizer is loaded
+        self.prompt_bound: PromptBound | None = None  # once the tokenizer is loaded
         self.vision_weights = ""  # its checkpoint's (common/checkpoint.py), for the gateway's check against its encoders
         self.templates: ChatTemplates | None = None  # which chat template renders a request, as vLLM's server picks it
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
@@ -247,8 +246,6 @@ class EngineService:
         hf = AutoConfig.from_pretrained(config.model)
         family = family_of(hf)  # an unsupported checkpoint stops here, naming why
         shape = model_shape(family, hf, config.max_images_per_prompt)
-        # What the gateway checks against its encoders' (a checkpoint on a hub is not read here: "").
-        vision_weights = vision_weights_digest(Path(config.model), family) if Path(config.model).is_dir() else ""
         customize_spawned_vllm_processes(config.shm_wait_sleep_us)
         watch = StallWatch(config.stall_timeout_s, config.stall_restart_s)
         engine = start_vllm(config, family, [step_clock_factory(watch)])
@@ -257,7 +254,7 @@ class EngineService:
         except BaseException:  # a parser vLLM does not have (exit 78), a socket taken: vLLM's engine core goes too
             engine.shutdown()
             raise
-        service.vision_weights = vision_weights
+        service.vision_weights = model_vision_weights(config.model, family)  # a hub id's once vLLM has downloaded it
         return service
 
     @classmethod
@@ -268,7 +265,7 @@ class EngineService:
         tool_parser = family.tool_call_parser if config.tool_call_parser == "auto" else config.tool_call_parser
         service = cls(config, engine, router, watch, shape, generation_defaults(engine.model_config), EngineImages.from_config(config, ctx))
         service.tokenizer = await service._tokenizer()
-        service.max_prompt_chars = most_prompt_chars(service.tokenizer, engine.model_config.max_model_len)
+        service.prompt_bound = PromptBound.of(service.tokenizer, engine.model_config.max_model_len)
         service.templates = ChatTemplates(service.tokenizer, engine.model_config)
         service.templates.for_request(None)  # loads the processor's template now, not on the first request
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
@@ -475,7 +472,7 @@ class EngineService:
 
     def _read_and_render(self, request: GenerateRequest) -> tuple[Read, list[int]]:
         read = self._read(request)
-        return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template, self.max_prompt_chars)
+        return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template, self.prompt_bound)
 
     async def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""

@@ -156,9 +156,9 @@ class Gateway:
 
     async def dashboard_summary(self) -> dict:
         """The window summarised on a thread, over a copy taken here (the loop keeps serving
-        meanwhile), and at most once a second however many dashboards ask."""
+        meanwhile), at most once a second and one at a time, however many dashboards ask."""
         now = time.monotonic()
-        if self._summary is None or now - self._summary[0] >= DASHBOARD_FRESH_S:
+        if self._summary is None or (self._summary[1].done() and now - self._summary[0] >= DASHBOARD_FRESH_S):
             self._summary = (now, asyncio.ensure_future(asyncio.to_thread(self.window.view().summary)))
         return await asyncio.shield(self._summary[1])
 

@@ -37,7 +37,6 @@ class ServedModel:
     engine: EnginePool
     pipeline: ChatPipeline | None = None
     in_flight: int = 0
-    _engine_info: EngineReady | None = None  # the handshake the model was started with
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
@@ -65,7 +64,6 @@ class ServedModel:
                                "list no encoder addresses for a text-only model")
         if encoder_info is not None and (other := _another_checkpoint(encoder_info, engine_info)):
             raise RuntimeError(f"model {self.name!r}: {other}")
-        self._engine_info = engine_info
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
         self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
         self.encoder.on_new_info(lambda info: self._new_encoders(info, limits, config.jpeg_draft))
@@ -84,7 +82,7 @@ class ServedModel:
         by the new processor, and no reference handed out by the old encoders is reused."""
         self.pipeline.policy = IntakePolicy(info.processor, limits, jpeg_draft)
         self.pipeline.handoff.known = KnownTokens()
-        if other := _another_checkpoint(info, self._engine_info):  # served on: the engines may be rolling too
+        if other := _another_checkpoint(info, self.engine.info):  # served on: the engines may be rolling too
             log.error("model %r: %s", self.name, other)
 
     @property

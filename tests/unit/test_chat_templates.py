@@ -157,19 +157,29 @@ def test_an_image_marker_in_a_request_s_text_is_refused_and_images_alone_are_not
 
 def test_a_prompt_longer_than_any_that_fits_the_context_is_refused_before_it_is_tokenized():
     """A token stands for at most as many characters as its vocabulary entry has, so a text longer than the
-    context times the longest entry cannot fit: tokenizing it anyway held the engine's one rendering thread
-    (20 MB of text: every other request waited 46 s behind it)."""
+    context times the longest entry cannot fit; one longer than eight characters a token of context is judged
+    by its beginning. Tokenizing it all held the engine's one rendering thread (20 MB of text: every other
+    request waited 46 s behind it)."""
     from transformers import AutoTokenizer
     from vllm.config import ModelConfig
 
-    from llm_engine.prompts import InvalidPrompt, most_prompt_chars
+    from llm_engine.prompts import PREFIX_CHARS_PER_TOKEN, InvalidPrompt, PromptBound
 
     path = ensure_tiny_model("qwen2.5-vl")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    text = "Grüße, 世界! naïve café, ok 🙂 " * 200  # characters of several bytes: more tokens than characters
-    assert len(text) <= len(tokenizer.encode(text)) * max(map(len, tokenizer.get_vocab()))  # the bound holds
-    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}], "max_tokens": 4}))
     template = ChatTemplates(tokenizer, ModelConfig(model=str(path))).for_request(None)
-    assert render_prompt(chat, tokenizer, {}, template, most_prompt_chars(tokenizer, 32768))
+
+    def render(text: str, context: int) -> list[int]:
+        chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}], "max_tokens": 4}))
+        return render_prompt(chat, tokenizer, {}, template, PromptBound.of(tokenizer, context))
+
+    text = "Grüße, 世界! naïve café, ok 🙂 " * 200  # characters of several bytes: more tokens than characters
+    bound = PromptBound.of(tokenizer, 64)
+    assert len(text) <= len(tokenizer.encode(text)) * bound.longest_token_chars  # the bound holds
+    assert len(render(text, 32768)) > 64  # fits a large context, tokenized whole
     with pytest.raises(InvalidPrompt, match="characters; one that fits this model's context has at most"):
-        render_prompt(chat, tokenizer, {}, template, most_prompt_chars(tokenizer, 64))
+        render(text, 64)  # past the context times the longest entry: not tokenized at all
+    beginning = text[:64 * bound.longest_token_chars - 300]  # within that (with the template's text), past eight a token
+    assert len(beginning) > 64 * PREFIX_CHARS_PER_TOKEN
+    with pytest.raises(InvalidPrompt, match="maximum context length is 64 tokens; the prompt's first 512 characters alone"):
+        render(beginning, 64)
