@@ -557,3 +557,23 @@ def test_a_matroska_clip_holding_fewer_frames_than_its_estimate_is_served_as_vll
             k: metadata[k] for k in ("total_num_frames", "fps", "frames_indices")}
         repeat = inspect(raw, WHERE, sampling, LIMITS, intake=intake)  # knows what the decode found
         assert sorted(set(repeat.indices)) == list(metadata["frames_indices"])
+
+
+def test_a_video_that_makes_ffmpeg_seek_before_its_start_is_read_not_a_crash():
+    """A 12-frame MJPEG AVI with bytes cut from one frame and added to another (found by fuzzing):
+    FFmpeg asks OpenCV's stream bridge to seek to a negative offset, and the BytesIO's ValueError,
+    which the bridge does not handle, killed the whole process with a SIGSEGV. In a process of its
+    own, so that a crash fails this test rather than ending the run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from common.config import REPO_ROOT
+
+    path = Path(__file__).with_name("data") / "seeks-before-its-start.avi"
+    script = ("import sys; from gateway.intake.video.decode import open_video, probe; "
+              f"video = open_video(open({str(path)!r}, 'rb').read()); info = probe(video); "
+              "frames = sum(1 for _ in iter(video.capture.grab, False)); print(info.total_frames, frames)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["12", "10"]  # the header's 12; the 10 frames FFmpeg could still read

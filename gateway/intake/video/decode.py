@@ -51,7 +51,20 @@ def _stream_backend() -> int | None:
     return None
 
 
-class StoppableStream(io.BytesIO):
+class VideoBytes(io.BytesIO):
+    """The bytes as OpenCV's stream bridge reads them. A Python exception raised in its callbacks is
+    no error it handles: a crafted AVI of 26 KB made FFmpeg seek to a negative offset, BytesIO
+    raised, and the whole process died (SIGSEGV in avio_seek). A seek that cannot be made answers
+    -1, as a failed seek does in FFmpeg, and the demuxer reports a broken file."""
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        try:
+            return super().seek(offset, whence)
+        except (ValueError, OverflowError, TypeError):
+            return -1
+
+
+class StoppableStream(VideoBytes):
     """The bytes as the capture reads them, ending (EOF) once `stop` says so. A seek is not
     interruptible from Python, but it reads as it decodes: OpenCV seeks to the keyframe before
     its target and decodes forward, so in a clip whose only keyframe is its first, the
@@ -83,7 +96,7 @@ class OpenVideo:
 
 def open_video(data: bytes, stop: Callable[[], bool] | None = None) -> OpenVideo:
     """`stop`: asked at each read of the bytes; True ends them there (StoppableStream)."""
-    stream = io.BytesIO(data) if stop is None else StoppableStream(data, stop)
+    stream = VideoBytes(data) if stop is None else StoppableStream(data, stop)
     capture = cv2.VideoCapture(stream, _stream_backend(), [])
     if not capture.isOpened():
         capture.release()
