@@ -163,6 +163,11 @@ class ChatPipeline:
             raise APIError(413, f"{what} {tokens} visual tokens; the limit per request is "
                            f"{self.config.max_visual_tokens_per_request} (gateway.max_visual_tokens_per_request)",
                            param="messages", code="too_many_visual_tokens")
+        # What the engine would refuse once they were decoded and encoded (seconds of a video's), refused now.
+        context = self.engine.info.max_model_len if self.engine is not None and self.engine.info is not None else None
+        if context is not None and tokens >= context:
+            raise APIError(400, f"this model's maximum context length is {context} tokens; {what} {tokens} visual tokens",
+                           param="messages", code="invalid_value")
 
     def _reserve_planned_videos(self, images: list[Inspected], videos: list[InspectedVideo], record: RequestRecord) -> None:
         """Videos whose tokens the gateway knows (their frame plan): against the request's limit with the

@@ -47,17 +47,26 @@ def reference(tmp_path_factory, stack) -> dict:
 VISUAL_TOKEN_LIMIT = 16  # the small-limit gateway's: fewer than the clip asked for takes
 
 
-@pytest.fixture(scope="module")
-def small_limit(stack, tmp_path_factory):
-    """A second gateway on the stack's encoder and engine, whose requests may take VISUAL_TOKEN_LIMIT visual tokens."""
+def gateway_with_limit(stack, tmp_path_factory, visual_tokens: int):
+    """A second gateway on the stack's encoder and engine, whose requests may take `visual_tokens` visual tokens."""
     port = free_port()
     env = dict(stack.environment(), PRISM_GATEWAY__PORT=str(port),
-               PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST=str(VISUAL_TOKEN_LIMIT))
-    log = open(tmp_path_factory.mktemp("small-limit") / "gateway.log", "wb")
+               PRISM_GATEWAY__MAX_VISUAL_TOKENS_PER_REQUEST=str(visual_tokens))
+    log = open(tmp_path_factory.mktemp("visual-token-limit") / "gateway.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env=env, stdout=log,
                                stderr=subprocess.STDOUT)
     with serving(process, f"http://127.0.0.1:{port}", 120) as base_url:
         yield OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def small_limit(stack, tmp_path_factory):
+    yield from gateway_with_limit(stack, tmp_path_factory, VISUAL_TOKEN_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def past_the_context(stack, tmp_path_factory):
+    yield from gateway_with_limit(stack, tmp_path_factory, 16384)  # more than the engine's context of 4,096
 
 
 def data_url(raw: bytes) -> dict:
@@ -134,3 +143,14 @@ def test_the_video_stages_are_in_the_breakdown_and_in_prometheus(client, stack):
     samples = scrape(stack)
     for stage in ("video_fetch", "video_decode"):
         assert samples[("prism_stage_seconds_count", (("stage", stage),))] >= 1
+
+
+def test_videos_that_alone_would_fill_the_context_are_refused_before_their_decode(past_the_context):
+    """The engine would refuse the prompt once they were decoded and encoded (seconds of work on
+    the gateway's intake threads and the encoder); planned from the encoder's handshake, they are
+    refused first, as vLLM's server refuses a prompt past the context."""
+    hd = data_url(clip(1280, 720, 10.0, duration_s=8, seed=4602))  # 16 frames kept, the most a video may keep here
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(past_the_context, [hd, hd, hd, hd, {"type": "text", "text": QUESTION}], max_tokens=2)
+    message = refused.value.body["message"]
+    assert "maximum context length is 4096 tokens; the images and videos would take at least" in message, message
