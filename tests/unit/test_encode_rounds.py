@@ -8,6 +8,7 @@ over real DEALER/ROUTER sockets; the 'encoder' answers by hand from `held`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 
 import zmq.asyncio
@@ -106,26 +107,32 @@ def test_unseen_images_go_with_pixels_at_once_and_seen_ones_are_looked_up_first(
     asyncio.run(_rounds(tmp_path))
 
 
-async def _repeat_in_flight(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def one_image(tmp_path, encoder_class, color: tuple[int, int, int]):
+    """(encoder, pipeline, items, digests): a pipeline over one encoder answered by `encoder_class`, and one image."""
     ctx = zmq.asyncio.Context()
     address = f"ipc://{tmp_path}/encoder.sock"
-    encoder = EncoderWithAnEncodeInFlight(ctx, address)
+    encoder = encoder_class(ctx, address)
     pool = EncoderPool(ctx, [address], heartbeat_timeout_s=30)
     try:
         await pool.connect(timeout_s=5)
         pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
-        items = [inspect(png((10, 200, 10)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
-        digests = [digest_of(item, POLICY) for item in items]
+        items = [inspect(png(color), "messages[0].content[0]", POLICY, POLICY.default_budget)]
+        yield encoder, pipeline, items, [digest_of(item, POLICY) for item in items]
+    finally:
+        await pool.close()
+        encoder.stop()
+        ctx.destroy(linger=0)
+
+
+async def _repeat_in_flight(tmp_path) -> None:
+    async with one_image(tmp_path, EncoderWithAnEncodeInFlight, (10, 200, 10)) as (encoder, pipeline, items, digests):
         first = asyncio.create_task(pipeline.handoff.deliver("first", items, digests, RequestTimer()))
         await wait_until_async(lambda: encoder.waiting, 10, "the first request's pixels at the encoder")
         repeat = pipeline.handoff.deliver("repeat", items, digests, RequestTimer())
         answered = await asyncio.wait_for(asyncio.gather(first, repeat), timeout=10)
         assert encoder.rounds == [[True], [False]]  # the repeat went by digest alone: not decoded, not sent
         assert [images.references[0].embeddings.shape for images in answered] == [(25, 128), (25, 128)]
-    finally:
-        await pool.close()
-        encoder.stop()
-        ctx.destroy(linger=0)
 
 
 def test_a_repeat_of_an_image_still_encoding_is_looked_up_and_joins_it(tmp_path):
@@ -268,25 +275,13 @@ class EncoderThatAnswersWhenLetGo(Encoder):
 async def _encoders_changed_mid_encode(tmp_path):
     from gateway.routing.handoff import KnownTokens
 
-    ctx = zmq.asyncio.Context()
-    address = f"ipc://{tmp_path}/encoder.sock"
-    encoder = EncoderThatAnswersWhenLetGo(ctx, address)
-    pool = EncoderPool(ctx, [address], heartbeat_timeout_s=30)
-    try:
-        await pool.connect(timeout_s=5)
-        pipeline = ChatPipeline(GatewayConfig(push_embeddings=False), pool, None, POLICY, None)
-        items = [inspect(png((10, 10, 200)), "messages[0].content[0]", POLICY, POLICY.default_budget)]
-        digests = [digest_of(item, POLICY) for item in items]
+    async with one_image(tmp_path, EncoderThatAnswersWhenLetGo, (10, 10, 200)) as (encoder, pipeline, items, digests):
         encoding = asyncio.create_task(pipeline.handoff.deliver("r", items, digests, RequestTimer()))
         await asyncio.wait_for(encoder.arrived.wait(), 10)
         pipeline.handoff.known = KnownTokens()  # every encoder moved to another fingerprint (ServedModel._new_encoders)
         encoder.let_go.set()
         await asyncio.wait_for(encoding, 10)
         return pipeline.handoff.known.recall(digests)
-    finally:
-        await pool.close()
-        encoder.stop()
-        ctx.destroy(linger=0)
 
 
 def test_an_encode_begun_before_the_encoders_changed_is_not_kept_for_the_new_ones(tmp_path):
