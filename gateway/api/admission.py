@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.errors import APIError
-from gateway.intake.memory import BODY_COPIES, BODY_PREPAID_BYTES, MemoryBudget, MemoryHold
+from gateway.intake.memory import BODY_COPIES, MemoryBudget, MemoryHold
 from gateway.ops.workers import WorkerSlot
 
 
@@ -87,9 +87,8 @@ class ConcurrencyLimiter:
         if self.per_key_limit is not None and self.per_key[key] >= self.per_key_limit:
             raise APIError(429, f"this API key is at its limit of {self.per_key_limit} concurrent requests{self.slot.label}", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         memory = MemoryHold(self.memory)
-        if body_bytes:  # room for all of it, its first bytes counted (the rest as it arrives: parsing.read_body)
-            self.memory.check_room(BODY_COPIES * body_bytes, f"a request body of {body_bytes} bytes")
-            memory.admit(BODY_COPIES * min(body_bytes, BODY_PREPAID_BYTES), f"a request body of {body_bytes} bytes")
+        if body_bytes:
+            memory.admit(BODY_COPIES * body_bytes, f"a request body of {body_bytes} bytes")
         self.in_flight += 1
         self.per_key[key] += 1
         return Ticket(self, key, memory)

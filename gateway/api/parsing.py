@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import APIError
-from gateway.intake.memory import BODY_COPIES, BODY_PREPAID_BYTES, MemoryHold
+from gateway.intake.memory import BODY_COPIES, MemoryHold
 from gateway.api import schemas
 from gateway.api.schemas import ChatCompletionRequest
 
@@ -94,15 +94,13 @@ def buffer_whole_bodies(limit: int) -> None:
 
 
 async def read_body(request: Request, limit: int, timeout_s: float, memory: MemoryHold | None = None) -> bytes:
-    """The whole body, under `limit` bytes and `timeout_s`. Admission counted the
-    first BODY_PREPAID_BYTES of one with a Content-Length and nothing of one
-    without: `memory` counts the rest as it comes (gateway/intake/memory.py),
-    refusing it past the budget."""
+    """The whole body, under `limit` bytes and `timeout_s`. One without a
+    Content-Length was not counted at admission: `memory` counts each piece as
+    it comes (gateway/intake/memory.py), refusing it past the budget."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
-    prepaid = min(int(declared), BODY_PREPAID_BYTES) if declared.isdigit() else 0
-    what = "a request body" if declared.isdigit() else "a request body sent without Content-Length"
+    counted = memory if memory is not None and not declared.isdigit() else None
     chunks: list[bytes] = []
     size = 0
     try:
@@ -110,8 +108,8 @@ async def read_body(request: Request, limit: int, timeout_s: float, memory: Memo
             async for chunk in request.stream():
                 if not chunk:
                     continue  # Starlette ends every stream with b"", which would make the join below copy
-                if memory is not None and size + len(chunk) > prepaid:
-                    memory.admit(BODY_COPIES * (size + len(chunk) - max(size, prepaid)), what)
+                if counted is not None:
+                    counted.admit(BODY_COPIES * len(chunk), "a request body sent without Content-Length")
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > limit:

@@ -12,14 +12,11 @@ Sizing, once the gateway has started (`MemoryPlan`):
   1 GiB): freed memory kept for the next requests (`HeapKeeper`).
 
 What one request holds (`MemoryHold`):
-- its body, BODY_COPIES × its bytes to its end: while it is read, uvicorn's
-  buffer and the copy it hands over; then the parsed request (a data URL is a
-  str as long) and each image's bytes (3/4 of its base64). Room for the whole
-  Content-Length is looked for at admission (a body there is no room for is
-  refused before a byte of it is sent), but only its first BODY_PREPAID_BYTES
-  are counted then, the rest as it arrives: a client that declares a large
-  body and sends none of it holds little (a dozen such held every other
-  request off). A body without Content-Length is counted as it arrives;
+- its body, counted as BODY_COPIES × Content-Length from admission (before a
+  byte of it is read) to its end: while it is read, uvicorn's buffer and the
+  copy it hands over; then the parsed request (a data URL is a str as long)
+  and each image's bytes (3/4 of its base64). A body without Content-Length
+  is counted as it arrives;
 - an http(s) image, from its response on, BODY_COPIES × the size it
   declares (gateway.max_image_bytes where it declares none) while it is
   read, then its size; nothing while its host is looked up and connected;
@@ -56,7 +53,6 @@ from gateway.errors import APIError
 log = logging.getLogger("prism.gateway")
 
 BODY_COPIES = 2
-BODY_PREPAID_BYTES = 2**20  # of a body with a Content-Length, counted at admission: most bodies whole
 BODY_SHARE = 0.75
 RETRY_AFTER = {"Retry-After": "1"}
 TRIM_EVERY_S = 10
@@ -98,11 +94,6 @@ class MemoryBudget:
     def admit(self, nbytes: int, what: str) -> None:
         """Count `nbytes` more of a request's own: 413 if more than any request
         may hold, 429 if the budget has no room for it now."""
-        self.check_room(nbytes, what)
-        self.take(nbytes)
-
-    def check_room(self, nbytes: int, what: str) -> None:
-        """`admit`'s refusals, counting nothing."""
         if self.capacity is not None:
             if nbytes > self.largest * BODY_SHARE:
                 raise APIError(413, f"{what} needs about {mib(nbytes)} of the gateway's memory; it admits at most "
@@ -112,6 +103,7 @@ class MemoryBudget:
                 raise APIError(429, f"the gateway's memory is held by requests in flight ({mib(self.in_use)} of "
                                f"{mib(self.capacity)}{self.label}; {what} needs {mib(nbytes)}); retry shortly",
                                code="memory_full", headers=RETRY_AFTER)
+        self.take(nbytes)
 
     def take(self, nbytes: int) -> None:
         """Count bytes that are already there (they cannot be refused)."""

@@ -16,7 +16,7 @@ from gateway.ops.workers import WorkerSlot
 from gateway.routing.clients import REPLY_BYTES, ReplyQueue
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.intake.memory import SUPERVISOR_BYTES, BODY_COPIES, BODY_PREPAID_BYTES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
+from gateway.intake.memory import SUPERVISOR_BYTES, BODY_COPIES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
 from protocol.to_gateway import ChoiceDelta, TokenDelta
 
 GIB = 2**30
@@ -99,9 +99,8 @@ def sized(capacity: int, wait_s: float = 10) -> MemoryBudget:
 
 def test_a_body_is_admitted_by_its_length_and_refused_past_the_bodies_share():
     limiter = ConcurrencyLimiter(None, None, memory=sized(100 * MIB))
-    first = limiter.admit("k", 30 * MIB)  # room for 60 MiB (the body and what it becomes); its first MiB counted
-    assert limiter.memory.held == BODY_COPIES * BODY_PREPAID_BYTES
-    first.memory.take(BODY_COPIES * (30 * MIB - BODY_PREPAID_BYTES))  # the rest of it arrived (parsing.read_body)
+    first = limiter.admit("k", 30 * MIB)  # 60 MiB counted: the body and what it becomes
+    assert limiter.memory.held == BODY_COPIES * 30 * MIB
     with pytest.raises(APIError) as full:
         limiter.admit("k", 10 * MIB)  # 60 + 20 > 75: the last quarter is kept for decodes
     assert (full.value.status, full.value.headers, full.value.code) == (429, {"Retry-After": "1"}, "memory_full")
