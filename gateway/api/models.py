@@ -121,7 +121,7 @@ class ServedModel:
 def _another_checkpoint(encoder: EncoderReady, engine: EngineReady) -> str | None:
     """Why the encoders' tokens are not the engines' own, or None. An engine takes its encoders'
     tokens as its own tower's: another checkpoint's of the same width are taken without an error
-    and answered wrongly. Unknown on either side ("": a checkpoint on a hub), not judged."""
+    and answered wrongly. Unknown on either side ("": its weights were not read), not judged."""
     if not encoder.vision_weights or not engine.vision_weights or encoder.vision_weights == engine.vision_weights:
         return None
     return (f"its encoders ({encoder.model}) and engines ({engine.model}) were started on different checkpoints: "
