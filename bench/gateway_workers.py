@@ -40,7 +40,7 @@ ROLES = (("-m gateway", "gateway"), ("-m vision_encoder", "encoder"), ("-m llm_e
 
 
 def stack_cpu(root: int) -> dict[str, float]:
-    """CPU seconds so far of the stack's processes, by role; the launcher itself counts as the gateway."""
+    """CPU seconds so far of the stack's processes, by role; the launcher counts as the gateway (it supervises it)."""
     totals = {"gateway": cpu_seconds(root), "encoder": 0.0, "engine": 0.0}
     for pid, command in descendants(root):
         role = next((name for needle, name in ROLES if needle in command), None)

@@ -64,9 +64,9 @@ def descendants(root: int) -> Iterator[tuple[int, str]]:
 
 
 def service_pids(stack: LocalStack) -> dict[str, int]:
-    """Process name → pid: the gateway is the launcher's own process; the rest are found by their command line."""
-    found = {"gateway": stack.process.pid}
-    wanted = {"-m vision_encoder": "encoder", "-m llm_engine": "engine", "VLLM::EngineCore": "engine_core", "VLLM::Worker": "engine_worker"}
+    """Process name → pid, found by their command line."""
+    found = {}
+    wanted = {"-m gateway": "gateway", "-m vision_encoder": "encoder", "-m llm_engine": "engine", "VLLM::EngineCore": "engine_core", "VLLM::Worker": "engine_worker"}
     for pid, command in descendants(stack.process.pid):
         for needle, name in wanted.items():
             if needle in command:

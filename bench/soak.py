@@ -55,9 +55,11 @@ def worker(base_url: str, stop: threading.Event, counts: dict, seed: int) -> Non
 
 
 def processes(root: psutil.Process) -> dict[str, psutil.Process]:
-    named = {"gateway": root}
+    named = {"gateway": root}  # a multi-worker gateway's supervisor; one gateway is a child, below
     for child in root.children(recursive=True):
         cmd = " ".join(child.cmdline())
+        if "-m gateway" in cmd:
+            named["gateway"] = child
         for key in ("vision_encoder", "llm_engine", "EngineCore", "Worker"):
             if key in cmd or key in child.name():
                 named[key] = child

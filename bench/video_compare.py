@@ -225,7 +225,7 @@ def prism(run_dir: Path, sizes: Sizes, memory_limit: str | None = None, with_sce
         overrides["PRISM_GATEWAY__MEMORY_LIMIT_BYTES"] = memory_limit
     with LocalStack(run_dir, overrides) as stack:
         out = scenarios(stack.base_url, sizes) if with_scenarios else {}
-        out["d"] = memory(stack.base_url, sizes, stack.process.pid, budget_of(stack.base_url))
+        out["d"] = memory(stack.base_url, sizes, stack.gateway_pid, budget_of(stack.base_url))
         out["d"]["memory_limit"] = memory_limit or "configs/cpu-demo.yaml's"
     return out
 

@@ -13,9 +13,8 @@ heap kept (`trim_threshold`), freed pages are reused. The cost: a process
 keeps what it freed after a burst, up to that much, for the next one.
 
 The launcher sets this for the engine as GLIBC_TUNABLES (prism/launch.py),
-as the Docker image does for every container; the gateway runs in the
-launcher's own process, where the environment is read too late, so it sets
-the same through mallopt at start-up (`keep_freed_heap`).
+as the Docker image does for every container; the gateway sets the same
+through mallopt at start-up (`keep_freed_heap`), however it was started.
 
 The gateway sizes what it keeps from its memory limit instead of 1 GiB
 (`keep_at_most`, gateway/intake/memory.py), and gives back what it holds past

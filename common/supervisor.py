@@ -214,9 +214,13 @@ class Supervisor:
             if index not in self._restart_at and child.process is not None:  # None: not spawned yet (a stop during start)
                 kill_group(child.process, sig)
 
-    def stop(self, grace_s: float = 10) -> None:
+    def stop(self, grace_s: float = 10, first: Child | None = None, first_grace_s: float = 0.0) -> None:
+        """SIGTERM to every child, SIGKILL to those left past `grace_s`. `first` is stopped before the
+        others, within `first_grace_s` (a gateway drains its requests while the services they need serve)."""
         with self._spawning:
             self._stopping.set()
+        if first is not None and first.process is not None:
+            stop_group(first.process, first_grace_s)
         self.signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for child in self.children:

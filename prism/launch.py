@@ -1,8 +1,10 @@
-"""Start the whole stack on one machine: encoder and engine as supervised child
-processes (common/supervisor.py), the gateway in this one, or its worker
-processes supervised from here when `gateway.workers` > 1. The gateway's
-start-up handshake is the readiness signal: it serves only once both services
-have answered.
+"""Start the whole stack on one machine: encoder, engine and gateway as supervised
+child processes (common/supervisor.py), or the gateway's worker processes
+supervised from here when `gateway.workers` > 1. The gateway decodes what
+clients send (images, videos, native decoders among them): in a process of its
+own, one that crashes is restarted like any service, where in this one it took
+every service down with it. The gateway's start-up handshake is the readiness
+signal: it serves only once both services have answered.
 
 A child that dies is restarted with exponential back-off. The gateway notices
 the outage through its heartbeats and the return through the next answer;
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from common.config import DEFAULT_CONFIG, EXIT_CONFIG, PROBE, ConfigError, configured_model, load_config, resolve_model
 from common.malloc import HEAP_KEPT_TUNABLES
-from common.supervisor import Child, Supervisor
+from common.supervisor import Child, Supervisor, kill_group
 from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from prism.gpu_shares import check_gpu_shares
 from prism.healthcheck import local_address, service_answers
@@ -118,17 +120,18 @@ def check_service_configs(children: list[Child]) -> list:
 
 
 STOP_MARGIN_S = 15  # past an engine's drain: vLLM's own shutdown
+GATEWAY_STOP_MARGIN_S = 5  # past the gateway's drain: its clients' sockets closed
 
 
 def serve(config_path: Path) -> None:
     from gateway.config import GatewayConfig
 
-    from gateway.hangups import hold_hangups
+    from gateway.hangups import hold_hangups, take_pending
 
     # SIGHUP reloads the routing map once the gateway serves, one that comes sooner included;
     # its default would kill this process (and leave its children without the atexit stop)
     hold_hangups()
-    setup_logging("gateway")  # the gateway runs in this process
+    setup_logging("gateway")  # this process speaks for the gateway it starts (or its workers)
     try:
         gateway_config = load_config(GatewayConfig, "gateway", config_path)
         # the top-level model (or PRISM_MODEL), needed only where a route names no checkpoint of its own
@@ -155,27 +158,36 @@ def serve(config_path: Path) -> None:
     # sooner, vLLM's processes leave their shared-memory queues in /dev/shm.
     grace_s = max((getattr(config, "drain_timeout_s", 0) for config in configs), default=0) + STOP_MARGIN_S
 
+    # One gateway: a child of its own, stopped first (it drains its requests while the services serve them).
+    gateway = Child("gateway", config_path, name="gateway") if gateway_config.workers == 1 else None
+    if gateway is not None:
+        supervisor.children.append(gateway)
+    gateway_grace_s = gateway_config.drain_timeout_s + GATEWAY_STOP_MARGIN_S
+
     def stop_children() -> None:
         # A second Ctrl-C or SIGTERM meanwhile would end this stop half-way, its children left running.
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: log.warning("prism serve: stopping the services already (up to %.0f s)", grace_s))
-        supervisor.stop(grace_s)
+        supervisor.stop(grace_s, first=gateway, first_grace_s=gateway_grace_s)
 
-    # From here a SIGTERM stops the children (atexit), before uvicorn takes the signal over and after it gives it back.
+    # From here a SIGTERM stops the children (atexit).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_status()))
     atexit.register(stop_children)  # before the first child: one stopped while the others spawn is stopped too
     supervisor.start()
-    if gateway_config.workers > 1:
+    if gateway is None:
         from gateway.ops.workers import serve_workers
 
         if serve_workers(gateway_config, config_path) == EXIT_CONFIG:  # returns on SIGTERM, once the workers have drained
             refused.append("the gateway")
         sys.exit(exit_status())
-    from gateway.api.app import serve as serve_gateway
-
-    # uvicorn handles SIGTERM itself while it runs (stop accepting, drain, shut
-    # down) and raises it again when done: the handler above then exits, and atexit stops the children.
-    serve_gateway(gateway_config, config_path)
+    # SIGHUP reloads the gateway's routing map: passed on to it alone (a service's default would end it);
+    # one that came while this process started too (the gateway holds it until it serves).
+    signal.signal(signal.SIGHUP, lambda *_: kill_group(gateway.process, signal.SIGHUP))
+    if take_pending():
+        kill_group(gateway.process, signal.SIGHUP)
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(exit_status()))  # Ctrl-C: the same stop, not a traceback
+    while True:  # until a signal's handler exits
+        signal.pause()
 
 
 def main() -> None:

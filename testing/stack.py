@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from common.config import REPO_ROOT
 from common.supervisor import stop_group
@@ -162,6 +163,16 @@ class LocalStack:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         return self.process
+
+    @property
+    def gateway_pid(self) -> int:
+        """The gateway's process: the launcher's child `python -m gateway` (the launcher itself supervises
+        the workers of a multi-worker gateway, and stands for them here)."""
+        for child in psutil.Process(self.process.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if "-m gateway" in " ".join(child.cmdline()):
+                    return child.pid
+        return self.process.pid
 
     @property
     def stack_log(self) -> Path:

@@ -360,6 +360,26 @@ def alive(process: psutil.Process) -> bool:
         return False
 
 
+def test_a_gateway_that_crashes_is_restarted_by_its_launcher(faulty):
+    """A native decoder's crash on a crafted upload ends the gateway's process (here a SIGSEGV sent to
+    it): `prism serve` starts it again as it restarts any service, and the services go on. In the
+    launcher's own process, as it ran before, the crash took every service with it."""
+    crashed = child_pid(faulty, "-m gateway")
+    services = {module: child_pid(faulty, module) for module in ("vision_encoder", "llm_engine")}
+    os.kill(crashed, signal.SIGSEGV)
+    wait_until(lambda: service_pid(faulty, "-m gateway") not in (crashed, None), 60, "the gateway started again")
+    wait_until(lambda: answers_ok(faulty), 180, "serving images again")
+    assert {module: service_pid(faulty, module) for module in services} == services  # the same processes
+
+
+def answers_ok(stack: LocalStack) -> bool:
+    """A request with an image answered; False while nothing listens on the gateway's port."""
+    try:
+        return outcome(stack, 1) == "ok"
+    except httpx.ConnectError:
+        return False
+
+
 def test_graceful_shutdown_drains_in_flight_streams(faulty):
     body = {"model": MODEL_NAME, "max_tokens": 400, "temperature": 1.0, "seed": 11, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "Write a long story."}]}

@@ -16,7 +16,7 @@ TINY = Sizes(new_clips=2, clip=(96, 64, 4.0, 2.0), mixed_requests=4, mixed_in_fl
 
 def test_the_video_bench_runs_its_scenarios_and_records_a_dated_entry(stack, tmp_path):
     measured = scenarios(stack.base_url, TINY)
-    measured["d"] = memory(stack.base_url, TINY, stack.process.pid, budget_of(stack.base_url))
+    measured["d"] = memory(stack.base_url, TINY, stack.gateway_pid, budget_of(stack.base_url))
     assert all(measured[key]["summary"]["failed"] == 0 for key in "abcd")
     assert measured["a"]["summary"]["completed"] == measured["b"]["summary"]["completed"] == 2
     assert measured["a"]["stages"]["video_decode"] > 0
