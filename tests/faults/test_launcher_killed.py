@@ -1,5 +1,5 @@
 """`prism serve` killed outright (SIGKILL, the OOM killer) while vLLM is still
-starting: the services it started must not outlive it. Each runs in a session
+starting: the gateway and the services it started must not outlive it. Each runs in a session
 of its own, so only the kernel can tell them (common/supervisor.py
 `stop_with_supervisor`), and the engine, told mid-start, must stop vLLM's
 engine core before it exits, not leave it behind (llm_engine/__main__.py).
@@ -38,8 +38,9 @@ def test_services_stop_when_the_launcher_is_killed_while_vllm_starts(tmp_path):
     try:
         wait_until(lambda: service(stack, "vision_encoder") and service(stack, "llm_engine"), 60,
                    "the launcher started the encoder and the engine")
-        encoder, engine = service(stack, "vision_encoder"), service(stack, "llm_engine")
-        groups += [encoder.pid, engine.pid]
+        wait_until(lambda: service(stack, "-m gateway"), 60, "the launcher started the gateway")
+        encoder, engine, gateway = service(stack, "vision_encoder"), service(stack, "llm_engine"), service(stack, "-m gateway")
+        groups += [encoder.pid, engine.pid, gateway.pid]
         wait_until(lambda: engine_core(engine) is not None, ENGINE_START_S, "vLLM's engine core started")
         core = engine_core(engine)
         assert not any(m.startswith("engine ready") for m in engine_messages(stack)), "vLLM is still starting"
@@ -47,6 +48,7 @@ def test_services_stop_when_the_launcher_is_killed_while_vllm_starts(tmp_path):
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
 
+        wait_until(lambda: not alive(gateway.pid), 30, "the gateway exits once the launcher is gone")
         encoder_s = wait_until(lambda: not alive(encoder.pid), 30, "the encoder exits once the launcher is gone")
         engine_s = wait_until(lambda: not alive(engine.pid), ENGINE_START_S, "the engine exits once the launcher is gone")
         print(f"\nafter the launcher's kill: the encoder exited in {encoder_s:.1f} s, the engine in {engine_s:.1f} s")
