@@ -58,8 +58,8 @@ class Family:
         return self.layout != "text"
 
     def is_vision_weight(self, name: str) -> bool:
-        """A checkpoint tensor of the vision tower and its projection into the LLM: what the encoder
-        loads, and what an encoder and an engine must share (common/checkpoint.py)."""
+        """A checkpoint tensor of the vision tower and its projection into the LLM: what the encoder's
+        tower loads (its `vision_weight`), and what an encoder and an engine must share (common/checkpoint.py)."""
         if self.layout == "qwen":
             return name.startswith(("model.visual.", "visual."))
         return name.removeprefix("model.").startswith(_VISION_PARTS.get(self.layout, ()))

@@ -38,8 +38,9 @@ def test_every_tensor_of_the_tower_is_the_checkpoint_s_or_computed_at_constructi
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_vision_weights_an_engine_checks_are_those_the_encoder_loads(family):
-    """The engine reads its checkpoint's vision weights by the family's rule (it loads no tower), the
-    encoder by its tower's; the gateway compares the two digests, so the two rules must agree."""
+    """The engine reads its checkpoint's vision weights by the family's rule (it loads no tower); the
+    gateway compares its digest with the encoder's, so the weights each tower loads must be those,
+    and its digest the same."""
     from safetensors import safe_open
 
     from common.checkpoint import vision_weights_digest

@@ -24,9 +24,6 @@ from common.families import Family
 from protocol.to_gateway import AnyresInfo
 from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")
-
-
 @dataclass(frozen=True)
 class Preprocessed:
     pixel_values: torch.Tensor  # (n_images, most tiles, 3, tile, tile), padded, in the tower's dtype
@@ -63,9 +60,9 @@ class AnyresTower(VisionTower):
         self._load(path, config)
 
     def vision_weight(self, name: str) -> str | None:
-        name = name.removeprefix("model.")
-        if not name.startswith(_VISION_PARTS):
+        if not self.family.is_vision_weight(name):
             return None
+        name = name.removeprefix("model.")
         # Published checkpoints (and vLLM) name the ViT's weights with a `vision_model.`
         # level that transformers 5's SigLIP and CLIP modules no longer have.
         return name.replace("vision_tower.vision_model.", "vision_tower.", 1)

@@ -29,9 +29,6 @@ from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
 # Key prefixes of the vision weights: transformers >= 4.52 saves `model.visual.`,
 # the original Qwen2-VL / Qwen2.5-VL checkpoints use `visual.`.
-_VISION_PREFIXES = ("model.visual.", "visual.")
-
-
 @dataclass(frozen=True)
 class Preprocessed:
     pixel_values: torch.Tensor  # (Σ patches, C·T·P·P), already in the tower's dtype (on the device if preprocessed there)
@@ -107,8 +104,7 @@ class QwenTower(VisionTower):
         return graphs
 
     def vision_weight(self, name: str) -> str | None:
-        prefix = next((p for p in _VISION_PREFIXES if name.startswith(p)), None)
-        return None if prefix is None else name[len(prefix):]
+        return name.removeprefix("model.").removeprefix("visual.") if self.family.is_vision_weight(name) else None
 
     def _module(self, config: Any) -> torch.nn.Module:
         _, tower = self._vision_code(config)

@@ -29,9 +29,6 @@ from common.tiles import TileLayout
 from protocol.to_gateway import TilesInfo
 from vision_encoder.towers.tower import RunOptions, TowerImage, VisionTower
 
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
-
-
 @dataclass(frozen=True)
 class Preprocessed:
     pixel_values: torch.Tensor  # (Σ tiles, 3, tile, tile), in the tower's dtype
@@ -70,8 +67,7 @@ class TilesTower(VisionTower):
                              f"{self.layout.tokens_per_tile} tokens per tile")
 
     def vision_weight(self, name: str) -> str | None:
-        name = name.removeprefix("model.")
-        return name if name.startswith(_VISION_PARTS) else None
+        return name.removeprefix("model.") if self.family.is_vision_weight(name) else None
 
     def _module(self, config: Any) -> torch.nn.Module:
         source, model = self._vision_code(config)
