@@ -55,8 +55,9 @@ def model_vision_weights(model: str, family: Family) -> str:
 def vision_weights_digest(checkpoint: Path, family: Family) -> str:
     """xxh3-128 of the vision tensors' names, dtypes, shapes and bytes, in name order; "" for a
     checkpoint with no vision weights (a text-only model)."""
-    tensors = sorted((name, file, info) for file in weight_files(checkpoint)
-                     for name, info in _header(file).items() if family.is_vision_weight(name))
+    headers = {file: _header(file) for file in weight_files(checkpoint)}
+    tensors = sorted((name, file, info) for file, (_, entries) in headers.items()
+                     for name, info in entries.items() if family.is_vision_weight(name))
     if not tensors:
         return ""
     hasher = xxhash.xxh3_128()
@@ -64,9 +65,8 @@ def vision_weights_digest(checkpoint: Path, family: Family) -> str:
         data = {file: opened.enter_context(_mapped(file)) for file in {file for _, file, _ in tensors}}
         for name, file, info in tensors:
             hasher.update(json.dumps([name, info["dtype"], info["shape"]]).encode())
-            start, end = info["data_offsets"]
-            offset = _data_start(file)
-            with data[file][offset + start:offset + end] as tensor:  # a view of the file: no copy
+            start, end = (headers[file][0] + offset for offset in info["data_offsets"])
+            with data[file][start:end] as tensor:  # a view of the file: no copy
                 hasher.update(tensor)
     return hasher.hexdigest()
 
@@ -77,14 +77,10 @@ def _mapped(file: Path):
         yield view
 
 
-def _header(file: Path) -> dict:
+def _header(file: Path) -> tuple[int, dict]:
+    """Where the file's tensor data starts, and its tensors' entries (dtype, shape, data_offsets from there)."""
     with file.open("rb") as f:
         length = int.from_bytes(f.read(_HEADER_LENGTH_BYTES), "little")
         header = json.loads(f.read(length))
     header.pop("__metadata__", None)
-    return header
-
-
-def _data_start(file: Path) -> int:
-    with file.open("rb") as f:
-        return _HEADER_LENGTH_BYTES + int.from_bytes(f.read(_HEADER_LENGTH_BYTES), "little")
+    return _HEADER_LENGTH_BYTES + length, header
