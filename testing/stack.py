@@ -164,15 +164,23 @@ class LocalStack:
         )
         return self.process
 
+    def child_pid(self, module: str, address: str | None = None) -> int:
+        """A process the launcher started: by module, and by the address it was told to bind when
+        several run (replicas)."""
+        for child in psutil.Process(self.process.pid).children():
+            with contextlib.suppress(psutil.Error):  # one gone meanwhile
+                if module in " ".join(child.cmdline()) and (address is None or address in child.environ().values()):
+                    return child.pid
+        raise LookupError(f"{module} {address or ''}")
+
     @property
     def gateway_pid(self) -> int:
         """The gateway's process: the launcher's child `python -m gateway` (the launcher itself supervises
         the workers of a multi-worker gateway, and stands for them here)."""
-        for child in psutil.Process(self.process.pid).children():
-            with contextlib.suppress(psutil.Error):
-                if "-m gateway" in " ".join(child.cmdline()):
-                    return child.pid
-        return self.process.pid
+        try:
+            return self.child_pid("-m gateway")
+        except LookupError:
+            return self.process.pid
 
     @property
     def stack_log(self) -> Path:

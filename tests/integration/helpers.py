@@ -45,12 +45,8 @@ def log_records(stack, service: str | None = None, request_prefix: str = "") -> 
 
 
 def child_pid(stack, module: str, address: str | None = None) -> int:
-    """A service process the stack's launcher started: by module, and by the
-    address it was told to bind when several run (replicas)."""
-    for child in psutil.Process(stack.process.pid).children():
-        if module in " ".join(child.cmdline()) and (address is None or address in child.environ().values()):
-            return child.pid
-    raise LookupError(f"{module} {address or ''}")
+    """A process the stack's launcher started (LocalStack.child_pid)."""
+    return stack.child_pid(module, address)
 
 
 def service_pid(stack, module: str, address: str | None = None) -> int | None:
