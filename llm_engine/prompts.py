@@ -211,7 +211,7 @@ PREFIX_CHARS_PER_TOKEN = 8
 class PromptBound:
     """A prompt too long for the context, refused before the whole of it is tokenized: tokenizing
     takes the engine's one rendering thread, and every request queued behind it, seconds for each
-    few megabytes (20 MB of text held the others 46 s). A token stands for at most as many
+    few megabytes. A token stands for at most as many
     characters as its vocabulary entry has (byte-level BPE writes each byte as one, SentencePiece
     each character as itself): a text longer than the context times the longest entry cannot fit.
     Past PREFIX_CHARS_PER_TOKEN characters a token, its beginning is tokenized first."""

@@ -123,8 +123,8 @@ class DashboardWindow:
 
 @dataclass(frozen=True)
 class WindowView:
-    """A copy of a window: summarising a full one (50,000 requests) takes the better part of a second,
-    which on the event loop held every stream up each time a dashboard asked (every 2 s)."""
+    """A copy of a window, summarised off the event loop: a full window is a Python pass over every
+    request it holds, which on the loop held every stream up each time a dashboard asked."""
 
     window: DashboardWindow  # its settings (span, buckets, start), never its records
     now: float

@@ -321,7 +321,7 @@ class ServiceClient:
 # choices and their strings as Python objects.
 REPLY_BYTES = 512
 # A sampled token's logprob entry, and each of its alternatives: a str, a float and a list of
-# byte values as Python objects (twenty alternatives a token were counted as none, 70 times under).
+# byte values as Python objects (uncounted, a slow reader's backlog of them was mostly unseen).
 LOGPROB_BYTES = 240
 
 

@@ -158,8 +158,7 @@ def test_an_image_marker_in_a_request_s_text_is_refused_and_images_alone_are_not
 def test_a_prompt_longer_than_any_that_fits_the_context_is_refused_before_it_is_tokenized():
     """A token stands for at most as many characters as its vocabulary entry has, so a text longer than the
     context times the longest entry cannot fit; one longer than eight characters a token of context is judged
-    by its beginning. Tokenizing it all held the engine's one rendering thread (20 MB of text: every other
-    request waited 46 s behind it)."""
+    by its beginning. Tokenizing it all held the engine's one rendering thread, and every request behind it."""
     from transformers import AutoTokenizer
     from vllm.config import ModelConfig
 
