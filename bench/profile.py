@@ -66,7 +66,8 @@ def descendants(root: int) -> Iterator[tuple[int, str]]:
 def service_pids(stack: LocalStack) -> dict[str, int]:
     """Process name → pid, found by their command line."""
     found = {}
-    wanted = {"-m gateway": "gateway", "-m vision_encoder": "encoder", "-m llm_engine": "engine", "VLLM::EngineCore": "engine_core", "VLLM::Worker": "engine_worker"}
+    # "-m gateway " (each argument ends in a NUL, read as a space): not its video decoders' "-m gateway.intake…"
+    wanted = {"-m gateway ": "gateway", "-m vision_encoder": "encoder", "-m llm_engine": "engine", "VLLM::EngineCore": "engine_core", "VLLM::Worker": "engine_worker"}
     for pid, command in descendants(stack.process.pid):
         for needle, name in wanted.items():
             if needle in command:

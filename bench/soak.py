@@ -58,7 +58,7 @@ def processes(root: psutil.Process) -> dict[str, psutil.Process]:
     named = {"gateway": root}  # a multi-worker gateway's supervisor; one gateway is a child, below
     for child in root.children(recursive=True):
         cmd = " ".join(child.cmdline())
-        if "-m gateway" in cmd:
+        if child.cmdline()[1:3] == ["-m", "gateway"]:  # not its video decoders ("-m gateway.intake…")
             named["gateway"] = child
         for key in ("vision_encoder", "llm_engine", "EngineCore", "Worker"):
             if key in cmd or key in child.name():

@@ -152,12 +152,13 @@ def mixed(target: Target, sizes: Sizes) -> dict:
     return result
 
 
-def long_clips(target: Target, sizes: Sizes, pid: int, budget: int | None) -> dict:
-    """(d): every long clip at once; the serving process's peak RSS over its RSS just before."""
+def long_clips(target: Target, sizes: Sizes, pid: int, budget: int | None, children: bool) -> dict:
+    """(d): every long clip at once; the serving process's peak RSS over its RSS just before
+    (`children`: with its children's, Prism's gateway's video decoders)."""
     requests = long_requests(sizes, seed=4700)
     rendered = render(requests)  # before the clock and the memory watch
     with image_urls(requests, "data") as urls_of:
-        with PeakRss(pid) as peak:
+        with PeakRss(pid, children) as peak:
             outcome = asyncio.run(run(target, requests, urls_of, Arrival(concurrency=len(requests))))
     decoded = sum(v.clip.num_frames for v in rendered if isinstance(v, VideoSpec))
     return {"summary": summarize(outcome.results, outcome.duration_s), "prompt_tokens": _tokens(outcome.results),
@@ -201,8 +202,8 @@ def scenarios(base_url: str, sizes: Sizes) -> dict:
     return out
 
 
-def memory(base_url: str, sizes: Sizes, pid: int, budget: int | None) -> dict:
-    result = long_clips(Target(base_url, SERVED_NAME), sizes, pid, budget)
+def memory(base_url: str, sizes: Sizes, pid: int, budget: int | None, children: bool = False) -> dict:
+    result = long_clips(Target(base_url, SERVED_NAME), sizes, pid, budget, children)
     print(f"  (d) {sizes.long_clips} long clips at once: peak RSS {result['peak_rss'] / 2**20:,.0f} MiB "
           f"(from {result['rss_before'] / 2**20:,.0f}), {result['summary']['completed']} answered", flush=True)
     return result
@@ -225,7 +226,7 @@ def prism(run_dir: Path, sizes: Sizes, memory_limit: str | None = None, with_sce
         overrides["PRISM_GATEWAY__MEMORY_LIMIT_BYTES"] = memory_limit
     with LocalStack(run_dir, overrides) as stack:
         out = scenarios(stack.base_url, sizes) if with_scenarios else {}
-        out["d"] = memory(stack.base_url, sizes, stack.gateway_pid, budget_of(stack.base_url))
+        out["d"] = memory(stack.base_url, sizes, stack.gateway_pid, budget_of(stack.base_url), children=True)
         out["d"]["memory_limit"] = memory_limit or "configs/cpu-demo.yaml's"
     return out
 

@@ -42,13 +42,13 @@ def _indices(total: int, fps: float) -> list[int]:
 
 
 def _cv2(data: bytes) -> np.ndarray:
-    from gateway.intake.video.decode import open_video, probe, read_frames, visible_frames
+    from gateway.intake.video.decode import kept_frames, open_video, probe, visible_frames
 
     with open_video(data) as video:
         source = probe(video)
         total = visible_frames(video, source.total_frames)
     with open_video(data) as video:
-        return read_frames(video, _indices(total, source.fps), source.height, source.width)[0]
+        return np.stack([rgb.copy() for _, rgb in kept_frames(video, _indices(total, source.fps), source.height, source.width)])
 
 
 def _av_sequential(data: bytes) -> np.ndarray:

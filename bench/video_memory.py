@@ -1,6 +1,7 @@
 """A serving process's memory while a scenario runs: its peak RSS (the
 kernel's high-water mark, reset first where /proc lets us, and a 10 ms
-sampler beside it where it does not), and the gateway's memory budget as its
+sampler beside it where it does not), with its children's where they are its
+own work (a gateway's video decoders), and the gateway's memory budget as its
 /metrics reports it."""
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ def budget_of(base_url: str) -> int | None:
 
 
 class PeakRss:
-    """`with PeakRss(pid) as peak: ...`, then `peak.before` and `peak.peak` in bytes."""
+    """`with PeakRss(pid) as peak: ...`, then `peak.before` and `peak.peak` in bytes. `children`: the
+    process's children's RSS summed with its own, as sampled (their high-water marks do not add up)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, children: bool = False) -> None:
         self.pid = pid
+        self.children = children
         self.before = 0
         self.peak = 0
         self._sampled = 0
@@ -38,9 +41,18 @@ class PeakRss:
         process = psutil.Process(self.pid)
         while not self._stop.wait(SAMPLE_EVERY_S):
             try:
-                self._sampled = max(self._sampled, process.memory_info().rss)
+                self._sampled = max(self._sampled, self._rss(process))
             except psutil.Error:
                 return
+
+    def _rss(self, process: psutil.Process) -> int:
+        total = process.memory_info().rss
+        for child in process.children() if self.children else ():
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:  # ended between the listing and the read
+                pass
+        return total
 
     def __enter__(self) -> "PeakRss":
         try:
@@ -48,7 +60,7 @@ class PeakRss:
             self._high_water = True
         except OSError:  # not ours to reset: the sampler alone
             self._high_water = False
-        self.before = self._sampled = rss(self.pid)
+        self.before = self._sampled = self._rss(psutil.Process(self.pid))
         self._thread.start()
         return self
 

@@ -69,6 +69,16 @@ def keep_at_most(kept_bytes: int) -> bool:
     return libc is not None and bool(libc.mallopt(_M_TRIM_THRESHOLD, ctypes.c_int(min(kept_bytes, 2**31 - 1))))
 
 
+def map_large_blocks(threshold: int = 2**20) -> bool:
+    """Blocks of `threshold` bytes or more each get a mapping of their own, unmapped when freed,
+    whatever GLIBC_TUNABLES said (glibc's threshold no longer rises with the blocks freed): what
+    the process frees of them goes back to the kernel at once, whichever thread's heap would have
+    kept it. For a process whose large blocks are a job's and few (a video decoder's frames), so
+    that it holds little between jobs."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+
+
 def one_heap() -> bool:
     """Every thread allocates from one heap, as the encoder's ENCODER_TUNABLES
     has it (arena_max=1): what one thread frees, another reuses, and the

@@ -116,6 +116,7 @@ class ServedModel:
     async def close(self) -> None:
         await self.encoder.close()
         await self.engine.close()
+        self.pipeline.videos.close()
 
 
 def _another_checkpoint(encoder: EncoderReady, engine: EngineReady) -> str | None:

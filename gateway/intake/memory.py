@@ -7,7 +7,8 @@ Sizing, once the gateway has started (`MemoryPlan`):
 - limit: gateway.memory_limit_bytes, else its container's (common/container.py),
   else the machine's memory; with several workers, each has its share;
 - budget: limit × gateway.memory_use_fraction, less the process's own RSS at
-  that moment (Python, torch, the app: about 0.55 GB);
+  that moment (Python, torch, the app: about 0.55 GB), and where videos are
+  served, the idle video decoder processes' (`IDLE_DECODERS`);
 - kept heap: gateway.kept_heap_bytes, else an eighth of the limit (at most
   1 GiB): freed memory kept for the next requests (`HeapKeeper`).
 
@@ -20,7 +21,9 @@ What one request holds (`MemoryHold`):
 - an http(s) image, from its response on, BODY_COPIES × the size it
   declares (gateway.max_image_bytes where it declares none) while it is
   read, then its size; nothing while its host is looked up and connected;
-- an image or a video being decoded, its `decoding_bytes`; then its pixels
+- an image or a video being decoded, its `decoding_bytes` (a video's with
+  its decoder process and that process's copy of the bytes, from its
+  header's read on); then its pixels
   (a video's frames) until the encoder has answered for them
   (gateway/routing/handoff.py, `_rounds`);
 - replies waiting to be sent to the client (gateway/routing/clients.py ReplyQueue).
@@ -59,6 +62,11 @@ TRIM_EVERY_S = 10
 # The memory of a multi-worker gateway's supervisor (`python -m gateway` imports its config and
 # gateway/ops/workers.py, not the app and torch): about 40 MB, rounded up.
 SUPERVISOR_BYTES = 64 * 2**20
+# A video decoder process's own memory (gateway/intake/video/decoders.py: Python, OpenCV, what glibc
+# keeps after a job). A job admits its decoder's with what it decodes; the IDLE_DECODERS kept between
+# jobs are left out of the budget.
+DECODER_PROCESS_BYTES = 40 * 2**20
+IDLE_DECODERS = 2
 
 
 def mib(nbytes: int) -> str:
@@ -223,13 +231,14 @@ class MemoryPlan:
         if workers > 1:  # the workers' supervisor (python -m gateway, without the app) takes its own first
             limit, source = (limit - SUPERVISOR_BYTES) // workers, f"{source}, a share of {workers} workers"
         planned = int(limit * config.memory_use_fraction)
-        if planned <= rss:
+        decoders = IDLE_DECODERS * DECODER_PROCESS_BYTES if config.max_videos_per_request > 0 else 0
+        if planned <= rss + decoders:
             raise ConfigError(f"gateway: {mib(limit)} of memory ({source}) × gateway.memory_use_fraction "
                               f"{config.memory_use_fraction:g} = {mib(planned)}, which the gateway's own {mib(rss)} at "
-                              "start-up fill already: nothing is left for requests. Raise the container's memory limit "
-                              "or gateway.memory_limit_bytes")
+                              f"start-up and its video decoders' {mib(decoders)} fill already: nothing is left for "
+                              "requests. Raise the container's memory limit or gateway.memory_limit_bytes")
         kept = min(limit // 8, 2**30) if config.kept_heap_bytes is None else int(config.kept_heap_bytes)
-        return cls(limit, source, rss, planned - rss, kept)
+        return cls(limit, source, rss, planned - rss - decoders, kept)
 
 
 class HeapKeeper:

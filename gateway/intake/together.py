@@ -11,13 +11,10 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from gateway.errors import APIError
+from gateway.intake.stops import Stopped
 
 T = TypeVar("T")
 log = logging.getLogger("prism.gateway")
-
-
-class Stopped(Exception):
-    """Work on an intake thread that ended because it was told to (`on_thread`'s stop)."""
 
 
 async def all_or_none(*steps: Awaitable[Any]) -> list[Any]:

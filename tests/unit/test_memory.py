@@ -16,7 +16,8 @@ from gateway.ops.workers import WorkerSlot
 from gateway.routing.clients import REPLY_BYTES, ReplyQueue
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
-from gateway.intake.memory import SUPERVISOR_BYTES, BODY_COPIES, BODY_SHARE, MemoryBudget, MemoryHold, MemoryPlan
+from gateway.intake.memory import (BODY_COPIES, BODY_SHARE, DECODER_PROCESS_BYTES, IDLE_DECODERS, SUPERVISOR_BYTES,
+                                   MemoryBudget, MemoryHold, MemoryPlan)
 from protocol.to_gateway import ChoiceDelta, TokenDelta
 
 GIB = 2**30
@@ -69,8 +70,11 @@ def test_no_limit_is_none(tmp_path, proc, files):
 def test_the_plan_leaves_requests_the_share_less_the_process(tmp_path):
     config = GatewayConfig(memory_limit_bytes="2GiB")
     plan = MemoryPlan.size(config, workers=1, rss=600 * MIB)
-    assert (plan.limit, plan.budget, plan.kept_heap) == (2 * GIB, int(2 * GIB * 0.8) - 600 * MIB, 256 * MIB)
+    decoders = IDLE_DECODERS * DECODER_PROCESS_BYTES  # the video decoders kept idle
+    assert (plan.limit, plan.budget, plan.kept_heap) == (2 * GIB, int(2 * GIB * 0.8) - 600 * MIB - decoders, 256 * MIB)
     assert plan.source == "gateway.memory_limit_bytes"
+    no_videos = MemoryPlan.size(GatewayConfig(memory_limit_bytes="2GiB", max_videos_per_request=0), workers=1, rss=600 * MIB)
+    assert no_videos.budget == int(2 * GIB * 0.8) - 600 * MIB
     shared = MemoryPlan.size(GatewayConfig(memory_limit_bytes="4GiB", workers=2, kept_heap_bytes="64MiB"), 2, 600 * MIB)
     assert (shared.limit, shared.kept_heap) == ((4 * GIB - SUPERVISOR_BYTES) // 2, 64 * MIB) and "a share of 2 workers" in shared.source
 
@@ -87,8 +91,9 @@ def test_a_multi_worker_gateway_s_supervisor_stays_out_of_the_app_s_memory():
 
 
 def test_a_limit_the_gateway_fills_by_itself_is_refused_at_start_up():
-    with pytest.raises(ConfigError, match=r"gateway.memory_use_fraction 0.8 = 819 MiB, which the gateway's own 900 MiB"):
-        MemoryPlan.size(GatewayConfig(memory_limit_bytes="1GiB"), workers=1, rss=900 * MIB)
+    with pytest.raises(ConfigError, match=r"gateway.memory_use_fraction 0.8 = 819 MiB, which the gateway's own 800 MiB at "
+                       r"start-up and its video decoders' 80 MiB fill already"):
+        MemoryPlan.size(GatewayConfig(memory_limit_bytes="1GiB"), workers=1, rss=800 * MIB)
 
 
 def sized(capacity: int, wait_s: float = 10) -> MemoryBudget:

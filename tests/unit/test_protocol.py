@@ -29,6 +29,7 @@ import zmq.asyncio
 import protocol
 from tests.unit.test_video_protocol import VIDEO_CASES
 from tests.waiting import wait_until
+from protocol import decoder
 from protocol.base import Hello, Message, WrongProtocol
 from protocol.sockets import AsyncDealer, AsyncRouter, Pusher, SyncRouter, bind, pack
 from protocol.stats import (
@@ -221,6 +222,28 @@ SOCKET = {EncoderInbound: "to_encoder", EngineInbound: "to_engine", GatewayInbou
 CASES += VIDEO_CASES  # the video messages (protocol/video.py)
 
 
+# A gateway and its video decoder processes (protocol/decoder.py): jobs one way, replies the other.
+_LIMITS = decoder.Limits(119.5, 320 * 2**20)
+DECODER_CASES = [
+    (decoder.job_decoder, decoder.ReadHeader(_LIMITS)),
+    (decoder.job_decoder, decoder.CountFrames(300, _LIMITS)),
+    (decoder.job_decoder, decoder.ReadFrames([0, 15, 30], 720, 1280, _LIMITS)),
+    (decoder.reply_decoder, decoder.Figures(300, 29.97, 1280, 720, "avc1")),
+    (decoder.reply_decoder, decoder.FrameCount(299)),
+    (decoder.reply_decoder, decoder.Frame(15)),
+    (decoder.reply_decoder, decoder.Finished(31)),
+    (decoder.reply_decoder, decoder.Failed("stopped", "past its deadline", 12)),
+]
+
+
+@pytest.mark.parametrize("reader,message", DECODER_CASES, ids=[type(m).__name__ for _, m in DECODER_CASES])
+def test_every_decoder_message_round_trips_behind_its_prefix(reader, message):
+    wire = decoder.framed(message, 1234)
+    header_bytes, payload_bytes = decoder.PREFIX.unpack(wire[:decoder.PREFIX.size])
+    assert payload_bytes == 1234 and len(wire) == decoder.PREFIX.size + header_bytes
+    assert reader.decode(wire[decoder.PREFIX.size:]) == message
+
+
 @pytest.mark.parametrize("inbound,message", CASES, ids=[f"{SOCKET[i]}-{type(m).__name__}" for i, m in CASES])
 def test_every_message_round_trips_through_its_union(inbound, message):
     header, *frames = pack(message)
@@ -265,7 +288,7 @@ def test_every_protocol_struct_has_a_case_with_every_field_set():
     messages = {cls for cls in structs if issubclass(cls, Message)}
     assert not messages - seen, f"messages with no round-trip case: {sorted(c.__name__ for c in messages - seen)}"
     set_fields = set()
-    for _, message in CASES:
+    for _, message in CASES + DECODER_CASES:
         for struct in _structs_in(message):
             for field in msgspec.structs.fields(struct):
                 value, default = getattr(struct, field.name), _default(field)

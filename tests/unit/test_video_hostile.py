@@ -20,8 +20,12 @@ import pytest
 import torch
 
 from gateway.errors import APIError
+from gateway.intake.memory import DECODER_PROCESS_BYTES
 from gateway.timing import RequestTimer
+from gateway.intake.video import decode as video_decode
 from gateway.intake.video import intake as video_intake
+from gateway.intake.video.decode import InProcess
+from gateway.intake.video.decoders import DecoderProcesses
 from gateway.intake.video.intake import VideoIntake, VideoRef, decode
 from gateway.intake.video.limits import VideoLimits
 from gateway.intake.resize import resize_pixels
@@ -44,6 +48,16 @@ def refusal(raw: bytes, sampling: VideoSampling = VideoSampling(), limits: Video
     error = caught.value
     assert 400 <= error.status < 500 and error.param == WHERE and WHERE in error.message
     return error
+
+
+@pytest.fixture
+def no_frames_decoded(monkeypatch):
+    """Any frames job, in this process or a decoder's, fails the test."""
+    def decoded(*_, **__):
+        pytest.fail("decoded frames of a refused video")
+
+    monkeypatch.setattr(InProcess, "frames", decoded)
+    monkeypatch.setattr(DecoderProcesses, "frames", decoded)
 
 
 def patched(data: bytes, box: bytes, offset: int, value: bytes) -> bytes:
@@ -91,9 +105,8 @@ def test_a_stream_relabelled_as_audio_has_no_video_stream(clip12):
     assert "no decodable video stream" in refusal(audio_only).message
 
 
-def test_a_header_claiming_millions_of_frames_is_refused_before_decoding(clip12, monkeypatch):
+def test_a_header_claiming_millions_of_frames_is_refused_before_decoding(clip12, no_frames_decoded):
     claims = patched(clip12, b"stts", 12, struct.pack(">I", 50_000_000))
-    monkeypatch.setattr(video_intake, "read_frames", lambda *a: pytest.fail("decoded a refused video"))
     error = refusal(claims)
     assert error.status == 413 and "claims 50000000 frames; the limit is 20000" in error.message
 
@@ -129,8 +142,10 @@ def test_a_header_claiming_more_frames_than_the_stream_has_is_sampled_over_the_f
     assert video.total_frames == 12 and video.frame_indices == tuple(range(12))
 
 
-def _intake() -> VideoIntake:
-    return VideoIntake(fetcher=None, limits=LIMITS, pool=ThreadPoolExecutor(1))
+def _intake(decoders=None) -> VideoIntake:
+    """An intake whose decoders are processes of its own, or `decoders` (InProcess: a test reaching
+    inside a decode with a patch)."""
+    return VideoIntake(fetcher=None, limits=LIMITS, pool=ThreadPoolExecutor(1), decoders=decoders)
 
 
 def test_a_data_url_over_the_byte_limit_is_refused_before_base64_decoding():
@@ -158,7 +173,7 @@ def test_take_all_decodes_nothing_and_refuses_the_request_before_any_decode(clip
     assert [v.hf_metadata() for v in videos] == [v.hf_metadata() for v in inspected]
     assert timer.stages["video_decode"] > 0
     bad = VideoRef(WHERE, "data:image/png;base64," + base64.b64encode(encode(make_image("x", (32, 32)), "PNG")).decode())
-    monkeypatch.setattr(video_intake, "read_frames", lambda *a: pytest.fail("decoded before every video was judged"))
+    monkeypatch.setattr(DecoderProcesses, "frames", lambda *a: pytest.fail("decoded before every video was judged"))
     with pytest.raises(APIError) as caught:
         asyncio.run(_intake().take_all([(good, VideoSampling()), (bad, VideoSampling())], RequestTimer()))
     assert caught.value.param == WHERE and caught.value.status == 415
@@ -170,7 +185,7 @@ def test_a_decode_is_admitted_by_its_frames_bytes_in_the_memory_budget(clip12):
     from gateway.intake.memory import MemoryBudget, MemoryHold, current_hold
 
     item = inspect(clip12, WHERE, VideoSampling(), LIMITS)
-    assert item.decoding_bytes == (4 + 12) * 320 * 240 * 3
+    assert item.decoding_bytes == (4 + 12) * 320 * 240 * 3 + DECODER_PROCESS_BYTES + len(clip12)  # and its decoder
 
     async def decode_within(capacity: int):
         budget = MemoryBudget(wait_s=0.5)
@@ -193,7 +208,7 @@ def test_the_frame_count_s_check_is_admitted_by_the_decoder_s_frames_in_the_memo
     from gateway.intake.memory import MemoryBudget, MemoryHold, current_hold
 
     counted = []
-    seek = video_intake.visible_frames
+    seek = video_decode.visible_frames
 
     def seek_counted(video, claimed):
         counted.append(budget.working)
@@ -202,13 +217,13 @@ def test_the_frame_count_s_check_is_admitted_by_the_decoder_s_frames_in_the_memo
     async def inspect_within(capacity: int):
         budget.size(capacity)
         current_hold.set(hold := MemoryHold(budget))
-        await _intake().inspect(clip12, WHERE, VideoSampling())
+        await _intake(InProcess()).inspect(clip12, WHERE, VideoSampling())
         return hold.held, budget.working
 
-    decoder = 12 * 320 * 240 * 3
+    decoder = 12 * 320 * 240 * 3 + DECODER_PROCESS_BYTES + len(clip12)
     budget = MemoryBudget(wait_s=0.5)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(video_intake, "visible_frames", seek_counted)
+        patch.setattr(video_decode, "visible_frames", seek_counted)
         with pytest.raises(APIError) as caught:
             asyncio.run(inspect_within(decoder - 1))
         assert caught.value.status == 413 and "counting the frames" in caught.value.message and counted == []
@@ -228,7 +243,8 @@ def test_a_header_checked_before_is_not_read_again(clip12, monkeypatch):
     assert reads == [] and (again.source, again.indices, again.digest) == (first.source, first.indices, first.digest)
     asyncio.run(intake.take_all([(VideoRef(WHERE, url), VideoSampling("qwen3_vl"))], timer))
     assert len(reads) == 1
-    tight = VideoIntake(fetcher=None, limits=VideoLimits(4 * 2**20, 1000, 20_000, 600, 64), pool=ThreadPoolExecutor(1))
+    tight = VideoIntake(fetcher=None, limits=VideoLimits(4 * 2**20, 1000, 20_000, 600, 64), pool=ThreadPoolExecutor(1),
+                        decoders=intake.decoders)
     for _ in range(2):
         with pytest.raises(APIError):
             asyncio.run(tight.take_all([(VideoRef(WHERE, url), VideoSampling())], timer))
@@ -239,7 +255,7 @@ def test_a_planned_decode_keeps_frames_at_the_planned_size(clip12):
     """Frames resized as they are read: the memory admitted and held is the planned size's."""
     item = inspect(clip12, WHERE, VideoSampling(), LIMITS, planner=lambda kept, whole, h, w: FramePlan((56, 84), 24))
     assert item.frame_size == (56, 84) and item.visual_tokens == 24
-    assert item.decoding_bytes == 4 * 56 * 84 * 3 + 12 * 320 * 240 * 3
+    assert item.decoding_bytes == 4 * 56 * 84 * 3 + 12 * 320 * 240 * 3 + DECODER_PROCESS_BYTES + len(clip12)
     video = decode(item)
     assert video.frames.shape == (4, 56, 84, 3)
     full = decode(inspect(clip12, WHERE, VideoSampling(), LIMITS)).frames
@@ -254,12 +270,17 @@ def test_a_decode_past_its_time_is_a_413_naming_the_key(clip12):
     assert caught.value.status == 413 and "gateway.max_video_decode_s" in caught.value.message
 
 
-def test_a_decode_that_cannot_end_in_time_at_the_fastest_speed_seen_is_refused_before_it_starts(clip12, monkeypatch):
+def test_a_decode_that_cannot_end_in_time_at_the_fastest_speed_seen_is_refused_before_it_starts(clip12):
     """Once this gateway has decoded a codec, a video of it that would need more than
     max_decode_s (by speed.MARGIN) even at the fastest rate seen is a 413 at once, with no
     decode; a codec never decoded here is still tried (its own deadline holds)."""
     from gateway.intake.video.decode import Unreadable
     from gateway.intake.video.speed import MARGIN
+
+    class Unreadables(InProcess):
+        def frames(self, *_, **__):
+            raise Unreadable("decoded")
+            yield
 
     intake, item = _intake(), inspect(clip12, WHERE, VideoSampling(), LIMITS)
     asyncio.run(intake.decode(item))
@@ -267,13 +288,8 @@ def test_a_decode_that_cannot_end_in_time_at_the_fastest_speed_seen_is_refused_b
     best_case_s = intake.speeds.best_case_s(item.source.codec, frames, 320, 240)
     assert item.source.codec == "FMP4" and 0 < best_case_s < LIMITS.max_decode_s
     tight = VideoIntake(fetcher=None, limits=dataclasses.replace(LIMITS, max_decode_s=best_case_s / (2 * MARGIN)),
-                        pool=ThreadPoolExecutor(1))
+                        pool=ThreadPoolExecutor(1), decoders=Unreadables())
     tight.speeds = intake.speeds
-
-    def read_frames(*_, **__):
-        raise Unreadable("decoded")
-
-    monkeypatch.setattr(video_intake, "read_frames", read_frames)
     with pytest.raises(APIError) as caught:
         asyncio.run(tight.decode(item))
     assert caught.value.status == 413 and "would take about" in caught.value.message
@@ -378,7 +394,7 @@ def test_the_frame_count_check_stops_reading_when_told(sparse_keyframes):
 def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypatch):
     """The container opened and probed in time; its time runs out in the frame-count check's seek,
     which the cut-off bytes end, and the count it leaves is not taken."""
-    seek = video_intake.visible_frames
+    seek = video_decode.visible_frames
     seeks = []
 
     def seek_late(video, claimed):
@@ -388,8 +404,11 @@ def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypat
         seeks[-1] = video.stream.reads - seeks[-1]
         return visible
 
-    monkeypatch.setattr(video_intake, "visible_frames", seek_late)
-    error = refusal(sparse_keyframes, limits=dataclasses.replace(LIMITS, max_decode_s=0.5))
+    monkeypatch.setattr(video_decode, "visible_frames", seek_late)
+    limits = dataclasses.replace(LIMITS, max_decode_s=0.5)
+    with pytest.raises(APIError) as caught:
+        inspect(sparse_keyframes, WHERE, VideoSampling(), limits, intake=VideoIntake(None, limits, ThreadPoolExecutor(1), InProcess()))
+    error = caught.value
     assert error.status == 413 and "s to read (gateway.max_video_decode_s)" in error.message
     assert seeks and seeks[0] <= 2  # the reads that found the stop, no more
 
@@ -397,7 +416,7 @@ def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypat
 def test_a_resent_video_whose_header_read_ran_out_of_time_is_refused_without_reading_it_again(sparse_keyframes, monkeypatch):
     """The count's seek decodes the whole of a one-keyframe clip: each resend of the same few MB
     would hold an intake thread for the whole deadline again."""
-    seek = video_intake.visible_frames
+    seek = video_decode.visible_frames
     seeks = []
 
     def seek_late(video, claimed):
@@ -405,9 +424,9 @@ def test_a_resent_video_whose_header_read_ran_out_of_time_is_refused_without_rea
         time.sleep(0.3)  # past max_decode_s
         return seek(video, claimed)
 
-    monkeypatch.setattr(video_intake, "visible_frames", seek_late)
+    monkeypatch.setattr(video_decode, "visible_frames", seek_late)
     with ThreadPoolExecutor(1) as pool:
-        intake = VideoIntake(fetcher=None, limits=dataclasses.replace(LIMITS, max_decode_s=0.2), pool=pool)
+        intake = VideoIntake(fetcher=None, limits=dataclasses.replace(LIMITS, max_decode_s=0.2), pool=pool, decoders=InProcess())
         for _ in range(3):
             with pytest.raises(APIError, match=r"s to read \(gateway.max_video_decode_s\)") as refused:
                 inspect(sparse_keyframes, WHERE, VideoSampling(), LIMITS, intake=intake)
@@ -436,11 +455,11 @@ def test_a_header_read_given_up_is_stopped_and_awaited(sparse_keyframes, monkeyp
         ended.set()
         return claimed
 
-    monkeypatch.setattr(video_intake, "visible_frames", seek_until_told)
+    monkeypatch.setattr(video_decode, "visible_frames", seek_until_told)
     ref = VideoRef(WHERE, "data:video/mp4;base64," + base64.b64encode(sparse_keyframes).decode())
 
     async def give_up() -> bool:
-        reading = asyncio.create_task(_intake().take_all([(ref, VideoSampling())], RequestTimer()))
+        reading = asyncio.create_task(_intake(InProcess()).take_all([(ref, VideoSampling())], RequestTimer()))
         await asyncio.to_thread(entered.wait, 5)
         reading.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -515,12 +534,13 @@ def test_a_clip_with_no_frame_rate_is_held_to_the_duration_its_loader_assumes():
     """Qwen3-VL's loader takes such a clip at 24 fps: its timestamps run as long as its frames at that
     rate, where the header's duration (none) passed every limit."""
     raw = clip(num_frames=60, fps=10.0)
-    figures = dataclasses.replace(video_intake.read_figures(raw, WHERE, LIMITS), fps=0.0, duration_s=0.0)
+    here = InProcess()
+    figures = dataclasses.replace(video_intake.read_figures(raw, WHERE, LIMITS, here), fps=0.0, duration_s=0.0)
     shorter = dataclasses.replace(LIMITS, max_duration_s=2)  # 60 frames at 24 fps: 2.5 s
     with pytest.raises(APIError, match="reports no frame rate, and its 60 frames at the 24 fps this model assumes run 2.5 s") as refused:
-        video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), shorter, figures)
+        video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), shorter, figures, here)
     assert refused.value.status == 413
-    assert video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), LIMITS, figures).fps == 24
+    assert video_intake.count_frames(raw, WHERE, VideoSampling("qwen3_vl"), LIMITS, figures, here).fps == 24
 
 
 def variable_rate_mkv(frames: int = 40) -> bytes:

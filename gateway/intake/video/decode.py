@@ -3,33 +3,45 @@ default loader does (vllm/multimodal/video_decoders/opencv.py), so the frames
 are the same bytes. docs/measurements/video-decode.md says why OpenCV and not
 PyAV.
 
+This is what runs in a video decoder process (gateway/intake/video/decoders.py):
+OpenCV and NumPy only, no torch and no web stack, so a decoder costs the
+gateway tens of megabytes, not hundreds.
+
+`InProcess` runs a video's three jobs (its header, its frame count, its
+kept frames) with them, each within a `Cutoff`.
+
 `probe` reads the container's header only (frame count, fps, size), so a file
 that claims hours of frames or huge frames is refused before anything is
-decoded. `read_frames` then decodes up to the last kept frame: `grab()` for
-every frame (a decode without the colour conversion), `retrieve()`, BGR→RGB and
-the resize to the encoder's frame size only for the kept ones.
+decoded. `kept_frames` then decodes up to the last kept frame: `grab()` for
+every frame (a decode without the colour conversion), `retrieve()` and BGR→RGB
+only for the kept ones.
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import cv2
 import cv2.videoio_registry as registry
 import numpy as np
 
-from gateway.intake import together
-from gateway.intake.resize import resize_pixels
-from gateway.intake.video.sampling import SourceInfo
+from gateway.intake.stops import Stopped as _Stopped
+from protocol.decoder import Figures
+
+# FFmpeg's threads for one decode. Its default, one a core (and one more), makes a decode's
+# memory grow with the machine: each thread keeps frames in flight. Decodes run side by side
+# in processes of their own instead, and DECODER_FRAMES_IN_FLIGHT (limits.py) counts two.
+DECODE_THREADS = 2
 
 
 class Unreadable(Exception):
     """The bytes are not a video OpenCV can open (the message says how)."""
 
 
-class Stopped(together.Stopped):
+class Stopped(_Stopped):
     """A decode told to stop before its last kept frame (its request ended, or its time ran out),
     after reading `frames_read` frames."""
 
@@ -97,19 +109,18 @@ class OpenVideo:
 def open_video(data: bytes, stop: Callable[[], bool] | None = None) -> OpenVideo:
     """`stop`: asked at each read of the bytes; True ends them there (StoppableStream)."""
     stream = VideoBytes(data) if stop is None else StoppableStream(data, stop)
-    capture = cv2.VideoCapture(stream, _stream_backend(), [])
+    capture = cv2.VideoCapture(stream, _stream_backend(), [cv2.CAP_PROP_N_THREADS, DECODE_THREADS])
     if not capture.isOpened():
         capture.release()
         raise Unreadable("no decodable video stream in it")
     return OpenVideo(capture, stream)
 
 
-def probe(video: OpenVideo) -> SourceInfo:
+def probe(video: OpenVideo) -> Figures:
     """The header's figures as the container declares them; nothing is decoded."""
     cap = video.capture
     width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
-    total, fps = int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS)
-    return SourceInfo(total, fps, total / fps if fps > 0 else 0, width, height, _fourcc(cap))
+    return Figures(int(cap.get(cv2.CAP_PROP_FRAME_COUNT)), cap.get(cv2.CAP_PROP_FPS), width, height, _fourcc(cap))
 
 
 def _fourcc(cap: cv2.VideoCapture) -> str:
@@ -131,28 +142,63 @@ def visible_frames(video: OpenVideo, claimed: int) -> int:
     return claimed
 
 
-def read_frames(video: OpenVideo, indices: list[int], height: int, width: int,
-                size: tuple[int, int] | None = None, stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, list[int]]:
-    """The kept frames, RGB (T, H, W, 3), and the indices actually read (fewer where the stream
-    breaks off): vLLM's `_read_frames_no_recovery`, frame for frame; each resized to `size`
-    (height, width) as it is read, where one is given (gateway/intake/video/sizing.py).
-    `stop`, asked before every frame: True ends the decode (Stopped)."""
+def kept_frames(video: OpenVideo, indices: list[int], height: int, width: int,
+                stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """Each kept frame as it is read, with its index, RGB (H, W, 3): vLLM's
+    `_read_frames_no_recovery`, frame for frame; a frame the stream cannot give is skipped (the
+    caller sees which are missing). The array is this generator's own, written again with the
+    next frame: copy what is kept. `stop`, asked before every frame: True ends the decode
+    (Stopped, with the frames read by then)."""
     cap = video.capture
     wanted = set(indices)
-    kept_h, kept_w = size or (height, width)
-    frames = np.empty((len(wanted), kept_h, kept_w, 3), dtype=np.uint8)
-    read: list[int] = []
+    bgr = np.empty((height, width, 3), np.uint8)  # written in place by every retrieve: no buffer a frame
+    rgb = np.empty_like(bgr)
     for index in range(max(indices) + 1):
         if stop is not None and stop():
             raise Stopped(index)
         if not cap.grab():
             continue
         if index in wanted:
-            ok, frame = cap.retrieve()
+            ok, frame = cap.retrieve(bgr)
             if ok:
                 if frame.shape[:2] != (height, width):  # vLLM's array assignment would fail the request too
                     raise Unreadable(f"frame {index} is {frame.shape[1]}×{frame.shape[0]}; the header says {width}×{height}")
-                rgb = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
-                frames[len(read)] = rgb if size is None else resize_pixels(rgb, kept_w, kept_h)
-                read.append(index)
-    return frames[: len(read)], read
+                yield index, cv2.cvtColor(frame, cv2.COLOR_BGR2RGB, rgb)
+
+
+@dataclass(frozen=True)
+class Cutoff:
+    """When a job stops: at `deadline` (time.monotonic()), or once `stop()` says so (its request ended)."""
+
+    deadline: float = float("inf")
+    stop: Callable[[], bool] | None = None
+
+    def told(self) -> bool:
+        return self.stop is not None and self.stop()
+
+    def __call__(self) -> bool:
+        return self.told() or time.monotonic() > self.deadline
+
+    @property
+    def left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+
+class InProcess:
+    """A video's jobs on the calling thread: what a decoder process runs
+    (gateway/intake/video/decoders.py, `Decoders`), and what tests reaching inside a decode use.
+    `memory_bytes` is a decoder process's to enforce."""
+
+    def header(self, raw: bytes, cutoff: Cutoff, memory_bytes: int = 0) -> Figures:
+        with open_video(raw, cutoff) as video:
+            return probe(video)
+
+    def count(self, raw: bytes, claimed: int, cutoff: Cutoff, memory_bytes: int = 0) -> int:
+        with open_video(raw, cutoff) as video:
+            return visible_frames(video, claimed)
+
+    def frames(self, raw: bytes, indices: list[int], height: int, width: int, cutoff: Cutoff,
+               memory_bytes: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        with open_video(raw) as video:  # the stop is asked between frames, not at every read
+            yield from kept_frames(video, indices, height, width, cutoff)
+        return max(indices) + 1

@@ -6,8 +6,9 @@ For a request's `video_url` parts, the pipeline calls `VideoIntake.take_all`:
    `VideoLimits.max_bytes`; then, still in `video_fetch`, in the intake thread pool, `inspect` sniffs
    the container, opens it and checks its header (frame size, claimed frames
    and duration) and the number of frames sampling keeps, all before a frame
-   is decoded. The result, `InspectedVideo`, knows the video's `digest` and
-   its loader metadata: enough for the encoder to answer a repeat from its
+   is decoded. Every open and decode of a video runs in a decoder process
+   (gateway/intake/video/decoders.py), never in the gateway's own. The
+   result, `InspectedVideo`, knows the video's `digest` and its loader metadata: enough for the encoder to answer a repeat from its
    cache. A header this process checked before is not read again
    (`KnownHeaders`, by digest): a repeat's intake is its base64 and its hash.
 2. `video_decode`, only for a video the encoder needs frames of (the hand-off,
@@ -37,17 +38,20 @@ from typing import Callable, TypeVar
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+import numpy as np
 from cachetools import LRUCache
 
 from cache import content_key, library_versions
 from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
-from gateway.intake.memory import hold, working
+from gateway.intake.memory import DECODER_PROCESS_BYTES, hold, working
+from gateway.intake.resize import resize_pixels
 from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
-from gateway.intake.video.decode import Stopped, Unreadable, open_video, probe, read_frames, visible_frames
-from gateway.intake.video.limits import VideoLimits, decoding_bytes, describe, refused
+from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
+from gateway.intake.video.decoders import DecoderProcesses, Decoders
+from gateway.intake.video.limits import VideoLimits, decoder_bytes, decoding_bytes, describe, refused
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
@@ -82,7 +86,8 @@ class InspectedVideo:
 
     @property
     def decoding_bytes(self) -> int:
-        return decoding_bytes(self.source, len(set(self.indices)), self.frame_size)
+        """What its decode holds: the frames (decoding_bytes) and its decoder process."""
+        return decoding_bytes(self.source, len(set(self.indices)), self.frame_size) + decoder_job_bytes(self.raw)
 
     @property
     def frame_size(self) -> tuple[int, int] | None:
@@ -157,6 +162,12 @@ class _ReadTooSlow(APIError):
     """A header read cut off by `max_video_decode_s` (SlowHeaders)."""
 
 
+def decoder_job_bytes(raw: bytes) -> int:
+    """A decoder process running a job on `raw`, beside what it decodes: its own memory and its
+    copy of the bytes."""
+    return DECODER_PROCESS_BYTES + len(raw)
+
+
 def checked_digest(raw: bytes, where: str, sampling: VideoSampling) -> bytes:
     """The video's digest, once its bytes look like a video container."""
     if not raw:
@@ -185,20 +196,25 @@ def sampled(raw: bytes, where: str, source: SourceInfo, sampling: VideoSampling,
     return InspectedVideo(raw, where, source, indices, sampling, digest, plan, planner)
 
 
-def read_figures(raw: bytes, where: str, limits: VideoLimits, stop: Callable[[], bool] | None = None) -> SourceInfo:
-    """The container's figures as its header declares them, checked against the limits."""
-    with _reading(where, limits, stop) as past_deadline, open_video(raw, past_deadline) as video:
-        source = probe(video)
+def read_figures(raw: bytes, where: str, limits: VideoLimits, decoders: Decoders,
+                 stop: Callable[[], bool] | None = None) -> SourceInfo:
+    """The container's figures as its header declares them, checked against the limits. Opening
+    it decodes a frame or two of whatever size its stream has: its decoder may take what a decode
+    of frames at the size limit may."""
+    with _reading(where, limits, stop) as cutoff:
+        figures = decoders.header(raw, cutoff, decoder_bytes(limits.max_frame_pixels))
+    duration_s = figures.total_frames / figures.fps if figures.fps > 0 else 0
+    source = SourceInfo(figures.total_frames, figures.fps, duration_s, figures.width, figures.height, figures.codec)
     limits.check_source(source, where)
     return source
 
 
 def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits, figures: SourceInfo,
-                 stop: Callable[[], bool] | None = None) -> SourceInfo:
+                 decoders: Decoders, stop: Callable[[], bool] | None = None) -> SourceInfo:
     """The header's figures with the frame count the loader will read (`visible_frames`): the
     check decodes from the last keyframe on, which can be the first."""
-    with _reading(where, limits, stop) as past_deadline, open_video(raw, past_deadline) as video:
-        total = visible_frames(video, figures.total_frames)
+    with _reading(where, limits, stop) as cutoff:
+        total = decoders.count(raw, figures.total_frames, cutoff, decoder_bytes(figures.width * figures.height))
     counted = dataclasses.replace(figures, total_frames=total, duration_s=total / figures.fps if figures.fps > 0 else 0)
     prepared = prepared_source(counted, sampling.loader)
     # A clip that reports no frame rate has no duration to check, until its loader assumes one (Qwen3-VL's 24
@@ -211,20 +227,20 @@ def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoL
 
 @contextlib.contextmanager
 def _reading(where: str, limits: VideoLimits, stop: Callable[[], bool] | None):
-    """A read of the header within `max_decode_s`: yields the check its stream asks at every
-    read of the bytes. A read cut off by it is a 413, one that failed a 400."""
-    deadline = time.monotonic() + limits.max_decode_s
-
-    def past_deadline() -> bool:
-        return (stop is not None and stop()) or time.monotonic() > deadline
-
+    """A read of the header within `max_decode_s`: yields its Cutoff, which the decoder asks at
+    every read of the bytes. A read cut off by it is a 413, one that failed a 400."""
+    cutoff = Cutoff(time.monotonic() + limits.max_decode_s, stop)
     try:
-        yield past_deadline
+        yield cutoff
     except Unreadable as exc:
-        if past_deadline():
+        if cutoff():
             raise _read_too_slow(where, limits) from None
         raise refused(where, f"cannot be read: {exc}") from None
-    if past_deadline():  # the reads ended early: what they found is not the stream's
+    except Stopped:
+        if cutoff.told():  # its request ended: nobody reads a refusal
+            raise
+        raise _read_too_slow(where, limits) from None
+    if cutoff():  # the reads ended early: what they found is not the stream's
         raise _read_too_slow(where, limits)
 
 
@@ -249,24 +265,33 @@ def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int
         raise refused(where, f"{exc}: {describe(sampling)}") from None
 
 
-def decode(item: InspectedVideo, stop: Callable[[], bool] | None = None) -> SampledVideo:
-    """The kept frames (CPU-bound: run it off the event loop). A stream that breaks off before a
-    kept frame is refused: vLLM would serve the frames it got, but a truncated upload is an error.
-    Only a tail vLLM's loader serves without may be missing (`_a_tail_vllm_serves_without`): the
-    header's last frame, or the end of a Matroska clip whose count is an estimate. `stop`: asked
-    before every frame; True ends the decode (Stopped)."""
+def decode(item: InspectedVideo, decoders: Decoders | None = None, stop: Callable[[], bool] | None = None,
+           deadline: float = float("inf")) -> SampledVideo:
+    """The kept frames, each resized to the planned size as it arrives (CPU-bound: run it off the
+    event loop). A stream that breaks off before a kept frame is refused: vLLM would serve the
+    frames it got, but a truncated upload is an error. Only a tail vLLM's loader serves without
+    may be missing (`_a_tail_vllm_serves_without`): the header's last frame, or the end of a
+    Matroska clip whose count is an estimate. `decoders`: where the bytes are decoded (on this
+    thread where None: tests and tools). `stop`, asked before every frame, and `deadline`
+    (time.monotonic()) end the decode (Stopped)."""
     source = item.source
+    kept_h, kept_w = item.frame_size or (source.height, source.width)
+    frames = np.empty((len(set(item.indices)), kept_h, kept_w, 3), dtype=np.uint8)
+    read: list[int] = []
+    cutoff = Cutoff(deadline, stop)
     try:
-        with open_video(item.raw) as video:
-            frames, read = read_frames(video, item.indices, source.height, source.width, item.frame_size, stop)
+        for index, rgb in (decoders or InProcess()).frames(item.raw, item.indices, source.height, source.width, cutoff,
+                                                           decoder_bytes(source.width * source.height)):
+            frames[len(read)] = rgb if item.frame_size is None else resize_pixels(rgb, kept_w, kept_h)
+            read.append(index)
     except Unreadable as exc:
         raise refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
     if missing and not _a_tail_vllm_serves_without(item, missing, read):
         raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
                       f"frames could not be decoded (first: frame {missing[0]} of {source.total_frames} claimed)")
-    return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
-                        digest=item.digest)
+    return SampledVideo(frames[: len(read)], source.fps, source.total_frames, source.duration_s, tuple(read),
+                        item.sampling, digest=item.digest)
 
 
 def _a_tail_vllm_serves_without(item: InspectedVideo, missing: list[int], read: list[int]) -> bool:
@@ -290,10 +315,12 @@ class VideoIntake:
     """Fetch → inspect for one request's videos (`take_all`); admit memory → decode for
     those the encoder needs frames of (`decode_all`)."""
 
-    def __init__(self, fetcher: ImageFetcher, limits: VideoLimits, pool: Executor) -> None:
+    def __init__(self, fetcher: ImageFetcher, limits: VideoLimits, pool: Executor,
+                 decoders: Decoders | None = None) -> None:
         self.fetcher = fetcher  # the images' (gateway/fetch.py): the same address guard, timeouts and redirects
         self.limits = limits
         self.pool = pool
+        self.decoders = DecoderProcesses() if decoders is None else decoders
         self.known = KnownHeaders()
         self.slow_headers = SlowHeaders()
         self.speeds = DecodeSpeeds()
@@ -332,9 +359,8 @@ class VideoIntake:
 
         def decoding_on_a_thread(stop: Callable[[], bool]) -> SampledVideo:  # the clock starts with the decode
             started = time.monotonic()
-            deadline = started + self.limits.max_decode_s
             try:
-                video = decode(item, lambda: stop() or time.monotonic() > deadline)
+                video = decode(item, self.decoders, stop, started + self.limits.max_decode_s)
             except Stopped as stopped:
                 if not stop():  # its deadline, not a client that left: how far it got is a speed too
                     self.speeds.record(s.codec, stopped.frames_read, s.width, s.height, time.monotonic() - started)
@@ -386,9 +412,17 @@ class VideoIntake:
         return within_limits(sampled(raw, where, source, sampling, digest, planner), self.limits)
 
     async def _read_header(self, raw: bytes, where: str, sampling: VideoSampling) -> SourceInfo:
-        figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits))
-        async with working(decoding_bytes(figures, 0), f"counting the frames of {where} ({figures.width}×{figures.height})"):
-            return await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures))
+        async with working(decoder_job_bytes(raw), f"reading the header of {where}"):
+            figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits, self.decoders))
+        async with working(decoding_bytes(figures, 0) + decoder_job_bytes(raw),
+                           f"counting the frames of {where} ({figures.width}×{figures.height})"):
+            return await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures,
+                                                                self.decoders))
+
+    def close(self) -> None:
+        """Its idle decoder processes ended (a decode still running ends its own when it is done)."""
+        if isinstance(self.decoders, DecoderProcesses):
+            self.decoders.close()
 
     async def decode_all(self, items: list[InspectedVideo], timer: RequestTimer) -> list[SampledVideo]:
         """The videos' frames, in order (the hand-off's, for the videos its encoder needs)."""

@@ -9,9 +9,10 @@ from gateway.errors import APIError
 from gateway.intake.video.sampling import SourceInfo, VideoSampling
 
 # What a decode holds at its peak beyond the kept frames (T×H×W×3): the
-# decoder's own frames in flight (FFmpeg's threads keep a few references),
-# one BGR frame before its conversion; counted as this many frames more
-# (measured about 10: docs/measurements/video-decode.md).
+# decoder's own frames in flight (FFmpeg's two threads keep a few references,
+# decode.DECODE_THREADS), one BGR frame before its conversion; counted as this
+# many frames more (measured about 10: docs/measurements/video-decode.md). Its
+# decoder process may take this much (gateway/intake/video/decoders.py).
 DECODER_FRAMES_IN_FLIGHT = 12
 
 
@@ -60,11 +61,15 @@ class VideoLimits:
 
 
 def decoding_bytes(source: SourceInfo, kept: int, kept_size: tuple[int, int] | None = None) -> int:
-    """Gateway memory a decode takes at its peak: the kept frames (resized to `kept_size`, or as
-    decoded) plus the decoder's own."""
-    frame = source.width * source.height * 3
-    kept_frame = frame if kept_size is None else kept_size[0] * kept_size[1] * 3
-    return kept * kept_frame + DECODER_FRAMES_IN_FLIGHT * frame
+    """Memory a decode takes at its peak: the kept frames (resized to `kept_size`, or as decoded),
+    in the gateway, plus its decoder's own."""
+    kept_frame = source.width * source.height * 3 if kept_size is None else kept_size[0] * kept_size[1] * 3
+    return kept * kept_frame + decoder_bytes(source.width * source.height)
+
+
+def decoder_bytes(frame_pixels: int) -> int:
+    """What a decoder holds decoding frames of `frame_pixels` (its frames in flight)."""
+    return DECODER_FRAMES_IN_FLIGHT * frame_pixels * 3
 
 
 def describe(sampling: VideoSampling) -> str:

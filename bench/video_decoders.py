@@ -1,0 +1,82 @@
+"""What decoding a video in a decoder process costs against decoding it in the
+gateway's own process (gateway/intake/video/decoders.py), side by side in one
+run: the intake's decode of the kept frames (`intake.decode`, each frame
+resized in the gateway as it arrives), in this process (`InProcess`) and
+through a warm decoder process, interleaved; then a cold process's first job,
+and what an idle decoder holds. Figures go to docs/measurements/video-decode.md.
+
+    python -m bench.video_decoders --runs 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from gateway.intake.video.decode import Cutoff, InProcess
+from gateway.intake.video.decoders import DecoderProcesses
+from gateway.intake.video.intake import decode, sampled
+from gateway.intake.video.limits import VideoLimits
+from gateway.intake.video.sampling import VideoSampling
+from gateway.intake.video import intake as video_intake
+from gateway.intake.video.sizing import FramePlan
+from loadtest.clips import clip
+
+LIMITS = VideoLimits(max_bytes=256 * 2**20, max_frame_pixels=3840 * 2160, max_total_frames=100_000,
+                     max_duration_s=3600, max_sampled_frames=768)
+# (name, width, height, frames at 30 fps, the size kept frames are resized to: Qwen2.5-VL's at its defaults)
+CLIPS = [("240p-4s", 320, 240, 120, None), ("720p-10s", 1280, 720, 300, (448, 812)),
+         ("1080p-10s", 1920, 1080, 300, (448, 812))]
+
+
+def _status_kb(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+    here, processes = InProcess(), DecoderProcesses(idle_kept=1)
+    print(f"{'clip':10} {'kept':>4} {'in process':>11} {'decoder':>9} {'ratio':>6} {'cold decoder':>13}")
+    for name, width, height, frames, size in CLIPS:
+        raw = clip(width, height, fps=30.0, num_frames=frames, seed=4)
+        source = video_intake.read_figures(raw, name, LIMITS, here)
+        plan = None if size is None else (lambda kept, whole, h, w, size=size: FramePlan(size, 0))
+        item = sampled(raw, name, source, VideoSampling(), b"", plan)
+        decode(item, processes)  # the warm process started
+        local, remote = [], []
+        for _ in range(args.runs):  # interleaved: the machine's other load falls on both alike
+            local.append(_timed(lambda: decode(item, here)))
+            remote.append(_timed(lambda: decode(item, processes)))
+        cold = DecoderProcesses(idle_kept=0)
+        first = _timed(lambda: decode(item, cold))
+        local_ms, remote_ms = statistics.median(local), statistics.median(remote)
+        print(f"{name:10} {len(item.indices):4} {local_ms:9.1f} ms {remote_ms:7.1f} ms {remote_ms / local_ms:6.2f} {first:10.1f} ms")
+    pid = processes.pids(busy=False)[0]
+    print(f"an idle decoder after these jobs: RSS {_status_kb(pid, 'VmRSS') / 1024:.0f} MB, "
+          f"of it anonymous {_status_kb(pid, 'RssAnon') / 1024:.0f} MB; its peak {_status_kb(pid, 'VmHWM') / 1024:.0f} MB")
+    big = clip(3840, 2160, fps=30.0, num_frames=30, seed=4)
+    fresh = DecoderProcesses(idle_kept=1)
+    fresh.header(big, Cutoff(), 0)
+    pid = fresh.pids(busy=False)[0]
+    before = _status_kb(pid, "VmHWM")
+    item = sampled(big, "4k", video_intake.read_figures(big, "4k", LIMITS, here), VideoSampling(), b"", None)
+    decode(item, fresh)
+    print(f"a 4K clip's decode (30 frames, {len(item.indices)} kept) grew its decoder's peak by "
+          f"{(_status_kb(pid, 'VmHWM') - before) / 1024:.0f} MB; admitted for its decoder: "
+          f"{12 * 3840 * 2160 * 3 / 2**20:.0f} MB")
+    processes.close()
+    fresh.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Where a video's bytes are opened and decoded: in processes of the gateway's
+own (`DecoderProcesses`), never in the gateway's.
+
+FFmpeg parses whatever a client sends. A crash in it (a crafted file once made
+it seek before the start of its bytes, and the process died of a SIGSEGV)
+took the gateway and every request it held; a frame larger than its header
+says was decoded at its true size (a 7 MB file made the gateway grow past
+2 GiB while its budget counted 196 KB); and a seek inside FFmpeg cannot be
+interrupted from Python. A decoder process runs one job at a time for an
+intake thread that waits on it, and:
+- its memory is capped for each job (RLIMIT_DATA): what the job was admitted
+  for in the gateway's budget (the decoder's frames in flight at the header's
+  frame size), plus DECODER_SLACK_BYTES; past it FFmpeg's allocations fail
+  and the video is refused, where it would have grown the gateway;
+- a job past its deadline by KILL_GRACE_S, or whose request has ended, is
+  killed with its process, whatever FFmpeg is doing;
+- a crash ends that process and fails that video alone (a 400 naming it).
+A process is started for a job when none is idle (a fresh one takes about
+0.4 s: Python and OpenCV) and kept idle after it, up to IDLE_KEPT; one that
+was killed or died is replaced by the next job's.
+
+`InProcess` (decode.py) runs the same jobs on the calling thread: it is what
+a decoder process runs, and what unit tests of the intake's rules use to
+reach inside a decode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+from gateway.intake.memory import IDLE_DECODERS
+from gateway.intake.video.decode import Cutoff, Stopped, Unreadable
+from gateway.ops import metrics
+from protocol.decoder import (PREFIX, CountFrames, Failed, Figures, Finished, Frame, FrameCount, Limits, ReadFrames,
+                              ReadHeader, Reply, framed, reply_decoder)
+
+log = logging.getLogger("prism.gateway")
+
+IDLE_KEPT = IDLE_DECODERS  # the memory budget leaves room for them
+KILL_GRACE_S = 1.0  # past a job's deadline, the time its decoder has to say it stopped before it is killed
+POLL_S = 0.05  # how often a waiting intake thread asks whether its request has ended
+# A job's room beyond the frames it was admitted for: FFmpeg's threads' stacks, its codec's
+# tables, OpenCV's buffers, none of which grows with the frame size.
+DECODER_SLACK_BYTES = 64 * 2**20
+
+
+class DecoderDied(Unreadable):
+    """The decoder's process ended during the job: a crash in FFmpeg on these bytes, or the
+    kernel's OOM killer."""
+
+
+class Decoders(Protocol):
+    """The jobs of a video's intake. `memory_bytes`: what the job's decoder may take (the frames
+    the gateway admitted it for); Unreadable, Stopped as decode.py raises them."""
+
+    def header(self, raw: bytes, cutoff: Cutoff, memory_bytes: int) -> Figures: ...
+
+    def count(self, raw: bytes, claimed: int, cutoff: Cutoff, memory_bytes: int) -> int: ...
+
+    def frames(self, raw: bytes, indices: list[int], height: int, width: int, cutoff: Cutoff,
+               memory_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Each kept frame as it is read; then the frames read to reach the last (StopIteration's value)."""
+        ...
+
+
+class DecoderProcesses:
+    """Decoder processes, one job each at a time (module docstring). Shared by the intake threads."""
+
+    def __init__(self, idle_kept: int = IDLE_KEPT) -> None:
+        self.idle_kept = idle_kept
+        self._idle: list[_Process] = []
+        self._busy: set[_Process] = set()
+        self._lock = threading.Lock()
+        self.started = 0  # processes started
+
+    def header(self, raw: bytes, cutoff: Cutoff, memory_bytes: int) -> Figures:
+        with self._job(ReadHeader(_limits(cutoff, memory_bytes)), raw, cutoff) as process:
+            reply, _ = process.receive(cutoff)
+        return _expect(reply, Figures)
+
+    def count(self, raw: bytes, claimed: int, cutoff: Cutoff, memory_bytes: int) -> int:
+        with self._job(CountFrames(claimed, _limits(cutoff, memory_bytes)), raw, cutoff) as process:
+            reply, _ = process.receive(cutoff)
+        return _expect(reply, FrameCount).total_frames
+
+    def frames(self, raw: bytes, indices: list[int], height: int, width: int, cutoff: Cutoff,
+               memory_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
+        with self._job(ReadFrames(indices, height, width, _limits(cutoff, memory_bytes)), raw, cutoff) as process:
+            while True:
+                reply, pixels = process.receive(cutoff)
+                if not isinstance(reply, Frame):
+                    break
+                yield reply.index, np.frombuffer(pixels, np.uint8).reshape(height, width, 3)
+        return _expect(reply, Finished).frames_read  # a process that answered is given back, refusal or not
+
+    def pids(self, busy: bool) -> list[int]:
+        """The processes running a job (`busy`), or those waiting for one."""
+        with self._lock:
+            return [process.pid for process in (self._busy if busy else self._idle)]
+
+    def close(self) -> None:
+        """The idle processes ended; a busy one ends with its job."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for process in idle:
+            process.kill()
+
+    @contextlib.contextmanager
+    def _job(self, job, raw: bytes, cutoff: Cutoff) -> Iterator["_Process"]:
+        """A process with the job sent; given back idle if the job ran to its answer, else killed
+        (a job left part way, a deadline, a request that ended: its state is not known)."""
+        process = self._take()
+        try:
+            process.send(job, raw)
+            yield process
+        except BaseException as error:
+            self._end(process, "died" if isinstance(error, DecoderDied) else "killed")
+            raise
+        self._give_back(process)
+
+    def _take(self) -> "_Process":
+        with self._lock:
+            while self._idle:
+                process = self._idle.pop()
+                if process.alive():
+                    self._busy.add(process)
+                    return process
+                process.kill()
+            self.started += 1
+        process = _Process()
+        with self._lock:
+            self._busy.add(process)
+        return process
+
+    def _give_back(self, process: "_Process") -> None:
+        with self._lock:
+            self._busy.discard(process)
+            if len(self._idle) < self.idle_kept:
+                self._idle.append(process)
+                return
+        process.kill()
+
+    def _end(self, process: "_Process", reason: str) -> None:
+        with self._lock:
+            self._busy.discard(process)
+        process.kill()
+        metrics.VIDEO_DECODERS_ENDED.labels(reason).inc()
+
+
+def _limits(cutoff: Cutoff, memory_bytes: int) -> Limits:
+    return Limits(cutoff.left_s, memory_bytes + DECODER_SLACK_BYTES)
+
+
+def _expect(reply: Reply, kind: type):
+    if isinstance(reply, kind):
+        return reply
+    if isinstance(reply, Failed):
+        if reply.reason == "stopped":
+            raise Stopped(reply.frames_read)
+        raise Unreadable(reply.message)
+    raise RuntimeError(f"a video decoder answered {type(reply).__name__} where {kind.__name__} was due")
+
+
+class _Process:
+    """One decoder process and the socket to it."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.intake.video.decoder_process", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.socket = ours
+        self.pid = self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def send(self, job, raw: bytes) -> None:
+        try:
+            self.socket.sendall(framed(job, len(raw)))
+            self.socket.sendall(raw)
+        except OSError:
+            raise self._died() from None
+
+    def receive(self, cutoff: Cutoff) -> tuple[Reply, bytearray]:
+        header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff))
+        reply = reply_decoder.decode(self._read(header_bytes, cutoff))
+        return reply, self._read(payload_bytes, cutoff)
+
+    def _read(self, size: int, cutoff: Cutoff) -> bytearray:
+        """`size` bytes, waited for in POLL_S steps: a request that ended, or a deadline passed by
+        KILL_GRACE_S, raises Stopped (the caller kills the process)."""
+        buffer = bytearray(size)
+        view, got = memoryview(buffer), 0
+        while got < size:
+            if cutoff.told() or time.monotonic() > cutoff.deadline + KILL_GRACE_S:
+                raise Stopped()
+            if not select.select([self.socket], [], [], POLL_S)[0]:
+                continue
+            read = self.socket.recv_into(view[got:])
+            if read == 0:
+                raise self._died()
+            got += read
+        return buffer
+
+    def _died(self) -> DecoderDied:
+        try:
+            code = self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            code = self.process.returncode
+        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        log.warning("a video decoder process ended during its job (%s)", how)
+        return DecoderDied(f"the decoder ended while reading it ({how})")
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+        self.process.wait()
+        self.socket.close()

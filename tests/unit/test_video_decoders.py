@@ -1,0 +1,234 @@
+"""Videos are opened and decoded in decoder processes of the gateway's own
+(gateway/intake/video/decoders.py): the frames are the bytes a decode in the
+gateway's process gives; a decoder that crashes, hangs or grows past what its
+job was admitted for fails that video alone, with a 4xx naming it, and the
+next video gets a working decoder. Real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import cv2
+import numpy as np
+import pytest
+
+from common.config import REPO_ROOT
+from gateway.errors import APIError
+from gateway.intake.memory import DECODER_PROCESS_BYTES
+from gateway.intake.video.decode import InProcess
+from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderProcesses
+from gateway.intake.video.intake import VideoIntake, decode
+from gateway.intake.video.limits import VideoLimits, decoder_bytes
+from gateway.intake.video.sampling import VideoSampling
+from gateway.ops import metrics
+from loadtest.clips import clip
+from tests.unit.video_inspect import inspect
+
+LIMITS = VideoLimits(max_bytes=64 * 2**20, max_frame_pixels=3840 * 2160, max_total_frames=20_000, max_duration_s=600,
+                     max_sampled_frames=64)
+WHERE = "messages[0].content[1]"
+
+
+@pytest.fixture(scope="module")
+def decoders():
+    processes = DecoderProcesses()
+    yield processes
+    processes.close()
+
+
+def intake_with(decoders, limits: VideoLimits = LIMITS) -> VideoIntake:
+    return VideoIntake(fetcher=None, limits=limits, pool=ThreadPoolExecutor(2), decoders=decoders)
+
+
+def ended(reason: str) -> float:
+    return metrics.VIDEO_DECODERS_ENDED.labels(reason)._value.get()
+
+
+def status_kb(pid: int | str, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+
+def test_a_decoder_process_gives_the_frames_a_decode_here_gives_and_is_kept_for_the_next(decoders):
+    intake = intake_with(decoders)
+    for sampling in (VideoSampling(), VideoSampling("qwen3_vl"), VideoSampling("opencv", num_frames=7)):
+        item = inspect(clip(320, 240, fps=10.0, num_frames=30, seed=3), WHERE, sampling, LIMITS, intake=intake)
+        there, here = asyncio.run(intake.decode(item)), decode(item, InProcess())
+        assert there.frame_indices == here.frame_indices and np.array_equal(there.frames, here.frames)
+    assert decoders.started == 1 and len(decoders.pids(busy=False)) == 1  # nine jobs, one process
+    assert decoders.pids(busy=True) == []
+
+
+def test_a_4k_clip_decodes_within_what_its_decoder_may_take_and_its_decoder_gives_the_memory_back(decoders):
+    """The memory cap is what the decode was admitted for: a clip at the frame-size limit fits it.
+    After the job, the idle decoder holds no more than the budget leaves for one."""
+    raw = clip(3840, 2160, fps=10.0, num_frames=12, seed=1)
+    video = asyncio.run(intake_with(decoders).decode(inspect(raw, WHERE, VideoSampling(), LIMITS, intake=intake_with(decoders))))
+    assert video.frames.shape == (4, 2160, 3840, 3)
+    for decoder in decoders.pids(busy=False):
+        assert status_kb(decoder, "RssAnon") * 1024 < DECODER_PROCESS_BYTES
+
+
+@pytest.fixture(scope="module")
+def long_clip() -> bytes:
+    """Read to its end to reach its last kept frame: a decode long enough to be caught busy."""
+    return clip(640, 480, fps=30.0, num_frames=300, seed=2)
+
+
+def test_a_decoder_that_crashes_fails_its_video_alone_and_the_next_gets_another(decoders, long_clip):
+    """A SIGSEGV in the decoder (as FFmpeg's on a crafted file): a 400 naming the part and the
+    signal; the gateway's process goes on, and so does the next video."""
+    intake = intake_with(decoders)
+    item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
+    died_before = ended("died")
+
+    def crash_the_busy_decoder():
+        while not (busy := decoders.pids(busy=True)):
+            time.sleep(0.005)
+        os.kill(busy[0], signal.SIGSEGV)
+
+    crasher = threading.Thread(target=crash_the_busy_decoder)
+    crasher.start()
+    with pytest.raises(APIError) as caught:
+        asyncio.run(intake.decode(item))
+    crasher.join()
+    error = caught.value
+    assert error.status == 400 and error.param == WHERE and "SIGSEGV" in error.message, error.message
+    assert ended("died") == died_before + 1 and decoders.pids(busy=True) == []
+    small = inspect(clip(num_frames=12), WHERE, VideoSampling(), LIMITS, intake=intake)
+    assert asyncio.run(intake.decode(small)).num_frames == 4
+
+
+def test_a_decoder_that_hangs_is_killed_at_its_deadline(decoders, long_clip):
+    """A decoder that stops answering (SIGSTOP: as a seek inside FFmpeg that never returns, which no
+    stop flag reaches) is killed once its deadline has passed, and the video is a 413."""
+    intake = intake_with(decoders, dataclasses.replace(LIMITS, max_decode_s=1.0))
+    item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
+    killed_before = ended("killed")
+
+    def freeze_the_busy_decoder():
+        while not (busy := decoders.pids(busy=True)):
+            time.sleep(0.005)
+        os.kill(busy[0], signal.SIGSTOP)
+
+    freezer = threading.Thread(target=freeze_the_busy_decoder)
+    freezer.start()
+    with pytest.raises(APIError) as caught:
+        asyncio.run(intake.decode(item))
+    freezer.join()
+    assert caught.value.status == 413 and "gateway.max_video_decode_s" in caught.value.message
+    assert ended("killed") == killed_before + 1 and decoders.pids(busy=True) == []
+
+
+def test_a_decode_whose_request_ended_has_its_decoder_killed_at_once(decoders, long_clip):
+    intake = intake_with(decoders)
+    item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
+
+    async def leave() -> list[int]:
+        decoding = asyncio.create_task(intake.decode(item))
+        while not decoders.pids(busy=True):
+            await asyncio.sleep(0.005)
+        busy = decoders.pids(busy=True)
+        decoding.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await decoding
+        return busy
+
+    busy = asyncio.run(leave())
+    assert decoders.pids(busy=True) == [] and not os.path.exists(f"/proc/{busy[0]}")  # killed and reaped
+
+
+def lying_avi(big: int, at: int = 5, frames: int = 12) -> bytes:
+    """An MJPEG AVI whose header says 64×48 and whose frame `at` is a big × big JPEG: FFmpeg decodes
+    that frame at its own size, whatever the header said."""
+    fd, path = tempfile.mkstemp(suffix=".avi")
+    os.close(fd)
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
+    for i in range(frames):
+        writer.write(np.full((48, 64, 3), i * 20, np.uint8))
+    writer.release()
+    data = bytearray(open(path, "rb").read())
+    os.unlink(path)
+    jpeg = cv2.imencode(".jpg", np.full((big, big, 3), 128, np.uint8))[1].tobytes()
+    jpeg += b"\0" * (len(jpeg) % 2)
+    idx1 = data.rindex(b"idx1")
+    chunks = [i for i in range(data.index(b"movi"), idx1) if data[i:i + 4] == b"00dc"]
+    chunk = chunks[at]
+    size = struct.unpack("<I", data[chunk + 4:chunk + 8])[0]
+    grow = len(jpeg) - (size + size % 2)
+    data[chunk + 8:chunk + 8 + size + size % 2] = jpeg
+    data[chunk + 4:chunk + 8] = struct.pack("<I", len(jpeg))
+    movi_list = data.index(b"movi") - 8
+    data[movi_list + 4:movi_list + 8] = struct.pack("<I", struct.unpack("<I", data[movi_list + 4:movi_list + 8])[0] + grow)
+    data[4:8] = struct.pack("<I", len(data) - 8)
+    idx1 += grow
+    entries = struct.unpack("<I", data[idx1 + 4:idx1 + 8])[0] // 16
+    for n in range(entries):  # each entry: id, flags, offset (from movi), size
+        entry = idx1 + 8 + 16 * n
+        if n == at:
+            data[entry + 12:entry + 16] = struct.pack("<I", len(jpeg))
+        elif n > at:
+            data[entry + 8:entry + 12] = struct.pack("<I", struct.unpack("<I", data[entry + 8:entry + 12])[0] + grow)
+    return bytes(data)
+
+
+def test_a_frame_larger_than_its_header_says_is_refused_within_its_decoder_s_memory():
+    """A file of a megabyte or two whose header says 64×48 and one of whose frames is 10000×10000:
+    decoded in a process's own thread, that frame takes more than the decoder's cap, uncounted by
+    any budget (a process of its own, below); in a decoder its allocation fails past the cap, and
+    the clip is refused as corrupt."""
+    raw = lying_avi(10_000)
+    decoders = DecoderProcesses()  # a process whose peak is this clip's alone
+    intake = intake_with(decoders)
+    item = inspect(raw, WHERE, VideoSampling("opencv", num_frames=12), LIMITS, intake=intake)
+    assert (item.source.width, item.source.height) == (64, 48)
+    with pytest.raises(APIError) as caught:
+        asyncio.run(intake.decode(item))
+    assert caught.value.status == 400 and "truncated or corrupt" in caught.value.message, caught.value.message
+    decoder = decoders.pids(busy=False)[0]  # it answered: kept for the next job
+    cap_kb = (decoder_bytes(64 * 48) + DECODER_SLACK_BYTES + len(raw)) // 1024
+    assert status_kb(decoder, "VmHWM") < status_kb(decoder, "VmRSS") + cap_kb
+    decoders.close()
+    with tempfile.NamedTemporaryFile(suffix=".avi") as file:
+        file.write(raw)
+        file.flush()
+        script = ("from gateway.intake.video.decode import open_video; from tests.unit.test_video_decoders import status_kb; "
+                  f"video = open_video(open({file.name!r}, 'rb').read()); base = status_kb('self', 'VmRSS'); "
+                  "frames = sum(1 for _ in iter(video.capture.grab, False)); print(frames, status_kb('self', 'VmHWM') - base)")
+        done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    frames, grown_kb = map(int, done.stdout.split())
+    assert frames == 12 and grown_kb > cap_kb, (frames, grown_kb, cap_kb)  # here, it is decoded at its own size
+
+
+def test_decoders_end_with_the_gateway_that_started_them():
+    """A gateway killed (SIGKILL: no clean-up of its own) leaves no decoder behind."""
+    script = ("import sys, os; from gateway.intake.video.decoders import DecoderProcesses; "
+              "from gateway.intake.video.decode import Cutoff; from loadtest.clips import clip; "
+              "d = DecoderProcesses(); d.header(clip(num_frames=4), Cutoff(), 0); "
+              "print(d.pids(busy=False)[0], flush=True); os.kill(os.getpid(), 9)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    decoder = int(done.stdout.split()[0])
+    waited = 0.0
+    while _running(decoder) and waited < 30:
+        time.sleep(0.1)
+        waited += 0.1
+    assert not _running(decoder), "the decoder outlived its gateway"
+
+
+def _running(pid: int) -> bool:
+    """Not ended (an ended child of a parent that never reaps it stays a zombie)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line for line in status)
+    except FileNotFoundError:
+        return False
