@@ -1,12 +1,17 @@
 """The video parity clips (loadtest/clips.py's synthetic scenes, small enough
 for two cores) and vLLM's own video loader's view of them: the frames and
 metadata its server hands the model (VideoMediaIO's default: opencv, at most
-32 frames), which is what the gateway's intake yields (SampledVideo)."""
+32 frames), which is what the gateway's intake yields (SampledVideo). And a
+hostile clip whose frame is larger than its header says (`lying_avi`)."""
 
 from __future__ import annotations
 
+import os
+import struct
+import tempfile
 from dataclasses import dataclass
 
+import cv2
 import numpy as np
 
 from loadtest.clips import ClipSpec, make_clip
@@ -63,3 +68,37 @@ def load_parity_clips(backend: str = "opencv") -> dict[str, tuple[np.ndarray, di
     """Every clip through the loader; the offline API's one-frame clip only where the loader takes num_frames."""
     clips = CLIPS if backend == "opencv" else {n: c for n, c in CLIPS.items() if n != "one-frame"}
     return {name: vllm_loaded(make_clip(c.spec), c.loader_frames, backend) for name, c in clips.items()}
+
+
+def lying_avi(big: int, at: int = 5, frames: int = 12) -> bytes:
+    """An MJPEG AVI whose header says 64×48 and whose frame `at` is a big × big JPEG: FFmpeg decodes
+    that frame at its own size, whatever the header said."""
+    fd, path = tempfile.mkstemp(suffix=".avi")
+    os.close(fd)
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
+    for i in range(frames):
+        writer.write(np.full((48, 64, 3), i * 20, np.uint8))
+    writer.release()
+    data = bytearray(open(path, "rb").read())
+    os.unlink(path)
+    jpeg = cv2.imencode(".jpg", np.full((big, big, 3), 128, np.uint8))[1].tobytes()
+    jpeg += b"\0" * (len(jpeg) % 2)
+    idx1 = data.rindex(b"idx1")
+    chunks = [i for i in range(data.index(b"movi"), idx1) if data[i:i + 4] == b"00dc"]
+    chunk = chunks[at]
+    size = struct.unpack("<I", data[chunk + 4:chunk + 8])[0]
+    grow = len(jpeg) - (size + size % 2)
+    data[chunk + 8:chunk + 8 + size + size % 2] = jpeg
+    data[chunk + 4:chunk + 8] = struct.pack("<I", len(jpeg))
+    movi_list = data.index(b"movi") - 8
+    data[movi_list + 4:movi_list + 8] = struct.pack("<I", struct.unpack("<I", data[movi_list + 4:movi_list + 8])[0] + grow)
+    data[4:8] = struct.pack("<I", len(data) - 8)
+    idx1 += grow
+    entries = struct.unpack("<I", data[idx1 + 4:idx1 + 8])[0] // 16
+    for n in range(entries):  # each entry: id, flags, offset (from movi), size
+        entry = idx1 + 8 + 16 * n
+        if n == at:
+            data[entry + 12:entry + 16] = struct.pack("<I", len(jpeg))
+        elif n > at:
+            data[entry + 8:entry + 12] = struct.pack("<I", struct.unpack("<I", data[entry + 8:entry + 12])[0] + grow)
+    return bytes(data)

@@ -1,4 +1,6 @@
-"""Fetching http(s) image URLs without becoming a proxy into private networks.
+"""Fetching http(s) image and video URLs without becoming a proxy into private
+networks. Errors name what was fetched: `image_fetch_failed` for an image,
+`video_fetch_failed` for a video (the byte limits' `noun`).
 
 Every hop (the URL and each redirect) is parsed, its host resolved, and every
 resolved address checked: loopback, private, link-local, multicast, reserved,
@@ -87,18 +89,18 @@ def _lookup(host: str, port: int) -> list:
     return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
 
-def _split(url: str, where: str):
+def _split(url: str, where: str, kind: str):
     try:
         return urlsplit(url)
     except ValueError as exc:  # a malformed IPv6 literal ("http://[::1/x")
-        raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code="invalid_image_url") from None
+        raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code=f"invalid_{kind}_url") from None
 
 
 # A host as the resolver reads it: a DNS name (underscores included, as some are), or an IPv6 literal.
 _HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+")
 
 
-def _ascii_host(host: str, where: str) -> str:
+def _ascii_host(host: str, where: str, kind: str) -> str:
     """An internationalised name as DNS, the Host header and TLS know it (IDNA 2008, as httpx encodes
     names: the `idna` package)."""
     if host.isascii():
@@ -106,7 +108,7 @@ def _ascii_host(host: str, where: str) -> str:
     try:
         return idna.encode(host, uts46=True).decode("ascii")
     except idna.IDNAError as exc:
-        raise APIError(400, f"{where}: host {host!r} is not a valid domain name ({exc})", param=where, code="invalid_image_url") from None
+        raise APIError(400, f"{where}: host {host!r} is not a valid domain name ({exc})", param=where, code=f"invalid_{kind}_url") from None
 
 
 class AddressGuard:
@@ -122,51 +124,51 @@ class AddressGuard:
         plain = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped else address
         return any(plain in network for network in self.allowed_networks)
 
-    async def check(self, url: str, where: str) -> Target:
-        parts = _split(url, where)
+    async def check(self, url: str, where: str, kind: str = "image") -> Target:
+        parts = _split(url, where, kind)
         if parts.scheme not in _DEFAULT_PORTS:
-            raise APIError(400, f"{where}: URL scheme {parts.scheme!r} is not allowed (http, https or data: only)", param=where, code="unsupported_image_url")
+            raise APIError(400, f"{where}: URL scheme {parts.scheme!r} is not allowed (http, https or data: only)", param=where, code=f"unsupported_{kind}_url")
         host = parts.hostname
         if not host:
-            raise APIError(400, f"{where}: URL has no host", param=where, code="invalid_image_url")
-        named = _ascii_host(host, where)
+            raise APIError(400, f"{where}: URL has no host", param=where, code=f"invalid_{kind}_url")
+        named = _ascii_host(host, where, kind)
         if not _HOST.fullmatch(named):  # a NUL ends the name for getaddrinfo, past what the allowed domains saw
-            raise APIError(400, f"{where}: host {host!r} has characters no host name has", param=where, code="invalid_image_url")
+            raise APIError(400, f"{where}: host {host!r} has characters no host name has", param=where, code=f"invalid_{kind}_url")
         if not (self._domain_allowed(host) or self._domain_allowed(named)):  # listed as written or as punycode
-            raise APIError(400, f"{where}: host {host!r} is not in the allowed domains", param=where, code="image_url_refused")
+            raise APIError(400, f"{where}: host {host!r} is not in the allowed domains", param=where, code=f"{kind}_url_refused")
         try:
             port = _DEFAULT_PORTS[parts.scheme] if parts.port is None else parts.port
             if port == 0:
                 raise ValueError("port 0")
         except ValueError:
-            raise APIError(400, f"{where}: URL has an invalid port", param=where, code="invalid_image_url") from None
-        address = await self._resolve_checked(named, port, where)
+            raise APIError(400, f"{where}: URL has an invalid port", param=where, code=f"invalid_{kind}_url") from None
+        address = await self._resolve_checked(named, port, where, kind)
         netloc = f"[{address}]" if address.version == 6 else str(address)
         pinned = urlunsplit((parts.scheme, f"{netloc}:{port}", parts.path or "/", parts.query, ""))
         header_host = f"[{named}]" if ":" in named else named  # an IPv6 literal keeps its brackets in the Host header
         host_header = header_host if parts.port is None else f"{header_host}:{parts.port}"
         return Target(pinned, host_header, named if parts.scheme == "https" else None)
 
-    async def _resolve_checked(self, host: str, port: int, where: str) -> IPAddress:
+    async def _resolve_checked(self, host: str, port: int, where: str, kind: str) -> IPAddress:
         try:
             infos = await asyncio.get_running_loop().run_in_executor(_resolver, _lookup, host, port)
         except (socket.gaierror, UnicodeError):
             log.info("%s: host %r does not resolve; refused", where, host)
-            raise _not_public(where, host) from None
+            raise _not_public(where, host, kind) from None
         addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
         for address in addresses:  # every address must pass: DNS could hand out any of them
             reason = refusal_reason(address)
             if reason and not self._address_allowed(address):
                 log.info("%s: host %r resolves to a %s address (%s); refused", where, host, reason, address)
-                raise _not_public(where, host)
+                raise _not_public(where, host, kind)
         return addresses[0]
 
 
-def _not_public(where: str, host: str) -> APIError:
+def _not_public(where: str, host: str, kind: str) -> APIError:
     """One answer, whether the name does not resolve or resolves to a refused address (the log tells
     which): telling the client would let it map the names and addresses of the gateway's network."""
     return APIError(400, f"{where}: host {host!r} does not resolve to a public address; fetching from it is refused",
-                    param=where, code="image_url_refused")
+                    param=where, code=f"{kind}_url_refused")
 
 
 class ImageFetcher:
@@ -184,20 +186,23 @@ class ImageFetcher:
 
     async def fetch(self, url: str, where: str, byte_limits=None) -> bytes:
         """The body's bytes, held by the current request from here on (`hold`). `byte_limits`: another
-        cap than the images' (anything with ImageLimits.check_bytes; videos')."""
+        cap than the images' (anything with ImageLimits.check_bytes and its `noun`; videos')."""
+        byte_limits = byte_limits or self.image_limits
+        kind = byte_limits.noun
         try:
             async with asyncio.timeout(self.limits.total_timeout_s) as deadline:
-                return await self._follow(url, where, byte_limits or self.image_limits, deadline)
+                return await self._follow(url, where, byte_limits, deadline)
         except (TimeoutError, httpx.TimeoutException) as exc:
-            raise APIError(504, f"{where}: fetching the image timed out ({_expired(exc, self.limits)})", param=where, code="image_fetch_timeout") from None
+            raise APIError(504, f"{where}: fetching the {kind} timed out ({_expired(exc, self.limits)})", param=where, code=f"{kind}_fetch_timeout") from None
         except httpx.InvalidURL as exc:  # not an HTTPError: a path httpx will not send (control characters)
-            raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code="invalid_image_url") from None
+            raise APIError(400, f"{where}: invalid URL ({exc})", param=where, code=f"invalid_{kind}_url") from None
         except httpx.HTTPError as exc:
-            raise APIError(400, f"{where}: fetching the image failed ({type(exc).__name__})", param=where, code="image_fetch_failed") from None
+            raise APIError(400, f"{where}: fetching the {kind} failed ({type(exc).__name__})", param=where, code=f"{kind}_fetch_failed") from None
 
     async def _follow(self, url: str, where: str, byte_limits, deadline: asyncio.Timeout) -> bytes:
+        kind = byte_limits.noun
         for _ in range(self.limits.max_redirects + 1):
-            target = await self.guard.check(url, where)
+            target = await self.guard.check(url, where, kind)
             extensions = {"sni_hostname": target.sni_hostname} if target.sni_hostname else {}
             # identity: a compressed body would be inflated before the byte cap could see it (a gzip bomb).
             headers = {"Host": target.host_header, "Accept-Encoding": "identity"}
@@ -205,20 +210,21 @@ class ImageFetcher:
             response = await self.client.send(request, stream=True)
             try:
                 if response.status_code in _REDIRECTS and "location" in response.headers:
-                    url = _redirected(url, response.headers["location"], where)
+                    url = _redirected(url, response.headers["location"], where, kind)
                     continue
                 if response.status_code != 200:
-                    raise APIError(400, f"{where}: fetching the image returned HTTP {response.status_code}", param=where, code="image_fetch_failed")
+                    raise APIError(400, f"{where}: fetching the {kind} returned HTTP {response.status_code}", param=where, code=f"{kind}_fetch_failed")
                 return await self._read_capped(response, where, byte_limits, deadline)
             finally:
                 await response.aclose()
-        raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code="image_fetch_failed")
+        raise APIError(400, f"{where}: more than {self.limits.max_redirects} redirects", param=where, code=f"{kind}_fetch_failed")
 
     async def _read_capped(self, response: httpx.Response, where: str, byte_limits, deadline: asyncio.Timeout) -> bytes:
+        kind = byte_limits.noun
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
-            raise APIError(400, f"{where}: the image server sent a {encoding}-encoded body though asked for none "
-                           "(Accept-Encoding: identity); images are fetched as stored", param=where, code="image_fetch_failed")
+            raise APIError(400, f"{where}: the {kind} server sent a {encoding}-encoded body though asked for none "
+                           f"(Accept-Encoding: identity); {kind}s are fetched as stored", param=where, code=f"{kind}_fetch_failed")
         declared = response.headers.get("content-length", "")
         if declared.isdigit():
             byte_limits.check_bytes(int(declared), where)
@@ -234,7 +240,7 @@ class ImageFetcher:
                 byte_limits.check_bytes(len(body), where, "more than")  # stops reading: never buffers past the cap
                 if len(body) > expected:
                     raise APIError(400, f"{where}: the server sent more than the {expected} bytes it declared",
-                                   param=where, code="image_fetch_failed")
+                                   param=where, code=f"{kind}_fetch_failed")
             hold(len(body))  # the request's from here: counted before the reservation ends
             return bytes(body)
 
@@ -254,11 +260,11 @@ class ImageFetcher:
         await self.client.aclose()
 
 
-def _redirected(url: str, location: str, where: str) -> str:
+def _redirected(url: str, location: str, where: str, kind: str) -> str:
     try:
         return urljoin(url, location)
     except ValueError as exc:
-        raise APIError(400, f"{where}: the image server redirected to an invalid URL ({exc})", param=where, code="image_fetch_failed") from None
+        raise APIError(400, f"{where}: the {kind} server redirected to an invalid URL ({exc})", param=where, code=f"{kind}_fetch_failed") from None
 
 
 def _expired(exc: Exception, limits: FetchLimits) -> str:

@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import msgspec
 import numpy as np
@@ -57,6 +58,7 @@ class ImageLimits:
     min_side: int
     max_aspect_ratio: float
     max_decode_s: float = 10.0  # one image's decode (gateway.max_image_decode_s)
+    noun: ClassVar[str] = "image"  # what a fetch names in its errors (gateway/intake/fetch.py)
 
     def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
         """413 past `max_bytes`; `qualifier` says how `size` is known ("about", "more than")."""
@@ -226,16 +228,18 @@ def _b64decode(payload: str) -> bytes:
 
 
 def decode_data_url(url: str, where: str, limits: ImageLimits) -> bytes:
+    """The bytes of a base64 data: URL (an image's, or a video's with its limits: errors name `limits.noun`)."""
+    code = f"invalid_{limits.noun}_url"
     header, sep, payload = url[5:].partition(",")
     if not sep:
-        raise APIError(400, f"{where}: malformed data: URL (no comma)", param=where, code="invalid_image_url")
+        raise APIError(400, f"{where}: malformed data: URL (no comma)", param=where, code=code)
     if not header.endswith(";base64"):
-        raise APIError(400, f"{where}: data: URL must be base64-encoded (';base64,')", param=where, code="invalid_image_url")
+        raise APIError(400, f"{where}: data: URL must be base64-encoded (';base64,')", param=where, code=code)
     limits.check_bytes(len(payload) * 3 // 4 - 3, where, "about")  # before decoding (padding: up to 3 fewer)
     try:
         raw = _b64decode(payload)
     except (binascii.Error, ValueError):
-        raise APIError(400, f"{where}: data: URL is not valid base64", param=where, code="invalid_image_url") from None
+        raise APIError(400, f"{where}: data: URL is not valid base64", param=where, code=code) from None
     limits.check_bytes(len(raw), where)
     return raw
 

@@ -16,6 +16,7 @@ import pytest
 
 from testing.stack import free_port
 from loadtest.clips import clip
+from testing.video_clips import lying_avi
 from tests.integration.conftest import (ALLOWED_LOOPBACK, MAX_VIDEO_BYTES, MAX_VIDEO_FRAME_PIXELS,
                                         MAX_VIDEO_SAMPLED_FRAMES, MODEL_NAME)
 from tests.integration.corpus import b64, save, scene
@@ -87,6 +88,21 @@ def test_hostile_video_gets_its_4xx_naming_the_part_and_the_limit(stack, client,
     assert_still_serving(client)
 
 
+def test_a_frame_larger_than_its_header_says_is_refused_by_a_decoder_process_of_the_gateway_s(stack, client):
+    """A 0.9 MB AVI whose header says 64×48 and whose fourth frame (kept) is 7500×7500: the
+    gateway's decoder may take what frames of the header's size take, its allocation fails
+    there, and the clip is a 400 as corrupt; the gateway goes on."""
+    import psutil
+
+    error = refusal(client, video_then_text("data:video/avi;base64," + base64.b64encode(lying_avi(7500, at=3)).decode()))
+    assert error.status_code == 400 and "truncated or corrupt" in error.body["message"], error.body
+    assert error.body["param"] == "messages[0].content[1]"
+    decoders = [child for child in psutil.Process(stack.gateway_pid).children()
+                if "gateway.intake.video.decoder_process" in " ".join(child.cmdline())]
+    assert decoders, "no decoder process beside the gateway"
+    assert_still_serving(client)
+
+
 def test_a_valid_video_passes_the_checks_and_is_answered(client):
     assert ask(client, video_then_text(data_url(CLIP))).usage.completion_tokens == 4
 
@@ -130,6 +146,9 @@ class _VideoServer(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:
+        if self.path == "/missing.mp4":
+            self.send_error(404)
+            return
         body = CLIP if self.path == "/clip.mp4" else HOSTILE["png"][0]
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -145,8 +164,13 @@ def video_server():
     server.shutdown()
 
 
-def test_http_videos_go_through_the_images_fetch_guard(client, video_server):
+def test_http_videos_go_through_the_images_fetch_guard_and_their_errors_name_a_video(client, video_server):
     assert ask(client, video_then_text(f"{video_server}/clip.mp4")).usage.completion_tokens == 4
     assert refusal(client, video_then_text(f"{video_server}/still.png")).status_code == 415
     refused = refusal(client, video_then_text("http://127.0.0.1:9/clip.mp4"))
     assert refused.status_code == 400 and "refused" in refused.body["message"]
+    assert refused.body["code"] == "video_url_refused"  # a video's errors name a video, not an image
+    missing = refusal(client, video_then_text(f"{video_server}/missing.mp4"))
+    assert missing.body["code"] == "video_fetch_failed" and "fetching the video returned HTTP 404" in missing.body["message"]
+    malformed = refusal(client, video_then_text("data:video/mp4;base64,@@@@"))
+    assert (malformed.status_code, malformed.body["code"]) == (400, "invalid_video_url")

@@ -41,6 +41,17 @@ def test_guard_refuses_private_literals_before_any_connection(url):
         check(AddressGuard((), ()), url)
 
 
+def test_a_refusal_names_what_was_fetched():
+    where = "messages[0].content[0]"
+    for kind in ("image", "video"):
+        with pytest.raises(APIError) as refused:
+            asyncio.run(AddressGuard((), ()).check("http://10.0.0.1/x", where, kind))
+        assert refused.value.code == f"{kind}_url_refused"
+        with pytest.raises(APIError) as unsupported:
+            asyncio.run(AddressGuard((), ()).check("ftp://example.com/x", where, kind))
+        assert unsupported.value.code == f"unsupported_{kind}_url"
+
+
 def test_allowed_network_is_an_explicit_opt_in():
     target = check(AddressGuard((), ("10.0.0.0/8",)), "http://10.1.2.3:8080/a.png?x=1")
     assert target.url == "http://10.1.2.3:8080/a.png?x=1" and target.host_header == "10.1.2.3:8080"
@@ -95,7 +106,7 @@ def test_an_internationalised_name_is_resolved_and_sent_as_punycode(monkeypatch)
     """DNS, the Host header and TLS take the ASCII form: a Host header of raw UTF-8 failed every such URL with a 500."""
     asked = []
 
-    async def resolve(self, host, port, where):
+    async def resolve(self, host, port, where, kind):
         asked.append(host)
         return ipaddress.ip_address("93.184.216.34")
 

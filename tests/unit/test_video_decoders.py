@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import os
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -18,7 +17,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import cv2
 import numpy as np
 import pytest
 
@@ -32,6 +30,7 @@ from gateway.intake.video.limits import VideoLimits, decoder_bytes
 from gateway.intake.video.sampling import VideoSampling
 from gateway.ops import metrics
 from loadtest.clips import clip
+from testing.video_clips import lying_avi
 from tests.unit.video_inspect import inspect
 
 LIMITS = VideoLimits(max_bytes=64 * 2**20, max_frame_pixels=3840 * 2160, max_total_frames=20_000, max_duration_s=600,
@@ -146,40 +145,6 @@ def test_a_decode_whose_request_ended_has_its_decoder_killed_at_once(decoders, l
 
     busy = asyncio.run(leave())
     assert decoders.pids(busy=True) == [] and not os.path.exists(f"/proc/{busy[0]}")  # killed and reaped
-
-
-def lying_avi(big: int, at: int = 5, frames: int = 12) -> bytes:
-    """An MJPEG AVI whose header says 64×48 and whose frame `at` is a big × big JPEG: FFmpeg decodes
-    that frame at its own size, whatever the header said."""
-    fd, path = tempfile.mkstemp(suffix=".avi")
-    os.close(fd)
-    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 10, (64, 48))
-    for i in range(frames):
-        writer.write(np.full((48, 64, 3), i * 20, np.uint8))
-    writer.release()
-    data = bytearray(open(path, "rb").read())
-    os.unlink(path)
-    jpeg = cv2.imencode(".jpg", np.full((big, big, 3), 128, np.uint8))[1].tobytes()
-    jpeg += b"\0" * (len(jpeg) % 2)
-    idx1 = data.rindex(b"idx1")
-    chunks = [i for i in range(data.index(b"movi"), idx1) if data[i:i + 4] == b"00dc"]
-    chunk = chunks[at]
-    size = struct.unpack("<I", data[chunk + 4:chunk + 8])[0]
-    grow = len(jpeg) - (size + size % 2)
-    data[chunk + 8:chunk + 8 + size + size % 2] = jpeg
-    data[chunk + 4:chunk + 8] = struct.pack("<I", len(jpeg))
-    movi_list = data.index(b"movi") - 8
-    data[movi_list + 4:movi_list + 8] = struct.pack("<I", struct.unpack("<I", data[movi_list + 4:movi_list + 8])[0] + grow)
-    data[4:8] = struct.pack("<I", len(data) - 8)
-    idx1 += grow
-    entries = struct.unpack("<I", data[idx1 + 4:idx1 + 8])[0] // 16
-    for n in range(entries):  # each entry: id, flags, offset (from movi), size
-        entry = idx1 + 8 + 16 * n
-        if n == at:
-            data[entry + 12:entry + 16] = struct.pack("<I", len(jpeg))
-        elif n > at:
-            data[entry + 8:entry + 12] = struct.pack("<I", struct.unpack("<I", data[entry + 8:entry + 12])[0] + grow)
-    return bytes(data)
 
 
 def test_a_frame_larger_than_its_header_says_is_refused_within_its_decoder_s_memory():

@@ -46,15 +46,16 @@ def main(fd: int) -> None:
     _end_with_the_gateway(os.getppid())
     connection = socket.socket(fileno=fd)
     jobs = InProcess()
-    while (received := _receive(connection)) is not None:
-        job, raw = received
-        with _memory_capped(job.limits.memory_bytes):
-            for reply, payload in _answers(jobs, job, raw):
-                connection.sendall(framed(reply, len(payload)))
-                if payload:
-                    connection.sendall(payload)
-        del job, raw
-        trim()
+    with contextlib.suppress(ConnectionError):  # the gateway closed its end mid-job: it wants no answer
+        while (received := _receive(connection)) is not None:
+            job, raw = received
+            with _memory_capped(job.limits.memory_bytes):
+                for reply, payload in _answers(jobs, job, raw):
+                    connection.sendall(framed(reply, len(payload)))
+                    if payload:
+                        connection.sendall(payload)
+            del received, job, raw
+            trim()
 
 
 def _answers(jobs: InProcess, job: Job, raw: bytes) -> Iterator[tuple[Reply, memoryview | bytes]]:

@@ -4,6 +4,7 @@ frame is decoded, each refusal a 4xx naming the part and the limit."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from gateway.errors import APIError
 from gateway.intake.video.sampling import SourceInfo, VideoSampling
@@ -25,6 +26,7 @@ class VideoLimits:
     max_sampled_frames: int  # frames kept after sampling (what the encoder would see)
     max_decode_s: float = 120.0  # one video's decode, in an intake thread
     max_aspect_ratio: float = 200.0  # the frames' long side over their short: Qwen's processors refuse past 200
+    noun: ClassVar[str] = "video"  # what a fetch names in its errors (gateway/intake/fetch.py)
 
     def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
         """The image limits' interface (gateway/intake.py ImageLimits), so the fetcher caps video downloads too."""
