@@ -413,6 +413,18 @@ def test_a_header_read_past_the_decode_time_is_a_413(sparse_keyframes, monkeypat
     assert seeks and seeks[0] <= 2  # the reads that found the stop, no more
 
 
+def test_the_header_read_and_the_frame_count_share_one_deadline(clip12, monkeypatch):
+    """Each within the deadline, together past it: a 413. Each stage had a deadline of its own, so
+    a hostile clip held a thread (and a decoder) for twice `max_video_decode_s` before its decode."""
+    probe, seek = video_decode.probe, video_decode.visible_frames
+    monkeypatch.setattr(video_decode, "probe", lambda video: time.sleep(0.3) or probe(video))
+    monkeypatch.setattr(video_decode, "visible_frames", lambda video, claimed: time.sleep(0.3) or seek(video, claimed))
+    limits = dataclasses.replace(LIMITS, max_decode_s=0.5)
+    with pytest.raises(APIError) as caught:
+        inspect(clip12, WHERE, VideoSampling(), limits, intake=VideoIntake(None, limits, ThreadPoolExecutor(1), InProcess()))
+    assert caught.value.status == 413 and "s to read (gateway.max_video_decode_s)" in caught.value.message
+
+
 def test_a_resent_video_whose_header_read_ran_out_of_time_is_refused_without_reading_it_again(sparse_keyframes, monkeypatch):
     """The count's seek decodes the whole of a one-keyframe clip: each resend of the same few MB
     would hold an intake thread for the whole deadline again."""

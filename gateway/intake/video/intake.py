@@ -201,7 +201,7 @@ def read_figures(raw: bytes, where: str, limits: VideoLimits, decoders: Decoders
     """The container's figures as its header declares them, checked against the limits. Opening
     it decodes a frame or two of whatever size its stream has: its decoder may take what a decode
     of frames at the size limit may."""
-    with _reading(where, limits, stop) as cutoff:
+    with _reading(where, limits, limits.max_decode_s, stop) as cutoff:
         figures = decoders.header(raw, cutoff, decoder_bytes(limits.max_frame_pixels))
     duration_s = figures.total_frames / figures.fps if figures.fps > 0 else 0
     source = SourceInfo(figures.total_frames, figures.fps, duration_s, figures.width, figures.height, figures.codec)
@@ -210,10 +210,11 @@ def read_figures(raw: bytes, where: str, limits: VideoLimits, decoders: Decoders
 
 
 def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoLimits, figures: SourceInfo,
-                 decoders: Decoders, stop: Callable[[], bool] | None = None) -> SourceInfo:
+                 decoders: Decoders, stop: Callable[[], bool] | None = None, seconds: float | None = None) -> SourceInfo:
     """The header's figures with the frame count the loader will read (`visible_frames`): the
-    check decodes from the last keyframe on, which can be the first."""
-    with _reading(where, limits, stop) as cutoff:
+    check decodes from the last keyframe on, which can be the first. Within `seconds` (what the
+    header's read left of `max_decode_s`; all of it where None)."""
+    with _reading(where, limits, limits.max_decode_s if seconds is None else seconds, stop) as cutoff:
         total = decoders.count(raw, figures.total_frames, cutoff, decoder_bytes(figures.width * figures.height))
     counted = dataclasses.replace(figures, total_frames=total, duration_s=total / figures.fps if figures.fps > 0 else 0)
     prepared = prepared_source(counted, sampling.loader)
@@ -226,10 +227,10 @@ def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoL
 
 
 @contextlib.contextmanager
-def _reading(where: str, limits: VideoLimits, stop: Callable[[], bool] | None):
-    """A read of the header within `max_decode_s`: yields its Cutoff, which the decoder asks at
-    every read of the bytes. A read cut off by it is a 413, one that failed a 400."""
-    cutoff = Cutoff(time.monotonic() + limits.max_decode_s, stop)
+def _reading(where: str, limits: VideoLimits, seconds: float, stop: Callable[[], bool] | None):
+    """A read of the header within `seconds`: yields its Cutoff, which the decoder asks at every
+    read of the bytes. A read cut off by it is a 413 (naming `max_decode_s`), one that failed a 400."""
+    cutoff = Cutoff(time.monotonic() + seconds, stop)
     try:
         yield cutoff
     except Unreadable as exc:
@@ -412,12 +413,16 @@ class VideoIntake:
         return within_limits(sampled(raw, where, source, sampling, digest, planner), self.limits)
 
     async def _read_header(self, raw: bytes, where: str, sampling: VideoSampling) -> SourceInfo:
+        """The header read and the frame count's check share one `max_decode_s` of their decoders'
+        time (a wait for memory between them is not theirs)."""
         async with working(decoder_job_bytes(raw), f"reading the header of {where}"):
+            started = time.monotonic()
             figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits, self.decoders))
+            left_s = self.limits.max_decode_s - (time.monotonic() - started)
         async with working(decoding_bytes(figures, 0) + decoder_job_bytes(raw),
                            f"counting the frames of {where} ({figures.width}×{figures.height})"):
             return await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures,
-                                                                self.decoders))
+                                                                self.decoders, seconds=left_s))
 
     def close(self) -> None:
         """Its idle decoder processes ended (a decode still running ends its own when it is done)."""
