@@ -22,6 +22,7 @@ from gateway.routing.engine_pool import EnginePool
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import ImageLimits, IntakePolicy
 from gateway.api.pipeline import ChatPipeline
+from gateway.api.videos import takes_videos
 from gateway.routing.handoff import KnownTokens
 from gateway.routing.replicas import expand_addresses
 from protocol.to_gateway import EncoderReady, EngineReady
@@ -66,6 +67,8 @@ class ServedModel:
             raise RuntimeError(f"model {self.name!r}: {other}")
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
         self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
+        if config.max_videos_per_request > 0 and encoder_info is not None and takes_videos(encoder_info.processor):
+            self.pipeline.videos.warm()  # a decoder ready for the first video
         self.encoder.on_new_info(lambda info: self._new_encoders(info, limits, config.jpeg_draft))
         limit, key = self.pipeline.image_limit()
         if key != "gateway.max_images_per_request":

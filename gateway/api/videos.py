@@ -53,15 +53,19 @@ def check_count(refs: list[VideoRef], config: GatewayConfig) -> None:
                        "(gateway.max_videos_per_request)", param="messages", code="too_many_videos")
 
 
+def takes_videos(processor) -> bool:
+    """Whether Prism serves videos for the encoder's processor (its handshake; None: text-only)."""
+    return isinstance(processor, ProcessorInfo) and processor.video_processor in LOADER_OF_PROCESSOR
+
+
 def video_loader(processor, model_name: str | None, where: str) -> LoaderKind:
     """The loader vLLM's server samples this model's videos with, chosen by the
     encoder's video processor (its handshake); a model with none takes no videos."""
-    name = processor.video_processor if isinstance(processor, ProcessorInfo) else ""
-    if name not in LOADER_OF_PROCESSOR:
+    if not takes_videos(processor):
         why = "is served text-only" if processor is None else "has no video path in Prism (Qwen2-VL, Qwen2.5-VL and Qwen3-VL have)"
         raise APIError(400, f"{where}: model '{model_name}' {why} and takes no videos", param=where,
                        code="videos_not_supported")
-    return LOADER_OF_PROCESSOR[name]
+    return LOADER_OF_PROCESSOR[processor.video_processor]
 
 
 async def take_videos(intake, request: ChatCompletionRequest, refs: list[VideoRef], timer, config: GatewayConfig,

@@ -23,7 +23,7 @@ import pytest
 from common.config import REPO_ROOT
 from gateway.errors import APIError
 from gateway.intake.memory import DECODER_PROCESS_BYTES
-from gateway.intake.video.decode import InProcess
+from gateway.intake.video.decode import Cutoff, InProcess
 from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderProcesses
 from gateway.intake.video.intake import VideoIntake, decode
 from gateway.intake.video.limits import VideoLimits, decoder_bytes
@@ -183,11 +183,7 @@ def test_decoders_end_with_the_gateway_that_started_them():
               "print(d.pids(busy=False)[0], flush=True); os.kill(os.getpid(), 9)")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     decoder = int(done.stdout.split()[0])
-    waited = 0.0
-    while _running(decoder) and waited < 30:
-        time.sleep(0.1)
-        waited += 0.1
-    assert not _running(decoder), "the decoder outlived its gateway"
+    _wait_for(lambda: not _running(decoder))  # the decoder did not outlive its gateway
 
 
 def _running(pid: int) -> bool:
@@ -197,3 +193,28 @@ def _running(pid: int) -> bool:
             return not any(line.startswith("State:") and "Z" in line for line in status)
     except FileNotFoundError:
         return False
+
+
+def test_a_decoder_is_started_ahead_and_again_after_one_was_killed():
+    """`warm` starts one for the first video; a job's kill starts the next one's ahead of it."""
+    decoders = DecoderProcesses()
+    try:
+        decoders.warm()
+        _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
+        first = decoders.pids(busy=False)[0]
+        jobs = decoders.frames(clip(num_frames=12), [0, 3], 240, 320, Cutoff(), 0)
+        next(jobs)
+        assert decoders.pids(busy=True) == [first] and decoders.started == 1
+        jobs.close()  # left part way: the process is killed
+        _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
+        assert decoders.pids(busy=False) != [first] and decoders.started == 2
+    finally:
+        decoders.close()
+
+
+def _wait_for(condition, timeout_s: float = 30) -> None:
+    waited = 0.0
+    while not condition() and waited < timeout_s:
+        time.sleep(0.05)
+        waited += 0.05
+    assert condition()

@@ -15,9 +15,11 @@ intake thread that waits on it, and:
 - a job past its deadline by KILL_GRACE_S, or whose request has ended, is
   killed with its process, whatever FFmpeg is doing;
 - a crash ends that process and fails that video alone (a 400 naming it).
-A process is started for a job when none is idle (a fresh one takes about
-0.4 s: Python and OpenCV) and kept idle after it, up to IDLE_KEPT; one that
-was killed or died is replaced by the next job's.
+A process is started for a job when none is idle (a fresh one takes a few
+hundred milliseconds: Python and OpenCV) and kept idle after it, up to
+IDLE_KEPT. A gateway serving videos starts one ahead (`warm`), and another
+ahead of the next job when one was killed or died, so a request seldom
+waits for a start.
 
 `InProcess` (decode.py) runs the same jobs on the calling thread: it is what
 a decoder process runs, and what unit tests of the intake's rules use to
@@ -83,6 +85,7 @@ class DecoderProcesses:
         self._idle: list[_Process] = []
         self._busy: set[_Process] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self.started = 0  # processes started
 
     def header(self, raw: bytes, cutoff: Cutoff, memory_bytes: int) -> Figures:
@@ -110,9 +113,26 @@ class DecoderProcesses:
         with self._lock:
             return [process.pid for process in (self._busy if busy else self._idle)]
 
+    def warm(self) -> None:
+        """One process started on a thread of its own, kept idle for the next job (none if one is)."""
+        def start() -> None:
+            with self._lock:
+                if self._closed or self._idle:
+                    return
+                self.started += 1
+            process = _Process()
+            with self._lock:
+                if not self._closed and len(self._idle) < self.idle_kept:
+                    self._idle.append(process)
+                    return
+            process.kill()
+
+        threading.Thread(target=start, name="video-decoder-start", daemon=True).start()
+
     def close(self) -> None:
         """The idle processes ended; a busy one ends with its job."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for process in idle:
             process.kill()
@@ -157,6 +177,7 @@ class DecoderProcesses:
             self._busy.discard(process)
         process.kill()
         metrics.VIDEO_DECODERS_ENDED.labels(reason).inc()
+        self.warm()
 
 
 def _limits(cutoff: Cutoff, memory_bytes: int) -> Limits:

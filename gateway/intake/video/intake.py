@@ -424,6 +424,11 @@ class VideoIntake:
             return await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures,
                                                                 self.decoders, seconds=left_s))
 
+    def warm(self) -> None:
+        """A decoder process started ahead of the first video (DecoderProcesses.warm)."""
+        if isinstance(self.decoders, DecoderProcesses):
+            self.decoders.warm()
+
     def close(self) -> None:
         """Its idle decoder processes ended (a decode still running ends its own when it is done)."""
         if isinstance(self.decoders, DecoderProcesses):
