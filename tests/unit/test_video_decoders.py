@@ -23,7 +23,7 @@ import pytest
 from common.config import REPO_ROOT
 from gateway.errors import APIError
 from gateway.intake.memory import DECODER_PROCESS_BYTES
-from gateway.intake.video.decode import Cutoff, InProcess
+from gateway.intake.video.decode import Cutoff, InProcess, Stopped
 from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderProcesses
 from gateway.intake.video.intake import VideoIntake, decode
 from gateway.intake.video.limits import VideoLimits, decoder_bytes
@@ -218,3 +218,28 @@ def _wait_for(condition, timeout_s: float = 30) -> None:
         time.sleep(0.05)
         waited += 0.05
     assert condition()
+
+
+def test_a_decoder_frozen_before_it_read_its_video_is_killed_at_the_deadline():
+    """The video is more than the socket's buffers hold: the gateway waits for its decoder to read
+    it as it waits for its answers, within the job's deadline and grace, never for ever."""
+    decoders = DecoderProcesses()
+    try:
+        decoders.warm()
+        _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
+        os.kill(decoders.pids(busy=False)[0], signal.SIGSTOP)
+        outcome = []
+
+        def read_header() -> None:
+            try:
+                decoders.header(os.urandom(8 * 2**20), Cutoff(time.monotonic() + 0.5), 0)
+            except Exception as error:  # noqa: BLE001 - what the job ended with is the test's
+                outcome.append(error)
+
+        job = threading.Thread(target=read_header, daemon=True)
+        job.start()
+        job.join(30)
+        assert [type(error) for error in outcome] == [Stopped], outcome
+        assert decoders.pids(busy=True) == []
+    finally:
+        decoders.close()

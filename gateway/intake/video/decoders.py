@@ -53,6 +53,7 @@ log = logging.getLogger("prism.gateway")
 IDLE_KEPT = IDLE_DECODERS  # the memory budget leaves room for them
 KILL_GRACE_S = 1.0  # past a job's deadline, the time its decoder has to say it stopped before it is killed
 POLL_S = 0.05  # how often a waiting intake thread asks whether its request has ended
+MAX_HEADER_BYTES = 64 * 2**10  # a reply's header: a few numbers and an error's text
 # A job's room beyond the frames it was admitted for: FFmpeg's threads' stacks, its codec's
 # tables, OpenCV's buffers, none of which grows with the frame size.
 DECODER_SLACK_BYTES = 64 * 2**20
@@ -102,7 +103,7 @@ class DecoderProcesses:
                memory_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
         with self._job(ReadFrames(indices, height, width, _limits(cutoff, memory_bytes)), raw, cutoff) as process:
             while True:
-                reply, pixels = process.receive(cutoff)
+                reply, pixels = process.receive(cutoff, height * width * 3)
                 if not isinstance(reply, Frame):
                     break
                 yield reply.index, np.frombuffer(pixels, np.uint8).reshape(height, width, 3)
@@ -143,7 +144,7 @@ class DecoderProcesses:
         (a job left part way, a deadline, a request that ended: its state is not known)."""
         process = self._take()
         try:
-            process.send(job, raw)
+            process.send(job, raw, cutoff)
             yield process
         except BaseException as error:
             self._end(process, "died" if isinstance(error, DecoderDied) else "killed")
@@ -203,39 +204,61 @@ class _Process:
             [sys.executable, "-m", "gateway.intake.video.decoder_process", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
+        ours.setblocking(False)  # every wait is _wait's, which asks the cutoff
         self.socket = ours
         self.pid = self.process.pid
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def send(self, job, raw: bytes) -> None:
-        try:
-            self.socket.sendall(framed(job, len(raw)))
-            self.socket.sendall(raw)
-        except OSError:
-            raise self._died() from None
+    def send(self, job, raw: bytes, cutoff: Cutoff) -> None:
+        self._write(framed(job, len(raw)), cutoff)
+        self._write(raw, cutoff)
 
-    def receive(self, cutoff: Cutoff) -> tuple[Reply, bytearray]:
+    def receive(self, cutoff: Cutoff, frame_bytes: int = 0) -> tuple[Reply, bytearray]:
+        """The next reply and its payload: none, or a frame of `frame_bytes`. Any other length is a
+        decoder out of step (RuntimeError), never an allocation of whatever size it says."""
         header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff))
+        if header_bytes > MAX_HEADER_BYTES or payload_bytes not in (0, frame_bytes):
+            raise RuntimeError(f"a video decoder sent a reply of {header_bytes} + {payload_bytes} bytes")
         reply = reply_decoder.decode(self._read(header_bytes, cutoff))
         return reply, self._read(payload_bytes, cutoff)
 
     def _read(self, size: int, cutoff: Cutoff) -> bytearray:
-        """`size` bytes, waited for in POLL_S steps: a request that ended, or a deadline passed by
-        KILL_GRACE_S, raises Stopped (the caller kills the process)."""
         buffer = bytearray(size)
         view, got = memoryview(buffer), 0
         while got < size:
+            self._wait(cutoff, reading=True)
+            with contextlib.suppress(BlockingIOError):
+                read = self.socket.recv_into(view[got:])
+                if read == 0:
+                    raise self._died()
+                got += read
+        return buffer
+
+    def _write(self, data: bytes, cutoff: Cutoff) -> None:
+        view, sent = memoryview(data), 0
+        while sent < len(view):
+            self._wait(cutoff, reading=False)
+            try:
+                sent += self.socket.send(view[sent:])
+            except BlockingIOError:
+                continue
+            except OSError:
+                raise self._died() from None
+
+    def _wait(self, cutoff: Cutoff, reading: bool) -> None:
+        """Until the socket can be read (or written), in POLL_S steps: a request that ended, or a
+        deadline passed by KILL_GRACE_S, raises Stopped (the caller kills the process). A decoder
+        that stops reading its video (frozen, or dead with its socket still open) is never waited
+        on past them."""
+        while True:
             if cutoff.told() or time.monotonic() > cutoff.deadline + KILL_GRACE_S:
                 raise Stopped()
-            if not select.select([self.socket], [], [], POLL_S)[0]:
-                continue
-            read = self.socket.recv_into(view[got:])
-            if read == 0:
-                raise self._died()
-            got += read
-        return buffer
+            readable, writable, _ = select.select([self.socket] if reading else [], [] if reading else [self.socket],
+                                                  [], POLL_S)
+            if readable or writable:
+                return
 
     def _died(self) -> DecoderDied:
         try:
