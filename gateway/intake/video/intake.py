@@ -51,7 +51,7 @@ from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
 from gateway.intake.video.decoders import DecoderProcesses, Decoders
-from gateway.intake.video.limits import VideoLimits, decoder_bytes, decoding_bytes, describe, refused
+from gateway.intake.video.limits import OPENING_FRAMES, VideoLimits, decoder_bytes, decoding_bytes, describe, refused
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
@@ -199,10 +199,10 @@ def sampled(raw: bytes, where: str, source: SourceInfo, sampling: VideoSampling,
 def read_figures(raw: bytes, where: str, limits: VideoLimits, decoders: Decoders,
                  stop: Callable[[], bool] | None = None) -> SourceInfo:
     """The container's figures as its header declares them, checked against the limits. Opening
-    it decodes a frame or two of whatever size its stream has: its decoder may take what a decode
-    of frames at the size limit may."""
+    it decodes a frame or two of whatever size its stream has: its decoder may take OPENING_FRAMES
+    at the size limit."""
     with _reading(where, limits, limits.max_decode_s, stop) as cutoff:
-        figures = decoders.header(raw, cutoff, decoder_bytes(limits.max_frame_pixels))
+        figures = decoders.header(raw, cutoff, OPENING_FRAMES * limits.max_frame_pixels * 3)
     duration_s = figures.total_frames / figures.fps if figures.fps > 0 else 0
     source = SourceInfo(figures.total_frames, figures.fps, duration_s, figures.width, figures.height, figures.codec)
     limits.check_source(source, where)

@@ -15,6 +15,9 @@ from gateway.intake.video.sampling import SourceInfo, VideoSampling
 # many frames more (measured about 10: docs/measurements/video-decode.md). Its
 # decoder process may take this much (gateway/intake/video/decoders.py).
 DECODER_FRAMES_IN_FLIGHT = 12
+# Opening a container decodes a frame or two to learn its stream (FFmpeg's find_stream_info),
+# before its header's frame size is known: the decoder may take this many frames at the size limit.
+OPENING_FRAMES = 4
 
 
 @dataclass(frozen=True)
