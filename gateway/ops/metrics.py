@@ -79,11 +79,11 @@ IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
 VIDEOS_BY_KNOWN_REFERENCE = Counter("prism_gateway_videos_by_known_reference",
                                     "Videos sent to the engine by a reference kept from an earlier encode: no decode, no encoder round")
 # Video decoder processes (gateway/intake/video/decoders.py) ended during a job: "killed" (past its deadline,
-# or its request ended) or "died" (a crash inside FFmpeg, the kernel's OOM killer); the next job starts another.
+# or out of step), "cancelled" (its request ended) or "died" (a crash inside FFmpeg, the kernel's OOM killer).
 VIDEO_DECODERS_ENDED = Counter("prism_gateway_video_decoders_ended",
-                               "Video decoder processes ended during a job: killed (a deadline, an ended request) or died (a crash)",
-                               ["reason"])
-for _reason in ("killed", "died"):
+                               "Video decoder processes ended during a job: killed (past its deadline), cancelled (its "
+                               "request ended) or died (a crash)", ["reason"])
+for _reason in ("killed", "cancelled", "died"):
     VIDEO_DECODERS_ENDED.labels(_reason)  # exported at 0 before the first
 # The memory budget (gateway/intake/memory.py): what it admits, and what requests hold of it now.
 MEMORY_BUDGET = Gauge("prism_gateway_memory_budget_bytes", "Bytes requests may hold in the gateway (its memory budget)",

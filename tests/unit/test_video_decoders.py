@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import cv2
 import numpy as np
 import pytest
 
@@ -66,6 +67,59 @@ def test_a_decoder_process_gives_the_frames_a_decode_here_gives_and_is_kept_for_
         assert there.frame_indices == here.frame_indices and np.array_equal(there.frames, here.frames)
     assert decoders.started == 1 and len(decoders.pids(busy=False)) == 1  # nine jobs, one process
     assert decoders.pids(busy=True) == []
+
+
+def noise_avi(megabytes: int) -> bytes:
+    """An MJPEG AVI of 320×240 noise at 25 fps, about `megabytes` long: a video whose bytes, not its
+    frames, are what its decoder holds most of."""
+    fd, path = tempfile.mkstemp(suffix=".avi")
+    os.close(fd)
+    writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 25, (320, 240))
+    writer.set(cv2.VIDEOWRITER_PROP_QUALITY, 100)
+    frame = np.random.default_rng(0).integers(0, 256, (240, 320, 3), np.uint8)
+    for i in range(100_000):
+        writer.write(np.roll(frame, i, 1))
+        if i % 50 == 49 and os.path.getsize(path) >= megabytes * 2**20:
+            break
+    writer.release()
+    with open(path, "rb") as file:
+        data = file.read()
+    os.unlink(path)
+    return data
+
+
+def test_a_video_of_many_megabytes_of_small_frames_decodes_in_its_decoder_as_it_does_here(decoders):
+    """The video's bytes are in the decoder before its job's cap is set, and read where they lie:
+    a copy of them (a BytesIO over the received buffer) ate the cap's room, FFmpeg's scaler could
+    not start, and OpenCV handed back frames it never wrote (black, with a 200)."""
+    raw = noise_avi(60)
+    intake = intake_with(decoders)
+    item = inspect(raw, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
+    there, here = asyncio.run(intake.decode(item)), decode(item, InProcess())
+    assert there.frame_indices == here.frame_indices and np.array_equal(there.frames, here.frames)
+
+
+def test_video_bytes_read_and_seek_as_a_bytes_io_does_but_answer_a_seek_before_the_start_with_minus_one():
+    import io
+    import random
+
+    from gateway.intake.video.decode import VideoBytes
+
+    data, draw = bytes(range(256)) * 4, random.Random(7)
+    for _ in range(2000):
+        ours, theirs = VideoBytes(bytearray(data)), io.BytesIO(data)
+        for _ in range(6):
+            if draw.random() < 0.5:
+                size = draw.choice([-1, None, 0, 1, 7, 500, 2000])
+                assert ours.read(size) == theirs.read(size)
+            else:
+                offset, whence = draw.randint(-1200, 1200), draw.choice([0, 1, 2])
+                try:
+                    expected = theirs.seek(offset, whence)
+                except ValueError:  # raised into OpenCV's bridge, this killed the process (SIGSEGV)
+                    expected = -1
+                assert ours.seek(offset, whence) == expected
+            assert ours.tell() == theirs.tell()
 
 
 def test_a_4k_clip_decodes_within_what_its_decoder_may_take_and_its_decoder_gives_the_memory_back(decoders):
@@ -202,6 +256,7 @@ def test_a_decoder_is_started_ahead_and_again_after_one_was_killed():
         decoders.warm()
         _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
         first = decoders.pids(busy=False)[0]
+        assert os.getsid(first) == first  # a session of its own: the gateway's group signals are not its
         jobs = decoders.frames(clip(num_frames=12), [0, 3], 240, 320, Cutoff(), 0)
         next(jobs)
         assert decoders.pids(busy=True) == [first] and decoders.started == 1
@@ -243,3 +298,78 @@ def test_a_decoder_frozen_before_it_read_its_video_is_killed_at_the_deadline():
         assert decoders.pids(busy=True) == []
     finally:
         decoders.close()
+
+
+FAKE_DECODER = """
+import socket, sys, time
+from protocol.decoder import PREFIX, Figures, Frame, framed
+mode, connection = sys.argv[1], socket.socket(fileno=int(sys.argv[2]))
+def read(size):
+    data = b""
+    while len(data) < size:
+        data += connection.recv(size - len(data)) or sys.exit()
+    return data
+header, payload = PREFIX.unpack(read(PREFIX.size)); read(header); read(payload)
+replies = {"a frame where figures are due": framed(Frame(0)),
+           "a payload of 3 GiB": framed(Figures(1, 1.0, 1, 1, ""), 3 * 2**30),
+           "one answer too many": framed(Figures(10, 10.0, 64, 48, "")) + framed(Figures(9, 1.0, 16, 16, "stale"))}
+connection.sendall(replies[mode])
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("mode", ["a frame where figures are due", "a payload of 3 GiB", "one answer too many"])
+def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, monkeypatch, tmp_path):
+    """A decoder is the gateway's own code, but what it says is checked before it is believed: a
+    reply of another kind, or a length past one frame, fails that job (nothing of that size is
+    allocated), and a decoder with anything left to say after its answer is never given the next
+    job (it would read that as its own)."""
+    from gateway.intake.video import decoders as module
+
+    script = tmp_path / "fake_decoder.py"
+    script.write_text(FAKE_DECODER)
+    popen = subprocess.Popen
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    monkeypatch.setattr(module.subprocess, "Popen", lambda args, **kw: popen([sys.executable, str(script), mode, args[-1]],
+                                                                              env=env, **kw))
+    decoders = DecoderProcesses()
+    try:
+        if mode == "one answer too many":
+            assert decoders.header(b"video", Cutoff(time.monotonic() + 10), 0).total_frames == 10
+        else:
+            with pytest.raises(RuntimeError, match="a video decoder"):
+                decoders.header(b"video", Cutoff(time.monotonic() + 10), 0)
+        assert decoders.pids(busy=False) == [] and decoders.pids(busy=True) == []
+    finally:
+        decoders.close()
+
+
+def test_a_job_still_running_when_its_pool_closes_ends_its_decoder_after_it():
+    """A retired model's request may still decode after its pool closed: its decoder is not kept."""
+    decoders = DecoderProcesses()
+    jobs = decoders.frames(clip(num_frames=12), [0, 3, 6], 240, 320, Cutoff(), 0)
+    next(jobs)
+    busy = decoders.pids(busy=True)
+    decoders.close()
+    assert len(list(jobs)) == 2 and decoders.pids(busy=False) == [] and not _running(busy[0])
+    assert len(list(decoders.frames(clip(num_frames=12), [0], 240, 320, Cutoff(), 0))) == 1  # served, not kept either
+    assert decoders.pids(busy=False) == [] and decoders.pids(busy=True) == []
+
+
+def test_a_gateway_holding_a_thousand_sockets_still_decodes():
+    """select() cannot wait on a socket numbered past 1023: a busy gateway's decoder sockets are."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} open files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    decoders = DecoderProcesses()
+    try:
+        assert decoders.header(clip(num_frames=4), Cutoff(time.monotonic() + 30), 0).total_frames == 4
+    finally:
+        decoders.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

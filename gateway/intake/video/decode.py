@@ -63,17 +63,41 @@ def _stream_backend() -> int | None:
     return None
 
 
-class VideoBytes(io.BytesIO):
-    """The bytes as OpenCV's stream bridge reads them. A Python exception raised in its callbacks is
-    no error it handles: a crafted AVI of 26 KB made FFmpeg seek to a negative offset, BytesIO
-    raised, and the whole process died (SIGSEGV in avio_seek). A seek that cannot be made answers
-    -1, as a failed seek does in FFmpeg, and the demuxer reports a broken file."""
+class VideoBytes(io.BufferedIOBase):
+    """The bytes as OpenCV's stream bridge reads them (`read`, `seek`), without a copy: a BytesIO
+    copies a bytearray it is given, a decoder process's received video, which would hold the video
+    twice inside the job's memory cap. A Python exception raised in the bridge's callbacks is no
+    error it handles: a crafted AVI of 26 KB made FFmpeg seek to a negative offset, BytesIO raised,
+    and the whole process died (SIGSEGV in avio_seek). A seek that cannot be made answers -1, as a
+    failed seek does in FFmpeg, and the demuxer reports a broken file."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        super().__init__()
+        self._data = memoryview(data).cast("B")
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = len(self._data) if size is None or size < 0 else min(len(self._data), self._at + size)
+        chunk = self._data[self._at:end].tobytes() if end > self._at else b""
+        self._at = max(self._at, end)
+        return chunk
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        try:
-            return super().seek(offset, whence)
-        except (ValueError, OverflowError, TypeError):
+        """As BytesIO seeks (a relative seek before the start stops at it), but -1 where BytesIO raises."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}.get(whence)
+        if base is None or not isinstance(offset, int) or (whence == io.SEEK_SET and offset < 0):
             return -1
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
 
 
 class StoppableStream(VideoBytes):
@@ -97,7 +121,7 @@ class OpenVideo:
     """A capture over the bytes; close it (or use `with`)."""
 
     capture: cv2.VideoCapture
-    stream: io.BytesIO  # read by the capture until it is released: must outlive it
+    stream: VideoBytes  # read by the capture until it is released: must outlive it
 
     def __enter__(self) -> "OpenVideo":
         return self

@@ -9,8 +9,9 @@ video is refused, where a frame larger than its header said would otherwise
 be decoded at its true size. Freed memory goes back to the kernel after each
 job: an idle decoder holds little.
 
-It ends when its socket closes, and when the gateway that started it is gone
-(its parent changes): a decoder is never left behind its gateway.
+It runs in a session of its own (signals to the gateway's process group are
+the gateway's), and ends when its socket closes or when the gateway that
+started it is gone (its parent changes): it is never left behind its gateway.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import contextlib
 import logging
 import os
 import resource
-import signal
 import socket
 import sys
 import threading
@@ -40,7 +40,6 @@ _NO_MEMORY = -4  # cv::Error::StsNoMem
 
 
 def main(fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the gateway's to act on
     one_heap()  # FFmpeg's threads' heaps would each keep what they freed
     map_large_blocks()
     _end_with_the_gateway(os.getppid())

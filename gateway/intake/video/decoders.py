@@ -91,12 +91,12 @@ class DecoderProcesses:
 
     def header(self, raw: bytes, cutoff: Cutoff, memory_bytes: int) -> Figures:
         with self._job(ReadHeader(_limits(cutoff, memory_bytes)), raw, cutoff) as process:
-            reply, _ = process.receive(cutoff)
+            reply = _in_step(process.receive(cutoff)[0], Figures)
         return _expect(reply, Figures)
 
     def count(self, raw: bytes, claimed: int, cutoff: Cutoff, memory_bytes: int) -> int:
         with self._job(CountFrames(claimed, _limits(cutoff, memory_bytes)), raw, cutoff) as process:
-            reply, _ = process.receive(cutoff)
+            reply = _in_step(process.receive(cutoff)[0], FrameCount)
         return _expect(reply, FrameCount).total_frames
 
     def frames(self, raw: bytes, indices: list[int], height: int, width: int, cutoff: Cutoff,
@@ -106,7 +106,10 @@ class DecoderProcesses:
                 reply, pixels = process.receive(cutoff, height * width * 3)
                 if not isinstance(reply, Frame):
                     break
+                if len(pixels) != height * width * 3:
+                    raise RuntimeError(f"a video decoder sent frame {reply.index} of {len(pixels)} bytes")
                 yield reply.index, np.frombuffer(pixels, np.uint8).reshape(height, width, 3)
+            _in_step(reply, Finished)
         return _expect(reply, Finished).frames_read  # a process that answered is given back, refusal or not
 
     def pids(self, busy: bool) -> list[int]:
@@ -147,7 +150,7 @@ class DecoderProcesses:
             process.send(job, raw, cutoff)
             yield process
         except BaseException as error:
-            self._end(process, "died" if isinstance(error, DecoderDied) else "killed")
+            self._end(process, "died" if isinstance(error, DecoderDied) else "cancelled" if cutoff.told() else "killed")
             raise
         self._give_back(process)
 
@@ -166,9 +169,11 @@ class DecoderProcesses:
         return process
 
     def _give_back(self, process: "_Process") -> None:
+        """Idle for the next job; ended where enough are idle, or once the pool is closed (a job of a
+        retired model's that ran on after its close)."""
         with self._lock:
             self._busy.discard(process)
-            if len(self._idle) < self.idle_kept:
+            if not self._closed and len(self._idle) < self.idle_kept and process.quiet():
                 self._idle.append(process)
                 return
         process.kill()
@@ -185,14 +190,20 @@ def _limits(cutoff: Cutoff, memory_bytes: int) -> Limits:
     return Limits(cutoff.left_s, memory_bytes + DECODER_SLACK_BYTES)
 
 
+def _in_step(reply: Reply, kind: type) -> Reply:
+    """The reply, where it is the one due or a refusal; else the decoder is out of step with its
+    jobs (RuntimeError, inside the job: its process is killed, never given another job)."""
+    if isinstance(reply, (kind, Failed)):
+        return reply
+    raise RuntimeError(f"a video decoder answered {type(reply).__name__} where {kind.__name__} was due")
+
+
 def _expect(reply: Reply, kind: type):
     if isinstance(reply, kind):
         return reply
-    if isinstance(reply, Failed):
-        if reply.reason == "stopped":
-            raise Stopped(reply.frames_read)
-        raise Unreadable(reply.message)
-    raise RuntimeError(f"a video decoder answered {type(reply).__name__} where {kind.__name__} was due")
+    if reply.reason == "stopped":
+        raise Stopped(reply.frames_read)
+    raise Unreadable(reply.message)
 
 
 class _Process:
@@ -200,9 +211,11 @@ class _Process:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
+        # A session of its own: a signal to the gateway's process group (a supervisor's SIGHUP to
+        # reload, its SIGTERM to drain) is the gateway's to act on, not its decoders' to die of.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gateway.intake.video.decoder_process", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         ours.setblocking(False)  # every wait is _wait's, which asks the cutoff
         self.socket = ours
@@ -210,6 +223,12 @@ class _Process:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def quiet(self) -> bool:
+        """Nothing sent past its job's last answer (else its next job would read that as its own)."""
+        poller = select.poll()
+        poller.register(self.socket, select.POLLIN)
+        return not poller.poll(0)
 
     def send(self, job, raw: bytes, cutoff: Cutoff) -> None:
         self._write(framed(job, len(raw)), cutoff)
@@ -229,11 +248,15 @@ class _Process:
         view, got = memoryview(buffer), 0
         while got < size:
             self._wait(cutoff, reading=True)
-            with contextlib.suppress(BlockingIOError):
+            try:
                 read = self.socket.recv_into(view[got:])
-                if read == 0:
-                    raise self._died()
-                got += read
+            except BlockingIOError:
+                continue
+            except OSError:  # reset: the decoder ended with its answer unread
+                raise self._died() from None
+            if read == 0:
+                raise self._died()
+            got += read
         return buffer
 
     def _write(self, data: bytes, cutoff: Cutoff) -> None:
@@ -252,12 +275,12 @@ class _Process:
         deadline passed by KILL_GRACE_S, raises Stopped (the caller kills the process). A decoder
         that stops reading its video (frozen, or dead with its socket still open) is never waited
         on past them."""
+        poller = select.poll()  # not select(): a gateway holding a thousand connections has socket numbers past its reach
+        poller.register(self.socket, select.POLLIN if reading else select.POLLOUT)
         while True:
             if cutoff.told() or time.monotonic() > cutoff.deadline + KILL_GRACE_S:
                 raise Stopped()
-            readable, writable, _ = select.select([self.socket] if reading else [], [] if reading else [self.socket],
-                                                  [], POLL_S)
-            if readable or writable:
+            if poller.poll(POLL_S * 1000):
                 return
 
     def _died(self) -> DecoderDied:
