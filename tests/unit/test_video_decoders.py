@@ -373,3 +373,20 @@ def test_a_gateway_holding_a_thousand_sockets_still_decodes():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_frame_opencv_says_it_retrieved_but_never_wrote_is_refused_not_sent():
+    """OpenCV's retrieve() answers ok where FFmpeg's scaler could not start (out of memory), leaving
+    the buffer it was given as it was: such a frame is an error, never a frame of whatever the
+    buffer held."""
+    from gateway.intake.video.decode import OpenVideo, Unreadable, kept_frames
+
+    class Capture:  # OpenCV's behaviour in that failure, and nothing else
+        def grab(self) -> bool:
+            return True
+
+        def retrieve(self, image):
+            return True, image
+
+    with pytest.raises(Unreadable, match="frame 0 was decoded but could not be converted"):
+        next(kept_frames(OpenVideo(Capture(), None), [0], 48, 64))

@@ -177,17 +177,40 @@ def kept_frames(video: OpenVideo, indices: list[int], height: int, width: int,
     wanted = set(indices)
     bgr = np.empty((height, width, 3), np.uint8)  # written in place by every retrieve: no buffer a frame
     rgb = np.empty_like(bgr)
+    canary = _Canary(bgr)
     for index in range(max(indices) + 1):
         if stop is not None and stop():
             raise Stopped(index)
         if not cap.grab():
             continue
         if index in wanted:
+            canary.lay()
             ok, frame = cap.retrieve(bgr)
             if ok:
                 if frame.shape[:2] != (height, width):  # vLLM's array assignment would fail the request too
                     raise Unreadable(f"frame {index} is {frame.shape[1]}×{frame.shape[0]}; the header says {width}×{height}")
+                if np.shares_memory(frame, bgr) and canary.untouched():
+                    raise Unreadable(f"frame {index} was decoded but could not be converted to RGB (out of memory)")
                 yield index, cv2.cvtColor(frame, cv2.COLOR_BGR2RGB, rgb)
+
+
+class _Canary:
+    """Random bytes at random places of a frame's buffer, laid before each retrieve: OpenCV's
+    retrieve says ok where FFmpeg's scaler failed to start (out of memory) and left the buffer as
+    it was, and the frame would go on as whatever it held. A converted frame that keeps all sixteen
+    bytes is one chance in 2^128."""
+
+    def __init__(self, buffer: np.ndarray, count: int = 16) -> None:
+        self._flat = buffer.reshape(-1)
+        draw = np.random.default_rng()
+        self._at = draw.choice(self._flat.size, size=min(count, self._flat.size), replace=False)
+        self._values = draw.integers(0, 256, len(self._at), dtype=np.uint8)
+
+    def lay(self) -> None:
+        self._flat[self._at] = self._values
+
+    def untouched(self) -> bool:
+        return bool(np.array_equal(self._flat[self._at], self._values))
 
 
 @dataclass(frozen=True)
