@@ -116,8 +116,15 @@ def test_streamed_chunks_are_shaped_alike(client, vllm):
     def fields(chunks):
         return [(c.choices[0].index, c.choices[0].delta.role, c.choices[0].delta.content, c.choices[0].finish_reason,
                  (c.choices[0].model_extra or {}).get("stop_reason")) for c in chunks if c.choices]
-    def by_choice(chunks):  # how the two choices' chunks interleave is the engine's timing
-        return {index: [f for f in fields(chunks) if f[0] == index] for index in (0, 1)}
+    def by_choice(chunks):
+        """Each choice's role chunk, its text, and its last chunk: how its tokens are cut into chunks, and
+        how the two choices' chunks interleave, is timing (tokens that arrive together go out together,
+        on either server)."""
+        shaped = {}
+        for index in (0, 1):
+            own = [f for f in fields(chunks) if f[0] == index]
+            shaped[index] = (own[0], "".join(f[2] or "" for f in own[1:]), own[-1][3:])  # role, text, finish and stop reason
+        return shaped
     prism, reference = shape(client), shape(vllm)
     assert fields(prism)[:2] == fields(reference)[:2] == [(0, "assistant", "", None, None), (1, "assistant", "", None, None)]
     assert by_choice(prism) == by_choice(reference)

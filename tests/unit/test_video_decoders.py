@@ -138,24 +138,28 @@ def long_clip() -> bytes:
     return clip(640, 480, fps=30.0, num_frames=300, seed=2)
 
 
+def refused_with_its_decoder_signalled(decoders, intake: VideoIntake, item, signum: int) -> APIError:
+    """The intake's decode of `item`, its decoder sent `signum` as soon as it is busy."""
+    def signal_the_busy_decoder():
+        while not (busy := decoders.pids(busy=True)):
+            time.sleep(0.005)
+        os.kill(busy[0], signum)
+
+    signaller = threading.Thread(target=signal_the_busy_decoder)
+    signaller.start()
+    with pytest.raises(APIError) as caught:
+        asyncio.run(intake.decode(item))
+    signaller.join()
+    return caught.value
+
+
 def test_a_decoder_that_crashes_fails_its_video_alone_and_the_next_gets_another(decoders, long_clip):
     """A SIGSEGV in the decoder (as FFmpeg's on a crafted file): a 400 naming the part and the
     signal; the gateway's process goes on, and so does the next video."""
     intake = intake_with(decoders)
     item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
     died_before = ended("died")
-
-    def crash_the_busy_decoder():
-        while not (busy := decoders.pids(busy=True)):
-            time.sleep(0.005)
-        os.kill(busy[0], signal.SIGSEGV)
-
-    crasher = threading.Thread(target=crash_the_busy_decoder)
-    crasher.start()
-    with pytest.raises(APIError) as caught:
-        asyncio.run(intake.decode(item))
-    crasher.join()
-    error = caught.value
+    error = refused_with_its_decoder_signalled(decoders, intake, item, signal.SIGSEGV)
     assert error.status == 400 and error.param == WHERE and "SIGSEGV" in error.message, error.message
     assert ended("died") == died_before + 1 and decoders.pids(busy=True) == []
     small = inspect(clip(num_frames=12), WHERE, VideoSampling(), LIMITS, intake=intake)
@@ -168,18 +172,8 @@ def test_a_decoder_that_hangs_is_killed_at_its_deadline(decoders, long_clip):
     intake = intake_with(decoders, dataclasses.replace(LIMITS, max_decode_s=1.0))
     item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
     killed_before = ended("killed")
-
-    def freeze_the_busy_decoder():
-        while not (busy := decoders.pids(busy=True)):
-            time.sleep(0.005)
-        os.kill(busy[0], signal.SIGSTOP)
-
-    freezer = threading.Thread(target=freeze_the_busy_decoder)
-    freezer.start()
-    with pytest.raises(APIError) as caught:
-        asyncio.run(intake.decode(item))
-    freezer.join()
-    assert caught.value.status == 413 and "gateway.max_video_decode_s" in caught.value.message
+    error = refused_with_its_decoder_signalled(decoders, intake, item, signal.SIGSTOP)
+    assert error.status == 413 and "gateway.max_video_decode_s" in error.message
     assert ended("killed") == killed_before + 1 and decoders.pids(busy=True) == []
 
 
