@@ -3,9 +3,9 @@ gateway's own process (gateway/intake/video/decoders.py), side by side in one
 run: the intake's decode of the kept frames (`intake.decode`, each frame
 resized in the gateway as it arrives), in this process (`InProcess`) and
 through a warm decoder process, interleaved; then a cold process's first job,
-and what an idle decoder holds. Figures go to docs/measurements/video-decode.md.
+and what an idle decoder holds. Figures go to docs/measurements/video-decoders.md.
 
-    python -m bench.video_decoders --runs 7
+    python -m bench.video_decoders --runs 9
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Frame(_Message):
 
 
 class Finished(_Message):
-    frames_read: int  # frames decoded to reach the last kept one
+    """Every kept frame the stream could give was sent."""
 
 
 class Failed(_Message):

@@ -34,6 +34,7 @@ from gateway.intake.fetch import FetchLimits, ImageFetcher
 from gateway.ops.loop_probe import LoopProbe
 from gateway.ops.retired import RETIRED, counters
 from gateway.intake.images import ImageLimits
+from gateway.intake.video.decoders import DecoderProcesses
 from gateway.api.listener import bound_socket
 from gateway.intake.memory import HeapKeeper, MemoryPlan, mib, process_rss
 from gateway.api.models import ServedModel
@@ -97,6 +98,7 @@ class Gateway:
         self.heap: HeapKeeper | None = None  # once the memory is planned
         self.image_limits = image_limits(config)
         self.fetcher = ImageFetcher(fetch_limits(config), self.image_limits)
+        self.decoders = DecoderProcesses()  # every model's videos' (gateway/intake/video/decoders.py)
         self.window = DashboardWindow()
         self._summary: tuple[float, asyncio.Future] | None = None  # the dashboard's latest, and when it was asked
         self.stats_collector = metrics.ServiceStatsCollector(self)
@@ -104,7 +106,7 @@ class Gateway:
     async def _start_model(self, name: str | None, route: ModelRoute) -> ServedModel:
         served = ServedModel.create(name, route, self.ctx, self.config)
         try:
-            await served.start(self.config, self.image_limits, self.fetcher)
+            await served.start(self.config, self.image_limits, self.fetcher, self.decoders)
         except BaseException:  # a failed or abandoned start (SIGTERM meanwhile): its clients' tasks and sockets go
             await served.close()
             raise
@@ -271,6 +273,7 @@ class Gateway:
         """Stopped during start-up: whatever the cancelled handshakes left open is closed with the
         context (`term` would wait for sockets no one will close)."""
         await self.fetcher.close()
+        self.decoders.close()
         self.ctx.destroy(linger=0)
 
     async def stop(self) -> None:
@@ -290,6 +293,7 @@ class Gateway:
         await self.fetcher.close()
         for served in [*self.models.values(), *self.retired]:
             await served.close()
+        self.decoders.close()
         self.ctx.destroy(linger=0)  # and whatever a cancelled reload's handshakes left open
 
 

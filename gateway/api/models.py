@@ -21,6 +21,7 @@ from gateway.routing.encoder_pool import EncoderPool
 from gateway.routing.engine_pool import EnginePool
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import ImageLimits, IntakePolicy
+from gateway.intake.video.decoders import DecoderProcesses
 from gateway.api.pipeline import ChatPipeline
 from gateway.api.videos import takes_videos
 from gateway.routing.handoff import KnownTokens
@@ -49,7 +50,8 @@ class ServedModel:
         engine.adopts = name is not None
         return cls(name, route, encoder, engine)
 
-    async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher) -> None:
+    async def start(self, config: GatewayConfig, limits: ImageLimits, fetcher: ImageFetcher,
+                    decoders: DecoderProcesses) -> None:
         timeout = config.startup_timeout_s
         connecting = [asyncio.ensure_future(self.encoder.connect(timeout)), asyncio.ensure_future(self.engine.connect(timeout))]
         try:
@@ -66,9 +68,9 @@ class ServedModel:
         if encoder_info is not None and (other := _another_checkpoint(encoder_info, engine_info)):
             raise RuntimeError(f"model {self.name!r}: {other}")
         policy = None if encoder_info is None else IntakePolicy(encoder_info.processor, limits, config.jpeg_draft)
-        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, self.name)
+        self.pipeline = ChatPipeline(config, self.encoder, self.engine, policy, fetcher, decoders, self.name)
         if config.max_videos_per_request > 0 and encoder_info is not None and takes_videos(encoder_info.processor):
-            self.pipeline.videos.warm()  # a decoder ready for the first video
+            decoders.warm()  # a decoder ready for the first video
         self.encoder.on_new_info(lambda info: self._new_encoders(info, limits, config.jpeg_draft))
         limit, key = self.pipeline.image_limit()
         if key != "gateway.max_images_per_request":
@@ -119,7 +121,6 @@ class ServedModel:
     async def close(self) -> None:
         await self.encoder.close()
         await self.engine.close()
-        self.pipeline.videos.close()
 
 
 def _another_checkpoint(encoder: EncoderReady, engine: EngineReady) -> str | None:

@@ -29,6 +29,7 @@ from gateway.intake.images import Inspected, IntakePolicy, PixelBudget, Prepared
 from gateway.api.record import RequestRecord
 from gateway.api.schemas import ChatCompletionRequest, ImagePart
 from gateway.timing import RequestTimer
+from gateway.intake.video.decoders import Decoders
 from gateway.intake.video.intake import InspectedVideo, VideoIntake
 from gateway.api.videos import take_videos, video_knobs, video_limits, video_refs
 from protocol.to_engine import IMAGE_PLACEHOLDER, GenerateRequest
@@ -83,7 +84,7 @@ def engine_chat(request: ChatCompletionRequest) -> bytes:
 class ChatPipeline:
     def __init__(
         self, config: GatewayConfig, encoder: EncoderPool, engine: EnginePool, policy: IntakePolicy | None,
-        fetcher: ImageFetcher, model_name: str | None = None,
+        fetcher: ImageFetcher, decoders: Decoders | None = None, model_name: str | None = None,
     ) -> None:
         self.config = config
         self.encoder = encoder
@@ -92,7 +93,7 @@ class ChatPipeline:
         self.fetcher = fetcher
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
-        self.videos = VideoIntake(fetcher, video_limits(config), self.pool)  # gateway/intake/video/
+        self.videos = VideoIntake(fetcher, video_limits(config), self.pool, decoders)  # gateway/intake/video/
         self.handoff = ImageHandoff(config, encoder, engine, self._decode, self.videos.decode_all)
 
     async def _in_pool(self, fn, *args):

@@ -233,10 +233,11 @@ class MemoryPlan:
         planned = int(limit * config.memory_use_fraction)
         decoders = IDLE_DECODERS * DECODER_PROCESS_BYTES if config.max_videos_per_request > 0 else 0
         if planned <= rss + decoders:
+            also = f" and its idle video decoders' {mib(decoders)}" if decoders else ""
             raise ConfigError(f"gateway: {mib(limit)} of memory ({source}) × gateway.memory_use_fraction "
                               f"{config.memory_use_fraction:g} = {mib(planned)}, which the gateway's own {mib(rss)} at "
-                              f"start-up and its video decoders' {mib(decoders)} fill already: nothing is left for "
-                              "requests. Raise the container's memory limit or gateway.memory_limit_bytes")
+                              f"start-up{also} fill already: nothing is left for requests. Raise the container's memory "
+                              "limit or gateway.memory_limit_bytes")
         kept = min(limit // 8, 2**30) if config.kept_heap_bytes is None else int(config.kept_heap_bytes)
         return cls(limit, source, rss, planned - rss - decoders, kept)
 

@@ -361,9 +361,10 @@ def alive(process: psutil.Process) -> bool:
 
 
 def test_a_gateway_that_crashes_is_restarted_by_its_launcher(faulty):
-    """A native decoder's crash on a crafted upload ends the gateway's process (here a SIGSEGV sent to
-    it): `prism serve` starts it again as it restarts any service, and the services go on. In the
-    launcher's own process, as it ran before, the crash took every service with it."""
+    """A crash of the gateway's own process (here a SIGSEGV sent to it; a native image decoder's on a
+    crafted upload would do the same, where videos' run in decoder processes of their own): `prism
+    serve` starts it again as it restarts any service, and the services go on. In the launcher's own
+    process, as it ran before, the crash took every service with it."""
     crashed = child_pid(faulty, "-m gateway")
     services = {module: child_pid(faulty, module) for module in ("vision_encoder", "llm_engine")}
     os.kill(crashed, signal.SIGSEGV)

@@ -92,7 +92,7 @@ def test_a_multi_worker_gateway_s_supervisor_stays_out_of_the_app_s_memory():
 
 def test_a_limit_the_gateway_fills_by_itself_is_refused_at_start_up():
     with pytest.raises(ConfigError, match=r"gateway.memory_use_fraction 0.8 = 819 MiB, which the gateway's own 800 MiB at "
-                       r"start-up and its video decoders' 80 MiB fill already"):
+                       r"start-up and its idle video decoders' 80 MiB fill already"):
         MemoryPlan.size(GatewayConfig(memory_limit_bytes="1GiB"), workers=1, rss=800 * MIB)
 
 

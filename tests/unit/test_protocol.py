@@ -231,7 +231,7 @@ DECODER_CASES = [
     (decoder.reply_decoder, decoder.Figures(300, 29.97, 1280, 720, "avc1")),
     (decoder.reply_decoder, decoder.FrameCount(299)),
     (decoder.reply_decoder, decoder.Frame(15)),
-    (decoder.reply_decoder, decoder.Finished(31)),
+    (decoder.reply_decoder, decoder.Finished()),
     (decoder.reply_decoder, decoder.Failed("stopped", "past its deadline", 12)),
 ]
 

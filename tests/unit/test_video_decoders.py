@@ -25,7 +25,7 @@ from common.config import REPO_ROOT
 from gateway.errors import APIError
 from gateway.intake.memory import DECODER_PROCESS_BYTES
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped
-from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderProcesses
+from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderProcesses, OutOfStep
 from gateway.intake.video.intake import VideoIntake, decode
 from gateway.intake.video.limits import VideoLimits, decoder_bytes
 from gateway.intake.video.sampling import VideoSampling
@@ -59,7 +59,8 @@ def status_kb(pid: int | str, field: str) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
-def test_a_decoder_process_gives_the_frames_a_decode_here_gives_and_is_kept_for_the_next(decoders):
+def test_a_decoder_process_gives_the_frames_a_decode_here_gives_and_is_kept_for_the_next():
+    decoders = DecoderProcesses()
     intake = intake_with(decoders)
     for sampling in (VideoSampling(), VideoSampling("qwen3_vl"), VideoSampling("opencv", num_frames=7)):
         item = inspect(clip(320, 240, fps=10.0, num_frames=30, seed=3), WHERE, sampling, LIMITS, intake=intake)
@@ -67,6 +68,7 @@ def test_a_decoder_process_gives_the_frames_a_decode_here_gives_and_is_kept_for_
         assert there.frame_indices == here.frame_indices and np.array_equal(there.frames, here.frames)
     assert decoders.started == 1 and len(decoders.pids(busy=False)) == 1  # nine jobs, one process
     assert decoders.pids(busy=True) == []
+    decoders.close()
 
 
 def noise_avi(megabytes: int) -> bytes:
@@ -128,6 +130,7 @@ def test_a_4k_clip_decodes_within_what_its_decoder_may_take_and_its_decoder_give
     raw = clip(3840, 2160, fps=10.0, num_frames=12, seed=1)
     video = asyncio.run(intake_with(decoders).decode(inspect(raw, WHERE, VideoSampling(), LIMITS, intake=intake_with(decoders))))
     assert video.frames.shape == (4, 2160, 3840, 3)
+    assert decoders.pids(busy=False)
     for decoder in decoders.pids(busy=False):
         assert status_kb(decoder, "RssAnon") * 1024 < DECODER_PROCESS_BYTES
 
@@ -140,16 +143,19 @@ def long_clip() -> bytes:
 
 def refused_with_its_decoder_signalled(decoders, intake: VideoIntake, item, signum: int) -> APIError:
     """The intake's decode of `item`, its decoder sent `signum` as soon as it is busy."""
-    def signal_the_busy_decoder():
-        while not (busy := decoders.pids(busy=True)):
-            time.sleep(0.005)
-        os.kill(busy[0], signum)
+    signalled = []
 
-    signaller = threading.Thread(target=signal_the_busy_decoder)
+    def signal_the_busy_decoder():
+        _wait_for(lambda: decoders.pids(busy=True), poll_s=0.002)
+        signalled.append(decoders.pids(busy=True)[0])
+        os.kill(signalled[0], signum)
+
+    signaller = threading.Thread(target=signal_the_busy_decoder, daemon=True)
     signaller.start()
     with pytest.raises(APIError) as caught:
         asyncio.run(intake.decode(item))
-    signaller.join()
+    signaller.join(30)
+    assert signalled, "the decode ended before its decoder could be signalled"
     return caught.value
 
 
@@ -183,7 +189,9 @@ def test_a_decode_whose_request_ended_has_its_decoder_killed_at_once(decoders, l
 
     async def leave() -> list[int]:
         decoding = asyncio.create_task(intake.decode(item))
-        while not decoders.pids(busy=True):
+        for _ in range(6000):  # 30 s at most
+            if decoders.pids(busy=True):
+                break
             await asyncio.sleep(0.005)
         busy = decoders.pids(busy=True)
         decoding.cancel()
@@ -261,11 +269,11 @@ def test_a_decoder_is_started_ahead_and_again_after_one_was_killed():
         decoders.close()
 
 
-def _wait_for(condition, timeout_s: float = 30) -> None:
+def _wait_for(condition, timeout_s: float = 30, poll_s: float = 0.05) -> None:
     waited = 0.0
     while not condition() and waited < timeout_s:
-        time.sleep(0.05)
-        waited += 0.05
+        time.sleep(poll_s)
+        waited += poll_s
     assert condition()
 
 
@@ -305,6 +313,7 @@ def read(size):
     return data
 header, payload = PREFIX.unpack(read(PREFIX.size)); read(header); read(payload)
 replies = {"a frame where figures are due": framed(Frame(0)),
+           "a frame not asked for": framed(Frame(7), 48 * 64 * 3) + bytes(48 * 64 * 3),
            "a payload of 3 GiB": framed(Figures(1, 1.0, 1, 1, ""), 3 * 2**30),
            "one answer too many": framed(Figures(10, 10.0, 64, 48, "")) + framed(Figures(9, 1.0, 16, 16, "stale"))}
 connection.sendall(replies[mode])
@@ -312,7 +321,8 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("mode", ["a frame where figures are due", "a payload of 3 GiB", "one answer too many"])
+@pytest.mark.parametrize("mode", ["a frame where figures are due", "a payload of 3 GiB", "one answer too many",
+                                  "a frame not asked for"])
 def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, monkeypatch, tmp_path):
     """A decoder is the gateway's own code, but what it says is checked before it is believed: a
     reply of another kind, or a length past one frame, fails that job (nothing of that size is
@@ -330,8 +340,11 @@ def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, 
     try:
         if mode == "one answer too many":
             assert decoders.header(b"video", Cutoff(time.monotonic() + 10), 0).total_frames == 10
+        elif mode == "a frame not asked for":
+            with pytest.raises(OutOfStep, match="sent frame 7"):
+                list(decoders.frames(b"video", [0, 3], 48, 64, Cutoff(time.monotonic() + 10), 0))
         else:
-            with pytest.raises(RuntimeError, match="a video decoder"):
+            with pytest.raises(OutOfStep, match="the decoder"):
                 decoders.header(b"video", Cutoff(time.monotonic() + 10), 0)
         assert decoders.pids(busy=False) == [] and decoders.pids(busy=True) == []
     finally:

@@ -425,6 +425,21 @@ def test_the_header_read_and_the_frame_count_share_one_deadline(clip12, monkeypa
     assert caught.value.status == 413 and "s to read (gateway.max_video_decode_s)" in caught.value.message
 
 
+def test_a_wait_for_an_intake_thread_is_not_the_header_read_s_time(clip12, monkeypatch):
+    """The header read's deadline is counted on its thread: a busy pool (every thread on another
+    request's decode) delays it, and must not refuse it, nor mark the video slow for resends."""
+    limits = dataclasses.replace(LIMITS, max_decode_s=1.0)
+    digest = video_intake.checked_digest
+    with ThreadPoolExecutor(1) as pool:
+        def digest_then_another_request_s_work(*args):  # the only thread, taken before the header read
+            pool.submit(time.sleep, 1.5)
+            return digest(*args)
+
+        monkeypatch.setattr(video_intake, "checked_digest", digest_then_another_request_s_work)
+        intake = VideoIntake(fetcher=None, limits=limits, pool=pool, decoders=InProcess())
+        assert inspect(clip12, WHERE, VideoSampling(), limits, intake=intake).source.total_frames == 12
+
+
 def test_a_resent_video_whose_header_read_ran_out_of_time_is_refused_without_reading_it_again(sparse_keyframes, monkeypatch):
     """The count's seek decodes the whole of a one-keyframe clip: each resend of the same few MB
     would hold an intake thread for the whole deadline again."""

@@ -248,4 +248,3 @@ class InProcess:
                memory_bytes: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         with open_video(raw) as video:  # the stop is asked between frames, not at every read
             yield from kept_frames(video, indices, height, width, cutoff)
-        return max(indices) + 1

@@ -59,26 +59,19 @@ def main(fd: int) -> None:
 
 def _answers(jobs: InProcess, job: Job, raw: bytes) -> Iterator[tuple[Reply, memoryview | bytes]]:
     cutoff = Cutoff(time.monotonic() + job.limits.deadline_s)
-    frames_read = 0
     try:
         if isinstance(job, ReadHeader):
             yield jobs.header(raw, cutoff), b""
         elif isinstance(job, CountFrames):
             yield FrameCount(jobs.count(raw, job.claimed, cutoff)), b""
         else:
-            frames = jobs.frames(raw, job.indices, job.height, job.width, cutoff)
-            while True:
-                try:
-                    index, pixels = next(frames)
-                except StopIteration as done:
-                    yield Finished(done.value), b""
-                    return
-                frames_read = index + 1
+            for index, pixels in jobs.frames(raw, job.indices, job.height, job.width, cutoff):
                 yield Frame(index), memoryview(pixels).cast("B")
+            yield Finished(), b""
     except Stopped as stopped:
         yield Failed("stopped", frames_read=stopped.frames_read), b""
     except Unreadable as exc:
-        yield Failed("unreadable", str(exc), frames_read), b""
+        yield Failed("unreadable", str(exc)), b""
     except MemoryError:
         yield _out_of_memory(job), b""
     except cv2.error as exc:

@@ -8,10 +8,12 @@ says was decoded at its true size (a 7 MB file made the gateway grow past
 2 GiB while its budget counted 196 KB); and a seek inside FFmpeg cannot be
 interrupted from Python. A decoder process runs one job at a time for an
 intake thread that waits on it, and:
-- its memory is capped for each job (RLIMIT_DATA): what the job was admitted
-  for in the gateway's budget (the decoder's frames in flight at the header's
-  frame size), plus DECODER_SLACK_BYTES; past it FFmpeg's allocations fail
-  and the video is refused, where it would have grown the gateway;
+- its memory is capped for each job (RLIMIT_DATA): the frames the job needs
+  in flight (twelve at the header's frame size for a decode and a frame
+  count, which the gateway's budget admits; four at the size limit for a
+  header's read, which it does not: an opening takes a frame or two), plus
+  DECODER_SLACK_BYTES of room; past it FFmpeg's allocations fail and the
+  video is refused, where it would have grown the gateway;
 - a job past its deadline by KILL_GRACE_S, or whose request has ended, is
   killed with its process, whatever FFmpeg is doing;
 - a crash ends that process and fails that video alone (a 400 naming it).
@@ -64,6 +66,12 @@ class DecoderDied(Unreadable):
     kernel's OOM killer."""
 
 
+class OutOfStep(Unreadable):
+    """A decoder said something its job did not ask for: a reply of another kind, a length past one
+    frame, a frame not kept or out of order. Its process is ended, and the video refused: a decoder
+    is what a crafted file would take over."""
+
+
 class Decoders(Protocol):
     """The jobs of a video's intake. `memory_bytes`: what the job's decoder may take (the frames
     the gateway admitted it for); Unreadable, Stopped as decode.py raises them."""
@@ -74,7 +82,7 @@ class Decoders(Protocol):
 
     def frames(self, raw: bytes, indices: list[int], height: int, width: int, cutoff: Cutoff,
                memory_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
-        """Each kept frame as it is read; then the frames read to reach the last (StopIteration's value)."""
+        """Each kept frame as it is read, in order, each index once."""
         ...
 
 
@@ -102,15 +110,17 @@ class DecoderProcesses:
     def frames(self, raw: bytes, indices: list[int], height: int, width: int, cutoff: Cutoff,
                memory_bytes: int) -> Iterator[tuple[int, np.ndarray]]:
         with self._job(ReadFrames(indices, height, width, _limits(cutoff, memory_bytes)), raw, cutoff) as process:
+            wanted, last = set(indices), -1
             while True:
                 reply, pixels = process.receive(cutoff, height * width * 3)
                 if not isinstance(reply, Frame):
                     break
-                if len(pixels) != height * width * 3:
-                    raise RuntimeError(f"a video decoder sent frame {reply.index} of {len(pixels)} bytes")
+                if len(pixels) != height * width * 3 or reply.index not in wanted or reply.index <= last:
+                    raise OutOfStep(f"the decoder sent frame {reply.index} ({len(pixels)} bytes) after frame {last}")
+                last = reply.index
                 yield reply.index, np.frombuffer(pixels, np.uint8).reshape(height, width, 3)
             _in_step(reply, Finished)
-        return _expect(reply, Finished).frames_read  # a process that answered is given back, refusal or not
+        _expect(reply, Finished)  # a process that answered is given back, refusal or not
 
     def pids(self, busy: bool) -> list[int]:
         """The processes running a job (`busy`), or those waiting for one."""
@@ -192,10 +202,10 @@ def _limits(cutoff: Cutoff, memory_bytes: int) -> Limits:
 
 def _in_step(reply: Reply, kind: type) -> Reply:
     """The reply, where it is the one due or a refusal; else the decoder is out of step with its
-    jobs (RuntimeError, inside the job: its process is killed, never given another job)."""
+    jobs (raised inside the job: its process is killed, never given another job)."""
     if isinstance(reply, (kind, Failed)):
         return reply
-    raise RuntimeError(f"a video decoder answered {type(reply).__name__} where {kind.__name__} was due")
+    raise OutOfStep(f"the decoder answered {type(reply).__name__} where {kind.__name__} was due")
 
 
 def _expect(reply: Reply, kind: type):
@@ -239,7 +249,7 @@ class _Process:
         decoder out of step (RuntimeError), never an allocation of whatever size it says."""
         header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff))
         if header_bytes > MAX_HEADER_BYTES or payload_bytes not in (0, frame_bytes):
-            raise RuntimeError(f"a video decoder sent a reply of {header_bytes} + {payload_bytes} bytes")
+            raise OutOfStep(f"the decoder sent a reply of {header_bytes} + {payload_bytes} bytes")
         reply = reply_decoder.decode(self._read(header_bytes, cutoff))
         return reply, self._read(payload_bytes, cutoff)
 

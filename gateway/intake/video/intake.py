@@ -45,13 +45,14 @@ from cache import content_key, library_versions
 from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
-from gateway.intake.memory import DECODER_PROCESS_BYTES, hold, working
+from gateway.intake.memory import hold, working
 from gateway.intake.resize import resize_pixels
 from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
 from gateway.intake.video.decoders import DecoderProcesses, Decoders
-from gateway.intake.video.limits import OPENING_FRAMES, VideoLimits, decoder_bytes, decoding_bytes, describe, refused
+from gateway.intake.video.limits import (OPENING_FRAMES, VideoLimits, decoder_bytes, decoder_job_bytes, decoding_bytes,
+                                         describe, refused)
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
                                            loader_metadata, prepared_source)
 from gateway.intake.video.sizing import FramePlan
@@ -98,7 +99,7 @@ class InspectedVideo:
         return None if self.plan is None else self.plan.visual_tokens
 
     def hf_metadata(self) -> dict:
-        """The metadata its decode will carry (`read_frames` keeps each index once, in order): a
+        """The metadata its decode will carry (a decode keeps each index once, in order): a
         video the encoder answers from its cache travels with it, undecoded."""
         s = self.source
         return loader_metadata(s.fps, s.total_frames, s.duration_s, sorted(set(self.indices)))
@@ -162,12 +163,6 @@ class _ReadTooSlow(APIError):
     """A header read cut off by `max_video_decode_s` (SlowHeaders)."""
 
 
-def decoder_job_bytes(raw: bytes) -> int:
-    """A decoder process running a job on `raw`, beside what it decodes: its own memory and its
-    copy of the bytes."""
-    return DECODER_PROCESS_BYTES + len(raw)
-
-
 def checked_digest(raw: bytes, where: str, sampling: VideoSampling) -> bytes:
     """The video's digest, once its bytes look like a video container."""
     if not raw:
@@ -220,9 +215,9 @@ def count_frames(raw: bytes, where: str, sampling: VideoSampling, limits: VideoL
     prepared = prepared_source(counted, sampling.loader)
     # A clip that reports no frame rate has no duration to check, until its loader assumes one (Qwen3-VL's 24
     # fps), by which its frames' timestamps run as long as their count says
-    if figures.fps <= 0 < prepared.fps and (seconds := total / prepared.fps) > limits.max_duration_s:
+    if figures.fps <= 0 < prepared.fps and (runs_s := total / prepared.fps) > limits.max_duration_s:
         raise refused(where, f"reports no frame rate, and its {total} frames at the {prepared.fps:g} fps this model "
-                      f"assumes run {seconds:.1f} s; the limit is {limits.max_duration_s:g} s", 413, "video_too_long")
+                      f"assumes run {runs_s:.1f} s; the limit is {limits.max_duration_s:g} s", 413, "video_too_long")
     return prepared
 
 
@@ -233,14 +228,14 @@ def _reading(where: str, limits: VideoLimits, seconds: float, stop: Callable[[],
     cutoff = Cutoff(time.monotonic() + seconds, stop)
     try:
         yield cutoff
-    except Unreadable as exc:
+    except (Unreadable, Stopped) as exc:
+        if cutoff.told():  # its request ended: nobody reads a refusal (and the video is not slow)
+            raise Stopped() from None
         if cutoff():
             raise _read_too_slow(where, limits) from None
         raise refused(where, f"cannot be read: {exc}") from None
-    except Stopped:
-        if cutoff.told():  # its request ended: nobody reads a refusal
-            raise
-        raise _read_too_slow(where, limits) from None
+    if cutoff.told():
+        raise Stopped()
     if cutoff():  # the reads ended early: what they found is not the stream's
         raise _read_too_slow(where, limits)
 
@@ -279,20 +274,23 @@ def decode(item: InspectedVideo, decoders: Decoders | None = None, stop: Callabl
     kept_h, kept_w = item.frame_size or (source.height, source.width)
     frames = np.empty((len(set(item.indices)), kept_h, kept_w, 3), dtype=np.uint8)
     read: list[int] = []
-    cutoff = Cutoff(deadline, stop)
+    arriving = (decoders or InProcess()).frames(item.raw, item.indices, source.height, source.width,
+                                                Cutoff(deadline, stop), decoder_bytes(source.width * source.height))
     try:
-        for index, rgb in (decoders or InProcess()).frames(item.raw, item.indices, source.height, source.width, cutoff,
-                                                           decoder_bytes(source.width * source.height)):
-            frames[len(read)] = rgb if item.frame_size is None else resize_pixels(rgb, kept_w, kept_h)
-            read.append(index)
+        with contextlib.closing(arriving):  # a failure here ends its job (and its decoder) at once, not at collection
+            for index, rgb in arriving:
+                frames[len(read)] = rgb if item.frame_size is None else resize_pixels(rgb, kept_w, kept_h)
+                read.append(index)
     except Unreadable as exc:
         raise refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
     if missing and not _a_tail_vllm_serves_without(item, missing, read):
         raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
                       f"frames could not be decoded (first: frame {missing[0]} of {source.total_frames} claimed)")
-    return SampledVideo(frames[: len(read)], source.fps, source.total_frames, source.duration_s, tuple(read),
-                        item.sampling, digest=item.digest)
+    if len(read) < len(frames):  # a tail vLLM serves without: held as what it is (a slice would hold it all)
+        frames = frames[: len(read)].copy()
+    return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
+                        digest=item.digest)
 
 
 def _a_tail_vllm_serves_without(item: InspectedVideo, missing: list[int], read: list[int]) -> bool:
@@ -414,25 +412,19 @@ class VideoIntake:
 
     async def _read_header(self, raw: bytes, where: str, sampling: VideoSampling) -> SourceInfo:
         """The header read and the frame count's check share one `max_decode_s` of their decoders'
-        time (a wait for memory between them is not theirs)."""
-        async with working(decoder_job_bytes(raw), f"reading the header of {where}"):
+        time, counted on the intake thread (a wait for a thread, or for memory between them, is not
+        theirs)."""
+        def reading_on_a_thread(stop: Callable[[], bool]) -> tuple[SourceInfo, float]:
             started = time.monotonic()
-            figures = await on_thread(self.pool, functools.partial(read_figures, raw, where, self.limits, self.decoders))
-            left_s = self.limits.max_decode_s - (time.monotonic() - started)
+            figures = read_figures(raw, where, self.limits, self.decoders, stop)
+            return figures, self.limits.max_decode_s - (time.monotonic() - started)
+
+        async with working(decoder_job_bytes(raw), f"reading the header of {where}"):
+            figures, left_s = await on_thread(self.pool, reading_on_a_thread)
         async with working(decoding_bytes(figures, 0) + decoder_job_bytes(raw),
                            f"counting the frames of {where} ({figures.width}×{figures.height})"):
             return await on_thread(self.pool, functools.partial(count_frames, raw, where, sampling, self.limits, figures,
                                                                 self.decoders, seconds=left_s))
-
-    def warm(self) -> None:
-        """A decoder process started ahead of the first video (DecoderProcesses.warm)."""
-        if isinstance(self.decoders, DecoderProcesses):
-            self.decoders.warm()
-
-    def close(self) -> None:
-        """Its idle decoder processes ended (a decode still running ends its own when it is done)."""
-        if isinstance(self.decoders, DecoderProcesses):
-            self.decoders.close()
 
     async def decode_all(self, items: list[InspectedVideo], timer: RequestTimer) -> list[SampledVideo]:
         """The videos' frames, in order (the hand-off's, for the videos its encoder needs)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from gateway.errors import APIError
+from gateway.intake.memory import DECODER_PROCESS_BYTES
 from gateway.intake.video.sampling import SourceInfo, VideoSampling
 
 # What a decode holds at its peak beyond the kept frames (T×H×W×3): the
@@ -27,7 +28,7 @@ class VideoLimits:
     max_total_frames: int  # the frames the header claims
     max_duration_s: float  # the duration the header claims
     max_sampled_frames: int  # frames kept after sampling (what the encoder would see)
-    max_decode_s: float = 120.0  # one video's decode, in an intake thread
+    max_decode_s: float = 120.0  # one video's decode (and, apart, its header's read), in a decoder process
     max_aspect_ratio: float = 200.0  # the frames' long side over their short: Qwen's processors refuse past 200
     noun: ClassVar[str] = "video"  # what a fetch names in its errors (gateway/intake/fetch.py)
 
@@ -75,6 +76,12 @@ def decoding_bytes(source: SourceInfo, kept: int, kept_size: tuple[int, int] | N
 def decoder_bytes(frame_pixels: int) -> int:
     """What a decoder holds decoding frames of `frame_pixels` (its frames in flight)."""
     return DECODER_FRAMES_IN_FLIGHT * frame_pixels * 3
+
+
+def decoder_job_bytes(raw: bytes) -> int:
+    """A decoder process running a job on `raw`, beside the frames it decodes: the process's own
+    memory and its copy of the bytes."""
+    return DECODER_PROCESS_BYTES + len(raw)
 
 
 def describe(sampling: VideoSampling) -> str:
