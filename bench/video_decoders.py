@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 
+from bench.burst import rss
 from gateway.intake.video.decode import Cutoff, InProcess
 from gateway.intake.video.decoders import DecoderProcesses
 from gateway.intake.video.intake import decode, sampled
@@ -28,11 +29,6 @@ LIMITS = VideoLimits(max_bytes=256 * 2**20, max_frame_pixels=3840 * 2160, max_to
 # (name, width, height, frames at 30 fps, the size kept frames are resized to: Qwen2.5-VL's at its defaults)
 CLIPS = [("240p-4s", 320, 240, 120, None), ("720p-10s", 1280, 720, 300, (448, 812)),
          ("1080p-10s", 1920, 1080, 300, (448, 812))]
-
-
-def _status_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
 def _timed(fn) -> float:
@@ -62,17 +58,17 @@ def main() -> None:
         local_ms, remote_ms = statistics.median(local), statistics.median(remote)
         print(f"{name:10} {len(item.indices):4} {local_ms:9.1f} ms {remote_ms:7.1f} ms {remote_ms / local_ms:6.2f} {first:10.1f} ms")
     pid = processes.pids(busy=False)[0]
-    print(f"an idle decoder after these jobs: RSS {_status_kb(pid, 'VmRSS') / 1024:.0f} MB, "
-          f"of it anonymous {_status_kb(pid, 'RssAnon') / 1024:.0f} MB; its peak {_status_kb(pid, 'VmHWM') / 1024:.0f} MB")
+    print(f"an idle decoder after these jobs: RSS {rss(pid, 'VmRSS') / 2**20:.0f} MB, "
+          f"of it anonymous {rss(pid, 'RssAnon') / 2**20:.0f} MB; its peak {rss(pid, 'VmHWM') / 2**20:.0f} MB")
     big = clip(3840, 2160, fps=30.0, num_frames=30, seed=4)
     fresh = DecoderProcesses(idle_kept=1)
     fresh.header(big, Cutoff(), 0)
     pid = fresh.pids(busy=False)[0]
-    before = _status_kb(pid, "VmHWM")
+    before = rss(pid, "VmHWM")
     item = sampled(big, "4k", video_intake.read_figures(big, "4k", LIMITS, here), VideoSampling(), b"", None)
     decode(item, fresh)
     print(f"a 4K clip's decode (30 frames, {len(item.indices)} kept) grew its decoder's peak by "
-          f"{(_status_kb(pid, 'VmHWM') - before) / 1024:.0f} MB; admitted for its decoder: "
+          f"{(rss(pid, 'VmHWM') - before) / 2**20:.0f} MB; admitted for its decoder: "
           f"{12 * 3840 * 2160 * 3 / 2**20:.0f} MB")
     processes.close()
     fresh.close()

@@ -30,9 +30,12 @@ from gateway.intake.video.intake import VideoIntake, decode
 from gateway.intake.video.limits import VideoLimits, decoder_bytes
 from gateway.intake.video.sampling import VideoSampling
 from gateway.ops import metrics
+from bench.burst import rss
 from loadtest.clips import clip
 from testing.video_clips import lying_avi
+from tests.integration.helpers import alive
 from tests.unit.video_inspect import inspect
+from tests.waiting import wait_until
 
 LIMITS = VideoLimits(max_bytes=64 * 2**20, max_frame_pixels=3840 * 2160, max_total_frames=20_000, max_duration_s=600,
                      max_sampled_frames=64)
@@ -52,11 +55,6 @@ def intake_with(decoders, limits: VideoLimits = LIMITS) -> VideoIntake:
 
 def ended(reason: str) -> float:
     return metrics.VIDEO_DECODERS_ENDED.labels(reason)._value.get()
-
-
-def status_kb(pid: int | str, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
 def test_a_decoder_process_gives_the_frames_a_decode_here_gives_and_is_kept_for_the_next():
@@ -132,7 +130,7 @@ def test_a_4k_clip_decodes_within_what_its_decoder_may_take_and_its_decoder_give
     assert video.frames.shape == (4, 2160, 3840, 3)
     assert decoders.pids(busy=False)
     for decoder in decoders.pids(busy=False):
-        assert status_kb(decoder, "RssAnon") * 1024 < DECODER_PROCESS_BYTES
+        assert rss(decoder, "RssAnon") < DECODER_PROCESS_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +144,7 @@ def refused_with_its_decoder_signalled(decoders, intake: VideoIntake, item, sign
     signalled = []
 
     def signal_the_busy_decoder():
-        _wait_for(lambda: decoders.pids(busy=True), poll_s=0.002)
+        wait_until(lambda: decoders.pids(busy=True), 30, "its decoder busy", every_s=0.002)
         signalled.append(decoders.pids(busy=True)[0])
         os.kill(signalled[0], signum)
 
@@ -217,18 +215,18 @@ def test_a_frame_larger_than_its_header_says_is_refused_within_its_decoder_s_mem
         asyncio.run(intake.decode(item))
     assert caught.value.status == 400 and "truncated or corrupt" in caught.value.message, caught.value.message
     decoder = decoders.pids(busy=False)[0]  # it answered: kept for the next job
-    cap_kb = (decoder_bytes(64 * 48) + DECODER_SLACK_BYTES + len(raw)) // 1024
-    assert status_kb(decoder, "VmHWM") < status_kb(decoder, "VmRSS") + cap_kb
+    cap = decoder_bytes(64 * 48) + DECODER_SLACK_BYTES + len(raw)
+    assert rss(decoder, "VmHWM") < rss(decoder) + cap
     decoders.close()
     with tempfile.NamedTemporaryFile(suffix=".avi") as file:
         file.write(raw)
         file.flush()
-        script = ("from gateway.intake.video.decode import open_video; from tests.unit.test_video_decoders import status_kb; "
-                  f"video = open_video(open({file.name!r}, 'rb').read()); base = status_kb('self', 'VmRSS'); "
-                  "frames = sum(1 for _ in iter(video.capture.grab, False)); print(frames, status_kb('self', 'VmHWM') - base)")
+        script = ("import os; from gateway.intake.video.decode import open_video; from bench.burst import rss; "
+                  f"video = open_video(open({file.name!r}, 'rb').read()); base = rss(os.getpid()); "
+                  "frames = sum(1 for _ in iter(video.capture.grab, False)); print(frames, rss(os.getpid(), 'VmHWM') - base)")
         done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
-    frames, grown_kb = map(int, done.stdout.split())
-    assert frames == 12 and grown_kb > cap_kb, (frames, grown_kb, cap_kb)  # here, it is decoded at its own size
+    frames, grown = map(int, done.stdout.split())
+    assert frames == 12 and grown > cap, (frames, grown, cap)  # here, it is decoded at its own size
 
 
 def test_decoders_end_with_the_gateway_that_started_them():
@@ -239,16 +237,7 @@ def test_decoders_end_with_the_gateway_that_started_them():
               "print(d.pids(busy=False)[0], flush=True); os.kill(os.getpid(), 9)")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     decoder = int(done.stdout.split()[0])
-    _wait_for(lambda: not _running(decoder))  # the decoder did not outlive its gateway
-
-
-def _running(pid: int) -> bool:
-    """Not ended (an ended child of a parent that never reaps it stays a zombie)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return not any(line.startswith("State:") and "Z" in line for line in status)
-    except FileNotFoundError:
-        return False
+    wait_until(lambda: not alive(decoder), 30, "the decoder ended with its gateway")
 
 
 def test_a_decoder_is_started_ahead_and_again_after_one_was_killed():
@@ -256,25 +245,17 @@ def test_a_decoder_is_started_ahead_and_again_after_one_was_killed():
     decoders = DecoderProcesses()
     try:
         decoders.warm()
-        _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
+        wait_until(lambda: len(decoders.pids(busy=False)) == 1, 30, "a decoder started ahead")
         first = decoders.pids(busy=False)[0]
         assert os.getsid(first) == first  # a session of its own: the gateway's group signals are not its
         jobs = decoders.frames(clip(num_frames=12), [0, 3], 240, 320, Cutoff(), 0)
         next(jobs)
         assert decoders.pids(busy=True) == [first] and decoders.started == 1
         jobs.close()  # left part way: the process is killed
-        _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
+        wait_until(lambda: len(decoders.pids(busy=False)) == 1, 30, "another started ahead")
         assert decoders.pids(busy=False) != [first] and decoders.started == 2
     finally:
         decoders.close()
-
-
-def _wait_for(condition, timeout_s: float = 30, poll_s: float = 0.05) -> None:
-    waited = 0.0
-    while not condition() and waited < timeout_s:
-        time.sleep(poll_s)
-        waited += poll_s
-    assert condition()
 
 
 def test_a_decoder_frozen_before_it_read_its_video_is_killed_at_the_deadline():
@@ -283,7 +264,7 @@ def test_a_decoder_frozen_before_it_read_its_video_is_killed_at_the_deadline():
     decoders = DecoderProcesses()
     try:
         decoders.warm()
-        _wait_for(lambda: len(decoders.pids(busy=False)) == 1)
+        wait_until(lambda: len(decoders.pids(busy=False)) == 1, 30, "a decoder started ahead")
         os.kill(decoders.pids(busy=False)[0], signal.SIGSTOP)
         outcome = []
 
@@ -358,7 +339,7 @@ def test_a_job_still_running_when_its_pool_closes_ends_its_decoder_after_it():
     next(jobs)
     busy = decoders.pids(busy=True)
     decoders.close()
-    assert len(list(jobs)) == 2 and decoders.pids(busy=False) == [] and not _running(busy[0])
+    assert len(list(jobs)) == 2 and decoders.pids(busy=False) == [] and not alive(busy[0])
     assert len(list(decoders.frames(clip(num_frames=12), [0], 240, 320, Cutoff(), 0))) == 1  # served, not kept either
     assert decoders.pids(busy=False) == [] and decoders.pids(busy=True) == []
 

@@ -67,7 +67,7 @@ class VideoBytes(io.BufferedIOBase):
     """The bytes as OpenCV's stream bridge reads them (`read`, `seek`), without a copy: a BytesIO
     copies a bytearray it is given, a decoder process's received video, which would hold the video
     twice inside the job's memory cap. A Python exception raised in the bridge's callbacks is no
-    error it handles: a crafted AVI of 26 KB made FFmpeg seek to a negative offset, BytesIO raised,
+    error it handles: a small crafted AVI made FFmpeg seek to a negative offset, BytesIO raised,
     and the whole process died (SIGSEGV in avio_seek). A seek that cannot be made answers -1, as a
     failed seek does in FFmpeg, and the demuxer reports a broken file."""
 

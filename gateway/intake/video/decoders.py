@@ -4,10 +4,9 @@ own (`DecoderProcesses`), never in the gateway's.
 FFmpeg parses whatever a client sends. A crash in it (a crafted file once made
 it seek before the start of its bytes, and the process died of a SIGSEGV)
 took the gateway and every request it held; a frame larger than its header
-says was decoded at its true size (a 7 MB file made the gateway grow past
-2 GiB while its budget counted 196 KB); and a seek inside FFmpeg cannot be
-interrupted from Python. A decoder process runs one job at a time for an
-intake thread that waits on it, and:
+says was decoded at its true size, far past what the memory budget counted;
+and a seek inside FFmpeg cannot be interrupted from Python. A decoder process
+runs one job at a time for an intake thread that waits on it, and:
 - its memory is capped for each job (RLIMIT_DATA): the frames the job needs
   in flight (twelve at the header's frame size for a decode and a frame
   count, which the gateway's budget admits; four at the size limit for a
@@ -19,9 +18,9 @@ intake thread that waits on it, and:
 - a crash ends that process and fails that video alone (a 400 naming it).
 A process is started for a job when none is idle (a fresh one takes a few
 hundred milliseconds: Python and OpenCV) and kept idle after it, up to
-IDLE_KEPT. A gateway serving videos starts one ahead (`warm`), and another
-ahead of the next job when one was killed or died, so a request seldom
-waits for a start.
+IDLE_DECODERS (the memory budget leaves room for them). A gateway serving
+videos starts one ahead (`warm`), and another ahead of the next job when one
+was killed or died, so a request seldom waits for a start.
 
 `InProcess` (decode.py) runs the same jobs on the calling thread: it is what
 a decoder process runs, and what unit tests of the intake's rules use to
@@ -52,7 +51,6 @@ from protocol.decoder import (PREFIX, CountFrames, Failed, Figures, Finished, Fr
 
 log = logging.getLogger("prism.gateway")
 
-IDLE_KEPT = IDLE_DECODERS  # the memory budget leaves room for them
 KILL_GRACE_S = 1.0  # past a job's deadline, the time its decoder has to say it stopped before it is killed
 POLL_S = 0.05  # how often a waiting intake thread asks whether its request has ended
 MAX_HEADER_BYTES = 64 * 2**10  # a reply's header: a few numbers and an error's text
@@ -73,8 +71,8 @@ class OutOfStep(Unreadable):
 
 
 class Decoders(Protocol):
-    """The jobs of a video's intake. `memory_bytes`: what the job's decoder may take (the frames
-    the gateway admitted it for); Unreadable, Stopped as decode.py raises them."""
+    """The jobs of a video's intake. `memory_bytes`: what the job's decoder may take for its frames
+    in flight (module docstring); Unreadable, Stopped as decode.py raises them."""
 
     def header(self, raw: bytes, cutoff: Cutoff, memory_bytes: int) -> Figures: ...
 
@@ -89,7 +87,7 @@ class Decoders(Protocol):
 class DecoderProcesses:
     """Decoder processes, one job each at a time (module docstring). Shared by the intake threads."""
 
-    def __init__(self, idle_kept: int = IDLE_KEPT) -> None:
+    def __init__(self, idle_kept: int = IDLE_DECODERS) -> None:
         self.idle_kept = idle_kept
         self._idle: list[_Process] = []
         self._busy: set[_Process] = set()
