@@ -73,5 +73,11 @@ def test_a_video_mix_reports_ttft_per_kind_and_a_repeated_clip_costs_the_same_to
     kinds = by_bucket(outcome.results, outcome.duration_s)
     assert set(kinds) == {"224x224", "video-2s-new", "video-2s-repeat", "video-3s-new", "video-3s-repeat"}
     assert all(kinds[k]["median_ttft_ms"] > 0 for k in kinds)
-    decoded = [r.stages_ms["video_decode"] for r in outcome.results if sent[r.index].videos and not sent[r.index].video_repeat]
-    assert decoded and all(ms > 0 for ms in decoded)  # a new clip is decoded by the gateway, in the breakdown
+    # Every clip is decoded by the gateway, in the breakdown of one of the requests that sent it. Not
+    # always its first: at concurrency 2 a repeat sent with the clip's first request may reach the
+    # hand-off before it, and the first then joins its encode without a decode.
+    decodes_of_clip: dict = {}
+    for result in outcome.results:
+        for clip in sent[result.index].videos:
+            decodes_of_clip.setdefault(clip, []).append(result.stages_ms.get("video_decode", 0.0))
+    assert decodes_of_clip and all(max(ms) > 0 for ms in decodes_of_clip.values()), decodes_of_clip
