@@ -48,6 +48,7 @@ from bench.servers import vllm_server
 from bench.video_memory import PeakRss, budget_of
 from bench.video_report import markdown, prompt_token_mismatches, record
 from common.config import REPO_ROOT
+from gateway.intake.memory import DECODER_PROCESS_BYTES
 from gateway.intake.resize import smart_resize
 from gateway.intake.video.limits import decoding_bytes
 from gateway.intake.video.sampling import SourceInfo
@@ -174,10 +175,12 @@ def small_memory_limit(gateway_rss: int, sizes: Sizes) -> str:
 
 def long_clip_decode(sizes: Sizes) -> int:
     """What the gateway admits for one of (d)'s decodes: its frames resized to the budget as they are
-    read (gateway/intake/video/sizing.py, the demo model's Qwen2-VL sizing) and the decoder's own."""
+    read (gateway/intake/video/sizing.py, the demo model's Qwen2-VL sizing), its decoder's frames and
+    its decoder process (less that process's copy of the clip, a few MB)."""
     width, height, _, seconds = sizes.long_clip
     kept_size = smart_resize(height, width, DEMO_FACTOR, DEMO_MIN_PIXELS, sizes.long_max_pixels)
-    return decoding_bytes(SourceInfo(0, 0.0, 0.0, width, height), int(seconds * SAMPLE_FPS), kept_size)
+    return (decoding_bytes(SourceInfo(0, 0.0, 0.0, width, height), int(seconds * SAMPLE_FPS), kept_size)
+            + DECODER_PROCESS_BYTES)
 
 
 def _kept_frame_bytes(sizes: Sizes) -> int:

@@ -23,7 +23,8 @@ What one request holds (`MemoryHold`):
   read, then its size; nothing while its host is looked up and connected;
 - an image or a video being decoded, its `decoding_bytes` (a video's with
   its decoder process and that process's copy of the bytes, from its
-  header's read on); then its pixels
+  header's read on, which admits four frames at the size limit for the
+  container's opening); then its pixels
   (a video's frames) until the encoder has answered for them
   (gateway/routing/handoff.py, `_rounds`);
 - replies waiting to be sent to the client (gateway/routing/clients.py ReplyQueue).

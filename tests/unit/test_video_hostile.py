@@ -202,6 +202,50 @@ def test_a_decode_is_admitted_by_its_frames_bytes_in_the_memory_budget(clip12):
     assert held == video.frames.nbytes == 4 * 320 * 240 * 3 and working == 0
 
 
+class AdmissionsSeen(InProcess):
+    """The jobs in this process, each noting what the budget had admitted while it ran (`working`)
+    beside what its decoder would be let take for its frames (`memory_bytes`)."""
+
+    def __init__(self, budget) -> None:
+        self.budget, self.seen = budget, {}
+
+    def header(self, raw, cutoff, memory_bytes=0):
+        self.seen["header"] = (self.budget.working, memory_bytes)
+        return super().header(raw, cutoff, memory_bytes)
+
+    def count(self, raw, claimed, cutoff, memory_bytes=0):
+        self.seen["count"] = (self.budget.working, memory_bytes)
+        return super().count(raw, claimed, cutoff, memory_bytes)
+
+    def frames(self, raw, indices, height, width, cutoff, memory_bytes=0):
+        self.seen["frames"] = (self.budget.working, memory_bytes)
+        return super().frames(raw, indices, height, width, cutoff, memory_bytes)
+
+
+def test_every_decoder_job_runs_admitted_for_all_its_decoder_may_take(clip12):
+    """A decoder process may grow by its job's `memory_bytes` (and a fixed slack): the budget holds
+    that, its process and its copy of the bytes while the job runs, the header's read included,
+    whose opening may decode frames at the size limit before the header tells their size."""
+    from gateway.intake.memory import MemoryBudget, MemoryHold, current_hold
+
+    budget = MemoryBudget(wait_s=0.5)
+    budget.size(2**40)
+    jobs = AdmissionsSeen(budget)
+
+    async def inspect_and_decode():
+        current_hold.set(MemoryHold(budget))
+        intake = _intake(jobs)
+        await intake.decode(await intake.inspect(clip12, WHERE, VideoSampling()))
+
+    asyncio.run(inspect_and_decode())
+    decoder_process = DECODER_PROCESS_BYTES + len(clip12)
+    assert jobs.seen["header"] == (decoder_process + LIMITS.opening_bytes, LIMITS.opening_bytes)
+    assert LIMITS.opening_bytes == 4 * LIMITS.max_frame_pixels * 3
+    for job in ("count", "frames"):
+        working, memory_bytes = jobs.seen[job]
+        assert memory_bytes == 12 * 320 * 240 * 3 and working >= decoder_process + memory_bytes, job
+
+
 def test_the_frame_count_s_check_is_admitted_by_the_decoder_s_frames_in_the_memory_budget(clip12):
     """The check seeks to the stream's end, decoding from the last keyframe on: the decoder's frames
     are counted while it runs, as a decode's are, and nothing stays held after it."""
@@ -217,7 +261,10 @@ def test_the_frame_count_s_check_is_admitted_by_the_decoder_s_frames_in_the_memo
     async def inspect_within(capacity: int):
         budget.size(capacity)
         current_hold.set(hold := MemoryHold(budget))
-        await _intake(InProcess()).inspect(clip12, WHERE, VideoSampling())
+        # a size limit of this clip's frames: the header's read admits less than the count's check
+        limits = dataclasses.replace(LIMITS, max_frame_pixels=320 * 240)
+        await VideoIntake(fetcher=None, limits=limits, pool=ThreadPoolExecutor(1), decoders=InProcess()).inspect(
+            clip12, WHERE, VideoSampling())
         return hold.held, budget.working
 
     decoder = 12 * 320 * 240 * 3 + DECODER_PROCESS_BYTES + len(clip12)

@@ -51,7 +51,7 @@ from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
 from gateway.intake.video.decoders import DecoderProcesses, Decoders
-from gateway.intake.video.limits import (OPENING_FRAMES, VideoLimits, decoder_bytes, decoder_job_bytes, decoding_bytes,
+from gateway.intake.video.limits import (VideoLimits, decoder_bytes, decoder_job_bytes, decoding_bytes,
                                          describe, refused)
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
                                            loader_metadata, prepared_source)
@@ -194,10 +194,10 @@ def sampled(raw: bytes, where: str, source: SourceInfo, sampling: VideoSampling,
 def read_figures(raw: bytes, where: str, limits: VideoLimits, decoders: Decoders,
                  stop: Callable[[], bool] | None = None) -> SourceInfo:
     """The container's figures as its header declares them, checked against the limits. Opening
-    it decodes a frame or two of whatever size its stream has: its decoder may take OPENING_FRAMES
-    at the size limit."""
+    it decodes a frame or two of whatever size its stream has: its decoder may take
+    `limits.opening_bytes`."""
     with _reading(where, limits, limits.max_decode_s, stop) as cutoff:
-        figures = decoders.header(raw, cutoff, OPENING_FRAMES * limits.max_frame_pixels * 3)
+        figures = decoders.header(raw, cutoff, limits.opening_bytes)
     duration_s = figures.total_frames / figures.fps if figures.fps > 0 else 0
     source = SourceInfo(figures.total_frames, figures.fps, duration_s, figures.width, figures.height, figures.codec)
     limits.check_source(source, where)
@@ -419,7 +419,7 @@ class VideoIntake:
             figures = read_figures(raw, where, self.limits, self.decoders, stop)
             return figures, self.limits.max_decode_s - (time.monotonic() - started)
 
-        async with working(decoder_job_bytes(raw), f"reading the header of {where}"):
+        async with working(decoder_job_bytes(raw) + self.limits.opening_bytes, f"reading the header of {where}"):
             figures, left_s = await on_thread(self.pool, reading_on_a_thread)
         async with working(decoding_bytes(figures, 0) + decoder_job_bytes(raw),
                            f"counting the frames of {where} ({figures.width}×{figures.height})"):

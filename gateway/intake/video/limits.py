@@ -32,6 +32,12 @@ class VideoLimits:
     max_aspect_ratio: float = 200.0  # the frames' long side over their short: Qwen's processors refuse past 200
     noun: ClassVar[str] = "video"  # what a fetch names in its errors (gateway/intake/fetch.py)
 
+    @property
+    def opening_bytes(self) -> int:
+        """What a header read's decoder may take for the frames its opening decodes: OPENING_FRAMES at
+        the size limit, admitted in full (the header that would tell their size is not read yet)."""
+        return OPENING_FRAMES * self.max_frame_pixels * 3
+
     def check_bytes(self, size: int, where: str, qualifier: str = "") -> None:
         """The image limits' interface (gateway/intake.py ImageLimits), so the fetcher caps video downloads too."""
         if size > self.max_bytes:
