@@ -57,6 +57,7 @@ def main() -> None:
         first = _timed(lambda: decode(item, cold))
         local_ms, remote_ms = statistics.median(local), statistics.median(remote)
         print(f"{name:10} {len(item.indices):4} {local_ms:9.1f} ms {remote_ms:7.1f} ms {remote_ms / local_ms:6.2f} {first:10.1f} ms")
+    left_part_way(processes, args.runs)
     pid = processes.pids(busy=False)[0]
     print(f"an idle decoder after these jobs: RSS {rss(pid, 'VmRSS') / 2**20:.0f} MB, "
           f"of it anonymous {rss(pid, 'RssAnon') / 2**20:.0f} MB; its peak {rss(pid, 'VmHWM') / 2**20:.0f} MB")
@@ -72,6 +73,25 @@ def main() -> None:
           f"{12 * 3840 * 2160 * 3 / 2**20:.0f} MB")
     processes.close()
     fresh.close()
+
+
+def left_part_way(processes: DecoderProcesses, runs: int) -> None:
+    """Decodes whose request left after their first frame (a 720p clip's, 20 frames kept), each
+    followed at once by the next request's decode (a 240p clip's): how long the leaving request's
+    thread was held, the next decode's time, and the decoders started for them."""
+    long = clip(1280, 720, fps=30.0, num_frames=300, seed=5)
+    indices = list(range(0, 300, 15))
+    small = clip(320, 240, fps=30.0, num_frames=120, seed=6)
+    item = sampled(small, "next", video_intake.read_figures(small, "next", LIMITS, InProcess()), VideoSampling(), b"", None)
+    decode(item, processes)
+    started, held, following = processes.started, [], []
+    for _ in range(runs):
+        jobs = processes.frames(long, indices, 720, 1280, Cutoff(), 12 * 1280 * 720 * 3)
+        next(jobs)
+        held.append(_timed(jobs.close))
+        following.append(_timed(lambda: decode(item, processes)))
+    print(f"a request that left after its first frame: its thread held {statistics.median(held):.1f} ms; the next "
+          f"decode {statistics.median(following):.1f} ms; decoders started: {processes.started - started} for {runs}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 
 The gateway sends one job at a time, the video's bytes beside it; the decoder
 answers with what the job asks, and for `ReadFrames` one `Frame` per kept
-frame, its pixels beside it, then `Finished`. Every message travels as
+frame, its pixels beside it, then `Finished`. A job whose request ended is
+sent `Stop`, and answered to its end as any other. Every message travels as
 [prefix][header][payload]: the prefix the header's and the payload's lengths,
 the header msgpack, the payload raw bytes (the video, a frame), never pickled.
 
@@ -54,6 +55,11 @@ class ReadFrames(_Message):
     limits: Limits
 
 
+class Stop(_Message):
+    """The job's request ended: its decoder answers as at its deadline (`Failed`, "stopped"), or,
+    where it had answered already, reads this as nothing. The only message sent while a job runs."""
+
+
 # Decoder → gateway.
 class Figures(_Message):
     """The container's header as OpenCV reads it; nothing decoded."""
@@ -92,7 +98,7 @@ Job = Union[ReadHeader, CountFrames, ReadFrames]
 Reply = Union[Figures, FrameCount, Frame, Finished, Failed]
 
 _encoder = msgspec.msgpack.Encoder()
-job_decoder = msgspec.msgpack.Decoder(Job)
+job_decoder = msgspec.msgpack.Decoder(Union[Job, Stop])
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 

@@ -79,10 +79,11 @@ IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
 VIDEOS_BY_KNOWN_REFERENCE = Counter("prism_gateway_videos_by_known_reference",
                                     "Videos sent to the engine by a reference kept from an earlier encode: no decode, no encoder round")
 # Video decoder processes (gateway/intake/video/decoders.py) ended during a job: "killed" (past its deadline,
-# or out of step), "cancelled" (its request ended) or "died" (a crash inside FFmpeg, the kernel's OOM killer).
+# or out of step), "cancelled" (its request ended, and the decoder did not answer its stop in time) or
+# "died" (a crash inside FFmpeg, the kernel's OOM killer). A stop answered in time keeps its decoder.
 VIDEO_DECODERS_ENDED = Counter("prism_gateway_video_decoders_ended",
                                "Video decoder processes ended during a job: killed (past its deadline), cancelled (its "
-                               "request ended) or died (a crash)", ["reason"])
+                               "request ended and it did not stop in time) or died (a crash)", ["reason"])
 for _reason in ("killed", "cancelled", "died"):
     VIDEO_DECODERS_ENDED.labels(_reason)  # exported at 0 before the first
 # The memory budget (gateway/intake/memory.py): what it admits, and what requests hold of it now.

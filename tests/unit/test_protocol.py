@@ -228,6 +228,7 @@ DECODER_CASES = [
     (decoder.job_decoder, decoder.ReadHeader(_LIMITS)),
     (decoder.job_decoder, decoder.CountFrames(300, _LIMITS)),
     (decoder.job_decoder, decoder.ReadFrames([0, 15, 30], 720, 1280, _LIMITS)),
+    (decoder.job_decoder, decoder.Stop()),
     (decoder.reply_decoder, decoder.Figures(300, 29.97, 1280, 720, "avc1")),
     (decoder.reply_decoder, decoder.FrameCount(299)),
     (decoder.reply_decoder, decoder.Frame(15)),

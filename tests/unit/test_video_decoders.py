@@ -25,7 +25,7 @@ from common.config import REPO_ROOT
 from gateway.errors import APIError
 from gateway.intake.memory import DECODER_PROCESS_BYTES
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped
-from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderProcesses, OutOfStep
+from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderDied, DecoderProcesses, OutOfStep
 from gateway.intake.video.intake import VideoIntake, decode
 from gateway.intake.video.limits import VideoLimits, decoder_bytes
 from gateway.intake.video.sampling import VideoSampling
@@ -157,6 +157,26 @@ def refused_with_its_decoder_signalled(decoders, intake: VideoIntake, item, sign
     return caught.value
 
 
+@pytest.mark.parametrize("asked_before_the_end", [0, 1], ids=["before its job was sent", "once it was sent"])
+@pytest.mark.parametrize("job", ["header", "count"])
+def test_a_header_read_whose_request_ended_stops_and_its_decoder_is_kept(decoders, long_clip, job, asked_before_the_end):
+    """A request that ended before its job was sent (none is), or once it was (the decoder is told
+    to stop): the job ends, not its process, which serves the next."""
+    asked = []
+    ended_now = Cutoff(time.monotonic() + 30, stop=lambda: asked.append(1) or len(asked) > asked_before_the_end)
+    decoders.warm()
+    wait_until(lambda: decoders.pids(busy=False), 30, "a decoder idle")
+    idle, process_count = decoders.pids(busy=False), decoders.started
+    with pytest.raises(Stopped):
+        if job == "header":
+            decoders.header(long_clip, ended_now, 0)
+        else:
+            decoders.count(long_clip, 300, ended_now, decoder_bytes(640 * 480))
+    assert decoders.pids(busy=True) == [] and decoders.pids(busy=False) == idle
+    assert decoders.count(long_clip, 300, Cutoff(time.monotonic() + 30), decoder_bytes(640 * 480)) == 300
+    assert decoders.started == process_count
+
+
 def test_a_decoder_that_crashes_fails_its_video_alone_and_the_next_gets_another(decoders, long_clip):
     """A SIGSEGV in the decoder (as FFmpeg's on a crafted file): a 400 naming the part and the
     signal; the gateway's process goes on, and so does the next video."""
@@ -181,9 +201,19 @@ def test_a_decoder_that_hangs_is_killed_at_its_deadline(decoders, long_clip):
     assert ended("killed") == killed_before + 1 and decoders.pids(busy=True) == []
 
 
-def test_a_decode_whose_request_ended_has_its_decoder_killed_at_once(decoders, long_clip):
+def test_a_decode_whose_request_ended_stops_at_once_and_its_decoder_is_kept(decoders, long_clip, monkeypatch):
+    """The request's end tells its decoder to stop: it answers at its next frame, long before the
+    clip's last kept frame, and waits for the next job (no process killed, none to start)."""
+    from gateway.intake.video import decoders as module
+
     intake = intake_with(decoders)
     item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
+    answers, receive = [], module._Process.receive
+
+    def noted(process, cutoff, frame_bytes=0):
+        reply = receive(process, cutoff, frame_bytes)
+        answers.append(reply[0])
+        return reply
 
     async def leave() -> list[int]:
         decoding = asyncio.create_task(intake.decode(item))
@@ -197,8 +227,30 @@ def test_a_decode_whose_request_ended_has_its_decoder_killed_at_once(decoders, l
             await decoding
         return busy
 
+    cancelled, started = ended("cancelled"), decoders.started
+    monkeypatch.setattr(module._Process, "receive", noted)
     busy = asyncio.run(leave())
-    assert decoders.pids(busy=True) == [] and not os.path.exists(f"/proc/{busy[0]}")  # killed and reaped
+    monkeypatch.undo()
+    assert decoders.pids(busy=True) == [] and busy[0] in decoders.pids(busy=False)
+    stopped = answers[-1]
+    assert stopped.reason == "stopped" and stopped.frames_read < max(item.indices), stopped
+    assert ended("cancelled") == cancelled
+    assert asyncio.run(intake.decode(item)).num_frames == 8 and decoders.started == started  # in step for the next
+
+
+@pytest.mark.parametrize("kept", [[0], [0, 100, 200, 299]], ids=["after its last answer", "mid-job"])
+def test_frames_closed_part_way_stop_their_job_and_the_decoder_serves_the_next(decoders, long_clip, kept):
+    """A decode's consumer that leaves (a sibling video refused, a failure of its own) closes the
+    frames: its decoder is told to stop, whether its job has answered already or not, and the
+    next job on the same process gets its own frames."""
+    jobs = decoders.frames(long_clip, kept, 480, 640, Cutoff(), decoder_bytes(640 * 480))
+    assert next(jobs)[0] == 0
+    process = decoders.pids(busy=True)
+    jobs.close()
+    assert decoders.pids(busy=True) == [] and process[0] in decoders.pids(busy=False)
+    frames = dict(decoders.frames(long_clip, [5, 6], 480, 640, Cutoff(), decoder_bytes(640 * 480)))
+    expected = {index: rgb.copy() for index, rgb in InProcess().frames(long_clip, [5, 6], 480, 640, Cutoff())}
+    assert frames.keys() == expected.keys() and all(np.array_equal(frames[i], expected[i]) for i in frames)
 
 
 def test_a_frame_larger_than_its_header_says_is_refused_within_its_decoder_s_memory():
@@ -251,7 +303,9 @@ def test_a_decoder_is_started_ahead_and_again_after_one_was_killed():
         jobs = decoders.frames(clip(num_frames=12), [0, 3], 240, 320, Cutoff(), 0)
         next(jobs)
         assert decoders.pids(busy=True) == [first] and decoders.started == 1
-        jobs.close()  # left part way: the process is killed
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(DecoderDied):
+            next(jobs)
         wait_until(lambda: len(decoders.pids(busy=False)) == 1, 30, "another started ahead")
         assert decoders.pids(busy=False) != [first] and decoders.started == 2
     finally:

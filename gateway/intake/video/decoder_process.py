@@ -2,7 +2,9 @@
 starts it with one end of a socket pair), running one job at a time.
 
 Each job comes with the video's bytes (protocol/decoder.py); its answers go
-back on the same socket. While a job runs, the process's data segment may grow
+back on the same socket. A `Stop` from the gateway (its request ended) ends
+the job as its deadline would, at its next read of the bytes or its next
+frame, and the process waits for the next job. While a job runs, the process's data segment may grow
 by the job's `memory_bytes` past what it held with the bytes received
 (RLIMIT_DATA): an allocation past it fails inside FFmpeg or OpenCV, and the
 video is refused, where a frame larger than its header said would otherwise
@@ -20,18 +22,19 @@ import contextlib
 import logging
 import os
 import resource
+import select
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import cv2
 
 from common.malloc import map_large_blocks, one_heap, trim
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
-from protocol.decoder import (PREFIX, CountFrames, Failed, FrameCount, Finished, Frame, Job, ReadHeader, Reply, framed,
-                              job_decoder)
+from protocol.decoder import (PREFIX, CountFrames, Failed, FrameCount, Finished, Frame, Job, ReadHeader, Reply, Stop,
+                              framed, job_decoder)
 
 log = logging.getLogger("prism.video_decoder")
 
@@ -44,21 +47,33 @@ def main(fd: int) -> None:
     map_large_blocks()
     _end_with_the_gateway(os.getppid())
     connection = socket.socket(fileno=fd)
-    jobs = InProcess()
+    jobs, stop_sent = InProcess(), _stop_sent(connection)
     with contextlib.suppress(ConnectionError):  # the gateway closed its end mid-job: it wants no answer
         while (received := _receive(connection)) is not None:
             job, raw = received
+            if isinstance(job, Stop):  # read after the job it was for had answered, or had stopped for it
+                continue
             with _memory_capped(job.limits.memory_bytes):
-                for reply, payload in _answers(jobs, job, raw):
+                for reply, payload in _answers(jobs, job, raw, stop_sent):
+                    if not isinstance(reply, Frame):
+                        break  # the job's last answer, sent once its memory is given back
                     connection.sendall(framed(reply, len(payload)))
-                    if payload:
-                        connection.sendall(payload)
-            del received, job, raw
-            trim()
+                    connection.sendall(payload)
+            del received, job, raw, payload
+            trim()  # before the answer: the gateway counts an idle decoder from it on
+            connection.sendall(framed(reply))
 
 
-def _answers(jobs: InProcess, job: Job, raw: bytes) -> Iterator[tuple[Reply, memoryview | bytes]]:
-    cutoff = Cutoff(time.monotonic() + job.limits.deadline_s)
+def _stop_sent(connection: socket.socket) -> Callable[[], bool]:
+    """Whether the gateway sent anything while a job runs: only `Stop` is (or its end closed). Left
+    unread here: the job loop reads it, as it does one that came after the job's answer."""
+    poller = select.poll()
+    poller.register(connection, select.POLLIN)
+    return lambda: bool(poller.poll(0))
+
+
+def _answers(jobs: InProcess, job: Job, raw: bytes, stop: Callable[[], bool]) -> Iterator[tuple[Reply, memoryview | bytes]]:
+    cutoff = Cutoff(time.monotonic() + job.limits.deadline_s, stop)
     try:
         if isinstance(job, ReadHeader):
             yield jobs.header(raw, cutoff), b""
@@ -85,8 +100,8 @@ def _out_of_memory(job: Job) -> Failed:
     return Failed("memory", f"took more memory than decoding frames of its declared size may ({job.limits.memory_bytes} bytes)")
 
 
-def _receive(connection: socket.socket) -> tuple[Job, bytearray] | None:
-    """The next job and its video's bytes; None when the gateway closed the socket."""
+def _receive(connection: socket.socket) -> tuple[Job | Stop, bytearray] | None:
+    """The next job and its video's bytes (a `Stop` has none); None when the gateway closed the socket."""
     prefix = _read(connection, PREFIX.size)
     if prefix is None:
         return None

@@ -13,8 +13,10 @@ runs one job at a time for an intake thread that waits on it, and:
   header's read, which it does not: an opening takes a frame or two), plus
   DECODER_SLACK_BYTES of room; past it FFmpeg's allocations fail and the
   video is refused, where it would have grown the gateway;
-- a job past its deadline by KILL_GRACE_S, or whose request has ended, is
-  killed with its process, whatever FFmpeg is doing;
+- a job whose request has ended is told to stop, which it does at its next
+  read of the bytes or its next frame, and its process is kept;
+- a job past its deadline by KILL_GRACE_S, or whose stop is not answered
+  within it, is killed with its process, whatever FFmpeg is doing;
 - a crash ends that process and fails that video alone (a 400 naming it).
 A process is started for a job when none is idle (a fresh one takes a few
 hundred milliseconds: Python and OpenCV) and kept idle after it, up to
@@ -47,7 +49,7 @@ from gateway.intake.memory import IDLE_DECODERS
 from gateway.intake.video.decode import Cutoff, Stopped, Unreadable
 from gateway.ops import metrics
 from protocol.decoder import (PREFIX, CountFrames, Failed, Figures, Finished, Frame, FrameCount, Limits, ReadFrames,
-                              ReadHeader, Reply, framed, reply_decoder)
+                              ReadHeader, Reply, Stop, framed, reply_decoder)
 
 log = logging.getLogger("prism.gateway")
 
@@ -151,14 +153,20 @@ class DecoderProcesses:
 
     @contextlib.contextmanager
     def _job(self, job, raw: bytes, cutoff: Cutoff) -> Iterator["_Process"]:
-        """A process with the job sent; given back idle if the job ran to its answer, else killed
-        (a job left part way, a deadline, a request that ended: its state is not known)."""
+        """A process with the job sent; given back idle if the job ran to its answer. A job left by
+        its request (it ended, or closed the frames part way) is told to stop, and its process given
+        back once it answered; any other (a deadline passed, a reply out of step, a send cut
+        short) is killed with its process: its state is not known."""
         process = self._take()
         try:
             process.send(job, raw, cutoff)
             yield process
         except BaseException as error:
-            self._end(process, "died" if isinstance(error, DecoderDied) else "cancelled" if cutoff.told() else "killed")
+            left = isinstance(error, GeneratorExit) or (isinstance(error, Stopped) and cutoff.told())
+            if left and (not process.begun or process.stop()):  # nothing sent, or the job stopped in step
+                self._give_back(process)
+            else:
+                self._end(process, "died" if isinstance(error, DecoderDied) else "cancelled" if left else "killed")
             raise
         self._give_back(process)
 
@@ -228,6 +236,8 @@ class _Process:
         ours.setblocking(False)  # every wait is _wait's, which asks the cutoff
         self.socket = ours
         self.pid = self.process.pid
+        self._frame_bytes = 0  # a frame's payload in the running job's replies
+        self.begun = False  # a byte of the running job sent
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -239,23 +249,42 @@ class _Process:
         return not poller.poll(0)
 
     def send(self, job, raw: bytes, cutoff: Cutoff) -> None:
+        """The job and its video's bytes. A request's end stops the send before its first byte only
+        (`begun` False: the process is as it was); a job begun is sent whole."""
+        self._frame_bytes = job.height * job.width * 3 if isinstance(job, ReadFrames) else 0
+        self.begun = False
         self._write(framed(job, len(raw)), cutoff)
         self._write(raw, cutoff)
 
+    def stop(self) -> bool:
+        """Its job told to `Stop`, and its replies read (and dropped) up to the job's last: True
+        where they came within KILL_GRACE_S, as at a deadline, and in step."""
+        within = Cutoff(time.monotonic())
+        try:
+            self._write(framed(Stop()), within)
+            while isinstance(self.receive(within, self._frame_bytes)[0], Frame):
+                pass
+        except (Stopped, Unreadable):
+            return False
+        return True
+
     def receive(self, cutoff: Cutoff, frame_bytes: int = 0) -> tuple[Reply, bytearray]:
         """The next reply and its payload: none, or a frame of `frame_bytes`. Any other length is a
-        decoder out of step (RuntimeError), never an allocation of whatever size it says."""
+        decoder out of step (OutOfStep), never an allocation of whatever size it says."""
         header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff))
         if header_bytes > MAX_HEADER_BYTES or payload_bytes not in (0, frame_bytes):
             raise OutOfStep(f"the decoder sent a reply of {header_bytes} + {payload_bytes} bytes")
-        reply = reply_decoder.decode(self._read(header_bytes, cutoff))
-        return reply, self._read(payload_bytes, cutoff)
+        begun = Cutoff(cutoff.deadline)  # a reply begun is read whole, its request ended or not
+        reply = reply_decoder.decode(self._read(header_bytes, begun))
+        return reply, self._read(payload_bytes, begun)
 
     def _read(self, size: int, cutoff: Cutoff) -> bytearray:
+        """`size` bytes. A request's end stops the read before its first byte only: the rest of a
+        message begun would be read as the start of the next (`stop`)."""
         buffer = bytearray(size)
         view, got = memoryview(buffer), 0
         while got < size:
-            self._wait(cutoff, reading=True)
+            self._wait(cutoff if got == 0 else Cutoff(cutoff.deadline), reading=True)
             try:
                 read = self.socket.recv_into(view[got:])
             except BlockingIOError:
@@ -270,13 +299,14 @@ class _Process:
     def _write(self, data: bytes, cutoff: Cutoff) -> None:
         view, sent = memoryview(data), 0
         while sent < len(view):
-            self._wait(cutoff, reading=False)
+            self._wait(Cutoff(cutoff.deadline) if self.begun else cutoff, reading=False)
             try:
                 sent += self.socket.send(view[sent:])
             except BlockingIOError:
                 continue
             except OSError:
                 raise self._died() from None
+            self.begun = True
 
     def _wait(self, cutoff: Cutoff, reading: bool) -> None:
         """Until the socket can be read (or written), in POLL_S steps: a request that ended, or a
