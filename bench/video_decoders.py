@@ -3,7 +3,9 @@ gateway's own process (gateway/intake/video/decoders.py), side by side in one
 run: the intake's decode of the kept frames (`intake.decode`, each frame
 resized in the gateway as it arrives), in this process (`InProcess`) and
 through a warm decoder process, interleaved; then a cold process's first job,
-and what an idle decoder holds. Figures go to docs/measurements/video-decoders.md.
+decodes whose request leaves after their first frame (each followed by the
+next request's), and what an idle decoder holds. Figures go to
+docs/measurements/video-decoders.md.
 
     python -m bench.video_decoders --runs 9
 """
