@@ -346,8 +346,13 @@ def read(size):
     while len(data) < size:
         data += connection.recv(size - len(data)) or sys.exit()
     return data
-header, payload = PREFIX.unpack(read(PREFIX.size)); read(header); read(payload)
+header, payload = PREFIX.unpack(read(PREFIX.size)); read(header)
+if mode == "reads no video":
+    time.sleep(60)
+read(payload)
 replies = {"a frame where figures are due": framed(Frame(0)),
+           "a header that is no reply": PREFIX.pack(3, 0) + bytes([0xC1] * 3),  # 0xC1: no msgpack
+           "a reply cut short": framed(Figures(10, 10.0, 64, 48, ""))[:3],
            "a frame not asked for": framed(Frame(7), 48 * 64 * 3) + bytes(48 * 64 * 3),
            "a payload of 3 GiB": framed(Figures(1, 1.0, 1, 1, ""), 3 * 2**30),
            "one answer too many": framed(Figures(10, 10.0, 64, 48, "")) + framed(Figures(9, 1.0, 16, 16, "stale"))}
@@ -356,13 +361,8 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("mode", ["a frame where figures are due", "a payload of 3 GiB", "one answer too many",
-                                  "a frame not asked for"])
-def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, monkeypatch, tmp_path):
-    """A decoder is the gateway's own code, but what it says is checked before it is believed: a
-    reply of another kind, or a length past one frame, fails that job (nothing of that size is
-    allocated), and a decoder with anything left to say after its answer is never given the next
-    job (it would read that as its own)."""
+def fake_decoders(mode: str, monkeypatch, tmp_path) -> DecoderProcesses:
+    """A pool whose processes run FAKE_DECODER in `mode`."""
     from gateway.intake.video import decoders as module
 
     script = tmp_path / "fake_decoder.py"
@@ -371,7 +371,17 @@ def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, 
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     monkeypatch.setattr(module.subprocess, "Popen", lambda args, **kw: popen([sys.executable, str(script), mode, args[-1]],
                                                                               env=env, **kw))
-    decoders = DecoderProcesses()
+    return DecoderProcesses()
+
+
+@pytest.mark.parametrize("mode", ["a frame where figures are due", "a payload of 3 GiB", "one answer too many",
+                                  "a frame not asked for", "a header that is no reply"])
+def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, monkeypatch, tmp_path):
+    """A decoder is the gateway's own code, but what it says is checked before it is believed: a
+    reply of another kind, or a length past one frame, fails that job (nothing of that size is
+    allocated), and a decoder with anything left to say after its answer is never given the next
+    job (it would read that as its own)."""
+    decoders = fake_decoders(mode, monkeypatch, tmp_path)
     try:
         if mode == "one answer too many":
             assert decoders.header(b"video", Cutoff(time.monotonic() + 10), 0).total_frames == 10
@@ -382,6 +392,23 @@ def test_a_decoder_out_of_step_with_its_jobs_is_ended_never_given_another(mode, 
             with pytest.raises(OutOfStep, match="the decoder"):
                 decoders.header(b"video", Cutoff(time.monotonic() + 10), 0)
         assert decoders.pids(busy=False) == [] and decoders.pids(busy=True) == []
+    finally:
+        decoders.close()
+
+
+@pytest.mark.parametrize("mode", ["a reply cut short", "reads no video"])
+def test_a_request_that_ends_mid_message_ends_its_decoder_a_second_later(mode, monkeypatch, tmp_path):
+    """A decoder stalled part way through a reply, or through reading its video: the stream is out
+    of step, so no stop is sent; the job ends KILL_GRACE_S after its request did (its deadline
+    never comes), with its process. Nothing is given back."""
+    decoders = fake_decoders(mode, monkeypatch, tmp_path)
+    ended_at = time.monotonic() + 0.5
+    cancelled = ended("cancelled")
+    try:
+        with pytest.raises(Stopped):
+            decoders.header(bytes(16 * 2**20), Cutoff(stop=lambda: time.monotonic() > ended_at), 0)
+        assert decoders.pids(busy=False) == [] and decoders.pids(busy=True) == []
+        assert ended("cancelled") == cancelled + 1
     finally:
         decoders.close()
 

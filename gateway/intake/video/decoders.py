@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from gateway.intake.memory import IDLE_DECODERS
@@ -53,7 +54,8 @@ from protocol.decoder import (PREFIX, CountFrames, Failed, Figures, Finished, Fr
 
 log = logging.getLogger("prism.gateway")
 
-KILL_GRACE_S = 1.0  # past a job's deadline, the time its decoder has to say it stopped before it is killed
+# Past a job's deadline, or its request's end, the time its decoder has to answer in step before it is killed.
+KILL_GRACE_S = 1.0
 POLL_S = 0.05  # how often a waiting intake thread asks whether its request has ended
 MAX_HEADER_BYTES = 64 * 2**10  # a reply's header: a few numbers and an error's text
 # A job's room beyond the frames it was admitted for: FFmpeg's threads' stacks, its codec's
@@ -155,18 +157,19 @@ class DecoderProcesses:
     def _job(self, job, raw: bytes, cutoff: Cutoff) -> Iterator["_Process"]:
         """A process with the job sent; given back idle if the job ran to its answer. A job left by
         its request (it ended, or closed the frames part way) is told to stop, and its process given
-        back once it answered; any other (a deadline passed, a reply out of step, a send cut
-        short) is killed with its process: its state is not known."""
+        back once it answered in step; any other (a deadline passed, a reply out of step, a
+        message cut part way) is killed with its process: its state is not known."""
         process = self._take()
         try:
             process.send(job, raw, cutoff)
             yield process
         except BaseException as error:
             left = isinstance(error, GeneratorExit) or (isinstance(error, Stopped) and cutoff.told())
-            if left and (not process.begun or process.stop()):  # nothing sent, or the job stopped in step
+            if left and process.in_step_after_leaving():
                 self._give_back(process)
             else:
-                self._end(process, "died" if isinstance(error, DecoderDied) else "cancelled" if left else "killed")
+                died = isinstance(error, DecoderDied) or not process.alive()
+                self._end(process, "died" if died else "cancelled" if left else "killed")
             raise
         self._give_back(process)
 
@@ -237,7 +240,9 @@ class _Process:
         self.socket = ours
         self.pid = self.process.pid
         self._frame_bytes = 0  # a frame's payload in the running job's replies
-        self.begun = False  # a byte of the running job sent
+        self._job_sent = False  # the running job and all its bytes
+        self._mid_message = False  # a message part sent or part read: the stream is only in step at its end
+        self._told_at: float | None = None  # when a wait mid-message first saw its request had ended
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -249,42 +254,53 @@ class _Process:
         return not poller.poll(0)
 
     def send(self, job, raw: bytes, cutoff: Cutoff) -> None:
-        """The job and its video's bytes. A request's end stops the send before its first byte only
-        (`begun` False: the process is as it was); a job begun is sent whole."""
         self._frame_bytes = job.height * job.width * 3 if isinstance(job, ReadFrames) else 0
-        self.begun = False
-        self._write(framed(job, len(raw)), cutoff)
-        self._write(raw, cutoff)
+        self._job_sent, self._told_at = False, None
+        self._write(framed(job, len(raw)), raw, cutoff=cutoff)
+        self._job_sent = True
 
-    def stop(self) -> bool:
+    def in_step_after_leaving(self) -> bool:
+        """For a job its request left: whether the process may take the next. It may where nothing
+        of the job was sent, or where all of it was and its stop was answered in step; not where a
+        message was cut part way (its rest would be read as the next)."""
+        if self._mid_message:
+            return False
+        return not self._job_sent or self._stop()
+
+    def _stop(self) -> bool:
         """Its job told to `Stop`, and its replies read (and dropped) up to the job's last: True
         where they came within KILL_GRACE_S, as at a deadline, and in step."""
         within = Cutoff(time.monotonic())
         try:
-            self._write(framed(Stop()), within)
+            self._write(framed(Stop()), cutoff=within)
             while isinstance(self.receive(within, self._frame_bytes)[0], Frame):
                 pass
         except (Stopped, Unreadable):
             return False
+        except Exception:
+            log.exception("a video decoder's stop failed: the decoder is killed")
+            return False
         return True
 
     def receive(self, cutoff: Cutoff, frame_bytes: int = 0) -> tuple[Reply, bytearray]:
-        """The next reply and its payload: none, or a frame of `frame_bytes`. Any other length is a
-        decoder out of step (OutOfStep), never an allocation of whatever size it says."""
-        header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff))
+        """The next reply and its payload: none, or a frame of `frame_bytes`. Any other length, or a
+        header that is no reply, is a decoder out of step (OutOfStep), never an allocation of
+        whatever size it says."""
+        header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff, ends_message=False))
         if header_bytes > MAX_HEADER_BYTES or payload_bytes not in (0, frame_bytes):
             raise OutOfStep(f"the decoder sent a reply of {header_bytes} + {payload_bytes} bytes")
-        begun = Cutoff(cutoff.deadline)  # a reply begun is read whole, its request ended or not
-        reply = reply_decoder.decode(self._read(header_bytes, begun))
-        return reply, self._read(payload_bytes, begun)
+        header = self._read(header_bytes, cutoff, ends_message=payload_bytes == 0)
+        try:
+            reply = reply_decoder.decode(header)
+        except msgspec.DecodeError as exc:
+            raise OutOfStep(f"the decoder sent a reply that is none: {exc}") from None
+        return reply, self._read(payload_bytes, cutoff)
 
-    def _read(self, size: int, cutoff: Cutoff) -> bytearray:
-        """`size` bytes. A request's end stops the read before its first byte only: the rest of a
-        message begun would be read as the start of the next (`stop`)."""
+    def _read(self, size: int, cutoff: Cutoff, ends_message: bool = True) -> bytearray:
         buffer = bytearray(size)
         view, got = memoryview(buffer), 0
         while got < size:
-            self._wait(cutoff if got == 0 else Cutoff(cutoff.deadline), reading=True)
+            self._wait(cutoff, reading=True)
             try:
                 read = self.socket.recv_into(view[got:])
             except BlockingIOError:
@@ -294,30 +310,43 @@ class _Process:
             if read == 0:
                 raise self._died()
             got += read
+            self._mid_message = True
+        self._mid_message = self._mid_message and not ends_message
         return buffer
 
-    def _write(self, data: bytes, cutoff: Cutoff) -> None:
-        view, sent = memoryview(data), 0
-        while sent < len(view):
-            self._wait(Cutoff(cutoff.deadline) if self.begun else cutoff, reading=False)
-            try:
-                sent += self.socket.send(view[sent:])
-            except BlockingIOError:
-                continue
-            except OSError:
-                raise self._died() from None
-            self.begun = True
+    def _write(self, *parts: bytes, cutoff: Cutoff) -> None:
+        """One message, its `parts` in order."""
+        for data in parts:
+            view, sent = memoryview(data), 0
+            while sent < len(view):
+                self._wait(cutoff, reading=False)
+                try:
+                    sent += self.socket.send(view[sent:])
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    raise self._died() from None
+                self._mid_message = True
+        self._mid_message = False
 
     def _wait(self, cutoff: Cutoff, reading: bool) -> None:
-        """Until the socket can be read (or written), in POLL_S steps: a request that ended, or a
-        deadline passed by KILL_GRACE_S, raises Stopped (the caller kills the process). A decoder
-        that stops reading its video (frozen, or dead with its socket still open) is never waited
-        on past them."""
+        """Until the socket can be read (or written), in POLL_S steps. Raises Stopped (the caller
+        decides the process's fate) at the deadline passed by KILL_GRACE_S, or once the request has
+        ended: at once between messages, KILL_GRACE_S later mid-message (a message cut part way
+        leaves the process out of step, so it is finished where it can be). A decoder that stops
+        reading its video (frozen, or dead with its socket still open) is never waited on past them."""
         poller = select.poll()  # not select(): a gateway holding a thousand connections has socket numbers past its reach
         poller.register(self.socket, select.POLLIN if reading else select.POLLOUT)
         while True:
-            if cutoff.told() or time.monotonic() > cutoff.deadline + KILL_GRACE_S:
+            now = time.monotonic()
+            if now > cutoff.deadline + KILL_GRACE_S:
                 raise Stopped()
+            if cutoff.told():
+                if not self._mid_message:
+                    raise Stopped()
+                self._told_at = self._told_at or now
+                if now > self._told_at + KILL_GRACE_S:
+                    raise Stopped()
             if poller.poll(POLL_S * 1000):
                 return
 
