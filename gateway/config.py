@@ -133,8 +133,11 @@ class GatewayConfig(FrozenConfig):
     max_video_frames: int = Field(108_000, ge=1)  # frames the header claims (an hour at 30 fps)
     max_video_duration_s: float = Field(3600, gt=0, le=36000)  # length the header claims; the engine takes up to 10 h
     max_video_sampled_frames: int = Field(768, ge=1)  # frames kept per video (Qwen's loaders cap at 768 too)
-    max_video_decode_s: float = Field(120, gt=0)  # one video's decode; past it a 413 (it holds an intake thread)
-    intake_workers: int = Field(2, ge=1)  # threads decoding and resizing images, and waiting on video decoders
+    max_video_decode_s: float = Field(120, gt=0)  # one video's decode; past it a 413 (it holds a video intake thread)
+    intake_workers: int = Field(2, ge=1)  # threads decoding and resizing images
+    # Threads waiting on video decoder processes (and resizing their frames): as many videos are read at
+    # once. Apart from the images' threads, so an image never waits behind a video's decode.
+    video_intake_workers: int = Field(2, ge=1)
     # Decode JPEGs at a reduced DCT scale (libjpeg's 1/2, 1/4, 1/8) no smaller
     # than the target. Faster; pixels differ from a full decode (vLLM's path).
     jpeg_draft: bool = False

@@ -93,7 +93,9 @@ class ChatPipeline:
         self.fetcher = fetcher
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
-        self.videos = VideoIntake(fetcher, video_limits(config), self.pool, decoders)  # gateway/intake/video/
+        # Videos wait on their decoders on threads of their own: an image's decode never queues behind a video's.
+        video_pool = ThreadPoolExecutor(config.video_intake_workers, thread_name_prefix="video-intake")
+        self.videos = VideoIntake(fetcher, video_limits(config), video_pool, decoders)  # gateway/intake/video/
         self.handoff = ImageHandoff(config, encoder, engine, self._decode, self.videos.decode_all)
 
     async def _in_pool(self, fn, *args):

@@ -3,7 +3,7 @@
 For a request's `video_url` parts, the pipeline calls `VideoIntake.take_all`:
 1. `video_fetch`: a data: URL's base64 decoded, or an http(s) URL fetched
    through the image fetcher's address guard (gateway/fetch.py), capped at
-   `VideoLimits.max_bytes`; then, still in `video_fetch`, in the intake thread pool, `inspect` sniffs
+   `VideoLimits.max_bytes`; then, still in `video_fetch`, on the video intake threads, `inspect` sniffs
    the container, opens it and checks its header (frame size, claimed frames
    and duration) and the number of frames sampling keeps, all before a frame
    is decoded. Every open and decode of a video runs in a decoder process
@@ -338,7 +338,7 @@ class VideoIntake:
 
     async def decode(self, item: InspectedVideo) -> SampledVideo:
         """Within `max_decode_s`, or a 413: a clip within every header limit (an hour of 4K) can
-        still take minutes of a core, and the intake threads are every request's. A clip whose
+        still take minutes of a core, and the video intake threads are every video request's. A clip whose
         last frames turn out unreadable (`_a_tail_vllm_serves_without`) is decoded again where that
         changes the frames' size: they were sized for more frames than vLLM's processor gets."""
         video = await self._decode(item)
