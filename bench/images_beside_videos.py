@@ -5,7 +5,8 @@ Each round sends a new image alone, then two new long clips at once and,
 once their decodes are under way, another new image: both images' TTFT
 and stages, and the clips' `video_decode`. Images and videos are taken in by
 the gateway's intake threads; a long decode that held the threads an image
-needs would show as that image's wait (its `image_preprocess` stage, and TTFT).
+needs would show as that image's wait (its `image_fetch` stage, where a data URL
+is decoded on those threads, its `image_preprocess`, and TTFT).
 Figures go to docs/measurements/images-beside-videos.md.
 
     python -m bench.images_beside_videos --rounds 5
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from gateway.timing import TTFT_STAGES
 from loadtest.client import Target, send
 from loadtest.runner import image_urls
 from loadtest.videos import VideoSpec
@@ -68,9 +70,11 @@ def _median(results, stage: str | None = None) -> float:
 
 def report(results: dict) -> None:
     alone, beside = results["alone"], results["beside"]
-    print(f"{'image request':22} {'TTFT p50':>10} {'image_preprocess p50':>21}")
+    stages = [stage for stage in TTFT_STAGES if any(r.stages_ms.get(stage, 0) > 0 for r in alone + beside)]
+    print(f"{'image request':22} {'TTFT p50':>10} " + " ".join(f"{stage:>{max(len(stage), 9)}}" for stage in stages))
     for name, chosen in (("alone", alone), ("beside 2 clip decodes", beside)):
-        print(f"{name:22} {_median(chosen):8.0f} ms {_median(chosen, 'image_preprocess'):18.1f} ms")
+        print(f"{name:22} {_median(chosen):7.0f} ms " + " ".join(f"{_median(chosen, stage):{max(len(stage), 9) - 3}.1f} ms"
+                                                         for stage in stages))
     print(f"TTFT beside / alone: {_median(beside) / _median(alone):.2f}; the clips' video_decode p50 "
           f"{_median(results['clips'], 'video_decode'):.0f} ms, TTFT p50 {_median(results['clips']):.0f} ms")
 
