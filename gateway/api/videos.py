@@ -39,7 +39,8 @@ def request_sampling(request: ChatCompletionRequest, loader: LoaderKind) -> Vide
                        "(media_io_kwargs.video.fps, min_frames, max_frames), not by a frame count",
                        param="media_io_kwargs.video.num_frames", code="unsupported_parameter")
     if loader != "opencv":  # vLLM's Qwen loaders cap these quietly: past the cap, a no-op
-        for key, value, cap in (("fps", given.fps, QWEN_MAX_FPS), ("max_frames", given.max_frames, QWEN_MAX_FRAMES)):
+        for key, value, cap in (("fps", given.fps, QWEN_MAX_FPS), ("min_frames", given.min_frames, QWEN_MAX_FRAMES),
+                                ("max_frames", given.max_frames, QWEN_MAX_FRAMES)):
             if value is not None and value > cap:
                 raise APIError(400, f"media_io_kwargs.video.{key}: {value:g} is past this model's video loader's "
                                f"cap of {cap}, which it would sample at instead; send at most {cap}",

@@ -91,7 +91,7 @@ def test_num_frames_is_refused_where_the_loader_would_ignore_it():
 
 
 @pytest.mark.parametrize("loader", ["qwen2_vl", "qwen3_vl"])
-@pytest.mark.parametrize("key,value", [("fps", 31), ("max_frames", 769)])
+@pytest.mark.parametrize("key,value", [("fps", 31), ("min_frames", 769), ("max_frames", 769)])
 def test_sampling_past_the_loader_s_cap_is_refused_where_it_would_be_capped_quietly(loader, key, value):
     with pytest.raises(APIError) as caught:
         request_sampling(request(media_io_kwargs={"video": {key: value}}), loader)
