@@ -363,6 +363,16 @@ class ChatCompletionRequest(_Strict):
         return stops
 
     @model_validator(mode="after")
+    def _one_output_limit(self) -> "ChatCompletionRequest":
+        """vLLM takes max_completion_tokens over max_tokens: a different max_tokens beside it would be
+        ignored, so it is refused (the same number twice, as some clients send it, is one limit)."""
+        both = (self.max_tokens, self.max_completion_tokens)
+        if None not in both and both[0] != both[1]:
+            raise invalid("max_tokens", f"max_tokens ({both[0]}) and max_completion_tokens ({both[1]}) differ; send one "
+                          "(max_completion_tokens is the one OpenAI's API documents)")
+        return self
+
+    @model_validator(mode="after")
     def _min_within_max(self) -> "ChatCompletionRequest":
         limit = self.max_completion_tokens or self.max_tokens
         if limit is not None and self.min_tokens > limit:

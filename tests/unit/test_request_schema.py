@@ -157,3 +157,11 @@ def test_an_integer_past_64_bits_anywhere_in_the_body_is_refused_naming_where():
     with pytest.raises(pydantic.ValidationError, match="64 bits"):
         request(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": schema}}}}])
     assert request(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_max_tokens_beside_a_different_max_completion_tokens_is_refused_not_ignored():
+    """vLLM would take max_completion_tokens and quietly ignore max_tokens: a limit the client set
+    that does nothing. The same number in both (some clients send both) is one limit."""
+    error = refused({"max_tokens": 5, "max_completion_tokens": 50})
+    assert error["param"] == "max_tokens" and "differ" in error["message"]
+    assert request(max_tokens=7, max_completion_tokens=7).max_completion_tokens == 7
