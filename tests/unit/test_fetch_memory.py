@@ -129,3 +129,83 @@ async def full_budget_refusal() -> tuple[int, str]:
 def test_a_fetch_waiting_for_memory_is_refused_as_memory_full_not_as_a_fetch_timeout():
     """The wait for room is the budget's (memory_wait_s, then 503 + Retry-After), not the host's time."""
     assert asyncio.run(full_budget_refusal()) == (503, "memory_full")
+
+
+async def trickled_then_sent(declared: int) -> tuple[int, int, int]:
+    """(counted while a host that declared `declared` bytes trickles its first thousand, the most
+    counted once it sends the rest, the bytes fetched)."""
+    budget = MemoryBudget()
+    budget.size(2**30)
+    current_hold.set(MemoryHold(budget))
+    fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(64 * 2**20, 10**8, 2, 200))
+    rest, peak = asyncio.Event(), 0
+
+    async def trickling_host(reader, writer) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % declared + b"x" * 1000)
+        await writer.drain()
+        await rest.wait()
+        writer.write(b"x" * (declared - 1000))
+        await writer.drain()
+        writer.close()
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, budget.working)
+            await asyncio.sleep(0.001)
+
+    host, port = await server(trickling_host)
+    try:
+        fetching = asyncio.create_task(fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img"))
+        await wait_until_async(lambda: budget.working > 0, 5, "the first bytes counted")
+        trickling = budget.working
+        watching = asyncio.create_task(watch())
+        rest.set()
+        body = await fetching
+        watching.cancel()
+        return trickling, peak, len(body)
+    finally:
+        host.close()
+        await fetcher.close()
+
+
+def test_a_host_that_declares_a_large_body_and_trickles_it_holds_a_step_of_the_budget():
+    """48 MB declared, a thousand bytes sent: a step counted (where the whole declared size once was,
+    for as long as the host kept it up); the rest, once it comes, counted as it comes."""
+    from gateway.intake.fetch import FETCH_STEP_BYTES
+
+    declared = 48 * 2**20
+    trickling, peak, fetched = asyncio.run(trickled_then_sent(declared))
+    assert trickling == BODY_COPIES * FETCH_STEP_BYTES < BODY_COPIES * declared
+    assert peak == BODY_COPIES * declared and fetched == declared
+
+
+def test_a_declared_body_past_the_whole_budget_is_a_413_before_it_is_read():
+    budget = MemoryBudget()
+    budget.size(10 * 2**20)
+    current_hold.set(MemoryHold(budget))
+
+    async def fetch_large() -> APIError:
+        fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)),
+                               ImageLimits(64 * 2**20, 10**8, 2, 200))
+
+        async def large_host(reader, writer) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (8 * 2**20) + b"x" * 1000)
+            await writer.drain()
+            await asyncio.sleep(5)
+            writer.close()
+
+        host, port = await server(large_host)
+        try:
+            await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
+        except APIError as refused:
+            return refused
+        finally:
+            host.close()
+            await fetcher.close()
+        raise AssertionError("fetched past the budget")
+
+    refused = asyncio.run(fetch_large())
+    assert refused.status == 413 and "more than its whole budget" in refused.message
