@@ -182,11 +182,10 @@ def test_a_host_that_declares_a_large_body_and_trickles_it_holds_a_step_of_the_b
 
 
 def test_a_declared_body_past_the_whole_budget_is_a_413_before_it_is_read():
-    budget = MemoryBudget()
-    budget.size(10 * 2**20)
-    current_hold.set(MemoryHold(budget))
-
     async def fetch_large() -> APIError:
+        budget = MemoryBudget()
+        budget.size(10 * 2**20)
+        current_hold.set(MemoryHold(budget))  # this run's context: later tests do not inherit it
         fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)),
                                ImageLimits(64 * 2**20, 10**8, 2, 200))
 
