@@ -5,6 +5,7 @@ body comes, nothing once the fetch has ended (its bytes are then the request's t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from gateway.errors import APIError
 from gateway.intake.fetch import FetchLimits, ImageFetcher
@@ -20,25 +21,62 @@ async def server(handler) -> tuple[asyncio.AbstractServer, int]:
     return started, started.sockets[0].getsockname()[1]
 
 
-async def fetch_counts() -> tuple[int, int, int]:
-    """(counted while the host says nothing, while its declared body trickles, once it is read)."""
-    budget = MemoryBudget()
-    budget.size(2**30)
-    current_hold.set(MemoryHold(budget))
-    fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(2**20, 10**8, 2, 200))
-    answer, body_sent = asyncio.Event(), asyncio.Event()
+def sending_in_two(declared: int, rest: asyncio.Event, answer: asyncio.Event | None = None):
+    """A host that answers (once `answer` is set, where given) declaring `declared` bytes, sends a
+    thousand of them (all, if fewer), and the rest once `rest` is set."""
+    first = min(1000, declared)
 
-    async def slow_host(reader, writer) -> None:
+    async def handle(reader, writer) -> None:
         await reader.readuntil(b"\r\n\r\n")
-        await answer.wait()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % DECLARED + b"x" * 1000)
+        if answer is not None:
+            await answer.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % declared + b"x" * first)
         await writer.drain()
-        await body_sent.wait()
-        writer.write(b"x" * (DECLARED - 1000))
+        await rest.wait()
+        writer.write(b"x" * (declared - first))
         await writer.drain()
         writer.close()
 
-    host, port = await server(slow_host)
+    return handle
+
+
+def counted_in(capacity: int, wait_s: float = 10) -> MemoryBudget:
+    """A budget of `capacity`, the current request's: called inside the test's own run (asyncio.run's
+    context), so no later test inherits it."""
+    budget = MemoryBudget(wait_s=wait_s)
+    budget.size(capacity)
+    current_hold.set(MemoryHold(budget))
+    return budget
+
+
+def local_fetcher(max_bytes: int = 2**20, total_timeout_s: float = 20) -> ImageFetcher:
+    return ImageFetcher(FetchLimits(2, 10, total_timeout_s, 0, allowed_networks=("127.0.0.0/8",)),
+                        ImageLimits(max_bytes, 10**8, 2, 200))
+
+
+@contextlib.asynccontextmanager
+async def peak_working(budget: MemoryBudget):
+    """[the most `budget.working` was while the block ran], looked at every millisecond."""
+    peak = [0]
+
+    async def watch() -> None:
+        while True:
+            peak[0] = max(peak[0], budget.working)
+            await asyncio.sleep(0.001)
+
+    watching = asyncio.create_task(watch())
+    try:
+        yield peak
+    finally:
+        watching.cancel()
+
+
+async def fetch_counts() -> tuple[int, int, int]:
+    """(counted while the host says nothing, while its declared body trickles, once it is read)."""
+    budget, fetcher = counted_in(2**30), local_fetcher()
+    answer, body_sent = asyncio.Event(), asyncio.Event()
+
+    host, port = await server(sending_in_two(DECLARED, body_sent, answer))
     try:
         fetching = asyncio.create_task(fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img"))
         await asyncio.sleep(0.3)  # connected, the request sent: the host says nothing yet
@@ -60,11 +98,7 @@ def test_a_fetch_counts_what_its_response_declares_while_it_comes_and_nothing_be
 
 async def chunked_peak() -> tuple[int, int]:
     """(the most counted while a chunked body that also says Content-Length: 1 came, its bytes)."""
-    budget = MemoryBudget()
-    budget.size(2**30)
-    current_hold.set(MemoryHold(budget))
-    fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(2**20, 10**8, 2, 200))
-    peak = 0
+    budget, fetcher = counted_in(2**30), local_fetcher()
 
     async def chunked_host(reader, writer) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -77,19 +111,12 @@ async def chunked_peak() -> tuple[int, int]:
         await writer.drain()
         writer.close()
 
-    async def watch() -> None:
-        nonlocal peak
-        while True:
-            peak = max(peak, budget.working)
-            await asyncio.sleep(0.001)
-
     host, port = await server(chunked_host)
-    watching = asyncio.create_task(watch())
     try:
-        body = await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
-        return peak, len(body)
+        async with peak_working(budget) as peak:
+            body = await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
+        return peak[0], len(body)
     finally:
-        watching.cancel()
         host.close()
         await fetcher.close()
 
@@ -100,30 +127,25 @@ def test_a_chunked_body_is_counted_at_the_cap_whatever_length_it_declares():
     assert asyncio.run(chunked_peak()) == (BODY_COPIES * 2**20, 300_000)
 
 
-async def full_budget_refusal() -> tuple[int, str]:
-    """A fetch whose response waits for room longer than the fetch's whole deadline: what it gets."""
-    budget = MemoryBudget(wait_s=1.0)
-    budget.size(1000)
-    budget.working = 1000  # full: every fetch waits for room
-    current_hold.set(MemoryHold(budget))
-    fetcher = ImageFetcher(FetchLimits(2, 10, 0.5, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(2**20, 10**8, 2, 200))
-
-    async def host_handler(reader, writer) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n0123456789")
-        await writer.drain()
-        await asyncio.sleep(5)
-        writer.close()
-
-    host, port = await server(host_handler)
+async def refusal(fetcher: ImageFetcher, handler) -> APIError:
+    """What a fetch from a host answering with `handler` is refused with."""
+    host, port = await server(handler)
     try:
         await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
     except APIError as refused:
-        return refused.status, refused.code
+        return refused
     finally:
         host.close()
         await fetcher.close()
-    raise AssertionError("fetched with no room")
+    raise AssertionError("fetched, where a refusal was due")
+
+
+async def full_budget_refusal() -> tuple[int, str]:
+    """A fetch whose response waits for room longer than the fetch's whole deadline: what it gets."""
+    budget, fetcher = counted_in(1000, wait_s=1.0), local_fetcher(total_timeout_s=0.5)
+    budget.working = 1000  # full: every fetch waits for room
+    refused = await refusal(fetcher, sending_in_two(10, asyncio.Event()))
+    return refused.status, refused.code
 
 
 def test_a_fetch_waiting_for_memory_is_refused_as_memory_full_not_as_a_fetch_timeout():
@@ -134,37 +156,18 @@ def test_a_fetch_waiting_for_memory_is_refused_as_memory_full_not_as_a_fetch_tim
 async def trickled_then_sent(declared: int) -> tuple[int, int, int]:
     """(counted while a host that declared `declared` bytes trickles its first thousand, the most
     counted once it sends the rest, the bytes fetched)."""
-    budget = MemoryBudget()
-    budget.size(2**30)
-    current_hold.set(MemoryHold(budget))
-    fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)), ImageLimits(64 * 2**20, 10**8, 2, 200))
-    rest, peak = asyncio.Event(), 0
+    budget, fetcher = counted_in(2**30), local_fetcher(64 * 2**20)
+    rest = asyncio.Event()
 
-    async def trickling_host(reader, writer) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % declared + b"x" * 1000)
-        await writer.drain()
-        await rest.wait()
-        writer.write(b"x" * (declared - 1000))
-        await writer.drain()
-        writer.close()
-
-    async def watch() -> None:
-        nonlocal peak
-        while True:
-            peak = max(peak, budget.working)
-            await asyncio.sleep(0.001)
-
-    host, port = await server(trickling_host)
+    host, port = await server(sending_in_two(declared, rest))
     try:
         fetching = asyncio.create_task(fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img"))
         await wait_until_async(lambda: budget.working > 0, 5, "the first bytes counted")
         trickling = budget.working
-        watching = asyncio.create_task(watch())
-        rest.set()
-        body = await fetching
-        watching.cancel()
-        return trickling, peak, len(body)
+        async with peak_working(budget) as peak:
+            rest.set()
+            body = await fetching
+        return trickling, peak[0], len(body)
     finally:
         host.close()
         await fetcher.close()
@@ -183,28 +186,8 @@ def test_a_host_that_declares_a_large_body_and_trickles_it_holds_a_step_of_the_b
 
 def test_a_declared_body_past_the_whole_budget_is_a_413_before_it_is_read():
     async def fetch_large() -> APIError:
-        budget = MemoryBudget()
-        budget.size(10 * 2**20)
-        current_hold.set(MemoryHold(budget))  # this run's context: later tests do not inherit it
-        fetcher = ImageFetcher(FetchLimits(2, 10, 20, 0, allowed_networks=("127.0.0.0/8",)),
-                               ImageLimits(64 * 2**20, 10**8, 2, 200))
-
-        async def large_host(reader, writer) -> None:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (8 * 2**20) + b"x" * 1000)
-            await writer.drain()
-            await asyncio.sleep(5)
-            writer.close()
-
-        host, port = await server(large_host)
-        try:
-            await fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img")
-        except APIError as refused:
-            return refused
-        finally:
-            host.close()
-            await fetcher.close()
-        raise AssertionError("fetched past the budget")
+        counted_in(10 * 2**20)
+        return await refusal(local_fetcher(64 * 2**20), sending_in_two(8 * 2**20, asyncio.Event()))
 
     refused = asyncio.run(fetch_large())
     assert refused.status == 413 and "more than its whole budget" in refused.message
