@@ -48,9 +48,10 @@ from bench.servers import vllm_server
 from bench.video_memory import PeakRss, budget_of
 from bench.video_report import markdown, prompt_token_mismatches, record
 from common.config import REPO_ROOT
-from gateway.intake.memory import DECODER_PROCESS_BYTES
+from gateway.config import GatewayConfig
+from gateway.intake.memory import DECODER_PROCESS_BYTES, IDLE_DECODERS
 from gateway.intake.resize import smart_resize
-from gateway.intake.video.limits import decoding_bytes
+from gateway.intake.video.limits import OPENING_FRAMES, decoding_bytes
 from gateway.intake.video.sampling import SourceInfo
 from loadtest.bench import build_report
 from loadtest.client import Target, send
@@ -70,6 +71,7 @@ QUESTIONS = ("What moves in this clip?", "Which shape changes colour, and when?"
 MEMORY_WAIT_S = 300
 WARMUP = 2  # (c)'s requests sent first and left out
 SMALL_BUDGET_CLIPS = 3.5  # (d)'s smaller budget: room for this many decodes at once
+CLIP_BYTES_ROOM = 16 * 2**20  # a header read's copy of its clip's bytes, rounded up: (d)'s clips are a few MB
 MEMORY_USE_FRACTION = 0.8  # configs/cpu-demo.yaml's gateway.memory_use_fraction
 DEMO_FACTOR, DEMO_MIN_PIXELS = 28, 3136  # the demo model's video processor: patch × merge, size["shortest_edge"]
 
@@ -168,9 +170,14 @@ def long_clips(target: Target, sizes: Sizes, pid: int, budget: int | None, child
 
 
 def small_memory_limit(gateway_rss: int, sizes: Sizes) -> str:
-    """A gateway.memory_limit_bytes whose budget holds about SMALL_BUDGET_CLIPS of (d)'s decodes: under
-    one, every clip would be refused (413) and the run would show only that; at 8, nothing would wait."""
-    return f"{math.ceil((gateway_rss + SMALL_BUDGET_CLIPS * long_clip_decode(sizes)) / MEMORY_USE_FRACTION / 2**20)}MiB"
+    """A gateway.memory_limit_bytes whose budget holds about SMALL_BUDGET_CLIPS of (d)'s decodes (and
+    at least one header read, which admits frames at the size limit): under one, every clip would be
+    refused (413) and the run would show only that; at 8, nothing would wait. Beside the gateway's
+    own memory and its idle decoders', which the budget leaves out (gateway/intake/memory.py)."""
+    header_read = DECODER_PROCESS_BYTES + OPENING_FRAMES * GatewayConfig().max_video_frame_pixels * 3 + CLIP_BYTES_ROOM
+    room = max(SMALL_BUDGET_CLIPS * long_clip_decode(sizes), header_read)
+    limit = (gateway_rss + IDLE_DECODERS * DECODER_PROCESS_BYTES + room) / MEMORY_USE_FRACTION
+    return f"{math.ceil(limit / 2**20)}MiB"
 
 
 def long_clip_decode(sizes: Sizes) -> int:

@@ -121,6 +121,8 @@ class ServedModel:
     async def close(self) -> None:
         await self.encoder.close()
         await self.engine.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
 
 def _another_checkpoint(encoder: EncoderReady, engine: EngineReady) -> str | None:

@@ -94,9 +94,14 @@ class ChatPipeline:
         self.model_name = model_name
         self.pool = ThreadPoolExecutor(config.intake_workers, thread_name_prefix="intake")
         # Videos wait on their decoders on threads of their own: an image's decode never queues behind a video's.
-        video_pool = ThreadPoolExecutor(config.video_intake_workers, thread_name_prefix="video-intake")
-        self.videos = VideoIntake(fetcher, video_limits(config), video_pool, decoders)  # gateway/intake/video/
+        self.video_pool = ThreadPoolExecutor(config.video_intake_workers, thread_name_prefix="video-intake")
+        self.videos = VideoIntake(fetcher, video_limits(config), self.video_pool, decoders)  # gateway/intake/video/
         self.handoff = ImageHandoff(config, encoder, engine, self._decode, self.videos.decode_all)
+
+    def close(self) -> None:
+        """The intake threads end once idle (a retired model's: a reload would otherwise leave them)."""
+        self.pool.shutdown(wait=False)
+        self.video_pool.shutdown(wait=False)
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

@@ -29,14 +29,11 @@ import idna
 
 from gateway.errors import APIError
 from gateway.intake.images import ImageLimits
-from gateway.intake.memory import BODY_COPIES, check_fits, hold, working
+from gateway.intake.memory import BODY_COPIES, hold, working
 
 log = logging.getLogger("prism.gateway")
 
 _REDIRECTS = {301, 302, 303, 307, 308}
-# A body's memory is admitted as it arrives, this much at a time: a host that declares a large body
-# (or none) and trickles it holds a step of the budget, not the whole size, while it lasts.
-FETCH_STEP_BYTES = 4 * 2**20
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -231,37 +228,27 @@ class ImageFetcher:
         declared = response.headers.get("content-length", "")
         if declared.isdigit():
             byte_limits.check_bytes(int(declared), where)
-        # Counted as it comes, FETCH_STEP_BYTES at a time and never past what it declares (the cap
-        # where it declares nothing, or where a chunked encoding, not the length, says where the body
-        # ends): the body and its copy. A host that never answers holds a socket, not the budget,
-        # and one that trickles holds a step's worth.
+        # Counted from the response on, by what it declares (the cap where it declares nothing, or
+        # where a chunked encoding, not the length, says where the body ends): the body as it comes
+        # and its copy. A host that never answers holds a socket, not the budget.
         chunked = "transfer-encoding" in response.headers
         expected = int(declared) if declared.isdigit() and not chunked else byte_limits.max_bytes
-        if not chunked and declared.isdigit():
-            check_fits(BODY_COPIES * expected, f"fetching {where}")  # a 413 now, not a wait for room that never comes
-        async with contextlib.AsyncExitStack() as room:
-            chunks, size, admitted = [], 0, 0
+        async with self._room(BODY_COPIES * expected, where, deadline):
+            chunks, size = [], 0
             async for chunk in response.aiter_raw():  # as sent: nothing is inflated
                 size += len(chunk)
                 byte_limits.check_bytes(size, where, "more than")  # stops reading: never buffers past the cap
                 if size > expected:
                     raise APIError(400, f"{where}: the server sent more than the {expected} bytes it declared",
                                    param=where, code=f"{kind}_fetch_failed")
-                while admitted < size:
-                    step = min(FETCH_STEP_BYTES, expected - admitted)
-                    await room.enter_async_context(self._room(BODY_COPIES * (admitted + step), BODY_COPIES * step,
-                                                              where, deadline))
-                    admitted += step
                 chunks.append(chunk)
             hold(size)  # the request's from here: counted before the reservation ends
-            return b"".join(chunks)  # with the chunks, the two copies counted
+            return b"".join(chunks)  # with the chunks, the two copies counted (a bytearray grown by += takes up to 1/8 more)
 
     @contextlib.asynccontextmanager
-    async def _room(self, total: int, nbytes: int, where: str, deadline: asyncio.Timeout):
-        """`working(nbytes)` more for the body's read, `total` with the steps before (a 413 where that
-        would not fit the whole budget); the wait for room is not the fetch's time (a full budget is a
-        503 memory_full, not a fetch timeout)."""
-        check_fits(total, f"fetching {where}")
+    async def _room(self, nbytes: int, where: str, deadline: asyncio.Timeout):
+        """`working(nbytes)` for the body's read; the wait for room is not the fetch's time (a full
+        budget is a 503 memory_full, not a fetch timeout)."""
         loop = asyncio.get_running_loop()
         when, started = deadline.when(), loop.time()
         deadline.reschedule(None)

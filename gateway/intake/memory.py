@@ -18,10 +18,9 @@ What one request holds (`MemoryHold`):
   copy it hands over; then the parsed request (a data URL is a str as long)
   and each image's bytes (3/4 of its base64). A body without Content-Length
   is counted as it arrives;
-- an http(s) image or video, BODY_COPIES × its bytes as they arrive, in
-  steps of 4 MiB up to the size it declares (its limit where it declares
-  none; a 413 at once where that could never fit) while it is read, then
-  its size; nothing while its host is looked up and connected;
+- an http(s) image, from its response on, BODY_COPIES × the size it
+  declares (gateway.max_image_bytes where it declares none) while it is
+  read, then its size; nothing while its host is looked up and connected;
 - an image or a video being decoded, its `decoding_bytes` (a video's with
   its decoder process and that process's copy of the bytes, from its
   header's read on, which admits four frames at the size limit for the
@@ -128,17 +127,13 @@ class MemoryBudget:
         self._room.set()  # waiting decodes and fetches look again
         self._changed()
 
-    def check_fits(self, nbytes: int, what: str) -> None:
-        """413 where `nbytes` would not fit in the whole budget, however long it waited."""
+    async def start_work(self, nbytes: int, what: str) -> None:
+        """Room for a decode or a fetch: waits up to `wait_s` for it (503 then),
+        413 if it would not fit in the whole budget."""
         if self.capacity is not None and nbytes > self.largest:
             raise APIError(413, f"{what} needs about {mib(nbytes)} of the gateway's memory, more than its whole budget "
                            f"of {mib(self.largest)}{self.label} (gateway.memory_limit_bytes, or its container's limit)",
                            code="image_too_large")
-
-    async def start_work(self, nbytes: int, what: str) -> None:
-        """Room for a decode or a fetch: waits up to `wait_s` for it (503 then),
-        413 if it would not fit in the whole budget."""
-        self.check_fits(nbytes, what)
         try:
             async with asyncio.timeout(self.wait_s):
                 while self.capacity is not None and self.in_use + nbytes > self.capacity:
@@ -200,12 +195,6 @@ def hold(nbytes: int) -> None:
     """Count `nbytes` as the current request's until it ends or lets them go (none outside a request)."""
     if (request := current_hold.get()) is not None:
         request.take(nbytes)
-
-
-def check_fits(nbytes: int, what: str) -> None:
-    """413 where `nbytes` would not fit in the current request's whole budget (none outside a request)."""
-    if (request := current_hold.get()) is not None:
-        request.budget.check_fits(nbytes, what)
 
 
 def let_go(nbytes: int) -> None:

@@ -153,37 +153,6 @@ def test_a_fetch_waiting_for_memory_is_refused_as_memory_full_not_as_a_fetch_tim
     assert asyncio.run(full_budget_refusal()) == (503, "memory_full")
 
 
-async def trickled_then_sent(declared: int) -> tuple[int, int, int]:
-    """(counted while a host that declared `declared` bytes trickles its first thousand, the most
-    counted once it sends the rest, the bytes fetched)."""
-    budget, fetcher = counted_in(2**30), local_fetcher(64 * 2**20)
-    rest = asyncio.Event()
-
-    host, port = await server(sending_in_two(declared, rest))
-    try:
-        fetching = asyncio.create_task(fetcher.fetch(f"http://127.0.0.1:{port}/a.png", "img"))
-        await wait_until_async(lambda: budget.working > 0, 5, "the first bytes counted")
-        trickling = budget.working
-        async with peak_working(budget) as peak:
-            rest.set()
-            body = await fetching
-        return trickling, peak[0], len(body)
-    finally:
-        host.close()
-        await fetcher.close()
-
-
-def test_a_host_that_declares_a_large_body_and_trickles_it_holds_a_step_of_the_budget():
-    """48 MB declared, a thousand bytes sent: a step counted (where the whole declared size once was,
-    for as long as the host kept it up); the rest, once it comes, counted as it comes."""
-    from gateway.intake.fetch import FETCH_STEP_BYTES
-
-    declared = 48 * 2**20
-    trickling, peak, fetched = asyncio.run(trickled_then_sent(declared))
-    assert trickling == BODY_COPIES * FETCH_STEP_BYTES < BODY_COPIES * declared
-    assert peak == BODY_COPIES * declared and fetched == declared
-
-
 def test_a_declared_body_past_the_whole_budget_is_a_413_before_it_is_read():
     async def fetch_large() -> APIError:
         counted_in(10 * 2**20)
@@ -191,3 +160,24 @@ def test_a_declared_body_past_the_whole_budget_is_a_413_before_it_is_read():
 
     refused = asyncio.run(fetch_large())
     assert refused.status == 413 and "more than its whole budget" in refused.message
+
+
+def test_two_fetches_that_each_fit_the_budget_alone_both_come_one_after_the_other():
+    """A fetch reserves all it may take at once, or waits holding nothing: two that fit one at a
+    time never each hold a part while waiting on the other (both would be 503s at memory_wait_s)."""
+    declared = 12 * 2**20
+
+    async def two_at_once() -> list[int]:
+        counted_in(3 * declared, wait_s=5)  # room for one body and its copy at a time
+        fetcher = local_fetcher(64 * 2**20)
+        sent = asyncio.Event()
+        sent.set()
+        host, port = await server(sending_in_two(declared, sent))
+        try:
+            bodies = await asyncio.gather(*(fetcher.fetch(f"http://127.0.0.1:{port}/{n}.png", "img") for n in range(2)))
+            return [len(body) for body in bodies]
+        finally:
+            host.close()
+            await fetcher.close()
+
+    assert asyncio.run(two_at_once()) == [declared, declared]

@@ -55,3 +55,18 @@ def test_a_video_is_read_while_images_hold_every_image_thread():
     inspected, done_while_held = asyncio.run(with_threads_held(chat.pool, lambda: chat.videos.inspect(raw, WHERE, VideoSampling())))
     assert done_while_held and inspected.source.total_frames == 12
     chat.videos.decoders.close()
+
+
+def test_a_closed_pipeline_s_intake_threads_end():
+    """A retired model's pipeline (gateway/api/models.py ServedModel.close): its threads, images' and
+    videos', end rather than wait for work that will never come, reload after reload."""
+    from tests.waiting import wait_until
+
+    chat = pipeline()
+    for pool in (chat.pool, chat.video_pool):
+        pool.submit(int).result()  # a thread started
+    threads = [*chat.pool._threads, *chat.video_pool._threads]
+    assert threads and all(thread.is_alive() for thread in threads)
+    chat.close()
+    wait_until(lambda: not any(thread.is_alive() for thread in threads), 10, "the intake threads ended")
+    chat.videos.decoders.close()
