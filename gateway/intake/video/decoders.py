@@ -7,12 +7,13 @@ took the gateway and every request it held; a frame larger than its header
 says was decoded at its true size, far past what the memory budget counted;
 and a seek inside FFmpeg cannot be interrupted from Python. A decoder process
 runs one job at a time for an intake thread that waits on it, and:
-- its memory is capped for each job (RLIMIT_DATA): the frames the job needs
-  in flight (twelve at the header's frame size for a decode and a frame
-  count, which the gateway's budget admits; four at the size limit for a
-  header's read, which it does not: an opening takes a frame or two), plus
-  DECODER_SLACK_BYTES of room; past it FFmpeg's allocations fail and the
-  video is refused, where it would have grown the gateway;
+- its memory is capped for each job (RLIMIT_DATA) at what the gateway's
+  budget admitted it for, the frames it needs in flight (twelve at the
+  header's frame size for a decode and a frame count; four at the size
+  limit for a header's read, whose opening decodes a frame or two before
+  the size is known), plus DECODER_SLACK_BYTES of room; past it FFmpeg's
+  allocations fail and the video is refused, where it would have grown the
+  gateway;
 - a job whose request has ended is told to stop, which it does at its next
   read of the bytes or its next frame, and its process is kept;
 - a job past its deadline by KILL_GRACE_S, or whose stop is not answered
