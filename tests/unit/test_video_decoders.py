@@ -210,8 +210,8 @@ def test_a_decode_whose_request_ended_stops_at_once_and_its_decoder_is_kept(deco
     item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
     answers, receive = [], module._Process.receive
 
-    def noted(process, cutoff, frame_bytes=0):
-        reply = receive(process, cutoff, frame_bytes)
+    def noted(process, cutoff):
+        reply = receive(process, cutoff)
         answers.append(reply[0])
         return reply
 

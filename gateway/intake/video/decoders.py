@@ -115,7 +115,7 @@ class DecoderProcesses:
         with self._job(ReadFrames(indices, height, width, _limits(cutoff, memory_bytes)), raw, cutoff) as process:
             wanted, last = set(indices), -1
             while True:
-                reply, pixels = process.receive(cutoff, height * width * 3)
+                reply, pixels = process.receive(cutoff)
                 if not isinstance(reply, Frame):
                     break
                 if len(pixels) != height * width * 3 or reply.index not in wanted or reply.index <= last:
@@ -274,7 +274,7 @@ class _Process:
         within = Cutoff(time.monotonic())
         try:
             self._write(framed(Stop()), cutoff=within)
-            while isinstance(self.receive(within, self._frame_bytes)[0], Frame):
+            while isinstance(self.receive(within)[0], Frame):
                 pass
         except (Stopped, Unreadable):
             return False
@@ -283,12 +283,12 @@ class _Process:
             return False
         return True
 
-    def receive(self, cutoff: Cutoff, frame_bytes: int = 0) -> tuple[Reply, bytearray]:
-        """The next reply and its payload: none, or a frame of `frame_bytes`. Any other length, or a
-        header that is no reply, is a decoder out of step (OutOfStep), never an allocation of
-        whatever size it says."""
+    def receive(self, cutoff: Cutoff) -> tuple[Reply, bytearray]:
+        """The next reply and its payload: none, or a frame of the running job's size. Any other
+        length, or a header that is no reply, is a decoder out of step (OutOfStep), never an
+        allocation of whatever size it says."""
         header_bytes, payload_bytes = PREFIX.unpack(self._read(PREFIX.size, cutoff, ends_message=False))
-        if header_bytes > MAX_HEADER_BYTES or payload_bytes not in (0, frame_bytes):
+        if header_bytes > MAX_HEADER_BYTES or payload_bytes not in (0, self._frame_bytes):
             raise OutOfStep(f"the decoder sent a reply of {header_bytes} + {payload_bytes} bytes")
         header = self._read(header_bytes, cutoff, ends_message=payload_bytes == 0)
         try:
