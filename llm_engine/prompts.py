@@ -189,7 +189,8 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
     messages = _developer_messages(template_messages(chat.messages, template), template.text or getattr(tokenizer, "chat_template", None))
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=request_tools(chat), chat_template=template.text, tokenize=False, add_generation_prompt=True, **template_kwargs,
+            messages, tools=request_tools(chat), chat_template=template.text, tokenize=False,
+            add_generation_prompt=chat.add_generation_prompt, continue_final_message=chat.continue_final_message, **template_kwargs,
         )
     except Exception as exc:  # a template refusing the conversation (roles out of order, no user turn): the request's fault
         raise InvalidPrompt(f"the chat template refused this conversation: {_template_error_reason(exc)}") from None

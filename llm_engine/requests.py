@@ -161,15 +161,39 @@ def template_kwargs(chat, tokenizer, template: str | None) -> dict:
     """`chat_template_kwargs` (e.g. Qwen3's `enable_thinking`), each checked
     against the variables the chat template uses (vLLM's
     resolve_chat_template_kwargs). vLLM's server drops a key the template does
-    not use; here it is a 400, since the client expected it to change the prompt."""
+    not use; here it is a 400, since the client expected it to change the prompt.
+    `reasoning_effort` joins them as vLLM's server adds it (`_effort_kwargs`)."""
     asked = dict(chat.chat_template_kwargs or {})
-    if not asked:
+    effort = _effort_kwargs(chat.reasoning_effort, asked)
+    if not asked and not effort:
         return {}
     from vllm.renderers.hf import resolve_chat_template_kwargs
 
     if reserved := sorted(asked.keys() & RESERVED_TEMPLATE_KWARGS):
         raise InvalidPrompt(f"chat_template_kwargs: {', '.join(reserved)} cannot be set through the template's arguments", "chat_template_kwargs")
-    accepted = resolve_chat_template_kwargs(tokenizer, template, asked, raise_on_unexpected=False)
+    accepted = resolve_chat_template_kwargs(tokenizer, template, asked | effort, raise_on_unexpected=False)
     if unused := sorted(asked.keys() - accepted.keys()):
         raise InvalidPrompt(f"chat_template_kwargs: this model's chat template does not use {', '.join(unused)}", "chat_template_kwargs")
-    return accepted
+    if effort and not effort.keys() & accepted.keys():
+        why = ("the request's chat_template_kwargs.enable_thinking is this model's chat template's only reasoning switch: send one "
+               "of the two" if "enable_thinking" in accepted else
+               "this model's chat template has no reasoning switch (it uses neither reasoning_effort nor enable_thinking)")
+        raise InvalidPrompt(f"reasoning_effort: {why}; the effort would change nothing", "reasoning_effort")
+    return asked | effort  # what vLLM's server hands its parsers too: the template ignores what it does not use
+
+
+def _effort_kwargs(effort: str | None, asked: dict) -> dict:
+    """vLLM's server's (ChatCompletionRequest.build_chat_params): the effort itself, over the
+    template argument of that name, and `enable_thinking` unless the client set it (off only
+    for "none"), for the templates that switch reasoning on and off rather than by degree."""
+    if effort is None:
+        return {}
+    return {"reasoning_effort": effort} | ({} if "enable_thinking" in asked else {"enable_thinking": effort != "none"})
+
+
+def check_reasoning_shown(chat, parsing: Parsing) -> None:
+    """`include_reasoning: false` hides what vLLM's reasoning parser finds: with none, the
+    reasoning would reach the answer as text, so the request is refused instead."""
+    if not chat.include_reasoning and parsing.reasoning_parser is None:
+        raise InvalidPrompt("include_reasoning: this engine has no reasoning parser (engine.reasoning_parser), so it "
+                            "cannot tell the model's reasoning from its answer to leave it out", "include_reasoning")

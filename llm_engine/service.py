@@ -42,7 +42,9 @@ from llm_engine.prompts import (
     InvalidPrompt, ModelShape, Prompt, PromptBound, check_images, output_budget, render_for_vllm, render_prompt,
     request_tools, vllm_inputs,
 )
-from llm_engine.requests import Parsing, Read, check_tool_choice, read_chat, sampling_params, template_kwargs
+from llm_engine.requests import (
+    Parsing, Read, check_reasoning_shown, check_tool_choice, read_chat, sampling_params, template_kwargs,
+)
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
@@ -461,6 +463,7 @@ class EngineService:
         template = self.templates.for_request(request_tools(chat))
         kwargs = template_kwargs(chat, self.tokenizer, template.text)
         check_tool_choice(chat, self.parsing, template.text)
+        check_reasoning_shown(chat, self.parsing)
         check_images(chat, request, self.shape)
 
         def new_parser():

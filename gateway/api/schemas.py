@@ -318,6 +318,13 @@ class ChatCompletionRequest(_Strict):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: JSONObject | None = None  # e.g. Qwen3's enable_thinking
+    # OpenAI's; reaches the chat template as vLLM's server passes it (llm_engine/requests.py: template_kwargs)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning (engine.reasoning_parser) out of the answer
+    # vLLM's: how the conversation's end is rendered; continue_final_message (with add_generation_prompt
+    # false) has the model go on with the last message, e.g. an assistant answer begun by the client.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -329,7 +336,10 @@ class ChatCompletionRequest(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's bound
     stop_token_ids: list[Int64] = Field(default_factory=list)
+    allowed_token_ids: list[Int64] | None = Field(None, min_length=1)  # sampling keeps to these ids only
+    bad_words: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)  # never written (vLLM bans each one's last token after the rest)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: PixelOverrides | None = None
     media_io_kwargs: MediaIOKwargs | None = None  # video sampling (gateway/intake/video/)
@@ -370,6 +380,13 @@ class ChatCompletionRequest(_Strict):
         if None not in both and both[0] != both[1]:
             raise invalid("max_tokens", f"max_tokens ({both[0]}) and max_completion_tokens ({both[1]}) differ; send one "
                           "(max_completion_tokens is the one OpenAI's API documents)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self) -> "ChatCompletionRequest":
+        if self.continue_final_message and self.add_generation_prompt:  # a new turn's header after the message to go on with
+            raise invalid("continue_final_message", "continue_final_message needs add_generation_prompt: false "
+                          "(a new turn cannot open after the message the model is to continue)")
         return self
 
     @model_validator(mode="after")

@@ -164,3 +164,34 @@ def test_seeded_choices_are_identical(client, vllm):
     prism, reference = both(client, vllm, max_tokens=8, n=2, seed=1234, temperature=1.0)
     assert [c.message.content for c in prism.choices] == [c.message.content for c in reference.choices]
     assert prism.usage.completion_tokens == reference.usage.completion_tokens
+
+
+def test_vllm_s_token_constraints_give_the_same_answers(client, vllm):
+    """`allowed_token_ids` and `bad_words` (the SDK's extra_body) hold both servers' sampling alike."""
+    plain = both(client, vllm, max_tokens=6, logprobs=True)[0].choices[0]
+    first = next(t.token for t in plain.logprobs.content if t.token.strip().isalnum())
+    allowed = list(range(100, 140))  # some of the byte-level vocabulary's single characters
+    for extra_body in ({"bad_words": [first.strip()]}, {"allowed_token_ids": allowed}, {"allowed_token_ids": allowed,
+                       "skip_special_tokens": False, "spaces_between_special_tokens": False}):
+        prism, reference = both(client, vllm, max_tokens=6, extra_body=extra_body)
+        assert prism.choices[0].message.content == reference.choices[0].message.content != plain.message.content, extra_body
+    assert first.strip() not in prism.choices[0].message.content
+
+
+def test_reasoning_effort_reaches_the_template_alike(client, vllm):
+    """The demo template switches thinking off with `enable_thinking`, which vLLM's server sets from the effort."""
+    bare = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=4, temperature=0).usage.prompt_tokens
+    prism, reference = both(client, vllm, max_tokens=4, reasoning_effort="none")
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens > bare
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+
+
+def test_continuing_the_client_s_own_start_of_an_answer_is_alike(client, vllm):
+    """`continue_final_message` with `add_generation_prompt: false`: the model goes on with the last message."""
+    begun = [*QUESTION, {"role": "assistant", "content": "The image shows"}]
+    fields = {"continue_final_message": True, "add_generation_prompt": False}
+    prism, reference = both(client, vllm, messages=begun, max_tokens=6, extra_body=fields)
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+    new_turn = client.chat.completions.create(model=MODEL_NAME, messages=begun, max_tokens=6, temperature=0)
+    assert new_turn.usage.prompt_tokens > prism.usage.prompt_tokens  # the closed message and a new turn's header

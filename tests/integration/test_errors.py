@@ -61,7 +61,11 @@ BAD_REQUESTS = [
     ("original-detail", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(), "detail": "original"}}]}]),
      400, "'original' (no downscaling) is not served"),
     ("audio-out", body(modalities=["text", "audio"]), 400, "text only"),
-    ("reasoning-effort", body(reasoning_effort="high"), 400, "reasoning_effort"),
+    ("unknown-reasoning-effort", body(reasoning_effort="extreme"), 400, "reasoning_effort"),
+    # The demo engine has no reasoning parser to tell the reasoning from the answer.
+    ("reasoning-hidden-without-a-parser", body(include_reasoning=False), 400, "include_reasoning: this engine has no reasoning parser"),
+    ("a-bad-word-of-no-token", body(bad_words=[" "]), 400, "bad_words"),
+    ("an-allowed-token-outside-the-vocabulary", body(allowed_token_ids=[10**9]), 400, "allowed_token_ids"),
     ("a-refusal-in-history", body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "refusal": "no"}]),
      400, "refusal"),
 ]

@@ -128,3 +128,59 @@ def test_an_output_format_beside_a_forced_call_is_refused_not_dropped(tool_choic
     with pytest.raises(InvalidPrompt, match="an output format cannot apply to it"):
         check_tool_choice(chat(tools=[TOOL], tool_choice=tool_choice, response_format={"type": "json_object"}), HERMES, CHAT_TEMPLATE)
     check_tool_choice(chat(tools=[TOOL], tool_choice=tool_choice), HERMES, CHAT_TEMPLATE)
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                     "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+EFFORT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if reasoning_effort %}({{ reasoning_effort }}){% endif %}"
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    from transformers import AutoTokenizer
+
+    from prism.demo_model import RANDOM_MODEL, ensure_demo_model
+
+    return AutoTokenizer.from_pretrained(ensure_demo_model(RANDOM_MODEL))
+
+
+@pytest.mark.parametrize("template,fields,changes_the_prompt", [
+    (THINKING_TEMPLATE, {"reasoning_effort": "none"}, True),
+    (THINKING_TEMPLATE, {"reasoning_effort": "high"}, False),  # thinking is that template's default
+    (EFFORT_TEMPLATE, {"reasoning_effort": "high"}, True),
+    (EFFORT_TEMPLATE, {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, True),  # the field wins
+], ids=["switch-off", "switch-on", "degree", "degree-set"])
+def test_reasoning_effort_reaches_the_template_as_vllm_s_server_passes_it(demo_tokenizer, template, fields, changes_the_prompt):
+    from llm_engine.requests import template_kwargs
+
+    request = chat(**fields)
+    vllm_s = request.build_chat_params(template, "string").chat_template_kwargs
+    ours = template_kwargs(request, demo_tokenizer, template)
+    assert ours == {k: v for k, v in vllm_s.items() if k not in ("add_generation_prompt", "continue_final_message")}
+
+    def rendered(**kwargs) -> str:
+        return demo_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=template, tokenize=False, **kwargs)
+
+    assert (rendered(**ours) != rendered()) is changes_the_prompt
+
+
+@pytest.mark.parametrize("template,fields,why", [
+    (PLAIN_TEMPLATE, {"reasoning_effort": "low"}, "this model's chat template has no reasoning switch"),
+    (THINKING_TEMPLATE, {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "send one of the two"),
+], ids=["no-switch", "switch-set"])
+def test_a_reasoning_effort_that_would_change_nothing_is_refused(demo_tokenizer, template, fields, why):
+    """vLLM's server drops it; the client expected it to change the answer."""
+    from llm_engine.requests import template_kwargs
+
+    with pytest.raises(InvalidPrompt, match=f"reasoning_effort: .*{why}.*the effort would change nothing") as refused:
+        template_kwargs(chat(**fields), demo_tokenizer, template)
+    assert refused.value.param == "reasoning_effort"
+
+
+def test_hiding_the_reasoning_needs_a_reasoning_parser():
+    from llm_engine.requests import check_reasoning_shown
+
+    check_reasoning_shown(chat(include_reasoning=False), dataclasses.replace(HERMES, reasoning_parser="qwen3"))
+    check_reasoning_shown(chat(), HERMES)
+    with pytest.raises(InvalidPrompt, match="include_reasoning: this engine has no reasoning parser"):
+        check_reasoning_shown(chat(include_reasoning=False), HERMES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput
 
 from llm_engine.outputs import ChoiceStream, GenerationError
@@ -99,13 +100,18 @@ def reasoning_choice(tokenizer, reasoning_parser: str | None, **request) -> Choi
     return ChoiceStream(0, chat, parser=parser, tokenizer=tokenizer, prompt_token_ids=[1, 2])
 
 
-def reasoning_counts(choice: ChoiceStream, tokenizer) -> list[int | None]:
-    """Each delta's reasoning count over <think> a b </think> c, one token per output."""
+def thought_and_answer(choice: ChoiceStream, tokenizer) -> list:
+    """The deltas of <think> a b </think> c, one token per output."""
     think, done = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     steps = [([think], "<think>"), ([5], "a"), ([6], "b"), ([done], "</think>"), ([7], "c")]
-    return [choice.delta(CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None,
-                                          finish_reason="stop" if i == len(steps) - 1 else None)).reasoning_tokens
+    return [choice.delta(CompletionOutput(index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=[{ids[0]: Logprob(-0.5)}],
+                                          finish_reason="stop" if i == len(steps) - 1 else None))
             for i, (ids, text) in enumerate(steps)]
+
+
+def reasoning_counts(choice: ChoiceStream, tokenizer) -> list[int | None]:
+    """Each delta's reasoning count."""
+    return [delta.reasoning_tokens for delta in thought_and_answer(choice, tokenizer)]
 
 
 CONTINUOUS = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -118,6 +124,18 @@ CONTINUOUS = {"stream": True, "stream_options": {"include_usage": True, "continu
 ], ids=["complete", "stream", "continuous"])
 def test_reasoning_tokens_are_counted_by_vllm_s_reasoning_parser_when_vllm_s_server_would(thinking_tokenizer, request_fields, counts):
     assert reasoning_counts(reasoning_choice(thinking_tokenizer, "qwen3", **request_fields), thinking_tokenizer) == counts
+
+
+@pytest.mark.parametrize("request_fields", [{}, {"stream": True}], ids=["complete", "stream"])
+def test_include_reasoning_false_leaves_the_reasoning_and_the_logprobs_that_spell_it_out_of_the_answer(thinking_tokenizer, request_fields):
+    """As vLLM's server: the answer alone, with no logprobs; the reasoning still counted."""
+    def answer(**fields) -> tuple[str, str, bool, int]:
+        deltas = thought_and_answer(reasoning_choice(thinking_tokenizer, "qwen3", logprobs=True, **request_fields, **fields), thinking_tokenizer)
+        return ("".join(d.reasoning for d in deltas), "".join(d.text for d in deltas), any(d.logprobs for d in deltas),
+                deltas[-1].reasoning_tokens)
+
+    assert answer() == ("ab", "c", True, 2)
+    assert answer(include_reasoning=False) == ("", "c", False, 2)
 
 
 def test_without_a_reasoning_parser_no_reasoning_tokens_are_reported(thinking_tokenizer):

@@ -86,8 +86,13 @@ def refused(body: dict | bytes) -> dict:
     ({"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": ["ok", ""]}, "bad_words.1"),
+    ({"continue_final_message": True}, "continue_final_message"),  # beside the default add_generation_prompt
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
-        "empty-grammar", "continuous-usage-alone", "min-over-max"])
+        "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
+        "continue-and-open-a-turn", "unknown-effort"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 
