@@ -197,3 +197,11 @@ def check_reasoning_shown(chat, parsing: Parsing) -> None:
     if not chat.include_reasoning and parsing.reasoning_parser is None:
         raise InvalidPrompt("include_reasoning: this engine has no reasoning parser (engine.reasoning_parser), so it "
                             "cannot tell the model's reasoning from its answer to leave it out", "include_reasoning")
+
+
+def check_priority(chat, scheduling_policy: str) -> None:
+    """A priority an engine scheduling first come first served would ignore (vLLM's does, saying nothing)."""
+    if chat.priority and scheduling_policy != "priority":
+        raise InvalidPrompt(f"priority: this engine serves requests first come first served (engine.scheduling_policy: "
+                            f"{scheduling_policy}), so a priority would change nothing; send none, or run it with "
+                            "scheduling_policy: priority", "priority")

@@ -43,7 +43,7 @@ from llm_engine.prompts import (
     request_tools, vllm_inputs,
 )
 from llm_engine.requests import (
-    Parsing, Read, check_reasoning_shown, check_tool_choice, read_chat, sampling_params, template_kwargs,
+    Parsing, Read, check_priority, check_reasoning_shown, check_tool_choice, read_chat, sampling_params, template_kwargs,
 )
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
@@ -102,6 +102,7 @@ def engine_args(config: EngineConfig, family: Family):
         enable_chunked_prefill=config.enable_chunked_prefill,
         kv_transfer_config=KVTransferConfig(**config.kv_transfer_config) if config.kv_transfer_config else None,
         seed=config.seed,
+        scheduling_policy=config.scheduling_policy,
         # Structured outputs then hold the answer after the reasoning, not the reasoning itself (vLLM's server copies it so).
         **({"reasoning_parser": config.reasoning_parser} if config.reasoning_parser else {}),
         **multimodal,
@@ -464,6 +465,7 @@ class EngineService:
         kwargs = template_kwargs(chat, self.tokenizer, template.text)
         check_tool_choice(chat, self.parsing, template.text)
         check_reasoning_shown(chat, self.parsing)
+        check_priority(chat, self.config.scheduling_policy)
         check_images(chat, request, self.shape)
 
         def new_parser():
@@ -533,7 +535,8 @@ class EngineService:
         first = True
         first_ready = 0.0
         choices: dict[int, ChoiceStream] = {}
-        async with self._in_vllm(rid), contextlib.aclosing(self.engine.generate(prompt.inputs, params, rid, **reasoning)) as outputs:
+        async with self._in_vllm(rid), contextlib.aclosing(
+                self.engine.generate(prompt.inputs, params, rid, priority=chat.priority, **reasoning)) as outputs:
             async for output in outputs:
                 self.waiting.discard(rid)
                 with _engine_s_own_fault():  # vLLM took the request: what fails from here is not its fault

@@ -34,6 +34,7 @@ class EncodeRequest(Message):
     # batch ends, so the tokens travel while the gateway makes the request.
     # "": none; the engine fetches them.
     push_to: str = ""
+    priority: int = 0  # the chat request's (vLLM's `priority`: lower first): the encoder's queue is ordered by it
 
 
 class CancelEncode(Message):

@@ -60,6 +60,7 @@ class EncodeVideos(Message):
     videos: list[VideoInput]
     push_to: str = ""  # as EncodeRequest.push_to: the engine the tokens are pushed to as they are encoded
     retry: bool = False  # as EncodeRequest.retry: its lookups were counted already
+    priority: int = 0  # as EncodeRequest.priority
 
 
 class EncodedVideo(msgspec.Struct, array_like=True, frozen=True, gc=False):

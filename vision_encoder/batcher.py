@@ -9,6 +9,12 @@ the smallest waiting image leads (the oldest instead, once it has waited
 `size_ratio` of the leader's patch count join it, so a 256² image never rides
 in a 4K image's batch and waits out its ViT time. A job whose key is already
 waiting joins that job instead of queueing a second encode.
+
+Before all that, a job's priority (its most urgent request's, vLLM's
+`priority`: lower first) orders the queue, as vLLM's priority scheduling
+orders its requests: the leader is the most urgent class's, the rest fill the
+batch most urgent first, and a less urgent job waits while more urgent ones
+keep coming (the age limit applies within the most urgent class).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ class Job:
     # (request, image index) pairs waiting on this key's embeddings
     waiters: list[tuple[Any, int]] = field(default_factory=list)
     nbytes: int = 0  # what its input holds while it waits (the queue's byte bound)
+    priority: int = 0  # its most urgent waiter's (lower first)
 
     @property
     def slot(self) -> bytes:
@@ -50,24 +57,27 @@ class Batcher:
         self.dropped = 0
 
     def add(self, key: bytes, image: Any, patches: int, waiter: tuple[Any, int], identity: bytes = b"", nbytes: int = 0,
-            record: bool = True) -> None:
-        """Queue an encode for `waiter`, or join the one queued for the same slot (counted unless
-        `record` is false: a join counted already, as `join`'s)."""
+            record: bool = True, priority: int = 0) -> None:
+        """Queue an encode for `waiter` (of `priority`), or join the one queued for the same slot
+        (counted unless `record` is false: a join counted already, as `join`'s)."""
         slot = identity or key
         job = self._queue.get(slot)
         if job is None:
-            job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity, nbytes=nbytes)
+            job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity, nbytes=nbytes, priority=priority)
             self.queued_bytes += nbytes
         else:
             self.joins += record
         job.waiters.append(waiter)
+        job.priority = min(job.priority, priority)
 
-    def join(self, slot: bytes, waiter: tuple[Any, int], record: bool = True) -> bool:
-        """Wait on the queued job for `slot` (its identity), if there is one."""
+    def join(self, slot: bytes, waiter: tuple[Any, int], record: bool = True, priority: int = 0) -> bool:
+        """Wait on the queued job for `slot` (its identity), if there is one; a more urgent
+        waiter makes the job as urgent."""
         job = self._queue.get(slot)
         if job is None:
             return False
         job.waiters.append(waiter)
+        job.priority = min(job.priority, priority)
         self.joins += record
         return True
 
@@ -107,16 +117,18 @@ class Batcher:
         """The next batch (always ≥ 1 job): see the module docstring for which
         images. With `max_job_patches`: only images that small, oldest first
         (the encoder's express lane), possibly none."""
-        jobs = list(self._queue.values())  # oldest first
+        jobs = sorted(self._queue.values(), key=_urgency)  # most urgent first, then oldest first (a stable sort)
         if max_job_patches is not None:
             return self._fill([job for job in jobs if job.patches <= max_job_patches])
         if not self.size_ratio:
             return self._fill(jobs)
-        oldest = jobs[0]
+        most_urgent = [job for job in jobs if job.priority == jobs[0].priority]
+        oldest = most_urgent[0]
         aged = time.monotonic() - oldest.arrived >= self.age_limit_s
-        lead = oldest if aged else min(jobs, key=lambda job: job.patches)  # ties: the oldest
+        lead = oldest if aged else min(most_urgent, key=lambda job: job.patches)  # ties: the oldest
         low, high = lead.patches / self.size_ratio, lead.patches * self.size_ratio
-        alike = [job for job in sorted(jobs, key=lambda job: job.patches) if job is not lead and low <= job.patches <= high]
+        alike = [job for job in sorted(jobs, key=lambda job: (job.priority, job.patches))
+                 if job is not lead and low <= job.patches <= high]
         return self._fill([lead, *alike])
 
     def _fill(self, candidates: list[Job]) -> list[Job]:
@@ -130,3 +142,7 @@ class Batcher:
             batch.append(job)
             patches += job.patches
         return batch
+
+
+def _urgency(job: Job) -> int:
+    return job.priority

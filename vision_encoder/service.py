@@ -303,7 +303,8 @@ class EncoderService:
             self._send(peer, EncodeFailed(request.request_id, f"{len(frames)} frames for {with_pixels} images with pixels", 400))
             return
         keys = [content_key(self.tower.key_fingerprint, image.digest) for image in request.images]
-        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to)
+        state = PendingRequest(peer, request.request_id, arrived, [None] * len(request.images), keys, request.push_to,
+                               priority=request.priority)
         frame_of = iter(frames)
         frame_at = {index: next(frame_of) for index, image in enumerate(request.images) if image.pixels is not None}
         identities = [self._identity(image.digest) for image in request.images]
@@ -332,7 +333,8 @@ class EncoderService:
             return
         try:
             for index, key, tower_image, patches, digest in inputs:
-                self.batcher.add(key, tower_image, patches, (state, index), self._identity(digest), tower_image.pixels.nbytes)
+                self.batcher.add(key, tower_image, patches, (state, index), self._identity(digest), tower_image.pixels.nbytes,
+                                 priority=state.priority)
         except Exception:
             self._abandon(state)  # what it queued or joined answers nobody; the loop's guard answers it
             raise
@@ -408,7 +410,7 @@ class EncoderService:
             self._send(peer, EncodeFailed(request.request_id, str(exc), 400))
             return
         state = PendingRequest(peer, request.request_id, arrived, [None] * len(items), [item.key for item in items],
-                               request.push_to, axes=[item.axis for item in items])
+                               request.push_to, axes=[item.axis for item in items], priority=request.priority)
         misses = self._look_up(state, [item.identity for item in items], record=not request.retry)
         state.cache_lookup_s = time.monotonic() - arrived
         if lacking := [index for index in misses if items[index].job is None]:  # the gateway decodes these now
@@ -420,7 +422,8 @@ class EncoderService:
         try:
             for index in misses:
                 item = items[index]
-                self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity, item.job.nbytes)
+                self.batcher.add(self._cache_key(item.key), item.job, item.patches, (state, index), item.identity, item.job.nbytes,
+                                 priority=state.priority)
         except Exception:
             self._abandon(state)  # as in _accept
             raise
@@ -446,7 +449,7 @@ class EncoderService:
     def _join_in_flight(self, slot: bytes, waiter: tuple[PendingRequest, int], record: bool = True) -> bool:
         """Wait on an encode of the same image that is queued or running (counted unless `record` is
         false: a retry's joins were counted in its first round)."""
-        if self.batcher.join(slot, waiter, record):
+        if self.batcher.join(slot, waiter, record, waiter[0].priority):
             return True
         for batch in self._in_flight():
             if (running := batch.job_for(slot)) is not None:
@@ -534,7 +537,8 @@ class EncoderService:
         for job in jobs:
             live = [waiter for waiter in job.waiters if not waiter[0].cancelled]
             for waiter in live:  # their joins were counted as they joined
-                self.batcher.add(job.key, job.image, job.patches, waiter, job.identity, job.nbytes, record=False)
+                self.batcher.add(job.key, job.image, job.patches, waiter, job.identity, job.nbytes, record=False,
+                                 priority=waiter[0].priority)
             self.batcher.dropped += not live
 
     def _fail_batch(self, batch: list[Job], message: str, status: int = 500, code: str | None = None) -> None:

@@ -41,6 +41,7 @@ class PendingRequest:
     encoded: bool = False  # some batch encoded an image of its (else the caches answered it all)
     cancelled: bool = False
     axes: list[TimeAxis] | None = None  # an EncodeVideos request: each video's time axis; None: images
+    priority: int = 0  # the request's (EncodeRequest.priority): its jobs' place in the queue
 
     @property
     def videos(self) -> bool:

@@ -167,6 +167,24 @@ async def parse_request(request: Request, limit: int, timeout_s: float, memory: 
     if memory is not None:
         memory.admit(cost, "parsing the request body")
     try:
-        return ChatCompletionRequest.model_validate_json(body)
+        parsed = ChatCompletionRequest.model_validate_json(body)
     except pydantic.ValidationError as exc:
         raise validation_error(exc) from None
+    return with_header_priority(parsed, request.headers.get(PRIORITY_HEADER))
+
+
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's server's: the request's priority, over the body's
+
+
+def with_header_priority(request: ChatCompletionRequest, header: str | None) -> ChatCompletionRequest:
+    """The request with `X-Vllm-Priority`'s priority, if it came with one. vLLM's server ignores a
+    value that is no integer; here it is a 400, since the client expected it to order the request."""
+    if header is None:
+        return request
+    try:
+        priority = int(header.strip())
+    except ValueError:
+        priority = None
+    if priority is None or not -2**63 <= priority < 2**63:
+        raise APIError(400, f"X-Vllm-Priority: {header[:40]!r} is not a 64-bit integer", param="priority", code="invalid_value")
+    return request.model_copy(update={"priority": priority})

@@ -233,7 +233,8 @@ class ChatPipeline:
         inspected = await self._intake(request, refs, record) if refs else []
         self._reserve_planned_videos(inspected, videos, record)
         digests = [digest_of(item, self.policy) for item in inspected]
-        images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request))
+        images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request),
+                                            request.priority)
         self._count_videos(images, videos, record)
         return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references,
                                         videos=images.video_references), images)

@@ -343,6 +343,9 @@ class ChatCompletionRequest(_Strict):
     include_stop_str_in_output: bool = False
     mm_processor_kwargs: PixelOverrides | None = None
     media_io_kwargs: MediaIOKwargs | None = None  # video sampling (gateway/intake/video/)
+    # vLLM's: lower is served first where the engine schedules by priority (engine.scheduling_policy),
+    # and so is the request's place in the encoders' queues; `X-Vllm-Priority` sets it too, as on vLLM's server.
+    priority: Int64 = 0
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
     min_tokens: Int64 = Field(0, ge=0)

@@ -112,10 +112,10 @@ class EncoderPool(ReplicaPool[EncoderClient]):
 
     async def encode(
         self, route: Route, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float,
-        retry: bool = False, push_to: str = "",
+        retry: bool = False, push_to: str = "", priority: int = 0,
     ) -> EncodeResult | EncodeNeedsPixels:
         """One round on the route's replica; on a 503 or 429, the same round on another."""
-        return await self.ask(route, EncodeRequest(request_id, list(images), retry, push_to), frames, timeout_s)
+        return await self.ask(route, EncodeRequest(request_id, list(images), retry, push_to, priority), frames, timeout_s)
 
     async def ask(self, route: Route, request: EncodeRequest | EncodeVideos, frames: Sequence[Any], timeout_s: float) -> Any:
         """`encode`'s round for any encoder request (a request's videos too)."""

@@ -125,6 +125,7 @@ class RequestImages:
     videos: list[InspectedVideo] = field(default_factory=list)  # kept until DELIVERED, as `inspected`
     knobs: VideoKnobs = VideoKnobs()  # the request's video processor knobs (one for all its videos)
     video_references: list[VideoEmbedding] = field(default_factory=list)
+    priority: int = 0  # the request's (vLLM's `priority`): its place in the encoders' queues too
 
     @property
     def video_digests(self) -> list[bytes]:
@@ -222,9 +223,9 @@ class ImageHandoff:
         return index
 
     async def deliver(self, request_id: str, inspected: list[Inspected], digests: list[bytes], timer: RequestTimer,
-                      videos: Sequence[SampledVideo] = (), knobs: VideoKnobs = VideoKnobs()) -> RequestImages:
+                      videos: Sequence[SampledVideo] = (), knobs: VideoKnobs = VideoKnobs(), priority: int = 0) -> RequestImages:
         """The images' (and videos') references, REFERENCED: kept, or from an encode now."""
-        images = RequestImages(digests, inspected, videos=list(videos), knobs=knobs)
+        images = RequestImages(digests, inspected, videos=list(videos), knobs=knobs, priority=priority)
         self.choose(images)
         if images.delivery is Delivery.KNOWN:
             refs = [*images.references, *images.video_references]
@@ -299,7 +300,8 @@ class ImageHandoff:
                     width, height = pixels[index].original_size
                     original, sized = (height, width), pixels[index].sized
                 inputs.append(ImageInput(digest, meta, original, sized))
-            return await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry, push_to)
+            return await self.encoder.encode(route, request_id, inputs, frames, self.config.encode_timeout_s, retry, push_to,
+                                             images.priority)
 
         reply, source = await self._rounds(images.digests, decode, ask, timer)
         return [reference(image, source) for image in reply.images]
@@ -322,7 +324,7 @@ class ImageHandoff:
                 # a decoded video's metadata: the frames it read (its header's last may have been unreadable)
                 metadata = (decoded[index] if index in decoded else video).hf_metadata()
                 inputs.append(VideoInput(video.digest, LoaderMetadata(**metadata), images.knobs, meta))
-            return await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to, retry), frames,
+            return await self.encoder.ask(route, EncodeVideos(request_id, inputs, push_to, retry, images.priority), frames,
                                           self.config.encode_timeout_s)
 
         reply, source = await self._rounds(images.video_digests, decode, ask, timer)

@@ -214,6 +214,17 @@ def test_chat_template_kwargs_change_the_prompt(client):
     assert switched > bare  # the demo template opens the answer with an empty <think></think>
 
 
+def test_a_request_s_priority_from_its_body_or_vllm_s_header_is_served(client, images):
+    """The demo engine schedules by priority (engine.scheduling_policy); the encoder orders its queue by it too."""
+    messages = [{"role": "user", "content": [image_part(images), {"type": "text", "text": "What is it?"}]}]
+    plain = create(client, messages=messages, max_tokens=6).choices[0].message.content
+    assert create(client, messages=messages, max_tokens=6, extra_body={"priority": -3}).choices[0].message.content == plain
+    headed = client.with_options(default_headers={"X-Vllm-Priority": "5"})
+    assert create(headed, messages=messages, max_tokens=6).choices[0].message.content == plain
+    with pytest.raises(openai.BadRequestError, match="X-Vllm-Priority: 'soon' is not a 64-bit integer"):
+        create(client.with_options(default_headers={"X-Vllm-Priority": "soon"}), max_tokens=1)
+
+
 REFUSED = [
     ("unused-template-kwarg", {"chat_template_kwargs": {"no_such_switch": True}}, 400, "does not use no_such_switch"),
     ("reserved-template-kwarg", {"chat_template_kwargs": {"add_generation_prompt": False}}, 400, "add_generation_prompt"),

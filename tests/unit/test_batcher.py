@@ -113,3 +113,34 @@ def test_the_queue_counts_the_bytes_its_waiting_jobs_hold():
     assert b.queued_bytes == 30
     b.drop_waiters("r1")
     assert b.queued_bytes == 0 and len(b) == 0
+
+
+@pytest.mark.parametrize("max_job_patches", [None, 1024], ids=["main-lane", "express-lane"])
+def test_more_urgent_jobs_go_first_then_by_arrival(max_job_patches):
+    """vLLM's `priority`: lower first, arrival breaking ties."""
+    b = Batcher(max_images=2, max_patches=10**6, max_wait_s=0)
+    b.add(b"late-1", None, 324, ("r1", 0), priority=1)
+    b.add(b"usual", None, 324, ("r2", 0))
+    b.add(b"late-2", None, 324, ("r3", 0), priority=1)
+    b.add(b"urgent", None, 324, ("r4", 0), priority=-3)
+    assert [j.key for j in b.take(max_job_patches)] == [b"urgent", b"usual"]
+    assert [j.key for j in b.take(max_job_patches)] == [b"late-1", b"late-2"]
+
+
+def test_a_more_urgent_request_joining_a_job_makes_it_as_urgent():
+    b = Batcher(max_images=1, max_patches=10**6, max_wait_s=0)
+    b.add(b"first", None, 1, ("r1", 0))
+    b.add(b"shared", None, 1, ("r2", 0), priority=2)
+    assert b.join(b"shared", ("r3", 0), priority=-1)
+    b.add(b"shared", None, 1, ("r4", 0), priority=5)  # a less urgent one leaves it as urgent
+    assert [j.key for j in b.take()] == [b"shared"] and [j.key for j in b.take()] == [b"first"]
+
+
+def test_with_size_classes_the_most_urgent_class_leads_and_the_rest_fill_by_urgency():
+    b = Batcher(max_images=3, max_patches=10**6, max_wait_s=0, size_ratio=4, age_limit_s=60)
+    b.add(b"256-usual", None, 324, ("r1", 0))
+    b.add(b"1080p-urgent", None, 4600, ("r2", 0), priority=-1)
+    b.add(b"4k-late", None, 5000, ("r3", 0), priority=1)
+    b.add(b"4k-usual", None, 5000, ("r4", 0))
+    assert [j.key for j in b.take()] == [b"1080p-urgent", b"4k-usual", b"4k-late"]  # its class, most urgent first
+    assert [j.key for j in b.take()] == [b"256-usual"]

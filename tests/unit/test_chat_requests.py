@@ -184,3 +184,23 @@ def test_hiding_the_reasoning_needs_a_reasoning_parser():
     check_reasoning_shown(chat(), HERMES)
     with pytest.raises(InvalidPrompt, match="include_reasoning: this engine has no reasoning parser"):
         check_reasoning_shown(chat(include_reasoning=False), HERMES)
+
+
+def test_a_priority_is_refused_where_the_engine_serves_first_come_first_served():
+    from llm_engine.requests import check_priority
+
+    check_priority(chat(priority=-2), "priority")
+    check_priority(chat(), "fcfs")
+    with pytest.raises(InvalidPrompt, match=r"priority: .*engine.scheduling_policy: fcfs") as refused:
+        check_priority(chat(priority=1), "fcfs")
+    assert refused.value.param == "priority"
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_the_engine_s_scheduling_policy_is_vllm_s(policy):
+    from llm_engine.config import EngineConfig
+    from llm_engine.service import engine_args
+    from common.families import FAMILIES
+
+    args = engine_args(EngineConfig(model="/models/m", scheduling_policy=policy), FAMILIES[0])
+    assert args.scheduling_policy == policy

@@ -13,6 +13,7 @@ import io
 import struct
 from dataclasses import dataclass
 
+import msgspec
 import zmq.asyncio
 from PIL import Image
 
@@ -327,11 +328,13 @@ def test_a_kept_reference_whose_encoder_is_gone_is_not_used(tmp_path):
 CLIP_URL = "data:video/mp4;base64," + base64.b64encode(clip(width=96, height=64, fps=4.0, num_frames=8, seed=46)).decode()
 
 
-async def ask_with_video(gateway: Gateway, request_id: str, knobs: dict | None = None, url: str = CLIP_URL) -> list[TokenDelta]:
-    """An image and a video in one request, through prepare and generate (`knobs`: its mm_processor_kwargs)."""
+async def ask_with_video(gateway: Gateway, request_id: str, knobs: dict | None = None, url: str = CLIP_URL,
+                         **fields) -> list[TokenDelta]:
+    """An image and a video in one request, through prepare and generate (`knobs`: its mm_processor_kwargs;
+    `fields`: the request's others)."""
     body = {"model": "m", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": GREEN}}, {"type": "video_url", "video_url": {"url": url}},
-        {"type": "text", "text": "What moves?"}]}]}
+        {"type": "text", "text": "What moves?"}]}], **fields}
     if knobs:
         body["mm_processor_kwargs"] = knobs
     record = RequestRecord(request_id, request_id, ticket=ConcurrencyLimiter(None, None).admit("key"))
@@ -431,3 +434,18 @@ def test_a_decoded_video_goes_to_the_encoder_with_the_metadata_of_the_frames_it_
     metadata = asyncio.run(_one_frame_over(tmp_path))
     assert (metadata.total_num_frames, metadata.frames_indices, metadata.do_sample_frames) == (10, list(range(9)), False)
 
+
+
+async def _prioritised(tmp_path) -> tuple[list, list[GenerateRequest]]:
+    async with gateway(tmp_path) as gw:
+        gw.script("lost")
+        assert (await ask_with_video(gw, "urgent", priority=-5))[-1].finished
+        return gw.encoders[0].asked, [request for requests in gw.received() for request in requests]
+
+
+def test_a_request_s_priority_reaches_every_encoder_round_and_its_engine(tmp_path):
+    """Its images' and its videos' rounds, the re-encode after lost tokens too, and the engine's request."""
+    asked, sent = asyncio.run(_prioritised(tmp_path))
+    assert [type(m) for m in asked] == [EncodeRequest, EncodeVideos] * 2
+    assert [m.priority for m in asked] == [-5] * 4
+    assert len(sent) == 2 and all(msgspec.json.decode(r.chat)["priority"] == -5 for r in sent)

@@ -23,7 +23,7 @@ QWEN2_VL = ModelShape(embedding_width=128, merge_size=2, family="Qwen2-VL")
 class FakeTemplate:
     """Only apply_chat_template is used; the real tokenizer is covered end to end."""
 
-    def apply_chat_template(self, messages, tools, chat_template, tokenize, add_generation_prompt):
+    def apply_chat_template(self, messages, tools, chat_template, tokenize, add_generation_prompt, continue_final_message):
         return "|".join(p.get("text", "<img>") for m in messages for p in m["content"])
 
     def encode(self, text, add_special_tokens=False):

@@ -108,6 +108,7 @@ CASES = [
         ],
         retry=True,
         push_to="tcp://engine-0.internal:5556",
+        priority=3,
     )),
     (EncoderInbound, CancelEncode("chatcmpl-41")),
     (EngineInbound, PushedEmbedding(b"\x07" * 16, b"9c1e2f0a77d4" + bytes(16), QWEN_EMBEDDINGS, (1, 34, 46))),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pydantic
 import pytest
 
@@ -170,3 +171,23 @@ def test_max_tokens_beside_a_different_max_completion_tokens_is_refused_not_igno
     error = refused({"max_tokens": 5, "max_completion_tokens": 50})
     assert error["param"] == "max_tokens" and "differ" in error["message"]
     assert request(max_tokens=7, max_completion_tokens=7).max_completion_tokens == 7
+
+
+@pytest.mark.parametrize("header,expected", [(None, 4), ("-7", -7), (" 2 ", 2)])
+def test_vllm_s_priority_header_sets_the_priority_over_the_body_s(header, expected):
+    from gateway.api.parsing import with_header_priority
+    from gateway.api.pipeline import engine_chat
+
+    prioritised = with_header_priority(request(priority=4), header)
+    assert prioritised.priority == expected
+    assert msgspec.json.decode(engine_chat(prioritised))["priority"] == expected  # forwarded: set, not a default
+
+
+@pytest.mark.parametrize("header", ["high", "", str(2**63)])
+def test_a_priority_header_that_is_no_64_bit_integer_is_refused(header):
+    from gateway.api.parsing import with_header_priority
+    from gateway.errors import APIError
+
+    with pytest.raises(APIError, match="X-Vllm-Priority: .* is not a 64-bit integer") as refused:
+        with_header_priority(request(), header)
+    assert refused.value.status == 400 and refused.value.param == "priority"

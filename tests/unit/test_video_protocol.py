@@ -27,7 +27,7 @@ VIDEO_CASES = [
     (EncoderInbound, EncodeVideos("chatcmpl-51", [
         VideoInput(b"\x01" * 16, METADATA, VideoKnobs(1.0, 16, True, 3136, 50_176), FRAMES),
         VideoInput(b"\x02" * 16, LoaderMetadata(5.0, 30, 6.0, list(range(30)), True, "torchcodec")),
-    ], push_to="tcp://engine-0:5601", retry=True)),
+    ], push_to="tcp://engine-0:5601", retry=True, priority=-2)),
     (GatewayInbound, VideosEncodeResult("chatcmpl-51", [ENCODED], EncoderTimings(0.001, 0.002, 0.25, 0.3))),
     (EngineInbound, GenerateRequest("chatcmpl-51", b"{}", [], [
         video_reference(ENCODED, "tcp://encoder-1:5555"),

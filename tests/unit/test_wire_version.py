@@ -27,6 +27,7 @@ from protocol.to_gateway import EngineReady
 SHAPES = {
     1: "23015121599aa54f",
     2: "d0196a51e578797d",  # the handshakes carry the checkpoint's vision weights (common/checkpoint.py)
+    3: "8b2c25bb1704966e",  # encode requests carry the chat request's priority
 }
 
 
