@@ -88,9 +88,6 @@ class ChoiceStream:
         self.continuous_usage = bool(chat.stream and options and options.include_usage and options.continuous_usage_stats)
         self.called_tools = False
         self.named = chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
-        # `include_reasoning: false`, as vLLM's server serves it: no reasoning, and no logprobs, whose tokens would
-        # spell it out (a streamed delta's reasoning is dropped by vLLM's parser itself).
-        self.hides_reasoning = parser is not None and not chat.include_reasoning
 
     def delta(self, output) -> ChoiceDelta:
         if output.finish_reason == "error":
@@ -99,7 +96,7 @@ class ChoiceStream:
         if self.parser is not None:
             self.token_ids.extend(output.token_ids)
         logprobs = None
-        if self.chat.logprobs and not self.hides_reasoning:
+        if self.chat.logprobs:
             logprobs = chat_logprobs(output.token_ids, output.logprobs or [], self.chat.top_logprobs, self.tokenizer)
         fields = self._parsed(output, finished)
         if fields.get("tool_calls"):
@@ -141,7 +138,9 @@ class ChoiceStream:
             "".join(self.text), self.chat, enable_auto_tools=True, model_output_token_ids=self.token_ids,
         )
         as_deltas = [_indexed(i, call) for i, call in enumerate(calls or [])]
-        return self._message_fields(content, None if self.hides_reasoning else reasoning, as_deltas)
+        # `include_reasoning: false` leaves it out of the answer at the gateway, which reads from it that the
+        # content is null (cut off while reasoning); a streamed delta's is dropped by vLLM's parser itself.
+        return self._message_fields(content, reasoning, as_deltas)
 
     def _message_fields(self, content, reasoning, calls) -> dict:
         fields = {"text": content or "", "reasoning": reasoning or ""}

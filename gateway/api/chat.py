@@ -143,13 +143,13 @@ class ChatHandler:
         deltas = served.pipeline.generate(prepared, record.timer)
         if request.stream:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
-            body = self._stream(first, deltas, record, request.stream_options or StreamOptions())
+            body = self._stream(first, deltas, record, request.stream_options or StreamOptions(), request.response_role)
             return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
-        return await self._complete(deltas, record, forced_call=request.tool_choice not in (None, "none", "auto"))
+        return await self._complete(deltas, record, responses.AnswerShape.of(request))
 
-    async def _complete(self, deltas: AsyncIterator[TokenDelta], record: RequestRecord, forced_call: bool) -> Response:
+    async def _complete(self, deltas: AsyncIterator[TokenDelta], record: RequestRecord, shape: responses.AnswerShape) -> Response:
         timer = record.timer
-        answer = responses.Answer(forced_call)
+        answer = responses.Answer(shape)
         reasoning = responses.ReasoningCounts()
         last = None
         async with contextlib.aclosing(deltas):
@@ -165,10 +165,11 @@ class ChatHandler:
         self.finish(record, 200, "ok")
         return DeadlineJSONResponse(body, self.gateway.config.stream_write_timeout_s, {"Server-Timing": timer.server_timing()})
 
-    async def _stream(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions) -> AsyncIterator[bytes]:
+    async def _stream(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions,
+                      role: str) -> AsyncIterator[bytes]:
         outcome = None  # (status, reason); still None at the end: the client went away mid-stream
         try:
-            async with contextlib.aclosing(self._events(first, deltas, record, options)) as events:
+            async with contextlib.aclosing(self._events(first, deltas, record, options, role)) as events:
                 async for event in events:
                     yield event
             outcome = record.outcome or (200, "ok")  # `_events` sets a failure's
@@ -178,7 +179,7 @@ class ChatHandler:
             self.finish(record, *(outcome or (499, "client_disconnected")))
             record.ticket.release()
 
-    async def _events(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions):
+    async def _events(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions, role: str):
         """SSE events; a failure after the stream began ends it with an error
         event, and sets the record's outcome."""
         timer = record.timer
@@ -197,7 +198,7 @@ class ChatHandler:
         def events_of(delta: TokenDelta, opening: bool = False) -> list[bytes]:
             reasoning.add(delta)
             # each choice's role first, all of them before any token (vLLM's order)
-            chunks = [chunk_of(responses.role_entry(index), delta, opening) for index in range(timer.choices)] if opening else []
+            chunks = [chunk_of(responses.role_entry(index, role), delta, opening) for index in range(timer.choices)] if opening else []
             for choice in delta.choices:
                 made[choice.index] += choice.tokens
                 if (entry := responses.stream_choice(choice)) is not None:

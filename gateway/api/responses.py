@@ -96,12 +96,13 @@ class _Choice:
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
 
-    def body(self, index: int, forced_call: bool) -> dict:
+    def body(self, index: int, shape: "AnswerShape") -> dict:
         text, reasoning = "".join(self.text), "".join(self.reasoning)
         # as vLLM answers: null beside calls or reasoning with no text after them (cut off while
         # reasoning), but a string whenever tool_choice forced a call
-        message: dict = {"role": "assistant", "content": text if text or forced_call or not (self.calls or reasoning) else None}
-        if reasoning:
+        content = text if text or shape.forced_call or not (self.calls or reasoning) else None
+        message: dict = {"role": shape.role, "content": content}
+        if reasoning and shape.shows_reasoning:
             message["reasoning"] = reasoning
         if self.calls:
             message["tool_calls"] = [self.calls[i].body() for i in sorted(self.calls)]
@@ -109,19 +110,32 @@ class _Choice:
         return {"index": index, "message": message, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "logprobs": logprobs}
 
 
+@dataclass(frozen=True)
+class AnswerShape:
+    """What of the request shapes its answer's messages."""
+
+    forced_call: bool = False  # tool_choice required or a named function
+    role: str = "assistant"  # ChatCompletionRequest.response_role
+    shows_reasoning: bool = True  # include_reasoning
+
+    @classmethod
+    def of(cls, request) -> "AnswerShape":
+        return cls(request.tool_choice not in (None, "none", "auto"), request.response_role, request.include_reasoning)
+
+
 class Answer:
     """A non-streamed answer: every delta of every choice, summed."""
 
-    def __init__(self, forced_call: bool = False) -> None:
+    def __init__(self, shape: AnswerShape = AnswerShape()) -> None:
         self._choices: dict[int, _Choice] = {}
-        self._forced_call = forced_call  # tool_choice required or a named function
+        self._shape = shape
 
     def add(self, delta: TokenDelta) -> None:
         for choice in delta.choices:
             self._choices.setdefault(choice.index, _Choice()).add(choice)
 
     def choices(self) -> list[dict]:
-        return [self._choices[i].body(i, self._forced_call) for i in sorted(self._choices)]
+        return [self._choices[i].body(i, self._shape) for i in sorted(self._choices)]
 
 
 def completion(request_id: str, model: str, choices: list[dict], usage_: dict, timings: dict) -> dict:
@@ -136,9 +150,9 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict, t
     }
 
 
-def role_entry(index: int) -> dict:
+def role_entry(index: int, role: str = "assistant") -> dict:
     """A choice's first chunk entry, before any of its tokens (as OpenAI and vLLM's server send it)."""
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+    return {"index": index, "delta": {"role": role, "content": ""}, "finish_reason": None, "logprobs": None}
 
 
 def stream_choice(choice: ChoiceDelta) -> dict | None:

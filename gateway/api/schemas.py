@@ -336,7 +336,7 @@ class ChatCompletionRequest(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's bound
     stop_token_ids: list[Int64] = Field(default_factory=list)
-    allowed_token_ids: list[Int64] | None = Field(None, min_length=1)  # sampling keeps to these ids only
+    allowed_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = Field(None, min_length=1)  # sampling keeps to these
     bad_words: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)  # never written (vLLM bans each one's last token after the rest)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -387,9 +387,43 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _one_way_to_end(self) -> "ChatCompletionRequest":
-        if self.continue_final_message and self.add_generation_prompt:  # a new turn's header after the message to go on with
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:  # a new turn's header after the message to go on with
             raise invalid("continue_final_message", "continue_final_message needs add_generation_prompt: false "
                           "(a new turn cannot open after the message the model is to continue)")
+        # The template's text is cut where the message's last text ends (transformers'): what follows it would be lost.
+        final = self.messages[-1]
+        if final.tool_calls:
+            raise invalid("continue_final_message", "the final message carries tool_calls, which the model cannot "
+                          "continue (the prompt ends at its text, so they would be left out)")
+        last_part = final.content[-1] if isinstance(final.content, list) and final.content else None
+        if final.content is None or final.content == [] or (last_part is not None and not isinstance(last_part, TextPart | RefusalPart)):
+            raise invalid("continue_final_message", "the final message must end with text for the model to continue "
+                          "(the prompt ends where its last text ends: an image or video after it would be left out)")
+        return self
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role, as vLLM's server gives it: the final message's where no new turn opens."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @model_validator(mode="after")
+    def _one_effort(self) -> "ChatCompletionRequest":
+        given = (self.chat_template_kwargs or {}).get("reasoning_effort")
+        if self.reasoning_effort is not None and given is not None and given != self.reasoning_effort:  # vLLM's server takes the field's
+            raise invalid("reasoning_effort", f"reasoning_effort ({self.reasoning_effort!r}) and chat_template_kwargs."
+                          f"reasoning_effort ({given!r}) differ; send one")
+        return self
+
+    @model_validator(mode="after")
+    def _what_reasoning_hides(self) -> "ChatCompletionRequest":
+        if not self.include_reasoning and self.logprobs:  # vLLM's server drops them: their tokens would spell it out
+            raise invalid("logprobs", "logprobs with include_reasoning: false would spell out the reasoning it hides "
+                          "(vLLM's server leaves them out); send one or the other")
+        if not self.spaces_between_special_tokens and self.skip_special_tokens:
+            raise invalid("spaces_between_special_tokens", "spaces_between_special_tokens only changes the text with "
+                          "skip_special_tokens: false (skipped tokens leave nothing to space)")
         return self
 
     @model_validator(mode="after")

@@ -91,9 +91,14 @@ def refused(body: dict | bytes) -> dict:
     ({"bad_words": ["ok", ""]}, "bad_words.1"),
     ({"continue_final_message": True}, "continue_final_message"),  # beside the default add_generation_prompt
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"allowed_token_ids": [5, -1]}, "allowed_token_ids.1"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort"),
+    ({"include_reasoning": False, "logprobs": True}, "logprobs"),  # vLLM drops them: they would spell the reasoning out
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),  # nothing to space: they are skipped
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
-        "continue-and-open-a-turn", "unknown-effort"])
+        "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
+        "spaces-between-skipped-tokens"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 
@@ -191,3 +196,43 @@ def test_a_priority_header_that_is_no_64_bit_integer_is_refused(header):
     with pytest.raises(APIError, match="X-Vllm-Priority: .* is not a 64-bit integer") as refused:
         with_header_priority(request(), header)
     assert refused.value.status == 400 and refused.value.param == "priority"
+
+
+CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+
+
+@pytest.mark.parametrize("final", [
+    {"role": "assistant", "content": "Let me check.", "tool_calls": [CALL]},
+    {"role": "user", "content": [{"type": "text", "text": "What is"}, IMAGE]},
+    {"role": "user", "content": [IMAGE]},
+], ids=["tool-calls", "image-after-the-text", "no-text"])
+def test_continuing_a_final_message_whose_end_is_not_its_text_is_refused(final):
+    """The prompt is cut where the message's last text ends: what follows would be left out, saying nothing."""
+    error = refused({"messages": [{"role": "user", "content": "hi"}, final], "continue_final_message": True,
+                     "add_generation_prompt": False})
+    assert error["param"] == "continue_final_message"
+
+
+def test_the_answer_s_role_is_the_final_message_s_where_no_new_turn_opens_as_on_vllm_s_server():
+    from gateway.api.responses import AnswerShape
+
+    assert request().response_role == "assistant"
+    assert request(add_generation_prompt=False).response_role == "user"
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}]
+    continued = request(messages=begun, add_generation_prompt=False, continue_final_message=True)
+    assert AnswerShape.of(continued) == AnswerShape(False, "assistant", True)
+
+
+def test_hidden_reasoning_leaves_a_cut_off_answer_s_content_null_as_vllm_s():
+    from gateway.api.responses import Answer, AnswerShape
+    from protocol.to_gateway import ChoiceDelta, TokenDelta
+
+    def body(shape: AnswerShape) -> dict:
+        answer = Answer(shape)
+        answer.add(TokenDelta("r", [ChoiceDelta(0, reasoning="hmm", finish_reason="length", tokens=1)], 1, 3, finished=True))
+        return answer.choices()[0]["message"]
+
+    assert body(AnswerShape()) == {"role": "assistant", "content": None, "reasoning": "hmm"}
+    assert body(AnswerShape(shows_reasoning=False)) == {"role": "assistant", "content": None}
+    assert body(AnswerShape(role="user", shows_reasoning=False))["role"] == "user"
