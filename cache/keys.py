@@ -58,3 +58,10 @@ def library_versions(*modules: str) -> dict[str, str]:
     or tokens: a key part, so that an upgrade whose decoder, resize or tower rounds otherwise shares no
     key with the last one."""
     return {name: str(importlib.import_module(name).__version__) for name in modules}
+
+
+def salted(digest: bytes, cache_salt: str | None) -> bytes:
+    """An image's or video's digest under a request's `cache_salt` (vLLM's): its visual tokens are
+    then cached, shared between requests and referenced only under the same salt, as vLLM keeps
+    its prefix cache apart by it, so one tenant cannot time another's images out of the caches."""
+    return digest if cache_salt is None else content_key("cache_salt", cache_salt, digest)

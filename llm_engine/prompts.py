@@ -267,12 +267,13 @@ def request_tools(chat) -> list[dict] | None:
     return [tool.model_dump() for tool in chat.tools] if chat.tools else None
 
 
-def vllm_inputs(token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None) -> dict:
+def vllm_inputs(token_ids: list[int], request: GenerateRequest, tensors: list, shape: ModelShape | None,
+                cache_salt: str | None = None) -> dict:
     """The prompt as vLLM's renderer takes it: the chat template's token ids with one
     placeholder per image and video, and their embeddings. `token_ids`: render_prompt's;
     `tensors`: each image's embeddings, then each video's, checked (check_images) and
-    fetched (llm_engine/images.py)."""
-    inputs: dict = {"prompt_token_ids": token_ids}
+    fetched (llm_engine/images.py); `cache_salt`: the request's (vLLM's prefix cache is kept apart by it)."""
+    inputs: dict = {"prompt_token_ids": token_ids} | ({"cache_salt": cache_salt} if cache_salt is not None else {})
     image_tensors, video_tensors = tensors[:len(request.images)], tensors[len(request.images):]
     if (images := image_data(request, image_tensors, shape)) is not None:
         inputs["multi_modal_data"] = images

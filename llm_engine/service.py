@@ -481,7 +481,7 @@ class EngineService:
 
     async def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
-        inputs = vllm_inputs(token_ids, request, tensors, self.shape)
+        inputs = vllm_inputs(token_ids, request, tensors, self.shape, chat.cache_salt)
         rendered, num_tokens = await render_for_vllm(self.engine.renderer, self.engine.model_config, inputs)
         prompt = Prompt(rendered, num_tokens, output_budget(chat, num_tokens, self.config.max_model_len, self.generation_defaults))
         try:

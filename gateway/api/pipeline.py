@@ -9,6 +9,7 @@ and what a lost one costs, is the hand-off's (gateway/routing/handoff.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from cache.keys import salted
 from gateway.routing.encoder_pool import EncoderPool
 from gateway.routing.engine_pool import EnginePool
 from gateway.config import GatewayConfig
@@ -232,7 +234,9 @@ class ChatPipeline:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
         inspected = await self._intake(request, refs, record) if refs else []
         self._reserve_planned_videos(inspected, videos, record)
-        digests = [digest_of(item, self.policy) for item in inspected]
+        digests = [salted(digest_of(item, self.policy), request.cache_salt) for item in inspected]
+        if request.cache_salt is not None:
+            videos = [dataclasses.replace(video, digest=salted(video.digest, request.cache_salt)) for video in videos]
         images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request),
                                             request.priority)
         self._count_videos(images, videos, record)

@@ -346,6 +346,9 @@ class ChatCompletionRequest(_Strict):
     # vLLM's: lower is served first where the engine schedules by priority (engine.scheduling_policy),
     # and so is the request's place in the encoders' queues; `X-Vllm-Priority` sets it too, as on vLLM's server.
     priority: Int64 = 0
+    # vLLM's: the request's prompt prefix and its visual tokens are cached apart from every other salt's
+    # (vLLM's prefix cache; the encoders', engines' and gateway's token caches: cache/keys.py `salted`).
+    cache_salt: Annotated[str, Field(min_length=1, max_length=128)] | None = None
     # vLLM's extensions for fixed output lengths (benchmarks, load tests).
     ignore_eos: bool = False
     min_tokens: Int64 = Field(0, ge=0)
@@ -366,6 +369,13 @@ class ChatCompletionRequest(_Strict):
         if "audio" in modalities:
             raise unsupported("Prism answers in text only: send [\"text\"] or leave modalities out")
         return modalities
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_vllm_takes(cls, salt: str) -> str:
+        if any(char in salt for char in "@/\\\x00"):  # vLLM's rule: its cache backends key by it
+            raise ValueError("a cache_salt must not contain '@', '/', '\\' or NUL (as vLLM's server requires)")
+        return salt
 
     @field_validator("stop")
     @classmethod

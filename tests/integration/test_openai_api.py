@@ -143,3 +143,31 @@ def test_an_idle_keep_alive_connection_outlasts_the_clients_own_expiry(stack):
         second = http.get("/health")
         assert first.status_code == second.status_code == 200
         assert second.extensions["network_stream"].get_extra_info("client_addr") == peer  # the same connection
+
+
+def test_a_cache_salt_keeps_a_request_s_prefix_and_visual_tokens_apart_from_other_salts(client):
+    """vLLM's `cache_salt`: a tenant whose salt differs finds neither the prompt prefix (vLLM's prefix
+    cache) nor the image's tokens (the encoders', engines' and gateway's caches) another one left."""
+    from PIL import Image
+
+    from loadtest.synthetic import data_url
+
+    seed = uuid.uuid4()
+    image = data_url(Image.new("RGB", (96, 64), tuple(seed.bytes[:3])), "PNG")  # new to every cache
+    text = f"{seed.hex} " + "Describe the shapes and their colours. " * 30  # several KV blocks
+
+    def caches(parts: list[dict], **salt) -> tuple[int, dict]:
+        response = client.chat.completions.create(model=MODEL_NAME, max_tokens=1, extra_body=salt,
+                                                  messages=[{"role": "user", "content": parts}])
+        return response.usage.prompt_tokens_details.cached_tokens, response.model_extra["prism"]["cache"]
+
+    words = [{"type": "text", "text": text}]
+    assert caches(words, cache_salt="tenant-a")[0] == 0
+    assert caches(words, cache_salt="tenant-a")[0] > 0
+    assert caches(words, cache_salt="tenant-b")[0] == caches(words)[0] == 0
+    picture = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]
+    assert caches(picture, cache_salt="tenant-a")[1] == {"hits": 0, "misses": 1}
+    assert caches(picture, cache_salt="tenant-a")[1] == {"hits": 1, "misses": 0}
+    assert caches(picture, cache_salt="tenant-b")[1] == caches(picture)[1] == {"hits": 0, "misses": 1}
+    with pytest.raises(openai.BadRequestError, match="cache_salt must not contain"):
+        caches(words, cache_salt="tenant/a")

@@ -174,3 +174,12 @@ def test_a_cached_piece_of_a_batch_owns_its_memory():
     assert piece.untyped_storage().nbytes() == piece.nbytes and torch.equal(piece, batch[3:4])
     whole = torch.randn(4, 8)
     assert owning(whole) is whole  # a batch of one: nothing to copy
+
+
+def test_a_cache_salt_gives_an_image_a_digest_of_its_own_and_no_salt_leaves_it():
+    from cache.keys import salted
+
+    digest = content_key("image bytes")
+    assert salted(digest, None) == digest
+    assert len({digest, salted(digest, "tenant-a"), salted(digest, "tenant-b")}) == 3
+    assert salted(digest, "tenant-a") == salted(digest, "tenant-a")
