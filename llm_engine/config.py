@@ -79,10 +79,10 @@ class EngineConfig(FrozenConfig):
     # {kv_connector: NixlConnector, kv_role: kv_both}; see docs/deployment.md.
     kv_transfer_config: dict[str, Any] | None = None
     seed: int = 0
-    # vLLM's scheduling policy: "priority" orders by each request's `priority` (lower first), arrival
-    # breaking ties, so requests that send none are served first come first served, as under "fcfs"
-    # (vLLM's default), which ignores priorities: there a request with one is a 400.
-    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    # vLLM's scheduling policy: "fcfs" (vLLM's default) serves in arrival order, and a request that
+    # sends a `priority` is a 400; "priority" serves by it (lower first, arrival breaking ties), in the
+    # encoders' queues too. Priorities are strict and come from clients: turn it on where they are trusted.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # vLLM's processes wait for each other between steps by spinning, which
     # holds a core for a whole generation; > 0 sleeps this long per check
     # instead (small CPU machines: the gateway and encoder need that core).

@@ -200,8 +200,10 @@ def check_reasoning_shown(chat, parsing: Parsing) -> None:
 
 
 def check_priority(chat, scheduling_policy: str) -> None:
-    """A priority an engine scheduling first come first served would ignore (vLLM's does, saying nothing)."""
+    """A priority an engine scheduling first come first served would ignore (vLLM's does, saying
+    nothing). The gateway refuses it before the request's intake (gateway/api/pipeline.py); this is
+    for a request that reached an engine whose policy changed since."""
     if chat.priority and scheduling_policy != "priority":
-        raise InvalidPrompt(f"priority: this engine serves requests first come first served (engine.scheduling_policy: "
+        raise InvalidPrompt(f"priority: this engine serves requests in arrival order (engine.scheduling_policy: "
                             f"{scheduling_policy}), so a priority would change nothing; send none, or run it with "
                             "scheduling_policy: priority", "priority")

@@ -343,7 +343,7 @@ class EngineService:
             takes_images = self.shape is not None
             max_images = self.shape.max_images if takes_images else None
             ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images,
-                                self.boot_id, self.vision_weights)
+                                self.boot_id, self.vision_weights, self.config.scheduling_policy)
             await self._send(peer, answer_hello(message, ready), wait=False)
 
     def stats(self) -> EngineStats:

@@ -119,6 +119,8 @@ class EngineReady(Message):
     max_images: int | None = None
     boot_id: str = ""  # the answering process's, as its heartbeats carry it ("": not said)
     vision_weights: str = ""  # its checkpoint's (common/checkpoint.py); "": a text-only model, or not read
+    # engine.scheduling_policy: under "fcfs" the gateway refuses a request's priority before its intake
+    scheduling_policy: str = "fcfs"
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

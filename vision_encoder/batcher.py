@@ -1,20 +1,22 @@
 """Dynamic batching across requests, with in-queue dedup.
 
+A job's rank is its most urgent waiter's priority (vLLM's `priority`: lower
+first; 0 unless a request sets one) and when the first waiter of that priority
+came: the queue is served in rank order, as vLLM's priority scheduling serves
+its requests, so a less urgent job waits while more urgent ones keep coming.
+Within the most urgent class waiting (all of the queue, where no request sets
+a priority):
+
 A batch is due when the queue holds `max_images` images or `max_patches`
-patches, or `max_wait_s` after the oldest waiting job arrived. It takes at
+patches, or `max_wait_s` after that class's oldest job came. It takes at
 most `max_images` images and `max_patches` patches (a lone larger image still
 goes). Which images: with `size_ratio` 0, first come first served; otherwise
-the smallest waiting image leads (the oldest instead, once it has waited
-`age_limit_s`, so a large image is never starved) and only images within
-`size_ratio` of the leader's patch count join it, so a 256² image never rides
-in a 4K image's batch and waits out its ViT time. A job whose key is already
-waiting joins that job instead of queueing a second encode.
-
-Before all that, a job's priority (its most urgent request's, vLLM's
-`priority`: lower first) orders the queue, as vLLM's priority scheduling
-orders its requests: the leader is the most urgent class's, the rest fill the
-batch most urgent first, and a less urgent job waits while more urgent ones
-keep coming (the age limit applies within the most urgent class).
+the smallest waiting image of the class leads (its oldest instead, once it has
+waited `age_limit_s`, so a large image is never starved by smaller ones of its
+class) and only images within `size_ratio` of the leader's patch count join it,
+so a 256² image never rides in a 4K image's batch and waits out its ViT time.
+A job whose key is already waiting joins that job instead of queueing a second
+encode; a more urgent request joining it ranks it as that request.
 """
 
 from __future__ import annotations
@@ -35,12 +37,31 @@ class Job:
     # (request, image index) pairs waiting on this key's embeddings
     waiters: list[tuple[Any, int]] = field(default_factory=list)
     nbytes: int = 0  # what its input holds while it waits (the queue's byte bound)
-    priority: int = 0  # its most urgent waiter's (lower first)
+    # Each of `waiters`' (priority, when it came), in step with them while the job is queued.
+    joined: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def slot(self) -> bytes:
         """What makes two jobs the same: the key's full material, not its hash."""
         return self.identity or self.key
+
+    @property
+    def rank(self) -> tuple[int, float]:
+        """(priority, since): its most urgent waiters' priority, and when the first of them came."""
+        return min(self.joined, default=(0, self.arrived))
+
+    @property
+    def priority(self) -> int:
+        return self.rank[0]
+
+    def wait(self, waiter: tuple[Any, int], priority: int, when: float) -> None:
+        self.waiters.append(waiter)
+        self.joined.append((priority, when))
+
+    def drop(self, request: Any) -> None:
+        """`request`'s waits gone; the job ranks as those left."""
+        kept = [(waiter, joined) for waiter, joined in zip(self.waiters, self.joined) if waiter[0] is not request]
+        self.waiters, self.joined = [waiter for waiter, _ in kept], [joined for _, joined in kept]
 
 
 class Batcher:
@@ -60,24 +81,22 @@ class Batcher:
             record: bool = True, priority: int = 0) -> None:
         """Queue an encode for `waiter` (of `priority`), or join the one queued for the same slot
         (counted unless `record` is false: a join counted already, as `join`'s)."""
-        slot = identity or key
+        slot, now = identity or key, time.monotonic()
         job = self._queue.get(slot)
         if job is None:
-            job = self._queue[slot] = Job(key, image, patches, time.monotonic(), identity, nbytes=nbytes, priority=priority)
+            job = self._queue[slot] = Job(key, image, patches, now, identity, nbytes=nbytes)
             self.queued_bytes += nbytes
         else:
             self.joins += record
-        job.waiters.append(waiter)
-        job.priority = min(job.priority, priority)
+        job.wait(waiter, priority, now)
 
     def join(self, slot: bytes, waiter: tuple[Any, int], record: bool = True, priority: int = 0) -> bool:
         """Wait on the queued job for `slot` (its identity), if there is one; a more urgent
-        waiter makes the job as urgent."""
+        waiter ranks the job as itself."""
         job = self._queue.get(slot)
         if job is None:
             return False
-        job.waiters.append(waiter)
-        job.priority = min(job.priority, priority)
+        job.wait(waiter, priority, time.monotonic())
         self.joins += record
         return True
 
@@ -85,7 +104,7 @@ class Batcher:
         """Forget a cancelled request; jobs nobody waits on any more are dropped."""
         for key in list(self._queue):
             job = self._queue[key]
-            job.waiters = [w for w in job.waiters if w[0] is not request]
+            job.drop(request)
             if not job.waiters:
                 self._remove(job)
                 self.dropped += 1
@@ -107,24 +126,24 @@ class Batcher:
             return None
         if len(self._queue) >= self.max_images or self._queued_patches() >= self.max_patches:
             return 0.0
-        oldest = next(iter(self._queue.values()))
-        return max(0.0, oldest.arrived + self.max_wait_s - now)
+        _, since = min(job.rank for job in self._queue.values())  # the most urgent class's oldest
+        return max(0.0, since + self.max_wait_s - now)
 
     def _queued_patches(self) -> int:
         return sum(job.patches for job in self._queue.values())
 
     def take(self, max_job_patches: int | None = None) -> list[Job]:
         """The next batch (always ≥ 1 job): see the module docstring for which
-        images. With `max_job_patches`: only images that small, oldest first
+        images. With `max_job_patches`: only images that small, in rank order
         (the encoder's express lane), possibly none."""
-        jobs = sorted(self._queue.values(), key=_urgency)  # most urgent first, then oldest first (a stable sort)
+        jobs = sorted(self._queue.values(), key=lambda job: job.rank)
         if max_job_patches is not None:
             return self._fill([job for job in jobs if job.patches <= max_job_patches])
         if not self.size_ratio:
             return self._fill(jobs)
         most_urgent = [job for job in jobs if job.priority == jobs[0].priority]
         oldest = most_urgent[0]
-        aged = time.monotonic() - oldest.arrived >= self.age_limit_s
+        aged = time.monotonic() - oldest.rank[1] >= self.age_limit_s
         lead = oldest if aged else min(most_urgent, key=lambda job: job.patches)  # ties: the oldest
         low, high = lead.patches / self.size_ratio, lead.patches * self.size_ratio
         alike = [job for job in sorted(jobs, key=lambda job: (job.priority, job.patches))
@@ -142,7 +161,3 @@ class Batcher:
             batch.append(job)
             patches += job.patches
         return batch
-
-
-def _urgency(job: Job) -> int:
-    return job.priority

@@ -217,6 +217,10 @@ class ChatPipeline:
             raise APIError(400, f"{refs[0].where}: model '{self.model_name}' is served text-only and takes no images",
                            param=refs[0].where, code="images_not_supported")
         self.engine.require_up()
+        if request.priority and (policy := self.engine.info.scheduling_policy) != "priority":  # before any encoder queue sees it
+            raise APIError(400, f"priority: this model's engines serve requests in arrival order (engine.scheduling_policy: "
+                           f"{policy}), so a priority would change nothing; send none, or run them with scheduling_policy: "
+                           "priority", param="priority", code="invalid_value")
         if refs:
             self.encoder.require_up()
         if request.n > self.config.max_n:

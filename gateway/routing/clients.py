@@ -393,10 +393,10 @@ class EncoderClient(ServiceClient):
 
     async def encode(
         self, request_id: str, images: Sequence[ImageInput], frames: Sequence[Any], timeout_s: float, retry: bool = False,
-        push_to: str = "",
+        push_to: str = "", priority: int = 0,
     ) -> EncodeResult | EncodeNeedsPixels:
         """`push_to`: the engine the encoder pushes the images it encodes to (EncodeRequest.push_to)."""
-        return await self.ask(EncodeRequest(request_id, list(images), retry, push_to), frames, timeout_s)
+        return await self.ask(EncodeRequest(request_id, list(images), retry, push_to, priority), frames, timeout_s)
 
     async def ask(self, request: EncodeRequest | EncodeVideos, frames: Sequence[Any], timeout_s: float) -> Any:
         """One encode round trip (images' or videos'): the encoder's answer, or its refusal raised."""

@@ -214,13 +214,13 @@ def test_chat_template_kwargs_change_the_prompt(client):
     assert switched > bare  # the demo template opens the answer with an empty <think></think>
 
 
-def test_a_request_s_priority_from_its_body_or_vllm_s_header_is_served(client, images):
-    """The demo engine schedules by priority (engine.scheduling_policy); the encoder orders its queue by it too."""
+def test_a_priority_for_an_engine_that_serves_in_arrival_order_is_refused_from_the_body_or_vllm_s_header(client, images):
+    """The demo engine is vLLM's default, fcfs (tests/integration/test_replicas.py serves priorities)."""
     messages = [{"role": "user", "content": [image_part(images), {"type": "text", "text": "What is it?"}]}]
-    plain = create(client, messages=messages, max_tokens=6).choices[0].message.content
-    assert create(client, messages=messages, max_tokens=6, extra_body={"priority": -3}).choices[0].message.content == plain
-    headed = client.with_options(default_headers={"X-Vllm-Priority": "5"})
-    assert create(headed, messages=messages, max_tokens=6).choices[0].message.content == plain
+    for asking in (client.with_options(default_headers={"X-Vllm-Priority": "5"}), client):
+        with pytest.raises(openai.BadRequestError, match=r"priority: .*\(engine.scheduling_policy: fcfs\)"):
+            create(asking, messages=messages, max_tokens=1, extra_body={"priority": -3})
+    assert create(client, messages=messages, max_tokens=1, extra_body={"priority": 0}).usage.completion_tokens == 1
     with pytest.raises(openai.BadRequestError, match="X-Vllm-Priority: 'soon' is not a 64-bit integer"):
         create(client.with_options(default_headers={"X-Vllm-Priority": "soon"}), max_tokens=1)
 

@@ -51,6 +51,7 @@ def replicated(tmp_path_factory, redis_server):
         "PRISM_ENGINE__SHARED_CACHE_URL": redis_server.url,
         "PRISM_ENCODER__MAX_PIXELS": str(1280 * 720),
         "PRISM_ENGINE__KV_CACHE_MEMORY_MB": "256",
+        "PRISM_ENGINE__SCHEDULING_POLICY": "priority",  # a deployment that trusts its clients' priorities
         **ONE_PROCESS_ENGINE,
     }
     stack = LocalStack(tmp_path_factory.mktemp("replicas"), overrides, encoder_replicas=2, transport="tcp")
@@ -218,3 +219,17 @@ def from_shared_tier(address: str, digest: bytes):
         return asyncio.run(encode_on(address, f"lookup-{time.monotonic()}", digest, None))
     except AssertionError:  # EncodeNeedsPixels: not written yet
         return None
+
+
+def test_where_the_engine_schedules_by_priority_a_request_s_priority_is_served(replicated):
+    """From the body or vLLM's header, through both encoders' queues and vLLM's scheduler: the same greedy answer."""
+    image = b64(save(make_image("prioritised", (80, 60)), "PNG"))
+    content = [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is it?"}]
+
+    def answer(headers: dict | None = None, **fields) -> str:
+        body = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": content}], **fields}
+        response = httpx.post(f"{replicated.base_url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    assert answer() == answer(priority=-2) == answer({"X-Vllm-Priority": "7"}, priority=-2)

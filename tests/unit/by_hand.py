@@ -64,9 +64,10 @@ class EncoderByHand(ByHand):
 class EngineByHand(ByHand):
     inbound = EngineInbound
     takes_pushes = True
+    scheduling_policy = "fcfs"
 
     def ready(self) -> Message:
-        return EngineReady("m", 4096, takes_pushes=self.takes_pushes)
+        return EngineReady("m", 4096, takes_pushes=self.takes_pushes, scheduling_policy=self.scheduling_policy)
 
     def stats(self) -> Message:
         return EngineStats("boot", 0, 0, 0, 0)

@@ -144,3 +144,33 @@ def test_with_size_classes_the_most_urgent_class_leads_and_the_rest_fill_by_urge
     b.add(b"4k-usual", None, 5000, ("r4", 0))
     assert [j.key for j in b.take()] == [b"1080p-urgent", b"4k-usual", b"4k-late"]  # its class, most urgent first
     assert [j.key for j in b.take()] == [b"256-usual"]
+
+
+def test_a_job_ranks_again_as_its_waiters_left_once_the_urgent_one_leaves():
+    b = Batcher(max_images=1, max_patches=10**6, max_wait_s=0)
+    b.add(b"later", None, 1, ("r1", 0), priority=5)
+    b.add(b"usual", None, 1, ("r2", 0))
+    assert b.join(b"later", ("urgent", 0), priority=-9)
+    b.drop_waiters("urgent")  # cancelled, refused, or gone to another replica
+    assert [j.key for j in b.take()] == [b"usual"] and [j.key for j in b.take()] == [b"later"]
+
+
+def test_an_urgent_join_ranks_a_job_from_when_it_joined_not_from_when_the_job_came():
+    """A long-queued 4K image joined by an urgent request is that request's age in the urgent class:
+    it does not lead it as aged ahead of an urgent image that came before the join."""
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0, size_ratio=4, age_limit_s=0.05)
+    b.add(b"4k-old", None, 5000, ("r1", 0))
+    time.sleep(0.06)  # time passing is what is tested: the 4K image is past the age limit
+    b.add(b"small-urgent", None, 324, ("r2", 0), priority=-1)
+    assert b.join(b"4k-old", ("r3", 0), priority=-1)
+    assert [j.key for j in b.take()] == [b"small-urgent"]
+    assert [j.key for j in b.take()] == [b"4k-old"]
+
+
+def test_a_less_urgent_job_past_its_wait_leaves_the_urgent_ones_their_batching_window():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=0.05)
+    b.add(b"starved", None, 1, ("r1", 0), priority=5)
+    time.sleep(0.06)  # time passing is what is tested: the starved job is past max_wait
+    b.add(b"urgent", None, 1, ("r2", 0), priority=-1)
+    (urgent,) = [job for job in b._queue.values() if job.key == b"urgent"]
+    assert b.seconds_until_due(urgent.rank[1]) == pytest.approx(0.05)

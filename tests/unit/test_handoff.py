@@ -95,9 +95,10 @@ class Engine(EngineByHand):
     draining engine's 503), 'refuse-late' (the same after REFUSAL_DELAY_S) or
     'lost' (its tokens were nowhere: 503 embeddings_unavailable)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, takes_pushes: bool) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, takes_pushes: bool, scheduling_policy: str = "fcfs") -> None:
         super().__init__(ctx, address)
         self.takes_pushes = takes_pushes
+        self.scheduling_policy = scheduling_policy
         self.script: list[str] = []
         self.received: list[GenerateRequest] = []
 
@@ -144,13 +145,14 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def gateway(tmp_path, config: GatewayConfig | None = None, takes_pushes: bool = True, encoders: int = 1):
+async def gateway(tmp_path, config: GatewayConfig | None = None, takes_pushes: bool = True, encoders: int = 1,
+                  scheduling_policy: str = "fcfs"):
     """A pipeline on `encoders` encoders and two engines, all answering by hand."""
     ctx = zmq.asyncio.Context()
     encoder_addresses = [f"ipc://{tmp_path}/encoder-{i}.sock" for i in range(encoders)]
     engine_addresses = [f"ipc://{tmp_path}/engine-{i}.sock" for i in range(2)]
     by_hand = [Encoder(ctx, address) for address in encoder_addresses]
-    engines = [Engine(ctx, address, takes_pushes) for address in engine_addresses]
+    engines = [Engine(ctx, address, takes_pushes, scheduling_policy) for address in engine_addresses]
     encoder_pool = EncoderPool(ctx, encoder_addresses, heartbeat_timeout_s=30)
     engine_pool = EnginePool(ctx, engine_addresses, heartbeat_timeout_s=30)
     try:
@@ -437,10 +439,26 @@ def test_a_decoded_video_goes_to_the_encoder_with_the_metadata_of_the_frames_it_
 
 
 async def _prioritised(tmp_path) -> tuple[list, list[GenerateRequest]]:
-    async with gateway(tmp_path) as gw:
+    async with gateway(tmp_path, scheduling_policy="priority") as gw:
         gw.script("lost")
         assert (await ask_with_video(gw, "urgent", priority=-5))[-1].finished
         return gw.encoders[0].asked, [request for requests in gw.received() for request in requests]
+
+
+async def _unprioritised(tmp_path) -> tuple[APIError, list]:
+    async with gateway(tmp_path, scheduling_policy="fcfs") as gw:
+        try:
+            await ask_with_video(gw, "urgent", priority=-5)
+        except APIError as exc:
+            return exc, gw.encoders[0].asked + [r for requests in gw.received() for r in requests]
+        raise AssertionError("served")
+
+
+def test_a_priority_for_engines_that_serve_in_arrival_order_is_refused_before_any_encoder_sees_it(tmp_path):
+    """It would reorder the encoders' queues, and the engine would then refuse it."""
+    refused, asked = asyncio.run(_unprioritised(tmp_path))
+    assert (refused.status, refused.param) == (400, "priority") and "engine.scheduling_policy: fcfs" in refused.message
+    assert asked == []
 
 
 def test_a_request_s_priority_reaches_every_encoder_round_and_its_engine(tmp_path):
