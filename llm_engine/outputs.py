@@ -37,26 +37,31 @@ def _logprob(value: float) -> float:
     return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
 
 
-def chat_logprobs(token_ids, step_logprobs, top: int, tokenizer) -> list[TokenLogprob]:
+def chat_logprobs(token_ids, step_logprobs, top: int, tokenizer, as_ids: bool = False) -> list[TokenLogprob]:
     """vLLM's server's `_create_chat_logprobs`: the sampled token first in each
-    step's dict, the first `top` entries (in vLLM's order) as top_logprobs."""
+    step's dict, the first `top` entries (in vLLM's order) as top_logprobs.
+    `as_ids` (vLLM's return_tokens_as_token_ids): each token named "token_id:<id>",
+    a sampled one's bytes still its text's, as vLLM's server gives them."""
 
     def decoded(logprob, token_id: int) -> str:
         return logprob.decoded_token if logprob.decoded_token is not None else tokenizer.decode([token_id])
+
+    def named(logprob, token_id: int) -> str:
+        return f"token_id:{token_id}" if as_ids else decoded(logprob, token_id)
 
     out = []
     for token_id, step in zip(token_ids, step_logprobs):
         sampled = step.get(token_id) if step else None
         if sampled is None:
-            token = tokenizer.decode(token_id)
+            token = f"token_id:{token_id}" if as_ids else tokenizer.decode(token_id)
             out.append(TokenLogprob(token, LOGPROB_FLOOR, _bytes(token)))
             continue
         tops = [
-            TopLogprob(text := decoded(lp, tid), _logprob(lp.logprob), _bytes(text))
+            TopLogprob(text := named(lp, tid), _logprob(lp.logprob), _bytes(text))
             for i, (tid, lp) in enumerate(step.items()) if top == -1 or i < top
         ]
-        token = decoded(sampled, token_id)
-        out.append(TokenLogprob(token, _logprob(sampled.logprob), _bytes(token), tops))
+        text = decoded(sampled, token_id)
+        out.append(TokenLogprob(named(sampled, token_id), _logprob(sampled.logprob), _bytes(text), tops))
     return out
 
 
@@ -97,14 +102,16 @@ class ChoiceStream:
             self.token_ids.extend(output.token_ids)
         logprobs = None
         if self.chat.logprobs:
-            logprobs = chat_logprobs(output.token_ids, output.logprobs or [], self.chat.top_logprobs, self.tokenizer)
+            logprobs = chat_logprobs(output.token_ids, output.logprobs or [], self.chat.top_logprobs, self.tokenizer,
+                                     bool(self.chat.return_tokens_as_token_ids))
         fields = self._parsed(output, finished)
         if fields.get("tool_calls"):
             self.called_tools = True
         reason = self._finish_reason(output.finish_reason) if finished else None
         return ChoiceDelta(self.index, finish_reason=reason, logprobs=logprobs, tokens=len(output.token_ids),
                            stop_reason=output.stop_reason if finished else None,
-                           reasoning_tokens=self._reasoning_tokens(finished), **fields)
+                           reasoning_tokens=self._reasoning_tokens(finished),
+                           token_ids=list(output.token_ids) if self.chat.return_token_ids else None, **fields)
 
     def _reasoning_tokens(self, finished: bool) -> int | None:
         if not self.counts_reasoning or not (finished or self.continuous_usage):

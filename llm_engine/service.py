@@ -556,6 +556,7 @@ class EngineService:
                         finished=finished,
                         timings=engine_timings(output.metrics, *arrival, first_ready) if first or finished else None,
                         cached_tokens=output.num_cached_tokens or 0,
+                        prompt_token_ids=list(output.prompt_token_ids or ()) if first and chat.return_token_ids else None,
                     )
                     if not await self._send(peer, delta):
                         return None  # closing the generator aborts the request in vLLM

@@ -167,6 +167,7 @@ class ChoiceDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     # This choice's reasoning tokens so far, where the engine counts them (engine.reasoning_parser):
     # on its last delta, and on every delta of a stream whose usage is continuous. None: not counted here.
     reasoning_tokens: int | None = None
+    token_ids: list[int] | None = None  # the tokens this delta made, where the request asked (vLLM's return_token_ids)
 
 
 class TokenDelta(Message):
@@ -177,6 +178,9 @@ class TokenDelta(Message):
     finished: bool = False  # every choice has finished
     timings: EngineTimings | None = None  # on the first delta and the last
     cached_tokens: int = 0  # prompt tokens vLLM found in its prefix cache
+    # On the first delta, where the request asked (vLLM's return_token_ids): the prompt as vLLM
+    # ran it, every image's and video's placeholder expanded to its rows.
+    prompt_token_ids: list[int] | None = None
 
 
 class GenerateFailed(Message):

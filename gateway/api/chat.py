@@ -151,17 +151,18 @@ class ChatHandler:
         timer = record.timer
         answer = responses.Answer(shape)
         reasoning = responses.ReasoningCounts()
-        last = None
+        last = prompt_token_ids = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 timer.mark_first_token()
                 timer.mark_delta(delta)
                 answer.add(delta)
                 reasoning.add(delta)
+                prompt_token_ids = prompt_token_ids or delta.prompt_token_ids
                 last = delta
         timer.mark_finished()
         usage = responses.usage(last, timer.visual_tokens, reasoning_tokens=reasoning.total())
-        body = responses.completion(record.id, record.model, answer.choices(), usage, timer.breakdown())
+        body = responses.completion(record.id, record.model, answer.choices(), usage, timer.breakdown(), prompt_token_ids)
         self.finish(record, 200, "ok")
         return DeadlineJSONResponse(body, self.gateway.config.stream_write_timeout_s, {"Server-Timing": timer.server_timing()})
 
@@ -193,7 +194,10 @@ class ChatHandler:
             index = entry["index"]
             thought = reasoning.of(index)
             usage = responses.usage(delta, timer.visual_tokens, made[index], 0 if opening and thought is not None else thought)
-            return responses.chunk(rid, model, created, [entry], **({"usage": usage} if continuous else {}))
+            extra = {"usage": usage} if continuous else {}
+            if opening and delta.prompt_token_ids is not None:  # vLLM's server: in each choice's role chunk
+                extra["prompt_token_ids"] = delta.prompt_token_ids
+            return responses.chunk(rid, model, created, [entry], **extra)
 
         def events_of(delta: TokenDelta, opening: bool = False) -> list[bytes]:
             reasoning.add(delta)

@@ -83,9 +83,11 @@ class _Choice:
     calls: dict[int, _Call] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids or ())
         self.reasoning.append(delta.reasoning)
         if (content := _logprob_content(delta)) is not None:
             if self.logprobs is None:
@@ -107,7 +109,8 @@ class _Choice:
         if self.calls:
             message["tool_calls"] = [self.calls[i].body() for i in sorted(self.calls)]
         logprobs = None if self.logprobs is None else {"content": self.logprobs}
-        return {"index": index, "message": message, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "logprobs": logprobs}
+        body = {"index": index, "message": message, "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "logprobs": logprobs}
+        return body | ({"token_ids": self.token_ids} if shape.token_ids else {})
 
 
 @dataclass(frozen=True)
@@ -117,10 +120,12 @@ class AnswerShape:
     forced_call: bool = False  # tool_choice required or a named function
     role: str = "assistant"  # ChatCompletionRequest.response_role
     shows_reasoning: bool = True  # include_reasoning
+    token_ids: bool = False  # return_token_ids: each choice's, and the prompt's
 
     @classmethod
     def of(cls, request) -> "AnswerShape":
-        return cls(request.tool_choice not in (None, "none", "auto"), request.response_role, request.include_reasoning)
+        return cls(request.tool_choice not in (None, "none", "auto"), request.response_role, request.include_reasoning,
+                   request.return_token_ids)
 
 
 class Answer:
@@ -138,8 +143,9 @@ class Answer:
         return [self._choices[i].body(i, self._shape) for i in sorted(self._choices)]
 
 
-def completion(request_id: str, model: str, choices: list[dict], usage_: dict, timings: dict) -> dict:
-    return {
+def completion(request_id: str, model: str, choices: list[dict], usage_: dict, timings: dict,
+               prompt_token_ids: list[int] | None = None) -> dict:
+    body = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -148,6 +154,7 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict, t
         "usage": usage_,
         "prism": timings,
     }
+    return body | ({"prompt_token_ids": prompt_token_ids} if prompt_token_ids is not None else {})
 
 
 def role_entry(index: int, role: str = "assistant") -> dict:
@@ -166,10 +173,12 @@ def stream_choice(choice: ChoiceDelta) -> dict | None:
     if choice.tool_calls:
         delta["tool_calls"] = [_tool_call_piece(piece) for piece in choice.tool_calls]
     content = _logprob_content(choice)
-    if not delta and content is None and choice.finish_reason is None:
-        return None
+    if not delta and content is None and choice.finish_reason is None and choice.token_ids is None:
+        return None  # with token ids asked for, sent all the same: every token is in some chunk, as on vLLM's server
     logprobs = None if content is None else {"content": content}
     entry = {"index": choice.index, "delta": delta, "finish_reason": choice.finish_reason, "logprobs": logprobs}
+    if choice.token_ids is not None:
+        entry["token_ids"] = choice.token_ids
     if choice.finish_reason is not None:
         entry["stop_reason"] = choice.stop_reason
     return entry

@@ -312,6 +312,9 @@ class ChatCompletionRequest(_Strict):
     n: int = Field(1, ge=1)  # at most gateway.max_n
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: the prompt's and each choice's token ids in the answer; logprobs' tokens as "token_id:<id>"
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[Tool] | None = Field(None, min_length=1)  # [] refused, as vLLM and OpenAI refuse it
@@ -428,9 +431,12 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _what_reasoning_hides(self) -> "ChatCompletionRequest":
-        if not self.include_reasoning and self.logprobs:  # vLLM's server drops them: their tokens would spell it out
-            raise invalid("logprobs", "logprobs with include_reasoning: false would spell out the reasoning it hides "
-                          "(vLLM's server leaves them out); send one or the other")
+        for shown, field in ((self.logprobs, "logprobs"), (self.return_token_ids, "return_token_ids")):
+            if shown and not self.include_reasoning:  # vLLM's server drops them: their tokens would spell it out
+                raise invalid(field, f"{field} with include_reasoning: false would spell out the reasoning it hides "
+                              "(vLLM's server leaves them out); send one or the other")
+        if self.return_tokens_as_token_ids and not self.logprobs:
+            raise invalid("return_tokens_as_token_ids", "return_tokens_as_token_ids names the logprobs' tokens: it needs logprobs: true")
         if not self.spaces_between_special_tokens and self.skip_special_tokens:
             raise invalid("spaces_between_special_tokens", "spaces_between_special_tokens only changes the text with "
                           "skip_special_tokens: false (skipped tokens leave nothing to space)")

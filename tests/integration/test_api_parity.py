@@ -207,3 +207,26 @@ def test_without_a_new_turn_the_answer_s_role_is_the_final_message_s_alike(clien
         return next(chunk.choices[0].delta.role for chunk in c.chat.completions.create(stream=True, **fields) if chunk.choices)
 
     assert role(client) == role(vllm) == "user"
+
+
+def test_token_ids_and_logprob_tokens_named_by_id_are_alike(client, vllm, images):
+    """vLLM's `return_token_ids` (the prompt as it ran, each image's rows expanded, and each choice's tokens)
+    and `return_tokens_as_token_ids`, answered whole and streamed."""
+    messages = [{"role": "user", "content": [image_part(images), {"type": "text", "text": "Describe it."}]}]
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    prism, reference = both(client, vllm, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2, extra_body=extra)
+    assert prism.model_extra["prompt_token_ids"] == reference.model_extra["prompt_token_ids"]
+    assert len(prism.model_extra["prompt_token_ids"]) == prism.usage.prompt_tokens
+    ours, theirs = prism.choices[0], reference.choices[0]
+    assert ours.model_extra["token_ids"] == theirs.model_extra["token_ids"] and len(ours.model_extra["token_ids"]) == 5
+    assert [(t.token, t.bytes) for t in ours.logprobs.content] == [(t.token, t.bytes) for t in theirs.logprobs.content]
+    assert ours.logprobs.content[0].token == f"token_id:{ours.model_extra['token_ids'][0]}"
+
+    def streamed(c) -> tuple[list, list[int]]:
+        chunks = list(c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0, stream=True,
+                                                extra_body={"return_token_ids": True}))
+        prompts = [chunk.model_extra.get("prompt_token_ids") for chunk in chunks]
+        return prompts, [i for chunk in chunks if chunk.choices for i in chunk.choices[0].model_extra.get("token_ids") or []]
+
+    assert streamed(client) == streamed(vllm)
+    assert streamed(client)[1] == ours.model_extra["token_ids"]

@@ -147,3 +147,22 @@ def test_the_engine_reads_the_stream_s_usage_options_the_client_sent(thinking_to
 
     sent = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **CONTINUOUS})
     assert ChoiceStream(0, read_chat(engine_chat(sent)), None, thinking_tokenizer, [1]).continuous_usage
+
+
+def test_logprob_tokens_named_by_their_ids_as_vllm_s_server_names_them():
+    """`return_tokens_as_token_ids`: "token_id:<id>" everywhere; the sampled token's bytes stay its text's,
+    a top entry's are its name's (vLLM's server's `_create_chat_logprobs` and `_get_top_logprobs`)."""
+    from vllm.logprobs import Logprob
+
+    from llm_engine.outputs import chat_logprobs
+
+    class Tokenizer:
+        def decode(self, ids):
+            return {7: "red", 9: "blue"}[ids if isinstance(ids, int) else ids[0]]
+
+    steps = [{7: Logprob(-0.5, 1, "red"), 9: Logprob(-1.5, 2, "blue")}, None]
+    named = chat_logprobs([7, 9], steps, 2, Tokenizer(), as_ids=True)
+    assert [(t.token, t.bytes) for t in named] == [("token_id:7", list(b"red")), ("token_id:9", list(b"token_id:9"))]
+    assert [(t.token, t.bytes) for t in named[0].top_logprobs] == [("token_id:7", list(b"token_id:7")), ("token_id:9", list(b"token_id:9"))]
+    plain = chat_logprobs([7, 9], steps, 2, Tokenizer())
+    assert [t.token for t in plain] == ["red", "blue"] and [t.token for t in plain[0].top_logprobs] == ["red", "blue"]

@@ -152,7 +152,8 @@ CASES = [
                                  vision_weights="8c1e48dbca376ab165791c9d5bff0e91", scheduling_policy="priority")),
     (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
     (GatewayInbound, TokenDelta(
-        "chatcmpl-41", [ChoiceDelta(0, "A red")], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0)
+        "chatcmpl-41", [ChoiceDelta(0, "A red", token_ids=[32, 2518])], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0),
+        prompt_token_ids=[151644, 8948, 198, 151652, 151655, 151653],
     )),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41",

@@ -27,7 +27,7 @@ from protocol.to_gateway import EngineReady
 SHAPES = {
     1: "23015121599aa54f",
     2: "d0196a51e578797d",  # the handshakes carry the checkpoint's vision weights (common/checkpoint.py)
-    3: "51d1fb751e34bd2b",  # encode requests carry the chat request's priority; engines say their scheduling policy
+    3: "0bdebd3a24607d3e",  # priority in encode requests, engines' scheduling policy, token ids in deltas
 }
 
 
