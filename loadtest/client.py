@@ -57,6 +57,8 @@ def chat_body(target: Target, request: RequestSpec, urls: list[str]) -> dict:
         body["media_io_kwargs"] = {"video": {"fps": request.video_fps}}
     if request.video_max_pixels is not None:
         body["mm_processor_kwargs"] = {"max_pixels": request.video_max_pixels}
+    if request.priority:
+        body["priority"] = request.priority
     return body
 
 

@@ -79,6 +79,7 @@ class RequestSpec:
     video_fps: float | None = None  # media_io_kwargs.video.fps
     video_max_pixels: int | None = None  # mm_processor_kwargs.max_pixels
     images_repeated: bool = False  # every image of it was sent before (a cache can answer them all)
+    priority: int = 0  # vLLM's `priority` (lower first; sent only where set): bench/priority.py
 
     @property
     def bucket(self) -> str:

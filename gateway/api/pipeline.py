@@ -9,7 +9,6 @@ and what a lost one costs, is the hand-off's (gateway/routing/handoff.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -238,9 +237,7 @@ class ChatPipeline:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
         inspected = await self._intake(request, refs, record) if refs else []
         self._reserve_planned_videos(inspected, videos, record)
-        digests = [salted(digest_of(item, self.policy), request.cache_salt) for item in inspected]
-        if request.cache_salt is not None:
-            videos = [dataclasses.replace(video, digest=salted(video.digest, request.cache_salt)) for video in videos]
+        digests = [salted(digest_of(item, self.policy), request.cache_salt) for item in inspected]  # videos': at their intake
         images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request),
                                             request.priority)
         self._count_videos(images, videos, record)

@@ -78,7 +78,7 @@ async def take_videos(intake, request: ChatCompletionRequest, refs: list[VideoRe
     check_count(refs, config)
     sampling = request_sampling(request, loader)
     planner = functools.partial(plan_frames, processor.video_sizing, video_knobs(request))
-    return await intake.take_all([(ref, sampling) for ref in refs], timer, planner)
+    return await intake.take_all([(ref, sampling) for ref in refs], timer, planner, request.cache_salt)
 
 
 def video_knobs(request: ChatCompletionRequest) -> VideoKnobs:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import httpx
@@ -62,3 +63,10 @@ def test_an_open_loop_request_is_timed_from_when_it_was_due() -> None:
     chunk = 'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\ndata: [DONE]\n\n'
     result = _sent_to(lambda _: httpx.Response(200, text=chunk), due=time.perf_counter() - 1.0)
     assert result.ttft_s >= 1.0  # a lower bound: the second it was late
+
+
+def test_a_request_s_priority_is_sent_only_where_it_is_set():
+    target = Target("http://prism.test", "demo")
+    request = RequestSpec(0, (ImageSpec("small", 32, 32, "JPEG", 1),), "What is this?", None, 4)
+    assert "priority" not in chat_body(target, request, [URL])
+    assert chat_body(target, dataclasses.replace(request, priority=-1), [URL])["priority"] == -1

@@ -673,3 +673,16 @@ def test_a_video_that_makes_ffmpeg_seek_before_its_start_is_read_not_a_crash():
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert done.stdout.split() == ["12", "10"]  # the header's 12; the 10 frames FFmpeg could still read
+
+
+def test_a_salted_request_s_video_has_a_digest_of_its_own_and_its_header_is_known_apart(clip12):
+    """`cache_salt`: a repeat under another salt reads the header again, as a new video would (a known header
+    makes a repeat's intake faster: a tenant could tell from it what another sent)."""
+    from cache.keys import salted
+
+    with ThreadPoolExecutor(1) as pool:
+        intake = VideoIntake(fetcher=None, limits=LIMITS, pool=pool)
+        salted_a = asyncio.run(intake.inspect(clip12, WHERE, VideoSampling(), cache_salt="tenant-a"))
+        plain = video_intake.digest_of(clip12, VideoSampling())
+        assert salted_a.digest == salted(plain, "tenant-a") != plain
+        assert intake.known.get(plain) is None and intake.known.get(salted_a.digest) is not None

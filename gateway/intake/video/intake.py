@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 from cachetools import LRUCache
 
-from cache import content_key, library_versions
+from cache import content_key, library_versions, salted
 from gateway.errors import APIError
 from gateway.intake.fetch import ImageFetcher
 from gateway.intake.images import decode_data_url
@@ -385,20 +385,23 @@ class VideoIntake:
                           f"is {self.limits.max_decode_s:g} s (gateway.max_video_decode_s)", 413, "video_too_long")
 
     async def take_all(self, refs: list[tuple[VideoRef, VideoSampling]], timer: RequestTimer,
-                       planner: Planner | None = None) -> list[InspectedVideo]:
+                       planner: Planner | None = None, cache_salt: str | None = None) -> list[InspectedVideo]:
         """Every video of a request fetched and inspected, none decoded: a hostile one refuses the
-        request before any decode's time or memory is spent, and a repeat may need no decode."""
+        request before any decode's time or memory is spent, and a repeat may need no decode.
+        `cache_salt`: the request's; its videos' digests are salted, their headers known apart."""
         started = time.perf_counter()
         raws = await all_or_none(*(self.fetch(ref) for ref, _ in refs))
-        inspected = await all_or_none(*(self.inspect(raw, ref.where, sampling, planner) for raw, (ref, sampling) in zip(raws, refs)))
+        inspected = await all_or_none(*(self.inspect(raw, ref.where, sampling, planner, cache_salt)
+                                        for raw, (ref, sampling) in zip(raws, refs)))
         timer.add("video_fetch", time.perf_counter() - started)
         return list(inspected)
 
-    async def inspect(self, raw: bytes, where: str, sampling: VideoSampling, planner: Planner | None = None) -> InspectedVideo:
+    async def inspect(self, raw: bytes, where: str, sampling: VideoSampling, planner: Planner | None = None,
+                      cache_salt: str | None = None) -> InspectedVideo:
         """Header-only checks, the frames sampling keeps and how they will be sent, on the intake
         threads. No frame is decoded but those the frame count's check decodes (from the last
         keyframe on: the whole stream of a clip with one keyframe), their memory counted."""
-        digest = await self._in_pool(checked_digest, raw, where, sampling)
+        digest = salted(await self._in_pool(checked_digest, raw, where, sampling), cache_salt)
         if (source := self.known.get(digest)) is None:
             if digest in self.slow_headers:
                 raise _read_too_slow(where, self.limits)
