@@ -313,6 +313,7 @@ class ChatCompletionRequest(_Strict):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's: the prompt's and each choice's token ids in the answer; logprobs' tokens as "token_id:<id>"
+    # (without logprobs it changes nothing, and is taken as vLLM's server takes it: RL clients send it always)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     response_format: ResponseFormat | None = None
@@ -435,8 +436,7 @@ class ChatCompletionRequest(_Strict):
             if shown and not self.include_reasoning:  # vLLM's server drops them: their tokens would spell it out
                 raise invalid(field, f"{field} with include_reasoning: false would spell out the reasoning it hides "
                               "(vLLM's server leaves them out); send one or the other")
-        if self.return_tokens_as_token_ids and not self.logprobs:
-            raise invalid("return_tokens_as_token_ids", "return_tokens_as_token_ids names the logprobs' tokens: it needs logprobs: true")
+
         if not self.spaces_between_special_tokens and self.skip_special_tokens:
             raise invalid("spaces_between_special_tokens", "spaces_between_special_tokens only changes the text with "
                           "skip_special_tokens: false (skipped tokens leave nothing to space)")

@@ -686,3 +686,20 @@ def test_a_salted_request_s_video_has_a_digest_of_its_own_and_its_header_is_know
         plain = video_intake.digest_of(clip12, VideoSampling())
         assert salted_a.digest == salted(plain, "tenant-a") != plain
         assert intake.known.get(plain) is None and intake.known.get(salted_a.digest) is not None
+
+
+def test_a_header_too_slow_to_read_is_refused_again_under_any_salt(clip12, monkeypatch):
+    """A new `cache_salt` must not buy a hostile clip another read of `max_video_decode_s`."""
+    reads = []
+
+    async def too_slow(self, raw, where, sampling):
+        reads.append(where)
+        raise video_intake._read_too_slow(where, LIMITS)
+
+    monkeypatch.setattr(VideoIntake, "_read_header", too_slow)
+    with ThreadPoolExecutor(1) as pool:
+        intake = VideoIntake(fetcher=None, limits=LIMITS, pool=pool)
+        for salt in ("tenant-a", "tenant-b", None):
+            with pytest.raises(APIError):
+                asyncio.run(intake.inspect(clip12, WHERE, VideoSampling(), cache_salt=salt))
+    assert len(reads) == 1

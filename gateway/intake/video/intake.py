@@ -401,14 +401,15 @@ class VideoIntake:
         """Header-only checks, the frames sampling keeps and how they will be sent, on the intake
         threads. No frame is decoded but those the frame count's check decodes (from the last
         keyframe on: the whole stream of a clip with one keyframe), their memory counted."""
-        digest = salted(await self._in_pool(checked_digest, raw, where, sampling), cache_salt)
+        unsalted = await self._in_pool(checked_digest, raw, where, sampling)
+        digest = salted(unsalted, cache_salt)  # known headers make a repeat faster: known per salt
         if (source := self.known.get(digest)) is None:
-            if digest in self.slow_headers:
+            if unsalted in self.slow_headers:  # refused whatever the salt: a new one must not buy another read
                 raise _read_too_slow(where, self.limits)
             try:
                 source = await self._read_header(raw, where, sampling)
             except _ReadTooSlow:
-                self.slow_headers.add(digest)
+                self.slow_headers.add(unsalted)
                 raise
             self.known.put(digest, source)
         return within_limits(sampled(raw, where, source, sampling, digest, planner), self.limits)
