@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import typing
 
 import pydantic
 from fastapi import Request
@@ -51,15 +52,25 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
 _CLASS_NAMES = {name for name, value in vars(schemas).items() if isinstance(value, type) and issubclass(value, pydantic.BaseModel)}
 
 
+# The `type` tags of the request's tagged unions (a content part, a response format): pydantic puts
+# the branch's tag in an error's location, after the part's index or the format's field.
+_TAGS = {tag for union in (schemas.ContentPart, schemas.ResponseFormat)
+         for branch in typing.get_args(typing.get_args(union)[0]) for tag in typing.get_args(branch.model_fields["type"].annotation)}
+
+
 def request_path(loc: tuple) -> str:
     """Where in the request an error is, without the labels pydantic adds for
-    union branches ('str', 'list[...]', 'NamedToolChoice': never a field the client sent) and the tag it
-    repeats for a tagged part ('image_url', 'image_url')."""
+    union branches ('str', 'list[...]', 'NamedToolChoice': never a field the client sent) and the tag of
+    a tagged one ('messages.0.content.0.image_url.foo' is the part's own `foo`)."""
     path: list[str] = []
-    for step in loc:
-        step = str(step)
+    previous = None
+    for raw in loc:
+        step = str(raw)
         label = step == "body" or "[" in step or step in _TYPE_NAMES or step in _CLASS_NAMES
-        if not label and (not path or path[-1] != step):
+        tag = step in _TAGS and (isinstance(previous, int) or previous == "response_format")
+        if not label:
+            previous = raw
+        if not label and not tag:
             path.append(step)
     return ".".join(path)
 

@@ -237,3 +237,13 @@ def test_hidden_reasoning_leaves_a_cut_off_answer_s_content_null_as_vllm_s():
     assert body(AnswerShape()) == {"role": "assistant", "content": None, "reasoning": "hmm"}
     assert body(AnswerShape(shows_reasoning=False)) == {"role": "assistant", "content": None}
     assert body(AnswerShape(role="user", shows_reasoning=False))["role"] == "user"
+
+
+@pytest.mark.parametrize("part,param", [
+    ({"type": "text", "text": "hi", "colour": "red"}, "messages.0.content.0.colour"),
+    ({"type": "image_url", "image_url": {"url": "data:,"}, "colour": "red"}, "messages.0.content.0.colour"),
+    ({"type": "image_url", "image_url": {"url": "data:,", "colour": "red"}}, "messages.0.content.0.image_url.colour"),
+], ids=["beside-text", "beside-an-image", "inside-an-image"])
+def test_an_unknown_key_of_a_content_part_is_named_where_it_was_sent(part, param):
+    """Not under the part's tag, which pydantic puts in the location ('content.0.image_url.colour')."""
+    assert refused({"messages": [{"role": "user", "content": [part]}]})["param"] == param
