@@ -53,7 +53,7 @@ _CLASS_NAMES = {name for name, value in vars(schemas).items() if isinstance(valu
 
 
 # The `type` tags of the request's tagged unions (a content part, a response format): pydantic puts
-# the branch's tag in an error's location, after the part's index or the format's field.
+# the branch's tag in an error's location, after the part's index in `content` or the format's field.
 _TAGS = {tag for union in (schemas.ContentPart, schemas.ResponseFormat)
          for branch in typing.get_args(typing.get_args(union)[0]) for tag in typing.get_args(branch.model_fields["type"].annotation)}
 
@@ -67,7 +67,7 @@ def request_path(loc: tuple) -> str:
     for raw in loc:
         step = str(raw)
         label = step == "body" or "[" in step or step in _TYPE_NAMES or step in _CLASS_NAMES
-        tag = step in _TAGS and (isinstance(previous, int) or previous == "response_format")
+        tag = step in _TAGS and (previous == "response_format" or isinstance(previous, int) and path[-2:-1] == ["content"])
         if not label:
             previous = raw
         if not label and not tag:

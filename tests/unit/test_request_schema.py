@@ -247,3 +247,8 @@ def test_hidden_reasoning_leaves_a_cut_off_answer_s_content_null_as_vllm_s():
 def test_an_unknown_key_of_a_content_part_is_named_where_it_was_sent(part, param):
     """Not under the part's tag, which pydantic puts in the location ('content.0.image_url.colour')."""
     assert refused({"messages": [{"role": "user", "content": [part]}]})["param"] == param
+
+
+def test_a_message_field_named_as_a_part_s_tag_is_named_as_sent():
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "refusal": "no", "text": "y"}]
+    assert refused({"messages": history})["param"] in ("messages.1.refusal", "messages.1.text")
