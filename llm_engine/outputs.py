@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from protocol.to_gateway import ChoiceDelta, TokenLogprob, ToolCallDelta, TopLogprob
+from protocol.to_gateway import ChoiceDelta, PromptLogprob, TokenLogprob, ToolCallDelta, TopLogprob
 
 LOGPROB_FLOOR = -9999.0  # vLLM's server clamps -inf to this (JSON has no infinity)
 
@@ -63,6 +63,14 @@ def chat_logprobs(token_ids, step_logprobs, top: int, tokenizer, as_ids: bool = 
         text = decoded(sampled, token_id)
         out.append(TokenLogprob(named(sampled, token_id), _logprob(sampled.logprob), _bytes(text), tops))
     return out
+
+
+def prompt_logprobs(positions) -> list[list[PromptLogprob] | None] | None:
+    """vLLM's RequestOutput.prompt_logprobs for the wire, -inf at vLLM's floor (`clamp_prompt_logprobs`)."""
+    if positions is None:
+        return None
+    return [None if at is None else [PromptLogprob(token_id, _logprob(lp.logprob), lp.rank, lp.decoded_token)
+                                     for token_id, lp in at.items()] for at in positions]
 
 
 def tool_call_deltas(calls, parallel: bool) -> list[ToolCallDelta]:

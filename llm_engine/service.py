@@ -37,7 +37,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 
 from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
-from llm_engine.outputs import ChoiceStream
+from llm_engine.outputs import ChoiceStream, prompt_logprobs
 from llm_engine.prompts import (
     InvalidPrompt, ModelShape, Prompt, PromptBound, check_images, output_budget, render_for_vllm, render_prompt,
     request_tools, vllm_inputs,
@@ -557,6 +557,7 @@ class EngineService:
                         timings=engine_timings(output.metrics, *arrival, first_ready) if first or finished else None,
                         cached_tokens=output.num_cached_tokens or 0,
                         prompt_token_ids=list(output.prompt_token_ids or ()) if first and chat.return_token_ids else None,
+                        prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if first else None,
                     )
                     if not await self._send(peer, delta):
                         return None  # closing the generator aborts the request in vLLM

@@ -136,6 +136,15 @@ class TopLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     bytes: list[int]
 
 
+class PromptLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One entry of a prompt position's logprobs, as vLLM gives them (`prompt_logprobs`)."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One sampled token, in OpenAI's chat logprobs shape."""
 
@@ -181,6 +190,9 @@ class TokenDelta(Message):
     # On the first delta, where the request asked (vLLM's return_token_ids): the prompt as vLLM
     # ran it, every image's and video's placeholder expanded to its rows.
     prompt_token_ids: list[int] | None = None
+    # On the first delta, where the request asked (vLLM's prompt_logprobs): each prompt position's
+    # entries (None for the first, which nothing predicts).
+    prompt_logprobs: list[list[PromptLogprob] | None] | None = None
 
 
 class GenerateFailed(Message):

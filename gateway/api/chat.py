@@ -151,18 +151,18 @@ class ChatHandler:
         timer = record.timer
         answer = responses.Answer(shape)
         reasoning = responses.ReasoningCounts()
-        last = prompt_token_ids = None
+        first = last = None
         async with contextlib.aclosing(deltas):
             async for delta in deltas:
                 timer.mark_first_token()
                 timer.mark_delta(delta)
                 answer.add(delta)
                 reasoning.add(delta)
-                prompt_token_ids = prompt_token_ids or delta.prompt_token_ids
+                first = first or delta
                 last = delta
         timer.mark_finished()
         usage = responses.usage(last, timer.visual_tokens, reasoning_tokens=reasoning.total())
-        body = responses.completion(record.id, record.model, answer.choices(), usage, timer.breakdown(), prompt_token_ids)
+        body = responses.completion(record.id, record.model, answer.choices(), usage, timer.breakdown(), first)
         self.finish(record, 200, "ok")
         return DeadlineJSONResponse(body, self.gateway.config.stream_write_timeout_s, {"Server-Timing": timer.server_timing()})
 

@@ -144,7 +144,8 @@ class Answer:
 
 
 def completion(request_id: str, model: str, choices: list[dict], usage_: dict, timings: dict,
-               prompt_token_ids: list[int] | None = None) -> dict:
+               first: TokenDelta | None = None) -> dict:
+    """`first`: the answer's first delta, which carries the prompt's token ids and logprobs where asked."""
     body = {
         "id": request_id,
         "object": "chat.completion",
@@ -154,7 +155,12 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict, t
         "usage": usage_,
         "prism": timings,
     }
-    return body | ({"prompt_token_ids": prompt_token_ids} if prompt_token_ids is not None else {})
+    if first is not None and first.prompt_logprobs is not None:
+        body["prompt_logprobs"] = [None if at is None else {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
+                                                            for e in at} for at in first.prompt_logprobs]
+    if first is not None and first.prompt_token_ids is not None:
+        body["prompt_token_ids"] = first.prompt_token_ids
+    return body
 
 
 def role_entry(index: int, role: str = "assistant") -> dict:

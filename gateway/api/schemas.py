@@ -316,6 +316,9 @@ class ChatCompletionRequest(_Strict):
     # (without logprobs it changes nothing, and is taken as vLLM's server takes it: RL clients send it always)
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each prompt position's logprob (0: the prompt's own token; k: its k likeliest too), answered
+    # whole only, as vLLM's server gives them; at most 20, as vLLM's engine allows by default (max_logprobs).
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[Tool] | None = Field(None, min_length=1)  # [] refused, as vLLM and OpenAI refuse it
@@ -451,6 +454,8 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _options_that_need_each_other(self) -> "ChatCompletionRequest":
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM's server refuses it
+            raise invalid("prompt_logprobs", "prompt_logprobs are answered whole only: send stream: false")
         # as vLLM's server says, which lets an empty one ({}) pass
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "stream_options needs stream: true")

@@ -230,3 +230,19 @@ def test_token_ids_and_logprob_tokens_named_by_id_are_alike(client, vllm, images
 
     assert streamed(client) == streamed(vllm)
     assert streamed(client)[1] == ours.model_extra["token_ids"]
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+def test_prompt_logprobs_are_alike(client, vllm, images, with_image):
+    """vLLM's `prompt_logprobs`: each prompt position's token and its two likeliest, an image's rows included
+    (their logits come from Prism's encoder's tokens on one side, vLLM's own tower on the other)."""
+    text = {"type": "text", "text": "Describe the picture in a few words."}
+    messages = [{"role": "user", "content": [image_part(images), text] if with_image else [text]}]
+    prism, reference = both(client, vllm, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    ours, theirs = prism.model_extra["prompt_logprobs"], reference.model_extra["prompt_logprobs"]
+    assert len(ours) == len(theirs) == prism.usage.prompt_tokens and ours[0] is None is theirs[0]
+    for at, (mine, other) in enumerate(zip(ours[1:], theirs[1:]), start=1):
+        prompt_token = next(iter(other))  # vLLM's first entry: the prompt's own token
+        assert next(iter(mine)) == prompt_token, at
+        assert abs(mine[prompt_token]["logprob"] - other[prompt_token]["logprob"]) < 1e-3, at
+        assert mine[prompt_token]["decoded_token"] == other[prompt_token]["decoded_token"], at

@@ -166,3 +166,14 @@ def test_logprob_tokens_named_by_their_ids_as_vllm_s_server_names_them():
     assert [(t.token, t.bytes) for t in named[0].top_logprobs] == [("token_id:7", list(b"token_id:7")), ("token_id:9", list(b"token_id:9"))]
     plain = chat_logprobs([7, 9], steps, 2, Tokenizer())
     assert [t.token for t in plain] == ["red", "blue"] and [t.token for t in plain[0].top_logprobs] == ["red", "blue"]
+
+
+def test_prompt_logprobs_travel_in_vllm_s_order_with_minus_infinity_at_its_floor():
+    from vllm.logprobs import Logprob
+
+    from llm_engine.outputs import LOGPROB_FLOOR, prompt_logprobs
+    from protocol.to_gateway import PromptLogprob
+
+    positions = [None, {9: Logprob(float("-inf"), 151000, "x"), 7: Logprob(-0.1, 1, "red")}]
+    assert prompt_logprobs(positions) == [None, [PromptLogprob(9, LOGPROB_FLOOR, 151000, "x"), PromptLogprob(7, -0.1, 1, "red")]]
+    assert prompt_logprobs(None) is None

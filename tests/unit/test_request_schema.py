@@ -96,10 +96,13 @@ def refused(body: dict | bytes) -> dict:
     ({"include_reasoning": False, "logprobs": True}, "logprobs"),  # vLLM drops them: they would spell the reasoning out
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),  # nothing to space: they are skipped
     ({"include_reasoning": False, "return_token_ids": True}, "return_token_ids"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # answered whole only, as on vLLM's server
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),  # past vLLM's engine's max_logprobs
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
         "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
-        "spaces-between-skipped-tokens", "hidden-reasoning-token-ids"])
+        "spaces-between-skipped-tokens", "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
+        "too-many-prompt-logprobs"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 

@@ -27,7 +27,7 @@ from protocol.to_gateway import EngineReady
 SHAPES = {
     1: "23015121599aa54f",
     2: "d0196a51e578797d",  # the handshakes carry the checkpoint's vision weights (common/checkpoint.py)
-    3: "0bdebd3a24607d3e",  # priority in encode requests, engines' scheduling policy, token ids in deltas
+    3: "4cfd2da48c644a96",  # priority in encode requests, engines' scheduling policy, token ids and prompt logprobs in deltas
 }
 
 
