@@ -143,7 +143,7 @@ class ChatHandler:
         deltas = served.pipeline.generate(prepared, record.timer)
         if request.stream:
             first = await _first_delta(deltas)  # engine-side refusals still get their status code
-            body = self._stream(first, deltas, record, request.stream_options or StreamOptions(), request.response_role)
+            body = self._stream(first, deltas, record, request.stream_options or StreamOptions(), responses.AnswerShape.of(request))
             return DeadlineStreamingResponse(body, gateway.config.stream_write_timeout_s)
         return await self._complete(deltas, record, responses.AnswerShape.of(request))
 
@@ -167,10 +167,10 @@ class ChatHandler:
         return DeadlineJSONResponse(body, self.gateway.config.stream_write_timeout_s, {"Server-Timing": timer.server_timing()})
 
     async def _stream(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions,
-                      role: str) -> AsyncIterator[bytes]:
+                      shape: responses.AnswerShape) -> AsyncIterator[bytes]:
         outcome = None  # (status, reason); still None at the end: the client went away mid-stream
         try:
-            async with contextlib.aclosing(self._events(first, deltas, record, options, role)) as events:
+            async with contextlib.aclosing(self._events(first, deltas, record, options, shape)) as events:
                 async for event in events:
                     yield event
             outcome = record.outcome or (200, "ok")  # `_events` sets a failure's
@@ -180,7 +180,8 @@ class ChatHandler:
             self.finish(record, *(outcome or (499, "client_disconnected")))
             record.ticket.release()
 
-    async def _events(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions, role: str):
+    async def _events(self, first: TokenDelta, deltas, record: RequestRecord, options: StreamOptions,
+                      shape: responses.AnswerShape):
         """SSE events; a failure after the stream began ends it with an error
         event, and sets the record's outcome."""
         timer = record.timer
@@ -195,14 +196,16 @@ class ChatHandler:
             thought = reasoning.of(index)
             usage = responses.usage(delta, timer.visual_tokens, made[index], 0 if opening and thought is not None else thought)
             extra = {"usage": usage} if continuous else {}
-            if opening and delta.prompt_token_ids is not None:  # vLLM's server: in each choice's role chunk
+            if opening and "role" in entry["delta"] and delta.prompt_token_ids is not None:  # vLLM's server: in each role chunk
                 extra["prompt_token_ids"] = delta.prompt_token_ids
             return responses.chunk(rid, model, created, [entry], **extra)
 
         def events_of(delta: TokenDelta, opening: bool = False) -> list[bytes]:
             reasoning.add(delta)
             # each choice's role first, all of them before any token (vLLM's order)
-            chunks = [chunk_of(responses.role_entry(index, role), delta, opening) for index in range(timer.choices)] if opening else []
+            chunks = [chunk_of(responses.role_entry(index, shape.role), delta, opening) for index in range(timer.choices)] if opening else []
+            if opening and shape.echoed:  # vLLM's server: the echo in a chunk of its own per choice, after the roles
+                chunks += [chunk_of(responses.echo_entry(index, shape.echoed), delta, opening) for index in range(timer.choices)]
             for choice in delta.choices:
                 made[choice.index] += choice.tokens
                 if (entry := responses.stream_choice(choice)) is not None:

@@ -103,6 +103,8 @@ class _Choice:
         # as vLLM answers: null beside calls or reasoning with no text after them (cut off while
         # reasoning), but a string whenever tool_choice forced a call
         content = text if text or shape.forced_call or not (self.calls or reasoning) else None
+        if shape.echoed is not None:  # vLLM's server: a string whatever came after it
+            content = shape.echoed + (content or "")
         message: dict = {"role": shape.role, "content": content}
         if reasoning and shape.shows_reasoning:
             message["reasoning"] = reasoning
@@ -121,11 +123,12 @@ class AnswerShape:
     role: str = "assistant"  # ChatCompletionRequest.response_role
     shows_reasoning: bool = True  # include_reasoning
     token_ids: bool = False  # return_token_ids: each choice's, and the prompt's
+    echoed: str | None = None  # ChatCompletionRequest.echoed: before each choice's content
 
     @classmethod
     def of(cls, request) -> "AnswerShape":
         return cls(request.tool_choice not in (None, "none", "auto"), request.response_role, request.include_reasoning,
-                   request.return_token_ids)
+                   request.return_token_ids, request.echoed)
 
 
 class Answer:
@@ -166,6 +169,11 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict, t
 def role_entry(index: int, role: str = "assistant") -> dict:
     """A choice's first chunk entry, before any of its tokens (as OpenAI and vLLM's server send it)."""
     return {"index": index, "delta": {"role": role, "content": ""}, "finish_reason": None, "logprobs": None}
+
+
+def echo_entry(index: int, echoed: str) -> dict:
+    """A choice's `echo` chunk entry, after its role's."""
+    return {"index": index, "delta": {"content": echoed}, "finish_reason": None, "logprobs": None}
 
 
 def stream_choice(choice: ChoiceDelta) -> dict | None:

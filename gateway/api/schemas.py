@@ -332,6 +332,7 @@ class ChatCompletionRequest(_Strict):
     # false) has the model go on with the last message, e.g. an assistant answer begun by the client.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the final message, where it is in the answer's role, opens the answer (and prompt logprobs come)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -424,6 +425,28 @@ class ChatCompletionRequest(_Strict):
     def response_role(self) -> str:
         """The answer's role, as vLLM's server gives it: the final message's where no new turn opens."""
         return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed(self) -> str | None:
+        """What `echo` puts before each choice's content, as vLLM's server does: the final message's
+        text where it is in the answer's role, else ""; None without echo."""
+        if not self.echo:
+            return None
+        final = self.messages[-1]
+        if final.role != self.response_role or final.content is None:
+            return ""
+        if isinstance(final.content, str):
+            return final.content
+        return "\n".join(part.text if isinstance(part, TextPart) else part.refusal for part in final.content)
+
+    @model_validator(mode="after")
+    def _text_to_echo(self) -> "ChatCompletionRequest":
+        final = self.messages[-1]
+        if self.echo and final.role == self.response_role and isinstance(final.content, list) \
+                and any(isinstance(part, ImagePart | VideoPart) for part in final.content):
+            raise invalid("echo", "echo repeats the final message's text, and this one carries an image or video; "
+                          "send the echo's text alone")
+        return self
 
     @model_validator(mode="after")
     def _one_effort(self) -> "ChatCompletionRequest":

@@ -255,3 +255,16 @@ def test_an_unknown_key_of_a_content_part_is_named_where_it_was_sent(part, param
 def test_a_message_field_named_as_a_part_s_tag_is_named_as_sent():
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "refusal": "no", "text": "y"}]
     assert refused({"messages": history})["param"] in ("messages.1.refusal", "messages.1.text")
+
+
+def test_echo_repeats_the_final_message_s_text_where_it_is_in_the_answer_s_role_as_vllm_s_server():
+    begun = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    continued = {"messages": begun, "add_generation_prompt": False, "continue_final_message": True}
+    assert request(echo=True, **continued).echoed == "Hello\nthere"
+    assert request(**continued).echoed is None
+    assert request(echo=True).echoed == ""  # a user's message, and the answer is the assistant's: nothing, as vLLM's
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    error = refused({"messages": [{"role": "user", "content": [image, {"type": "text", "text": "A"}]}], "echo": True,
+                     "add_generation_prompt": False})
+    assert error["param"] == "echo"
