@@ -83,6 +83,9 @@ class EngineConfig(FrozenConfig):
     # sends a `priority` is a 400; "priority" serves by it (lower first, arrival breaking ties), in the
     # encoders' queues too. Priorities are strict and come from clients: turn it on where they are trusted.
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # A request's prompt logprobs (`prompt_logprobs`, or `echo` with `logprobs`) take vLLM one step's
+    # logits over the whole prompt (its tokens × the vocabulary, twice, in float32): a longer prompt is a 400.
+    max_prompt_logprobs_tokens: int = Field(4096, ge=0)
     # vLLM's processes wait for each other between steps by spinning, which
     # holds a core for a whole generation; > 0 sleeps this long per check
     # instead (small CPU machines: the gateway and encoder need that core).

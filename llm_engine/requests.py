@@ -147,6 +147,11 @@ def sampling_params(chat, max_tokens: int, checkpoint_defaults: dict):
 
     params = chat.to_sampling_params(max_tokens, checkpoint_defaults)
     params.output_kind = RequestOutputKind.DELTA
+    if chat.prompt_logprobs is None and chat.echo and (chat.stream or not chat.logprobs):
+        # vLLM's server asks prompt logprobs for every echo, and with them prefills the whole prompt again,
+        # past the prefix cache, even where it sends none (a stream): here only where logprobs are asked.
+        params.prompt_logprobs = None
+        params.skip_reading_prefix_cache = params.prompt_logprob_token_ids is not None
     return params
 
 
@@ -207,3 +212,13 @@ def check_priority(chat, scheduling_policy: str) -> None:
         raise InvalidPrompt(f"priority: this engine serves requests in arrival order (engine.scheduling_policy: "
                             f"{scheduling_policy}), so a priority would change nothing; send none, or run it with "
                             "scheduling_policy: priority", "priority")
+
+
+def check_prompt_logprobs(chat, params, prompt_tokens: int, limit: int) -> None:
+    """Prompt logprobs only for a prompt of at most `limit` tokens (engine.max_prompt_logprobs_tokens):
+    vLLM computes their logits over the whole prompt in one step, all of them in memory at once."""
+    if params.prompt_logprobs is not None and prompt_tokens > limit:
+        field = "prompt_logprobs" if chat.prompt_logprobs is not None else "echo"
+        raise InvalidPrompt(f"{field}: prompt logprobs are given for prompts of at most {limit} tokens "
+                            f"(engine.max_prompt_logprobs_tokens: their logits take the engine's memory all at once); "
+                            f"this one has {prompt_tokens}", field)

@@ -43,7 +43,8 @@ from llm_engine.prompts import (
     request_tools, vllm_inputs,
 )
 from llm_engine.requests import (
-    Parsing, Read, check_priority, check_reasoning_shown, check_tool_choice, read_chat, sampling_params, template_kwargs,
+    Parsing, Read, check_priority, check_prompt_logprobs, check_reasoning_shown, check_tool_choice, read_chat, sampling_params,
+    template_kwargs,
 )
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
@@ -488,6 +489,7 @@ class EngineService:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
             raise InvalidPrompt(f"invalid sampling parameters: {exc}", getattr(exc, "parameter", None)) from None
+        check_prompt_logprobs(chat, params, num_tokens, self.config.max_prompt_logprobs_tokens)
         return prompt, params
 
     async def _generate(self, peer: bytes, request: GenerateRequest, received: float) -> None:
@@ -557,7 +559,7 @@ class EngineService:
                         timings=engine_timings(output.metrics, *arrival, first_ready) if first or finished else None,
                         cached_tokens=output.num_cached_tokens or 0,
                         prompt_token_ids=list(output.prompt_token_ids or ()) if first and chat.return_token_ids else None,
-                        prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if first else None,
+                        prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if first and not chat.stream else None,
                     )
                     if not await self._send(peer, delta):
                         return None  # closing the generator aborts the request in vLLM

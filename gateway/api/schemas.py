@@ -477,8 +477,8 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _options_that_need_each_other(self) -> "ChatCompletionRequest":
-        if self.prompt_logprobs is not None and self.stream:  # as vLLM's server refuses it
-            raise invalid("prompt_logprobs", "prompt_logprobs are answered whole only: send stream: false")
+        if self.prompt_logprobs is not None and self.stream:  # vLLM's server refuses them (but 0, which it drops)
+            raise invalid("prompt_logprobs", "prompt_logprobs come with a whole answer only, as on vLLM's server: send stream: false")
         # as vLLM's server says, which lets an empty one ({}) pass
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "stream_options needs stream: true")

@@ -249,16 +249,19 @@ def test_prompt_logprobs_are_alike(client, vllm, images, with_image):
 
 
 def test_an_echoed_start_of_an_answer_is_alike(client, vllm):
-    """vLLM's `echo` with `continue_final_message`: the client's start of the answer opens it, and the
-    prompt's logprobs come with it. Streamed, vLLM's server fails on this model (it puts the message's
-    parts, not their text, in the echo's chunk); Prism's stream opens with the echo's chunk after the role's."""
+    """vLLM's `echo` with `continue_final_message`: the client's start of the answer opens it, and with
+    `logprobs` the prompt's logprobs come too. Streamed, vLLM's server fails on this model (it puts the
+    message's parts, not their text, in the echo's chunk); Prism's stream opens with the echo's chunk."""
     begun = [*QUESTION, {"role": "assistant", "content": "The image shows"}]
     fields = dict(model=MODEL_NAME, messages=begun, max_tokens=4, temperature=0,
                   extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
-    prism, reference = (c.chat.completions.create(**fields) for c in (client, vllm))
+    prism, reference = (c.chat.completions.create(logprobs=True, top_logprobs=1, **fields) for c in (client, vllm))
     assert prism.choices[0].message.content == reference.choices[0].message.content
     assert prism.choices[0].message.content.startswith("The image shows")
-    assert len(prism.model_extra["prompt_logprobs"]) == len(reference.model_extra["prompt_logprobs"]) == prism.usage.prompt_tokens
+    ours, theirs = prism.model_extra["prompt_logprobs"], reference.model_extra["prompt_logprobs"]
+    assert len(ours) == len(theirs) == prism.usage.prompt_tokens
+    assert [next(iter(at or {None: 0})) for at in ours] == [next(iter(at or {None: 0})) for at in theirs]  # each position's own token
+    assert "prompt_logprobs" not in client.chat.completions.create(**fields).model_extra  # vLLM's server computes them anyway
     chunks = [chunk for chunk in client.chat.completions.create(stream=True, **fields) if chunk.choices]
     assert [chunk.choices[0].delta.content for chunk in chunks[:2]] == ["", "The image shows"]
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == prism.choices[0].message.content

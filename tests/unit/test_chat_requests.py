@@ -204,3 +204,29 @@ def test_the_engine_s_scheduling_policy_is_vllm_s(policy):
 
     args = engine_args(EngineConfig(model="/models/m", scheduling_policy=policy), FAMILIES[0])
     assert args.scheduling_policy == policy
+
+
+@pytest.mark.parametrize("fields,prompt_logprobs", [
+    ({"echo": True}, None),  # vLLM's server: 0, and the whole prompt prefilled again past the prefix cache
+    ({"echo": True, "stream": True, "logprobs": True, "top_logprobs": 3}, None),  # a stream sends none
+    ({"echo": True, "logprobs": True, "top_logprobs": 3}, 3),  # as vLLM's server
+    ({"prompt_logprobs": 2}, 2),
+], ids=["echo", "streamed-echo", "echo-with-logprobs", "asked"])
+def test_prompt_logprobs_are_computed_where_they_are_sent(fields, prompt_logprobs):
+    from llm_engine.requests import sampling_params
+
+    params = sampling_params(chat(**fields), 8, {})
+    assert params.prompt_logprobs == prompt_logprobs
+    assert params.skip_reading_prefix_cache is (prompt_logprobs is not None)
+
+
+def test_prompt_logprobs_past_the_engine_s_limit_are_refused_naming_the_field_that_asked():
+    from llm_engine.requests import check_prompt_logprobs, sampling_params
+
+    for fields, field in (({"prompt_logprobs": 0}, "prompt_logprobs"), ({"echo": True, "logprobs": True}, "echo")):
+        request = chat(**fields)
+        check_prompt_logprobs(request, sampling_params(request, 8, {}), 4096, 4096)
+        with pytest.raises(InvalidPrompt, match=r"at most 4096 tokens \(engine.max_prompt_logprobs_tokens.*this one has 4097") as refused:
+            check_prompt_logprobs(request, sampling_params(request, 8, {}), 4097, 4096)
+        assert refused.value.param == field
+    check_prompt_logprobs(chat(echo=True), sampling_params(chat(echo=True), 8, {}), 10**6, 4096)  # none computed
