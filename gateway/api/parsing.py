@@ -193,9 +193,10 @@ def with_header_priority(request: ChatCompletionRequest, header: str | None) -> 
     if header is None:
         return request
     try:
-        priority = int(header.strip())
-    except ValueError:
-        priority = None
-    if priority is None or not -2**63 <= priority < 2**63:
-        raise APIError(400, f"X-Vllm-Priority: {header[:40]!r} is not a 64-bit integer", param="priority", code="invalid_value")
+        priority = _PRIORITY.validate_python(int(header.strip()))  # the body's `priority` type
+    except (ValueError, pydantic.ValidationError):
+        raise APIError(400, f"X-Vllm-Priority: {header[:40]!r} is not a 64-bit integer", param="priority", code="invalid_value") from None
     return request.model_copy(update={"priority": priority})
+
+
+_PRIORITY = pydantic.TypeAdapter(schemas.Int64)

@@ -332,7 +332,7 @@ class ChatCompletionRequest(_Strict):
     # false) has the model go on with the last message, e.g. an assistant answer begun by the client.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False  # vLLM's: the final message, where it is in the answer's role, opens the answer (and prompt logprobs come)
+    echo: bool = False  # vLLM's: the final message, where it is in the answer's role, opens the answer (`echoed`)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -344,7 +344,7 @@ class ChatCompletionRequest(_Strict):
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's bound
     stop_token_ids: list[Int64] = Field(default_factory=list)
-    allowed_token_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = Field(None, min_length=1)  # sampling keeps to these
+    allowed_token_ids: list[Annotated[Int64, Field(ge=0)]] | None = Field(None, min_length=1)  # sampling keeps to these
     bad_words: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list)  # never written (vLLM bans each one's last token after the rest)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -462,10 +462,6 @@ class ChatCompletionRequest(_Strict):
             if shown and not self.include_reasoning:  # vLLM's server drops them: their tokens would spell it out
                 raise invalid(field, f"{field} with include_reasoning: false would spell out the reasoning it hides "
                               "(vLLM's server leaves them out); send one or the other")
-
-        if not self.spaces_between_special_tokens and self.skip_special_tokens:
-            raise invalid("spaces_between_special_tokens", "spaces_between_special_tokens only changes the text with "
-                          "skip_special_tokens: false (skipped tokens leave nothing to space)")
         return self
 
     @model_validator(mode="after")
@@ -477,6 +473,9 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _options_that_need_each_other(self) -> "ChatCompletionRequest":
+        if not self.spaces_between_special_tokens and self.skip_special_tokens:
+            raise invalid("spaces_between_special_tokens", "spaces_between_special_tokens only changes the text with "
+                          "skip_special_tokens: false (skipped tokens leave nothing to space)")
         if self.prompt_logprobs is not None and self.stream:  # vLLM's server refuses them (but 0, which it drops)
             raise invalid("prompt_logprobs", "prompt_logprobs come with a whole answer only, as on vLLM's server: send stream: false")
         # as vLLM's server says, which lets an empty one ({}) pass
