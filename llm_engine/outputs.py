@@ -110,7 +110,8 @@ class ChoiceStream:
             self.token_ids.extend(output.token_ids)
         logprobs = None
         if self.chat.logprobs:
-            logprobs = chat_logprobs(output.token_ids, output.logprobs or [], self.chat.top_logprobs, self.tokenizer,
+            top = -1 if self.chat.logprob_token_ids else self.chat.top_logprobs  # vLLM's server gives every chosen id
+            logprobs = chat_logprobs(output.token_ids, output.logprobs or [], top, self.tokenizer,
                                      bool(self.chat.return_tokens_as_token_ids))
         fields = self._parsed(output, finished)
         if fields.get("tool_calls"):

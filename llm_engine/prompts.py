@@ -12,6 +12,7 @@ flat tensor plus their grids, and LLaVA's and InternVL's as a list of tensors
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -175,11 +176,17 @@ class Prompt:
     inputs: dict  # vLLM's rendered EngineInput: what generate() takes, every placeholder expanded
     num_tokens: int  # its length, as vLLM's server counts a prompt
     max_tokens: int  # output budget, checked against the context length
+    text: str  # the chat template's (vLLM's return_prompt_text)
+
+
+class RenderedPrompt(NamedTuple):
+    text: str  # the chat template's
+    token_ids: list[int]  # its tokens, one placeholder per image and video
 
 
 def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate | None = None,
-                  bound: PromptBound | None = None) -> list[int]:
-    """The chat template's token ids, one placeholder token per image (vLLM
+                  bound: PromptBound | None = None) -> RenderedPrompt:
+    """The chat template's text and token ids, one placeholder token per image (vLLM
     expands each to the image's rows). `chat`: vLLM's ChatCompletionRequest;
     `template`: the one vLLM's server would use (llm_engine/templates.py; None: the tokenizer's);
     `bound`: the context's, checked before the whole text is tokenized."""
@@ -198,9 +205,9 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
         bound.check(text, tokenizer)
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    token_ids = tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)  # vLLM's: off unless asked
     check_markers(token_ids, chat.messages, template.media_tokens)
-    return token_ids
+    return RenderedPrompt(text, token_ids)
 
 
 # Of a text longer than this many characters a token of context, only the first so many are

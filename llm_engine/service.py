@@ -39,8 +39,8 @@ from llm_engine.config import EngineConfig
 from llm_engine.images import EmbeddingsUnavailable, EngineImages
 from llm_engine.outputs import ChoiceStream, prompt_logprobs
 from llm_engine.prompts import (
-    InvalidPrompt, ModelShape, Prompt, PromptBound, check_images, output_budget, render_for_vllm, render_prompt,
-    request_tools, vllm_inputs,
+    InvalidPrompt, ModelShape, Prompt, PromptBound, RenderedPrompt, check_images, output_budget, render_for_vllm,
+    render_prompt, request_tools, vllm_inputs,
 )
 from llm_engine.requests import (
     Parsing, Read, check_priority, check_prompt_logprobs, check_reasoning_shown, check_tool_choice, read_chat, sampling_params,
@@ -476,15 +476,16 @@ class EngineService:
             chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
         return Read(chat, template, kwargs, parser, new_parser)
 
-    def _read_and_render(self, request: GenerateRequest) -> tuple[Read, list[int]]:
+    def _read_and_render(self, request: GenerateRequest) -> tuple[Read, RenderedPrompt]:
         read = self._read(request)
         return read, render_prompt(read.chat, self.tokenizer, read.template_kwargs, read.template, self.prompt_bound)
 
-    async def _plan(self, chat, token_ids: list[int], request: GenerateRequest, tensors: list):
+    async def _plan(self, chat, template_prompt: RenderedPrompt, request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
-        inputs = vllm_inputs(token_ids, request, tensors, self.shape, chat.cache_salt)
+        inputs = vllm_inputs(template_prompt.token_ids, request, tensors, self.shape, chat.cache_salt)
         rendered, num_tokens = await render_for_vllm(self.engine.renderer, self.engine.model_config, inputs)
-        prompt = Prompt(rendered, num_tokens, output_budget(chat, num_tokens, self.config.max_model_len, self.generation_defaults))
+        max_tokens = output_budget(chat, num_tokens, self.config.max_model_len, self.generation_defaults)
+        prompt = Prompt(rendered, num_tokens, max_tokens, template_prompt.text)
         try:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
@@ -497,13 +498,14 @@ class EngineService:
         rid = request.request_id
         request_id_var.set(rid)
         try:
-            read, token_ids = await asyncio.get_running_loop().run_in_executor(
+            read, template_prompt = await asyncio.get_running_loop().run_in_executor(
                 self.renderer, contextvars.copy_context().run, self._read_and_render, request)
             fetch_started = time.monotonic()
             tensors = await self.images.tensors([*request.images, *request.videos])  # a video's tokens are found as an image's
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
-            prompt, params = await self._plan(read.chat, token_ids, request, tensors)
-            tokens = await self._stream(peer, rid, prompt, params, (received, fetch_s), read, read.reasoning(token_ids))
+            prompt, params = await self._plan(read.chat, template_prompt, request, tensors)
+            reasoning = read.reasoning(template_prompt.token_ids)
+            tokens = await self._stream(peer, rid, prompt, params, (received, fetch_s), read, reasoning)
             if tokens is None:
                 log.info("aborted: the gateway that sent it is gone")
                 return
@@ -560,6 +562,7 @@ class EngineService:
                         cached_tokens=output.num_cached_tokens or 0,
                         prompt_token_ids=list(output.prompt_token_ids or ()) if first and chat.return_token_ids else None,
                         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if first and not chat.stream else None,
+                        prompt_text=prompt.text if first and chat.return_prompt_text else None,
                     )
                     if not await self._send(peer, delta):
                         return None  # closing the generator aborts the request in vLLM

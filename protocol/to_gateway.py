@@ -193,6 +193,7 @@ class TokenDelta(Message):
     # On the first delta, where the request asked (vLLM's prompt_logprobs): each prompt position's
     # entries (None for the first, which nothing predicts).
     prompt_logprobs: list[list[PromptLogprob] | None] | None = None
+    prompt_text: str | None = None  # on the first delta, where the request asked (vLLM's return_prompt_text): the chat template's text
 
 
 class GenerateFailed(Message):

@@ -196,8 +196,8 @@ class ChatHandler:
             thought = reasoning.of(index)
             usage = responses.usage(delta, timer.visual_tokens, made[index], 0 if opening and thought is not None else thought)
             extra = {"usage": usage} if continuous else {}
-            if opening and "role" in entry["delta"] and delta.prompt_token_ids is not None:  # vLLM's server: in each role chunk
-                extra["prompt_token_ids"] = delta.prompt_token_ids
+            if opening and "role" in entry["delta"]:
+                extra |= responses.prompt_extras(delta)
             return responses.chunk(rid, model, created, [entry], **extra)
 
         def events_of(delta: TokenDelta, opening: bool = False) -> list[bytes]:

@@ -161,9 +161,16 @@ def completion(request_id: str, model: str, choices: list[dict], usage_: dict, t
     if first is not None and first.prompt_logprobs is not None:
         body["prompt_logprobs"] = [None if at is None else {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.decoded_token}
                                                             for e in at} for at in first.prompt_logprobs]
-    if first is not None and first.prompt_token_ids is not None:
-        body["prompt_token_ids"] = first.prompt_token_ids
+    if first is not None:
+        body |= prompt_extras(first)
     return body
+
+
+def prompt_extras(first: TokenDelta) -> dict:
+    """What vLLM's server tells of the prompt where the request asked: with a whole answer, and in each
+    choice's role chunk."""
+    extras = {"prompt_token_ids": first.prompt_token_ids, "prompt_text": first.prompt_text}
+    return {name: value for name, value in extras.items() if value is not None}
 
 
 def role_entry(index: int, role: str = "assistant") -> dict:

@@ -300,6 +300,23 @@ JSONObject = Annotated[dict[str, Any], AfterValidator(_sendable)]
 Int64 = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
 
 
+class RepetitionDetection(_Strict):
+    """vLLM's: a choice that repeats a pattern of min..max_pattern_size tokens min_count times
+    in a row ends there, finish_reason "repetition" (all zero: off)."""
+
+    max_pattern_size: Int64 = Field(0, ge=0)
+    min_pattern_size: Int64 = Field(0, ge=0)  # 0: 1
+    min_count: Int64 = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _a_pattern_to_find(self) -> "RepetitionDetection":  # vLLM's rules, said before any intake
+        if self.min_pattern_size > self.max_pattern_size:
+            raise ValueError(f"min_pattern_size ({self.min_pattern_size}) exceeds max_pattern_size ({self.max_pattern_size})")
+        if self.max_pattern_size and self.min_count < 2:
+            raise ValueError("min_count must be at least 2 (a pattern repeated that many times ends the choice)")
+        return self
+
+
 class ChatCompletionRequest(_Strict):
     model: str | None = None  # None: the one model served (vLLM's server takes it so); several: a 400 naming them
     messages: list[Message] = Field(min_length=1)
@@ -319,6 +336,11 @@ class ChatCompletionRequest(_Strict):
     # vLLM's: each prompt position's logprob (0: the prompt's own token; k: its k likeliest too), answered
     # whole only, as vLLM's server gives them; at most 20, as vLLM's engine allows by default (max_logprobs).
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: each step's logprobs for these ids (a classifier's labels), in place of top_logprobs; at
+    # most 128, as vLLM's sampler holds them
+    logprob_token_ids: list[Annotated[Int64, Field(ge=0)]] | None = Field(None, min_length=1, max_length=128)
+    # vLLM's: the prompt text the chat template made, in the answer (a stream's role chunks)
+    return_prompt_text: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     tools: list[Tool] | None = Field(None, min_length=1)  # [] refused, as vLLM and OpenAI refuse it
@@ -349,6 +371,11 @@ class ChatCompletionRequest(_Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    repetition_detection: RepetitionDetection | None = None
+    # vLLM's: tokens per streamed chunk (the first and last chunks leave at once); unstreamed, it changes nothing
+    stream_interval: Int64 | None = Field(None, ge=1)
+    # vLLM's: the tokenizer's own special tokens (e.g. a BOS) added to the chat template's prompt
+    add_special_tokens: bool = False
     mm_processor_kwargs: PixelOverrides | None = None
     media_io_kwargs: MediaIOKwargs | None = None  # video sampling (gateway/intake/video/)
     # vLLM's: lower is served first where the engine schedules by priority (engine.scheduling_policy),
@@ -369,6 +396,8 @@ class ChatCompletionRequest(_Strict):
     prompt_cache_key: str | None = _NOT_FORWARDED
     prompt_cache_retention: Literal["in_memory", "24h"] | None = _NOT_FORWARDED
     prompt_cache_options: PromptCacheOptions | None = _NOT_FORWARDED
+    session_id: str | None = _NOT_FORWARDED  # vLLM's: tags its KV-cache events, which Prism does not publish
+    request_id: str | None = _NOT_FORWARDED  # vLLM's: refused, for the header that does it here (_id_by_header)
     modalities: list[Literal["text", "audio"]] | None = _NOT_FORWARDED
 
     @field_validator("modalities")
@@ -377,6 +406,12 @@ class ChatCompletionRequest(_Strict):
         if "audio" in modalities:
             raise unsupported("Prism answers in text only: send [\"text\"] or leave modalities out")
         return modalities
+
+    @field_validator("request_id")
+    @classmethod
+    def _id_by_header(cls, _: str) -> str:
+        raise unsupported("send the request's id as the X-Request-Id header: Prism names the request, its logs "
+                          "and its answer's id after it from there, before reading the body")
 
     @field_validator("cache_salt")
     @classmethod
@@ -462,6 +497,17 @@ class ChatCompletionRequest(_Strict):
             if shown and not self.include_reasoning:  # vLLM's server drops them: their tokens would spell it out
                 raise invalid(field, f"{field} with include_reasoning: false would spell out the reasoning it hides "
                               "(vLLM's server leaves them out); send one or the other")
+        return self
+
+    @model_validator(mode="after")
+    def _chosen_logprobs(self) -> "ChatCompletionRequest":
+        if self.logprob_token_ids is None:
+            return self
+        if not self.logprobs:
+            raise invalid("logprob_token_ids", "logprob_token_ids needs logprobs: true")
+        if self.top_logprobs:  # vLLM's server gives the chosen ids' logprobs in their place, saying nothing
+            raise invalid("logprob_token_ids", "logprob_token_ids name each step's top_logprobs themselves: "
+                          "send top_logprobs 0 or leave it out")
         return self
 
     @model_validator(mode="after")

@@ -265,3 +265,66 @@ def test_an_echoed_start_of_an_answer_is_alike(client, vllm):
     chunks = [chunk for chunk in client.chat.completions.create(stream=True, **fields) if chunk.choices]
     assert [chunk.choices[0].delta.content for chunk in chunks[:2]] == ["", "The image shows"]
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == prism.choices[0].message.content
+
+
+def described(images) -> list[dict]:
+    return [{"role": "user", "content": [image_part(images), {"type": "text", "text": "Describe it."}]}]
+
+
+def test_logprobs_of_the_client_s_own_token_ids_are_alike(client, vllm, images):
+    """vLLM's `logprob_token_ids` (a classifier's labels): each step's logprobs for those ids, in
+    place of the likeliest ones, answered whole and streamed."""
+    labels = [100, 200, 300]
+    extra = {"logprob_token_ids": labels}
+    prism, reference = both(client, vllm, messages=described(images), max_tokens=4, logprobs=True, extra_body=extra)
+    ours, theirs = prism.choices[0].logprobs.content, reference.choices[0].logprobs.content
+    assert [t.token for t in ours] == [t.token for t in theirs] and len(ours) == 4
+    for a, b in zip(ours, theirs):
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+        assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(a.top_logprobs, b.top_logprobs))
+        assert len(a.top_logprobs) >= len(labels)  # each label's, and the sampled token's where it is none of them
+
+    def streamed(c) -> list[list[str]]:
+        chunks = c.chat.completions.create(model=MODEL_NAME, messages=described(images), max_tokens=4, temperature=0,
+                                           logprobs=True, stream=True, extra_body=extra)
+        return [[t.token for t in step.top_logprobs] for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for step in chunk.choices[0].logprobs.content]
+
+    assert streamed(client) == streamed(vllm) == [[t.token for t in step.top_logprobs] for step in ours]
+
+
+def test_a_repeating_answer_ends_alike_where_repetition_is_detected(client, vllm):
+    """vLLM's `repetition_detection`: the choice ends once a pattern of tokens comes round min_count times."""
+    extra = {"repetition_detection": {"max_pattern_size": 8, "min_count": 3}}
+    prism, reference = both(client, vllm, max_tokens=200, extra_body=extra)
+    assert reference.choices[0].finish_reason == "repetition"  # the random-weights model repeats itself within 200 tokens
+    assert prism.choices[0].finish_reason == reference.choices[0].finish_reason
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+    assert prism.choices[0].model_extra["stop_reason"] == reference.choices[0].model_extra["stop_reason"]
+    assert prism.usage.completion_tokens == reference.usage.completion_tokens < 200
+
+
+def test_a_stream_interval_cuts_the_stream_alike(client, vllm):
+    """vLLM's `stream_interval`: so many tokens to a chunk (the first alone, as soon as it is made)."""
+    def pieces(c) -> list[str]:
+        chunks = c.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=10, temperature=0, stream=True,
+                                           extra_body={"stream_interval": 4, "return_token_ids": True})
+        return [len(chunk.choices[0].model_extra.get("token_ids") or []) for chunk in chunks if chunk.choices]
+
+    assert pieces(client) == pieces(vllm)
+    assert max(pieces(client)) == 4
+
+
+def test_the_prompt_s_text_is_alike(client, vllm, images):
+    """vLLM's `return_prompt_text`: the chat template's text, answered whole and in a stream's role chunk."""
+    extra = {"return_prompt_text": True}
+    prism, reference = both(client, vllm, messages=described(images), max_tokens=2, extra_body=extra)
+    assert prism.model_extra["prompt_text"] == reference.model_extra["prompt_text"]
+    assert "Describe it." in prism.model_extra["prompt_text"]
+
+    def streamed(c) -> list:
+        return [chunk.model_extra.get("prompt_text") for chunk in c.chat.completions.create(
+            model=MODEL_NAME, messages=described(images), max_tokens=2, temperature=0, stream=True, extra_body=extra)]
+
+    assert streamed(client) == streamed(vllm)
+    assert streamed(client)[0] == prism.model_extra["prompt_text"]

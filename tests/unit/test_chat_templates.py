@@ -63,7 +63,7 @@ def both_renders(path: Path, messages: list[dict]) -> tuple[list[int], list[int]
     as_sent = json.loads(json.dumps(messages).replace(png_url(), IMAGE_PLACEHOLDER))
     chat = read_chat(msgspec.json.encode({"messages": as_sent, "max_tokens": 4}))
     template = ChatTemplates(tokenizer, model_config).for_request(request_tools(chat))
-    ours = render_prompt(chat, tokenizer, {}, template)
+    ours = render_prompt(chat, tokenizer, {}, template).token_ids
     conversation, _, _ = parse_chat_messages(messages, model_config, content_format=template.content_format)
     text = safe_apply_chat_template(model_config, tokenizer, conversation, tools=None, tokenize=False, add_generation_prompt=True)
     return ours, tokenizer.encode(text, add_special_tokens=False), template.content_format
@@ -135,7 +135,7 @@ def _rendered(family: str, messages: list[dict]) -> list[int]:
     as_sent = json.loads(json.dumps(messages).replace(png_url(), IMAGE_PLACEHOLDER))
     chat = read_chat(msgspec.json.encode({"messages": as_sent, "max_tokens": 4}))
     template = ChatTemplates(tokenizer, ModelConfig(model=str(path))).for_request(request_tools(chat))
-    return render_prompt(chat, tokenizer, {}, template)
+    return render_prompt(chat, tokenizer, {}, template).token_ids
 
 
 # Each family's image token as its tiny checkpoint names it (all as Qwen does; LLaVA's real ones say `<image>`).
@@ -170,7 +170,7 @@ def test_a_prompt_longer_than_any_that_fits_the_context_is_refused_before_it_is_
 
     def render(text: str, context: int) -> list[int]:
         chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}], "max_tokens": 4}))
-        return render_prompt(chat, tokenizer, {}, template, PromptBound.of(tokenizer, context))
+        return render_prompt(chat, tokenizer, {}, template, PromptBound.of(tokenizer, context)).token_ids
 
     text = "Grüße, 世界! naïve café, ok 🙂 " * 200  # characters of several bytes: more tokens than characters
     bound = PromptBound.of(tokenizer, 64)

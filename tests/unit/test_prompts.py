@@ -26,8 +26,8 @@ class FakeTemplate:
     def apply_chat_template(self, messages, tools, chat_template, tokenize, add_generation_prompt, continue_final_message):
         return "|".join(p.get("text", "<img>") for m in messages for p in m["content"])
 
-    def encode(self, text, add_special_tokens=False):
-        return text.split("|")
+    def encode(self, text, add_special_tokens=True):  # transformers' default: a Llama-style tokenizer's BOS
+        return (["<s>"] if add_special_tokens else []) + text.split("|")
 
 
 def chat_bytes(image_parts: int, max_tokens: int | None = 4) -> bytes:
@@ -56,7 +56,7 @@ def inputs_of(req, frames, shape) -> dict:
     vLLM's renderer then expands; tests/integration/test_families.py checks the count)."""
     chat = read_chat(req.chat)
     check_images(chat, req, shape)
-    return vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors_of(req, frames), shape)
+    return vllm_inputs(render_prompt(chat, FakeTemplate(), {}).token_ids, req, tensors_of(req, frames), shape)
 
 
 def test_valid_images_are_concatenated_flat_with_their_grids():
@@ -65,14 +65,22 @@ def test_valid_images_are_concatenated_flat_with_their_grids():
     assert data["image_embeds"].shape == (10, 128) and data["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 6]]
     inputs = inputs_of(req, frames, SHAPE)
     assert inputs["multi_modal_data"]["image"]["image_embeds"].shape == (10, 128)
-    assert inputs["prompt_token_ids"] == FakeTemplate().encode("<img>|<img>|q")  # one placeholder per image
+    assert inputs["prompt_token_ids"] == ["<img>", "<img>", "q"]  # one placeholder per image
 
 
 def test_vllm_is_given_the_token_ids_it_would_have_made_not_the_text():
     req, frames = request_with([torch.randn(4, 128)], [(1, 4, 4)])
     inputs = inputs_of(req, frames, SHAPE)
-    assert inputs["prompt_token_ids"] == FakeTemplate().encode("<img>|q")
+    assert inputs["prompt_token_ids"] == ["<img>", "q"]
     assert "prompt" not in inputs  # vLLM would tokenize the text a second time
+
+
+def test_the_tokenizer_s_special_tokens_join_the_template_s_only_where_asked_as_on_vllm_s_server():
+    """vLLM's `add_special_tokens` (off: the chat template writes its own BOS)."""
+    asked = msgspec.json.encode({"messages": [{"role": "user", "content": "q"}], "add_special_tokens": True})
+    rendered = render_prompt(read_chat(asked), FakeTemplate(), {})
+    assert rendered == ("q", ["<s>", "q"])
+    assert render_prompt(read_chat(chat_bytes(0)), FakeTemplate(), {}).token_ids == ["q"]
 
 
 def test_content_keys_reach_vllm_as_its_multimodal_uuids():
@@ -199,7 +207,7 @@ def test_a_video_goes_to_vllm_beside_the_images_keyed_by_its_content_key():
     req, tensors = video_request(8)
     chat = read_chat(req.chat)
     check_images(chat, req, QWEN2_VL)
-    inputs = vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL)
+    inputs = vllm_inputs(render_prompt(chat, FakeTemplate(), {}).token_ids, req, tensors, QWEN2_VL)
     video = inputs["multi_modal_data"]["video"]
     assert torch.equal(video["video_embeds"], tensors[1]) and video["video_grid_thw"].tolist() == [[2, 4, 4]]
     assert inputs["multi_modal_data"]["image"]["image_grid_thw"].tolist() == [[1, 4, 4]]
@@ -214,7 +222,7 @@ def test_a_video_part_without_its_tokens_or_tokens_of_another_grid_are_refused()
     req, tensors = video_request(6)
     chat = read_chat(req.chat)
     with pytest.raises(ValueError, match=r"videos\[0\]: embeddings of shape \(6, 128\), expected \(8, 128\)"):
-        vllm_inputs(render_prompt(chat, FakeTemplate(), {}), req, tensors, QWEN2_VL)
+        vllm_inputs(render_prompt(chat, FakeTemplate(), {}).token_ids, req, tensors, QWEN2_VL)
 
 
 @pytest.mark.parametrize("rows,dtype,grid,needle", [

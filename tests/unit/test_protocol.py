@@ -156,6 +156,7 @@ CASES = [
         "chatcmpl-41", [ChoiceDelta(0, "A red", token_ids=[32, 2518])], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0),
         prompt_token_ids=[151644, 8948, 198, 151652, 151655, 151653],
         prompt_logprobs=[None, [PromptLogprob(8948, -3.25, 12, "system"), PromptLogprob(198, -0.5, 1, "\n")]],
+        prompt_text="<|im_start|>system\nYou are a helpful assistant.",
     )),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41",

@@ -98,11 +98,19 @@ def refused(body: dict | bytes) -> dict:
     ({"include_reasoning": False, "return_token_ids": True}, "return_token_ids"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # answered whole only, as on vLLM's server
     ({"prompt_logprobs": 21}, "prompt_logprobs"),  # past vLLM's engine's max_logprobs
+    ({"logprob_token_ids": [3, 5]}, "logprob_token_ids"),  # without logprobs: vLLM's server refuses it
+    ({"logprobs": True, "top_logprobs": 2, "logprob_token_ids": [3]}, "logprob_token_ids"),  # vLLM drops top_logprobs
+    ({"logprobs": True, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),  # past vLLM's sampler's rows
+    ({"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, "repetition_detection"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}}, "repetition_detection"),
+    ({"stream": True, "stream_interval": 0}, "stream_interval"),
+    ({"request_id": "job-7"}, "request_id"),  # X-Request-Id names the request here
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
         "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
         "spaces-between-skipped-tokens", "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
-        "too-many-prompt-logprobs"])
+        "too-many-prompt-logprobs", "chosen-logprobs-alone", "chosen-beside-top-logprobs", "too-many-chosen-logprobs",
+        "repetition-seen-once", "repetition-sizes-crossed", "no-tokens-a-chunk", "request-id-in-the-body"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 
