@@ -228,7 +228,7 @@ class EngineService:
         # Reading and rendering a request (chat template, tokenizer) off the loop every stream
         # and heartbeat shares: a megabyte of text takes seconds. One thread, as vLLM's renderer.
         self.renderer = ThreadPoolExecutor(1, thread_name_prefix="render")
-        self.waiting: set[str] = set()  # submitted, no token yet
+        self.waiting: dict[str, tuple[int, float]] = {}  # submitted, no token yet: (priority, when it came)
         # Handed to vLLM and not finished: only these wait on its steps (the stall watch's "busy");
         # a request still rendering or fetching its tokens does not.
         self.generating: set[str] = set()
@@ -359,12 +359,12 @@ class EngineService:
         if (refusal := self._refusal()) is not None:
             await self._send(peer, GenerateFailed(rid, *refusal), wait=False)
             return
-        if len(self.waiting) >= self.config.max_waiting_requests:
+        if len(self.waiting) >= self.config.max_waiting_requests and not self._displace_for(request.priority):
             await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429), wait=False)
             return
         # Counted now, not when its task first runs: a burst already queued on the socket is
         # read without a turn of the event loop, and must meet max_waiting_requests all the same.
-        self.waiting.add(rid)
+        self.waiting[rid] = (request.priority, received)
         flight = InFlight(peer, asyncio.create_task(self._generate(peer, request, received)))
         self.requests[rid] = flight
         flight.task.add_done_callback(lambda _: self._forget(rid, flight))
@@ -375,7 +375,25 @@ class EngineService:
         if current is flight:
             del self.requests[rid]
         if current is flight or current is None:  # None: the engine died and let go of every request
-            self.waiting.discard(rid)
+            self.waiting.pop(rid, None)
+
+    def _displace_for(self, priority: int) -> bool:
+        """Where vLLM schedules by priority, a request more urgent than the least urgent one
+        waiting takes its place in the full queue (the latest to come of the least urgent): that
+        one is refused as a full queue refuses, before its first token, so the gateway tries it on
+        another replica. Under fcfs, arrival order is the order: the newcomer is refused instead."""
+        if self.config.scheduling_policy != "priority":
+            return False
+        rid, (least_urgent, _) = max(self.waiting.items(), key=lambda item: item[1])
+        if least_urgent <= priority or (flight := self.requests.get(rid)) is None:
+            return False
+        del self.waiting[rid]
+        flight.task.cancel()  # vLLM aborts it, if it had it
+        self.failed += 1
+        message = f"engine queue is full ({len(self.waiting) + 1} requests waiting): a more urgent request took this one's place"
+        self._in_background(self._send(flight.peer, GenerateFailed(rid, message, 429, "displaced")))
+        log.info("request %s (priority %d) displaced from the full queue by one of priority %d", rid, least_urgent, priority)
+        return True
 
     def _refusal(self) -> tuple[str, int, str] | None:
         """(message, status, code) while this replica takes no new work."""
@@ -542,7 +560,7 @@ class EngineService:
         async with self._in_vllm(rid), contextlib.aclosing(
                 self.engine.generate(prompt.inputs, params, rid, priority=chat.priority, **reasoning)) as outputs:
             async for output in outputs:
-                self.waiting.discard(rid)
+                self.waiting.pop(rid, None)
                 with _engine_s_own_fault():  # vLLM took the request: what fails from here is not its fault
                     deltas = []
                     for choice in output.outputs:

@@ -52,6 +52,9 @@ class GenerateRequest(Message):
     images: list[ImageEmbedding] = []
     # each video part's tokens by reference, in order of appearance (found as images' are)
     videos: list[VideoEmbedding] = []
+    # the chat's (vLLM's priority), read before the chat is: in a full queue an engine that schedules
+    # by priority lets a more urgent request take the least urgent waiting one's place
+    priority: int = 0
 
     def unpushed(self) -> "GenerateRequest":
         """This request for an engine no encoder pushed its tokens to (a failover):

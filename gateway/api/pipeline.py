@@ -234,7 +234,7 @@ class ChatPipeline:
                                        None if self.policy is None else self.policy.processor)
         chat = engine_chat(request)
         if not refs and not videos:
-            return Prepared(GenerateRequest(request_id=record.id, chat=chat), None)
+            return Prepared(GenerateRequest(request_id=record.id, chat=chat, priority=request.priority), None)
         inspected = await self._intake(request, refs, record) if refs else []
         self._reserve_planned_videos(inspected, videos, record)
         digests = [salted(digest_of(item, self.policy), request.cache_salt) for item in inspected]  # videos': at their intake
@@ -242,7 +242,7 @@ class ChatPipeline:
                                             request.priority)
         self._count_videos(images, videos, record)
         return Prepared(GenerateRequest(request_id=record.id, chat=chat, images=images.references,
-                                        videos=images.video_references), images)
+                                        videos=images.video_references, priority=request.priority), images)
 
     def generate(self, prepared: Prepared, timer: RequestTimer) -> AsyncIterator[TokenDelta]:
         """The engine's deltas (gateway/routing/handoff.py: one re-encode if it finds the tokens nowhere)."""

@@ -34,28 +34,36 @@ def test_sampling_values_vllm_refuses_are_a_400_not_a_500(stack):
 BURST = 320  # past the session engine's max_waiting_requests (256, configs/cpu-demo.yaml)
 
 
-async def burst_outcomes(address: str) -> collections.Counter:
+async def burst_outcomes(address: str, requests: list[GenerateRequest]) -> dict[str, object]:
     """Every request of a burst sent back to back on one socket, as a busy
-    gateway's would queue on the engine's: each one's final status."""
+    gateway's would queue on the engine's: each one's outcome, "ok" or (status, code)."""
     ctx = zmq.asyncio.Context()
     socket = AsyncDealer(ctx, address, GatewayInbound)
     try:
-        chat = chat_json([{"role": "user", "content": "hi"}], max_tokens=1, temperature=0)
-        for index in range(BURST):
-            await socket.send(GenerateRequest(f"burst-{index}", chat))
+        for request in requests:
+            await socket.send(request)
         outcomes: dict[str, object] = {}
-        while len(outcomes) < BURST:
+        while len(outcomes) < len(requests):
             message, _ = await asyncio.wait_for(socket.recv(), 120)
-            if isinstance(message, GenerateFailed) or (isinstance(message, TokenDelta) and message.finished):
-                outcomes[message.request_id] = message.status if isinstance(message, GenerateFailed) else "ok"
-        return collections.Counter(outcomes.values())
+            if isinstance(message, GenerateFailed):
+                outcomes[message.request_id] = (message.status, message.code)
+            elif isinstance(message, TokenDelta) and message.finished:
+                outcomes[message.request_id] = "ok"
+        return outcomes
     finally:
         socket.close()
         ctx.term()
 
 
+def burst(prefix: str, count: int, priority: int = 0) -> list[GenerateRequest]:
+    """One-token requests for the engine's socket."""
+    extra = {"priority": priority} if priority else {}
+    chat = chat_json([{"role": "user", "content": "hi"}], max_tokens=1, temperature=0, **extra)
+    return [GenerateRequest(f"{prefix}-{index}", chat, priority=priority) for index in range(count)]
+
+
 def test_a_burst_past_the_waiting_limit_is_refused_429_beyond_it(stack):
     """The engine reads a queued burst without a turn of its event loop: each
     request counts as waiting from the moment it is read, or none would be refused."""
-    outcomes = asyncio.run(burst_outcomes(stack.engine_addresses[0]))
-    assert set(outcomes) == {"ok", 429} and outcomes["ok"] >= 256, outcomes
+    outcomes = collections.Counter(asyncio.run(burst_outcomes(stack.engine_addresses[0], burst("burst", BURST))).values())
+    assert set(outcomes) == {"ok", (429, None)} and outcomes["ok"] >= 256, outcomes

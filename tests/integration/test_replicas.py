@@ -7,6 +7,7 @@ loses no request, and an engine finds a dead replica's tokens in Redis."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import time
@@ -27,6 +28,7 @@ from protocol.to_gateway import EncodeResult, GatewayInbound, TokenDelta
 from tests.integration.conftest import MODEL_NAME, ONE_PROCESS_ENGINE
 from tests.integration.corpus import b64, save
 from tests.integration.encoder_socket import encoder_stats, fetch_tokens, handshake, reply_to
+from tests.integration.test_engine_guard import BURST, burst, burst_outcomes
 from tests.integration.helpers import by_reference, child_pid, log_records, scrape, send_raw, wait_until
 from tests.integration.system import redis_server as start_redis
 
@@ -233,3 +235,14 @@ def test_where_the_engine_schedules_by_priority_a_request_s_priority_is_served(r
         return response.json()["choices"][0]["message"]["content"]
 
     assert answer() == answer(priority=-2) == answer({"X-Vllm-Priority": "7"}, priority=-2)
+
+
+def test_urgent_requests_behind_a_burst_that_fills_the_engine_s_queue_take_the_least_urgent_places(replicated):
+    """vLLM schedules by priority here: requests of priority -1 sent right behind a burst of priority 5
+    that fills the engine's queue (engine.max_waiting_requests) are served, each in the place of one of
+    the burst's, which is refused 429 as the queue's overflow is (a gateway tries it on another replica)."""
+    urgent = burst("urgent", 4, priority=-1)
+    outcomes = asyncio.run(burst_outcomes(replicated.engine_addresses[0], burst("bulk", BURST, priority=5) + urgent))
+    assert [outcomes[request.request_id] for request in urgent] == ["ok"] * 4
+    refused = collections.Counter(outcome for rid, outcome in outcomes.items() if rid.startswith("bulk") and outcome != "ok")
+    assert refused[(429, "displaced")] == 4 and set(refused) <= {(429, "displaced"), (429, None)}, refused

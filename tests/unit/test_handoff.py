@@ -466,4 +466,4 @@ def test_a_request_s_priority_reaches_every_encoder_round_and_its_engine(tmp_pat
     asked, sent = asyncio.run(_prioritised(tmp_path))
     assert [type(m) for m in asked] == [EncodeRequest, EncodeVideos] * 2
     assert [m.priority for m in asked] == [-5] * 4
-    assert len(sent) == 2 and all(msgspec.json.decode(r.chat)["priority"] == -5 for r in sent)
+    assert len(sent) == 2 and all(msgspec.json.decode(r.chat)["priority"] == -5 == r.priority for r in sent)

@@ -123,6 +123,7 @@ CASES = [
         ],
         [VideoEmbedding(ArrayMeta("bfloat16", (240, 3584)), (4, 10, 24), 1.0, None, b"\x09" * 16, "tcp://encoder-a.internal:5555",
                         b"video" + bytes(16), True)],
+        priority=-3,
     )),
     (EngineInbound, GenerateRequest("chatcmpl-42", CHAT)),  # text only
     (FetchInbound, FetchedEmbeddings("fetch-7", [QWEN_EMBEDDINGS, None])),
