@@ -86,10 +86,14 @@ def tool_call_deltas(calls, parallel: bool) -> list[ToolCallDelta]:
 class ChoiceStream:
     """One choice of one request: turns each of its vLLM outputs into a delta."""
 
-    def __init__(self, index: int, chat, parser, tokenizer, prompt_token_ids) -> None:
+    def __init__(self, index: int, chat, parser, tokenizer, prompt_token_ids, empty_steps: bool = False) -> None:
         self.index = index
         self.chat = chat
         self.parser = parser  # vLLM's Parser, or None (plain text)
+        # A step whose text is empty (a character's first bytes, text held for a stop string) as vLLM's
+        # server streams it: `content: ""` where it runs no parser; held back by a tool parser it runs on
+        # every request (Prism runs none on a request without tools).
+        self.empty_steps = empty_steps
         self.tokenizer = tokenizer
         self.prompt_token_ids = prompt_token_ids
         self.text: list[str] = []  # non-streamed with a parser: parsed once at the end
@@ -132,7 +136,7 @@ class ChoiceStream:
 
     def _parsed(self, output, finished: bool) -> dict:
         if self.parser is None:
-            return {"text": output.text}
+            return {"text": output.text} if output.text or (self.empty_steps and output.token_ids) else {}
         try:
             return self._parsed_by_parser(output, finished)
         except Exception as exc:
@@ -159,7 +163,7 @@ class ChoiceStream:
         return self._message_fields(content, reasoning, as_deltas)
 
     def _message_fields(self, content, reasoning, calls) -> dict:
-        fields = {"text": content or "", "reasoning": reasoning or ""}
+        fields = {"text": content, "reasoning": reasoning or ""}
         if calls:
             fields["tool_calls"] = tool_call_deltas(calls, self.chat.parallel_tool_calls is not False)
         return fields

@@ -565,7 +565,8 @@ class EngineService:
                     deltas = []
                     for choice in output.outputs:
                         if choice.index not in choices:  # parsers are stateful: one per choice
-                            choices[choice.index] = ChoiceStream(choice.index, chat, new_parser(), self.tokenizer, output.prompt_token_ids)
+                            choices[choice.index] = ChoiceStream(choice.index, chat, new_parser(), self.tokenizer, output.prompt_token_ids,
+                                                                 empty_steps=self.parsing.parser_cls is None)
                         deltas.append(choices[choice.index].delta(choice))
                         completion_tokens += len(choice.token_ids)
                     first_ready = first_ready or time.monotonic()  # the first token, ready to leave the engine

@@ -166,7 +166,9 @@ class ToolCallDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=
 
 class ChoiceDelta(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
     index: int  # which of the request's n choices
-    text: str = ""  # content (tool-call markup parsed out)
+    # content (tool-call markup parsed out); "" where vLLM's server sends `content: ""` (a token whose text is
+    # not whole yet, or held for a stop string), None where it sends none (a parser's, holding markup back)
+    text: str | None = None
     finish_reason: str | None = None  # set on the choice's last delta
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
     tool_calls: list[ToolCallDelta] = []

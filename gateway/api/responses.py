@@ -86,7 +86,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
-        self.text.append(delta.text)
+        self.text.append(delta.text or "")
         self.token_ids.extend(delta.token_ids or ())
         self.reasoning.append(delta.reasoning)
         if (content := _logprob_content(delta)) is not None:
@@ -187,7 +187,7 @@ def stream_choice(choice: ChoiceDelta) -> dict | None:
     """One choice's chunk entry; None when it says nothing (e.g. tool-call
     markup the parser held back)."""
     delta: dict = {}
-    if choice.text:
+    if choice.text is not None:
         delta["content"] = choice.text
     if choice.reasoning:
         delta["reasoning"] = choice.reasoning

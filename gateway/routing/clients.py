@@ -333,7 +333,7 @@ def reply_bytes(item: tuple[Any, list]) -> int:
 
 def _choice_bytes(choice) -> int:
     entries = sum(1 + len(entry.top_logprobs) for entry in choice.logprobs or ())
-    return len(choice.text) + len(choice.reasoning) + entries * LOGPROB_BYTES
+    return len(choice.text or "") + len(choice.reasoning) + entries * LOGPROB_BYTES
 
 
 class ReplyQueue(asyncio.Queue):

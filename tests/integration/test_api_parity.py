@@ -328,3 +328,17 @@ def test_the_prompt_s_text_is_alike(client, vllm, images):
 
     assert streamed(client) == streamed(vllm)
     assert streamed(client)[0] == prism.model_extra["prompt_text"]
+
+
+def test_steps_whose_text_is_not_whole_yet_are_streamed_alike(client, vllm):
+    """A token that is part of a character makes no text yet: vLLM's server, with a tool parser
+    configured (as here), runs it on every request, and it holds such a step back (with no parser it
+    streams `content: ""`: tests/unit/test_choice_stream.py)."""
+    def contents(c) -> list:
+        chunks = c.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=6, temperature=0, stream=True,
+                                           extra_body={"allowed_token_ids": [101, 102, 103]})  # bytes that continue a character
+        return [(chunk.choices[0].delta.content, chunk.choices[0].finish_reason) for chunk in chunks if chunk.choices]
+
+    ours = contents(client)
+    assert ours == contents(vllm)
+    assert ours[-1][1] == "length"

@@ -14,9 +14,29 @@ def output(text: str, finish_reason: str | None) -> CompletionOutput:
     return CompletionOutput(index=0, text=text, token_ids=[7], cumulative_logprob=None, logprobs=None, finish_reason=finish_reason)
 
 
-def plain_choice() -> ChoiceStream:
+def plain_choice(empty_steps: bool = False) -> ChoiceStream:
     chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}]}))
-    return ChoiceStream(0, chat, parser=None, tokenizer=None, prompt_token_ids=[1, 2])
+    return ChoiceStream(0, chat, parser=None, tokenizer=None, prompt_token_ids=[1, 2], empty_steps=empty_steps)
+
+
+@pytest.mark.parametrize("empty_steps,texts", [(True, ["", "", "é"]), (False, [None, None, "é"])],
+                         ids=["no-parser-configured", "tool-parser-configured"])
+def test_a_token_that_makes_no_text_yet_is_a_step_of_empty_content_where_vllm_s_server_streams_one(empty_steps, texts):
+    """vLLM's server streams `content: ""` for such a step where it runs no parser (tests/integration/
+    test_api_parity.py checks the other case: its tool parser, run on every request, holds the step back)."""
+    choice = plain_choice(empty_steps)
+    assert [choice.delta(output(text, None)).text for text in ("", "", "é")] == texts
+    nothing_made = CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None, finish_reason=None)
+    assert choice.delta(nothing_made).text is None  # as vLLM's server skips a step of no token (a chunked prefill's)
+
+
+def test_the_gateway_streams_empty_content_where_the_engine_made_some_and_no_chunk_where_it_made_none():
+    from gateway.api.responses import stream_choice
+    from protocol.to_gateway import ChoiceDelta
+
+    assert stream_choice(ChoiceDelta(0, "", tokens=1))["delta"] == {"content": ""}
+    assert stream_choice(ChoiceDelta(0, tokens=1)) is None
+    assert stream_choice(ChoiceDelta(0, finish_reason="stop", tokens=1))["delta"] == {}
 
 
 def test_a_choice_ends_with_vllm_s_finish_reason():
@@ -130,7 +150,7 @@ def test_include_reasoning_false_leaves_the_reasoning_out_of_a_stream_the_reason
     (gateway/api/responses.py), which reads from it that a cut-off answer's content is null."""
     def answer(**fields) -> tuple[str, str, int]:
         deltas = thought_and_answer(reasoning_choice(thinking_tokenizer, "qwen3", **fields), thinking_tokenizer)
-        return "".join(d.reasoning for d in deltas), "".join(d.text for d in deltas), deltas[-1].reasoning_tokens
+        return "".join(d.reasoning for d in deltas), "".join(d.text or "" for d in deltas), deltas[-1].reasoning_tokens
 
     assert answer(stream=True) == answer() == ("ab", "c", 2)
     assert answer(stream=True, include_reasoning=False) == ("", "c", 2)
