@@ -201,11 +201,14 @@ def render_prompt(chat, tokenizer, template_kwargs: dict, template: ChatTemplate
         )
     except Exception as exc:  # a template refusing the conversation (roles out of order, no user turn): the request's fault
         raise InvalidPrompt(f"the chat template refused this conversation: {_template_error_reason(exc)}") from None
-    if bound is not None:
+    tokenized = text
+    if bound is not None and chat.truncate_prompt_tokens is not None:  # vLLM's renderer cuts the tokens (render_for_vllm)
+        tokenized = bound.trimmed(text, chat.truncation_side or tokenizer.truncation_side)
+    elif bound is not None:
         bound.check(text, tokenizer)
     # Token ids, not text: the ids are needed for the length check anyway, and
     # vLLM then skips tokenizing again (part of its input processing).
-    token_ids = tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)  # vLLM's: off unless asked
+    token_ids = tokenizer.encode(tokenized, add_special_tokens=chat.add_special_tokens)  # vLLM's: off unless asked
     check_markers(token_ids, chat.messages, template.media_tokens)
     return RenderedPrompt(text, token_ids)
 
@@ -230,6 +233,14 @@ class PromptBound:
     @classmethod
     def of(cls, tokenizer, max_model_len: int) -> "PromptBound":
         return cls(max_model_len, max(map(len, tokenizer.get_vocab())))
+
+    def trimmed(self, text: str, side: str) -> str:
+        """A text to be truncated to at most the context's tokens, cut first to as many characters as
+        those can hold, from the side truncation drops (as vLLM's renderer cuts it before tokenizing)."""
+        most = self.max_model_len * self.longest_token_chars
+        if len(text) <= most:
+            return text
+        return text[-most:] if side == "left" else text[:most]
 
     def check(self, text: str, tokenizer) -> None:
         most = self.max_model_len * self.longest_token_chars
@@ -294,14 +305,17 @@ def vllm_inputs(token_ids: list[int], request: GenerateRequest, tensors: list, s
     return inputs
 
 
-async def render_for_vllm(renderer, model_config, inputs: dict) -> tuple[dict, int]:
+async def render_for_vllm(renderer, model_config, inputs: dict, chat) -> tuple[dict, int]:
     """vLLM's EngineInput for `inputs` and its length, rendered as vLLM's server renders a
     chat before it sets the output budget: each placeholder expanded to the model's own
     tokens (an image's rows, InternVL's `<img>` `</img>` around them, Qwen3-VL's timestamp
-    text between a video's frames), so the count is the one vLLM's server checks."""
+    text between a video's frames), so the count is the one vLLM's server checks. The chat's
+    `truncate_prompt_tokens` cuts the prompt there, as vLLM's server cuts it: before and after
+    the placeholders are expanded, refusing a cut through an image or video."""
     from vllm.renderers.inputs.preprocess import extract_prompt_len, parse_model_prompt
 
-    (engine_input,) = await renderer.render_cmpl_async([parse_model_prompt(model_config, inputs)])
+    tok_params = chat.build_tok_params(model_config) if chat.truncate_prompt_tokens is not None else None  # None: the renderer's
+    (engine_input,) = await renderer.render_cmpl_async([parse_model_prompt(model_config, inputs)], tok_params)
     return engine_input, extract_prompt_len(model_config, engine_input)
 
 

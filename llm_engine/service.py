@@ -501,7 +501,7 @@ class EngineService:
     async def _plan(self, chat, template_prompt: RenderedPrompt, request: GenerateRequest, tensors: list):
         """(prompt, SamplingParams), or InvalidPrompt."""
         inputs = vllm_inputs(template_prompt.token_ids, request, tensors, self.shape, chat.cache_salt)
-        rendered, num_tokens = await render_for_vllm(self.engine.renderer, self.engine.model_config, inputs)
+        rendered, num_tokens = await render_for_vllm(self.engine.renderer, self.engine.model_config, inputs, chat)
         max_tokens = output_budget(chat, num_tokens, self.config.max_model_len, self.generation_defaults)
         prompt = Prompt(rendered, num_tokens, max_tokens, template_prompt.text)
         try:

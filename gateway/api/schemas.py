@@ -376,6 +376,10 @@ class ChatCompletionRequest(_Strict):
     stream_interval: Int64 | None = Field(None, ge=1)
     # vLLM's: the tokenizer's own special tokens (e.g. a BOS) added to the chat template's prompt
     add_special_tokens: bool = False
+    # vLLM's: the prompt cut to this many tokens (-1: the context's, less one for the answer), from the
+    # side truncation_side says (unset: the tokenizer's, which keeps the first); never through an image
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     mm_processor_kwargs: PixelOverrides | None = None
     media_io_kwargs: MediaIOKwargs | None = None  # video sampling (gateway/intake/video/)
     # vLLM's: lower is served first where the engine schedules by priority (engine.scheduling_policy),
@@ -497,6 +501,12 @@ class ChatCompletionRequest(_Strict):
             if shown and not self.include_reasoning:  # vLLM's server drops them: their tokens would spell it out
                 raise invalid(field, f"{field} with include_reasoning: false would spell out the reasoning it hides "
                               "(vLLM's server leaves them out); send one or the other")
+        return self
+
+    @model_validator(mode="after")
+    def _truncation_asked(self) -> "ChatCompletionRequest":
+        if self.truncation_side is not None and self.truncate_prompt_tokens is None:  # vLLM's server ignores it
+            raise invalid("truncation_side", "truncation_side says where truncate_prompt_tokens cuts the prompt: send both")
         return self
 
     @model_validator(mode="after")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -342,3 +343,31 @@ def test_steps_whose_text_is_not_whole_yet_are_streamed_alike(client, vllm):
     ours = contents(client)
     assert ours == contents(vllm)
     assert ours[-1][1] == "length"
+
+
+LONG_CHAT = [{"role": "system", "content": "You describe pictures."},
+             *[{"role": role, "content": f"Turn {i}: {'a longer message ' * 3}"} for i, role in enumerate(["user", "assistant"] * 3)],
+             {"role": "user", "content": "And now?"}]
+
+
+@pytest.mark.parametrize("cut", [{"truncate_prompt_tokens": 30, "truncation_side": "left"}, {"truncate_prompt_tokens": 12},
+                                 {"truncate_prompt_tokens": -1}], ids=["last-30", "first-12-by-the-tokenizer-s-side", "context"])
+def test_a_prompt_cut_to_so_many_tokens_is_answered_alike(client, vllm, cut):
+    """vLLM's `truncate_prompt_tokens` (and `truncation_side`; unset, the tokenizer's, which keeps the first)."""
+    prism, reference = both(client, vllm, messages=LONG_CHAT, max_tokens=6, extra_body={**cut, "return_token_ids": True})
+    assert prism.model_extra["prompt_token_ids"] == reference.model_extra["prompt_token_ids"]
+    assert prism.usage.prompt_tokens == reference.usage.prompt_tokens == (cut["truncate_prompt_tokens"] if cut["truncate_prompt_tokens"] > 0
+                                                                         else prism.usage.prompt_tokens)
+    assert prism.choices[0].message.content == reference.choices[0].message.content
+
+
+def test_a_cut_through_an_image_is_refused_and_one_short_of_it_answered_alike(client, vllm, images):
+    messages = [{"role": "user", "content": [image_part(images), {"type": "text", "text": "Describe it. " * 10}]}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0).usage.prompt_tokens
+    kept = both(client, vllm, messages=messages, max_tokens=4, extra_body={"truncate_prompt_tokens": whole - 2, "truncation_side": "right"})
+    assert kept[0].usage.prompt_tokens == kept[1].usage.prompt_tokens == whole - 2
+    assert kept[0].choices[0].message.content == kept[1].choices[0].message.content
+    for c in (client, vllm):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": whole - 30, "truncation_side": "left"})

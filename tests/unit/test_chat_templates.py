@@ -168,8 +168,8 @@ def test_a_prompt_longer_than_any_that_fits_the_context_is_refused_before_it_is_
     tokenizer = AutoTokenizer.from_pretrained(path)
     template = ChatTemplates(tokenizer, ModelConfig(model=str(path))).for_request(None)
 
-    def render(text: str, context: int) -> list[int]:
-        chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}], "max_tokens": 4}))
+    def render(text: str, context: int, **cut) -> list[int]:
+        chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}], "max_tokens": 4, **cut}))
         return render_prompt(chat, tokenizer, {}, template, PromptBound.of(tokenizer, context)).token_ids
 
     text = "Grüße, 世界! naïve café, ok 🙂 " * 200  # characters of several bytes: more tokens than characters
@@ -182,3 +182,14 @@ def test_a_prompt_longer_than_any_that_fits_the_context_is_refused_before_it_is_
     assert len(beginning) > 64 * PREFIX_CHARS_PER_TOKEN
     with pytest.raises(InvalidPrompt, match="maximum context length is 64 tokens; the prompt's first 512 characters alone"):
         render(beginning, 64)
+    # To be truncated (by vLLM's renderer, later), it is cut to what the context's tokens can hold, on the side dropped.
+    most = 64 * bound.longest_token_chars
+    kept_end = render(text, 64, truncate_prompt_tokens=-1, truncation_side="left")
+    assert kept_end == tokenizer.encode(template_text_of(text, tokenizer, template)[-most:])
+    kept_start = render(text, 64, truncate_prompt_tokens=20)  # the tokenizer's side: right
+    assert kept_start == tokenizer.encode(template_text_of(text, tokenizer, template)[:most])
+
+
+def template_text_of(text: str, tokenizer, template) -> str:
+    chat = read_chat(msgspec.json.encode({"messages": [{"role": "user", "content": text}]}))
+    return render_prompt(chat, tokenizer, {}, template).text

@@ -105,12 +105,15 @@ def refused(body: dict | bytes) -> dict:
     ({"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}}, "repetition_detection"),
     ({"stream": True, "stream_interval": 0}, "stream_interval"),
     ({"request_id": "job-7"}, "request_id"),  # X-Request-Id names the request here
+    ({"truncation_side": "left"}, "truncation_side"),  # nothing to cut: vLLM's server ignores it
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
         "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
         "spaces-between-skipped-tokens", "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
         "too-many-prompt-logprobs", "chosen-logprobs-alone", "chosen-beside-top-logprobs", "too-many-chosen-logprobs",
-        "repetition-seen-once", "repetition-sizes-crossed", "no-tokens-a-chunk", "request-id-in-the-body"])
+        "repetition-seen-once", "repetition-sizes-crossed", "no-tokens-a-chunk", "request-id-in-the-body",
+        "side-without-a-cut", "cut-below-minus-one"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 
