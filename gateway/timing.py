@@ -47,6 +47,7 @@ class RequestTimer:
     delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
     completion_tokens: int = 0  # every choice's, as usage counts them
     choices: int = 1  # the request's n: each token step makes one token per choice
+    steps_per_delta: int = 1  # the request's stream_interval: its deltas' gaps are no inter-token latency
     choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens so far
     visual_tokens: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
@@ -79,6 +80,8 @@ class RequestTimer:
             self.choice_tokens[choice.index] = self.choice_tokens.get(choice.index, 0) + choice.tokens
 
     def inter_token_gaps(self) -> list[float]:
+        if self.steps_per_delta > 1:
+            return []
         return [b - a for a, b in zip(self.delta_times, self.delta_times[1:])]
 
     @property

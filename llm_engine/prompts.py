@@ -176,7 +176,7 @@ class Prompt:
     inputs: dict  # vLLM's rendered EngineInput: what generate() takes, every placeholder expanded
     num_tokens: int  # its length, as vLLM's server counts a prompt
     max_tokens: int  # output budget, checked against the context length
-    text: str  # the chat template's (vLLM's return_prompt_text)
+    text: str | None  # the chat template's, where the request asked (vLLM's return_prompt_text)
 
 
 class RenderedPrompt(NamedTuple):

@@ -147,6 +147,8 @@ def sampling_params(chat, max_tokens: int, checkpoint_defaults: dict):
 
     params = chat.to_sampling_params(max_tokens, checkpoint_defaults)
     params.output_kind = RequestOutputKind.DELTA
+    if not chat.stream:
+        params.stream_interval = None  # vLLM's server ignores it for a whole answer
     if chat.prompt_logprobs is None and chat.echo and (chat.stream or not chat.logprobs):
         # vLLM's server asks prompt logprobs for every echo, and with them prefills the whole prompt again,
         # past the prefix cache, even where it sends none (a stream): here only where logprobs are asked.

@@ -49,6 +49,7 @@ from llm_engine.requests import (
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
 from llm_engine.watchdog import StallWatch, Verdict, step_clock_factory
+from llm_engine.waiting import QueueFull, WaitingRequests
 from common.checkpoint import model_vision_weights
 from common.families import Family, family_of
 from common.logs import request_id_var
@@ -228,7 +229,7 @@ class EngineService:
         # Reading and rendering a request (chat template, tokenizer) off the loop every stream
         # and heartbeat shares: a megabyte of text takes seconds. One thread, as vLLM's renderer.
         self.renderer = ThreadPoolExecutor(1, thread_name_prefix="render")
-        self.waiting: dict[str, tuple[int, float]] = {}  # submitted, no token yet: (priority, when it came)
+        self.waiting = WaitingRequests(config.max_waiting_requests, config.scheduling_policy == "priority")
         # Handed to vLLM and not finished: only these wait on its steps (the stall watch's "busy");
         # a request still rendering or fetching its tokens does not.
         self.generating: set[str] = set()
@@ -359,12 +360,11 @@ class EngineService:
         if (refusal := self._refusal()) is not None:
             await self._send(peer, GenerateFailed(rid, *refusal), wait=False)
             return
-        if len(self.waiting) >= self.config.max_waiting_requests and not self._displace_for(request.priority):
-            await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429), wait=False)
-            return
         # Counted now, not when its task first runs: a burst already queued on the socket is
         # read without a turn of the event loop, and must meet max_waiting_requests all the same.
-        self.waiting[rid] = (request.priority, received)
+        if not self.waiting.admit(rid, request.priority, received):
+            await self._send(peer, GenerateFailed(rid, f"engine queue is full ({len(self.waiting)} requests waiting)", 429), wait=False)
+            return
         flight = InFlight(peer, asyncio.create_task(self._generate(peer, request, received)))
         self.requests[rid] = flight
         flight.task.add_done_callback(lambda _: self._forget(rid, flight))
@@ -375,25 +375,23 @@ class EngineService:
         if current is flight:
             del self.requests[rid]
         if current is flight or current is None:  # None: the engine died and let go of every request
-            self.waiting.pop(rid, None)
+            self.waiting.leave(rid)
 
-    def _displace_for(self, priority: int) -> bool:
-        """Where vLLM schedules by priority, a request more urgent than the least urgent one
-        waiting takes its place in the full queue (the latest to come of the least urgent): that
-        one is refused as a full queue refuses, before its first token, so the gateway tries it on
-        another replica. Under fcfs, arrival order is the order: the newcomer is refused instead."""
-        if self.config.scheduling_policy != "priority":
-            return False
-        rid, (least_urgent, _) = max(self.waiting.items(), key=lambda item: item[1])
-        if least_urgent <= priority or (flight := self.requests.get(rid)) is None:
-            return False
-        del self.waiting[rid]
+    def _take_place(self, rid: str) -> None:
+        """A request let in over the full queue (llm_engine/waiting.py), now found valid, takes the
+        least urgent one's place: that one is refused as a full queue refuses (QueueFull: none is)."""
+        if (victim := self.waiting.place_for(rid, self._displaceable)) is None:
+            return
+        flight = self.requests.pop(victim)  # answered here: nothing else answers it again
         flight.task.cancel()  # vLLM aborts it, if it had it
-        self.failed += 1
-        message = f"engine queue is full ({len(self.waiting) + 1} requests waiting): a more urgent request took this one's place"
-        self._in_background(self._send(flight.peer, GenerateFailed(rid, message, 429, "displaced")))
-        log.info("request %s (priority %d) displaced from the full queue by one of priority %d", rid, least_urgent, priority)
-        return True
+        message = f"engine queue is full ({len(self.waiting)} requests waiting): a more urgent request took this one's place"
+        self._in_background(self._send(flight.peer, GenerateFailed(victim, message, 429, "displaced")))
+        log.info("request %s displaced from the full queue by a more urgent one", victim)
+
+    def _displaceable(self, rid: str) -> bool:
+        """Still undecided: not answered, not ending (aborted, failed) and not replaced by a newer one."""
+        flight = self.requests.get(rid)
+        return flight is not None and not flight.task.done() and not flight.task.cancelling()
 
     def _refusal(self) -> tuple[str, int, str] | None:
         """(message, status, code) while this replica takes no new work."""
@@ -413,6 +411,7 @@ class EngineService:
 
     async def _abort(self, request_id: str) -> None:
         if request_id in self.requests:
+            self.waiting.leave(request_id)  # ending: no place to take
             await self.engine.abort(request_id)
             # Looked up again: vLLM's abort can end the request while it is awaited, and it is forgotten.
             if (request := self.requests.get(request_id)) is not None:
@@ -503,7 +502,7 @@ class EngineService:
         inputs = vllm_inputs(template_prompt.token_ids, request, tensors, self.shape, chat.cache_salt)
         rendered, num_tokens = await render_for_vllm(self.engine.renderer, self.engine.model_config, inputs, chat)
         max_tokens = output_budget(chat, num_tokens, self.config.max_model_len, self.generation_defaults)
-        prompt = Prompt(rendered, num_tokens, max_tokens, template_prompt.text)
+        prompt = Prompt(rendered, num_tokens, max_tokens, template_prompt.text if chat.return_prompt_text else None)
         try:
             params = sampling_params(chat, prompt.max_tokens, self.generation_defaults)
         except Exception as exc:  # vLLM's own checks on sampling values: the request's fault
@@ -523,6 +522,7 @@ class EngineService:
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
             prompt, params = await self._plan(read.chat, template_prompt, request, tensors)
             reasoning = read.reasoning(template_prompt.token_ids)
+            self._take_place(rid)
             tokens = await self._stream(peer, rid, prompt, params, (received, fetch_s), read, reasoning)
             if tokens is None:
                 log.info("aborted: the gateway that sent it is gone")
@@ -531,22 +531,30 @@ class EngineService:
             log.info("generated %d tokens for a %d-token prompt", tokens, prompt.num_tokens)
         except asyncio.CancelledError:
             log.info("aborted")
-        except EmbeddingsUnavailable as exc:
-            self.failed += 1
+        except Exception as exc:
+            if (failure := self._failure(rid, exc)) is not None:
+                self.failed += 1
+                self.waiting.leave(rid)  # decided: no longer a place for a more urgent request to take
+                await self._send(peer, failure)
+
+    def _failure(self, rid: str, exc: Exception) -> GenerateFailed | None:
+        """What a request that failed with `exc` is answered (None: the engine died, and answers
+        every request at once)."""
+        if isinstance(exc, EmbeddingsUnavailable):
             log.warning("%s", exc)
-            await self._send(peer, exc.reply(rid))
-        except (InvalidPrompt, ValueError, TypeError, VLLMClientError) as exc:  # vLLM's errors caused by the request
-            self.failed += 1
+            return exc.reply(rid)
+        if isinstance(exc, QueueFull):
+            log.info("%s", exc)
+            return GenerateFailed(rid, str(exc), 429)
+        if isinstance(exc, (InvalidPrompt, ValueError, TypeError, VLLMClientError)):  # vLLM's errors caused by the request
             log.info("refused: %s", exc)
             param = getattr(exc, "param", None) or getattr(exc, "parameter", None)  # InvalidPrompt's, vLLM's
-            await self._send(peer, GenerateFailed(rid, str(exc), 400, "invalid_value" if param else None, param))
-        except Exception:
-            if self.engine.errored:  # EngineDeadError: this request and every other one fail as one
-                self._die("vLLM's engine core died")
-                return
-            self.failed += 1
-            log.exception("failed")
-            await self._send(peer, GenerateFailed(rid, ENGINE_FAILED, status=500))
+            return GenerateFailed(rid, str(exc), 400, "invalid_value" if param else None, param)
+        if self.engine.errored:  # EngineDeadError: this request and every other one fail as one
+            self._die("vLLM's engine core died")
+            return None
+        log.exception("failed", exc_info=exc)
+        return GenerateFailed(rid, ENGINE_FAILED, status=500)
 
     async def _stream(self, peer: bytes, rid: str, prompt: Prompt, params, arrival: tuple[float, float], read: Read,
                       reasoning: dict) -> int | None:
@@ -560,7 +568,7 @@ class EngineService:
         async with self._in_vllm(rid), contextlib.aclosing(
                 self.engine.generate(prompt.inputs, params, rid, priority=chat.priority, **reasoning)) as outputs:
             async for output in outputs:
-                self.waiting.pop(rid, None)
+                self.waiting.leave(rid)
                 with _engine_s_own_fault():  # vLLM took the request: what fails from here is not its fault
                     deltas = []
                     for choice in output.outputs:
@@ -581,7 +589,7 @@ class EngineService:
                         cached_tokens=output.num_cached_tokens or 0,
                         prompt_token_ids=list(output.prompt_token_ids or ()) if first and chat.return_token_ids else None,
                         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if first and not chat.stream else None,
-                        prompt_text=prompt.text if first and chat.return_prompt_text else None,
+                        prompt_text=prompt.text if first else None,
                     )
                     if not await self._send(peer, delta):
                         return None  # closing the generator aborts the request in vLLM

@@ -304,8 +304,10 @@ class RepetitionDetection(_Strict):
     """vLLM's: a choice that repeats a pattern of min..max_pattern_size tokens min_count times
     in a row ends there, finish_reason "repetition" (all zero: off)."""
 
-    max_pattern_size: Int64 = Field(0, ge=0)
-    min_pattern_size: Int64 = Field(0, ge=0)  # 0: 1
+    # At most 1024 tokens (vLLM sets no bound): vLLM checks every pattern length up to it at every step,
+    # in its engine core, which every request shares.
+    max_pattern_size: int = Field(0, ge=0, le=1024)
+    min_pattern_size: int = Field(0, ge=0)  # 0: 1
     min_count: Int64 = Field(0, ge=0)
 
     @model_validator(mode="after")
@@ -338,7 +340,7 @@ class ChatCompletionRequest(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's: each step's logprobs for these ids (a classifier's labels), in place of top_logprobs; at
     # most 128, as vLLM's sampler holds them
-    logprob_token_ids: list[Annotated[Int64, Field(ge=0)]] | None = Field(None, min_length=1, max_length=128)
+    logprob_token_ids: list[Annotated[Int64, Field(ge=0)]] | None = Field(None, max_length=128)  # []: unset, as vLLM reads it
     # vLLM's: the prompt text the chat template made, in the answer (a stream's role chunks)
     return_prompt_text: bool = False
     response_format: ResponseFormat | None = None
@@ -372,8 +374,9 @@ class ChatCompletionRequest(_Strict):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     repetition_detection: RepetitionDetection | None = None
-    # vLLM's: tokens per streamed chunk (the first and last chunks leave at once); unstreamed, it changes nothing
-    stream_interval: Int64 | None = Field(None, ge=1)
+    # vLLM's: tokens per streamed chunk (the first and last chunks leave at once); unstreamed, vLLM's server
+    # ignores it. At most 1024: each of a stream's replies must come within gateway.generate_timeout_s.
+    stream_interval: int | None = Field(None, ge=1, le=1024)
     # vLLM's: the tokenizer's own special tokens (e.g. a BOS) added to the chat template's prompt
     add_special_tokens: bool = False
     # vLLM's: the prompt cut to this many tokens (-1: the context's, less one for the answer), from the
@@ -511,7 +514,8 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _chosen_logprobs(self) -> "ChatCompletionRequest":
-        if self.logprob_token_ids is None:
+        if not self.logprob_token_ids:
+            self.logprob_token_ids = None  # vLLM's server reads [] as unset
             return self
         if not self.logprobs:
             raise invalid("logprob_token_ids", "logprob_token_ids needs logprobs: true")

@@ -328,7 +328,8 @@ LOGPROB_BYTES = 240
 def reply_bytes(item: tuple[Any, list]) -> int:
     message, frames = item
     choices = message.choices if isinstance(message, TokenDelta) else ()
-    return REPLY_BYTES + sum(map(_choice_bytes, choices)) + sum(memoryview(frame).nbytes for frame in frames)
+    prompt_text = len(message.prompt_text or "") if isinstance(message, TokenDelta) else 0
+    return REPLY_BYTES + prompt_text + sum(map(_choice_bytes, choices)) + sum(memoryview(frame).nbytes for frame in frames)
 
 
 def _choice_bytes(choice) -> int:

@@ -230,3 +230,14 @@ def test_prompt_logprobs_past_the_engine_s_limit_are_refused_naming_the_field_th
             check_prompt_logprobs(request, sampling_params(request, 8, {}), 4097, 4096)
         assert refused.value.param == field
     check_prompt_logprobs(chat(echo=True), sampling_params(chat(echo=True), 8, {}), 10**6, 4096)  # none computed
+
+
+def test_a_stream_interval_batches_a_stream_only_as_on_vllm_s_server():
+    """The engine streams every answer to the gateway; a whole answer's is not held to it (vLLM's server ignores it)."""
+    from llm_engine.requests import sampling_params
+
+    def interval(**fields) -> int | None:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream_interval": 8, **fields}
+        return sampling_params(read_chat(msgspec.json.encode(body)), 16, {}).stream_interval
+
+    assert interval(stream=True) == 8 and interval() is None

@@ -22,7 +22,8 @@ ADDRESS = "inproc://engine-send"
 
 
 def _service(router: AsyncRouter) -> EngineService:
-    return EngineService(config=SimpleNamespace(served_model_name="m", model="m"), engine=None, router=router, watch=None, shape=None, generation_defaults={}, images=None)
+    config = SimpleNamespace(served_model_name="m", model="m", max_waiting_requests=256, scheduling_policy="fcfs")
+    return EngineService(config=config, engine=None, router=router, watch=None, shape=None, generation_defaults={}, images=None)
 
 
 async def _read_all(dealer: zmq.asyncio.Socket) -> list:

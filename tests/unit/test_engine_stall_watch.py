@@ -32,7 +32,8 @@ class Sent:
 async def _stalled_while_rendering() -> tuple[bool, list]:
     """Whether the watch called a stall while requests waited for their render, and what they were answered."""
     rendered = threading.Event()
-    config = SimpleNamespace(served_model_name="m", model="m", stall_timeout_s=STALL_TIMEOUT_S, max_waiting_requests=8)
+    config = SimpleNamespace(served_model_name="m", model="m", stall_timeout_s=STALL_TIMEOUT_S, max_waiting_requests=8,
+                             scheduling_policy="fcfs")
     sent = Sent()
     service = EngineService(config=config, engine=SimpleNamespace(errored=False), router=sent,
                             watch=StallWatch(STALL_TIMEOUT_S, 600), shape=None, generation_defaults={}, images=None)

@@ -107,13 +107,15 @@ def refused(body: dict | bytes) -> dict:
     ({"request_id": "job-7"}, "request_id"),  # X-Request-Id names the request here
     ({"truncation_side": "left"}, "truncation_side"),  # nothing to cut: vLLM's server ignores it
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"stream": True, "stream_interval": 1025}, "stream_interval"),  # a reply every 1024 tokens at most
+    ({"repetition_detection": {"max_pattern_size": 1025, "min_count": 2}}, "repetition_detection.max_pattern_size"),
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
         "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
         "spaces-between-skipped-tokens", "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
         "too-many-prompt-logprobs", "chosen-logprobs-alone", "chosen-beside-top-logprobs", "too-many-chosen-logprobs",
         "repetition-seen-once", "repetition-sizes-crossed", "no-tokens-a-chunk", "request-id-in-the-body",
-        "side-without-a-cut", "cut-below-minus-one"])
+        "side-without-a-cut", "cut-below-minus-one", "tokens-a-chunk-past-1024", "repetition-pattern-past-1024"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 
@@ -279,3 +281,7 @@ def test_echo_repeats_the_final_message_s_text_where_it_is_in_the_answer_s_role_
     error = refused({"messages": [{"role": "user", "content": [image, {"type": "text", "text": "A"}]}], "echo": True,
                      "add_generation_prompt": False})
     assert error["param"] == "echo"
+
+
+def test_an_empty_list_of_token_ids_for_logprobs_is_unset_as_vllm_reads_it():
+    assert request(logprobs=True, top_logprobs=2, logprob_token_ids=[]).logprob_token_ids is None

@@ -68,3 +68,13 @@ def test_stage_histograms_take_a_stage_where_it_ran_and_their_means_add_up_to_th
     assert grew["parse", "count"] == grew["unaccounted", "count"] == 2
     means = {stage: grew[stage, "sum"] / grew["unaccounted", "count"] for stage in STAGES}
     assert sum(means.values()) == pytest.approx(sum(ttfts) / 2)
+
+
+def test_a_stream_of_several_tokens_a_chunk_gives_no_inter_token_gaps():
+    """vLLM's `stream_interval`: its deltas' gaps are so many tokens' (its time per output token still counts)."""
+    timer = RequestTimer(first_token_at=0.0, steps_per_delta=4)
+    for made in (1, 5, 9):
+        timer.mark_delta(TokenDelta("r", [ChoiceDelta(0, tokens=4 if made > 1 else 1)], made, 5))
+    timer.finished_at = 1.0
+    assert timer.inter_token_gaps() == [] and timer.tpot_s == pytest.approx(0.125)
+    assert len(RequestTimer(delta_times=[0.0, 0.1, 0.2]).inter_token_gaps()) == 2
