@@ -71,3 +71,10 @@ def host_address(network: str) -> str:
 
 def dns_questions(packets: list[Packet]) -> set[str]:
     return {match.group(1) for p in packets if (match := DNS_QUESTION.search(p.text))}
+
+
+DNS_PORT = re.compile(r"\.53 > |\.53: ")  # a DNS query's destination port, or its answer's source
+
+
+def dns_packets(packets: list[Packet]) -> list[Packet]:
+    return [p for p in packets if DNS_PORT.search(p.text)]
