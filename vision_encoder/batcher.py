@@ -109,6 +109,12 @@ class Batcher:
                 self._remove(job)
                 self.dropped += 1
 
+    def less_urgent(self, priority: int) -> list[Job]:
+        """The queued jobs every waiter of which is less urgent than `priority`: the least urgent
+        first, and of those the latest to come."""
+        jobs = [job for job in self._queue.values() if job.priority > priority]
+        return sorted(jobs, key=lambda job: job.rank, reverse=True)
+
     def _remove(self, job: Job) -> None:
         del self._queue[job.slot]
         self.queued_bytes -= job.nbytes

@@ -361,14 +361,39 @@ class EncoderService:
         waiting, queued = len(self.batcher), self.batcher.queued_bytes
         if not items:
             return False
+        if not self._past_bounds(waiting, queued, items, nbytes) or self._displaced_for(state, items, nbytes):
+            return False
         if _past_once_half_full(self.config.max_queue_images, waiting, items):
             full = f"{waiting} items waiting; this request's {items} would pass encoder.max_queue_images, {self.config.max_queue_images}"
-        elif _past_once_half_full(self.config.max_queue_bytes, queued, nbytes):
-            full = f"{queued:,} bytes waiting; this request's {nbytes:,} would pass encoder.max_queue_bytes, {self.config.max_queue_bytes:,}"
         else:
-            return False
+            full = f"{queued:,} bytes waiting; this request's {nbytes:,} would pass encoder.max_queue_bytes, {self.config.max_queue_bytes:,}"
         self._abandon(state)
         self._send(state.peer, EncodeFailed(state.request_id, f"encoder queue is full ({full})", 429))
+        return True
+
+    def _past_bounds(self, waiting: int, queued: int, items: int, nbytes: int) -> bool:
+        return (_past_once_half_full(self.config.max_queue_images, waiting, items)
+                or _past_once_half_full(self.config.max_queue_bytes, queued, nbytes))
+
+    def _displaced_for(self, state: PendingRequest, items: int, nbytes: int) -> bool:
+        """Room made in the full queue for a more urgent request (a priority: where the engines schedule
+        by it), out of the least urgent queued jobs, the latest first, if they hold enough: each request
+        waiting on one is refused as a full queue refuses (429, "displaced"), so the gateway sends it to
+        another replica. Nothing is displaced for room that would still not be enough."""
+        waiting, queued, giving_way = len(self.batcher), self.batcher.queued_bytes, []
+        for job in self.batcher.less_urgent(state.priority):
+            if not self._past_bounds(waiting, queued, items, nbytes):
+                break
+            giving_way.append(job)
+            waiting, queued = waiting - 1, queued - job.nbytes
+        if self._past_bounds(waiting, queued, items, nbytes):
+            return False
+        for request in {waiter[0]: None for job in giving_way for waiter in job.waiters}:  # each once, in order
+            self.pending.pop((request.peer, request.request_id), None)
+            self._abandon(request)
+            self._send(request.peer, EncodeFailed(request.request_id, "encoder queue is full: a more urgent request "
+                                                  "took this one's place", 429, "displaced"))
+        log.info("%d queued items displaced by a request of priority %d", len(giving_way), state.priority)
         return True
 
     def _look_up(self, state: PendingRequest, identities: list[bytes], record: bool) -> list[int]:

@@ -29,9 +29,9 @@ def encoder(tmp_path_factory):
                              PRISM_ENCODER__EXPRESS_MAX_PATCHES="0")
 
 
-async def send(socket: AsyncDealer, request_id: str, size: tuple[int, int], count: int = 1) -> None:
+async def send(socket: AsyncDealer, request_id: str, size: tuple[int, int], count: int = 1, priority: int = 0) -> None:
     images, frames = zip(*(image_input(f"queue-{request_id}-{i}", size) for i in range(count)))
-    await socket.send(EncodeRequest(request_id, list(images)), list(frames))
+    await socket.send(EncodeRequest(request_id, list(images), priority=priority), list(frames))
 
 
 def refused_between(address: str, before: list[tuple], refused: tuple, after: tuple) -> tuple[EncodeFailed, dict]:
@@ -80,3 +80,26 @@ def test_a_request_of_more_images_than_the_queue_holds_is_refused_only_once_half
         after=("five", (32, 32), QUEUE_IMAGES + 2),  # the queue empty again
     )
     assert "(2 items waiting; this request's 2 would pass encoder.max_queue_images, 3)" in refused.message
+
+
+def test_a_more_urgent_request_takes_the_place_of_less_urgent_queued_work_and_an_equal_one_is_refused(encoder):
+    """With priorities (sent where the engines schedule by them): the least urgent queued work makes room,
+    each request waiting on it refused 429 "displaced" for the gateway to send elsewhere; a request no
+    more urgent than what waits is refused as before."""
+    async def run() -> dict:
+        ctx = zmq.asyncio.Context()
+        socket = AsyncDealer(ctx, encoder, GatewayInbound)
+        try:
+            await handshake(socket)
+            await send(socket, "background", (32, 32), 2, priority=5)  # under half the bound: queued
+            await send(socket, "urgent", (32, 32), 2, priority=-1)  # past it: the background's place
+            await send(socket, "as-urgent", (32, 32), 2, priority=-1)  # none less urgent left: refused
+            return await replies_to(socket, ["background", "urgent", "as-urgent"], timeout_s=120)
+        finally:
+            socket.close()
+            ctx.term()
+
+    replies = asyncio.run(run())
+    assert isinstance(replies["urgent"], EncodeResult)
+    assert (replies["background"].status, replies["background"].code) == (429, "displaced")
+    assert (replies["as-urgent"].status, replies["as-urgent"].code) == (429, None)

@@ -174,3 +174,16 @@ def test_a_less_urgent_job_past_its_wait_leaves_the_urgent_ones_their_batching_w
     b.add(b"urgent", None, 1, ("r2", 0), priority=-1)
     (urgent,) = [job for job in b._queue.values() if job.key == b"urgent"]
     assert b.seconds_until_due(urgent.rank[1]) == pytest.approx(0.05)
+
+
+def test_the_jobs_less_urgent_than_a_priority_are_those_all_of_whose_waiters_are_least_urgent_and_latest_first():
+    """What the encoder's full queue gives up for a more urgent request (vision_encoder/service.py)."""
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=60)
+    b.add(b"early", None, 1, ("r1", 0), priority=3)
+    b.add(b"shared", None, 1, ("r2", 0), priority=5)
+    b.join(b"shared", ("r3", 0), priority=-2)  # a waiter as urgent as the newcomer keeps it
+    b.add(b"late", None, 1, ("r4", 0), priority=3)
+    b.add(b"least", None, 1, ("r5", 0), priority=7)
+    b.add(b"as-urgent", None, 1, ("r6", 0), priority=-2)
+    assert [job.key for job in b.less_urgent(-2)] == [b"least", b"late", b"early"]
+    assert b.less_urgent(7) == []
