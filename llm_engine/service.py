@@ -236,6 +236,7 @@ class EngineService:
         self.boot_id = uuid.uuid4().hex
         self.finished = 0
         self.failed = 0
+        self.displaced = 0  # requests whose place a more urgent one took
         self.model_name = config.served_model_name or config.model
         self.draining = False  # set by `drain` (SIGTERM)
         self.dead_reason: str | None = None  # set once the engine core is gone
@@ -352,7 +353,7 @@ class EngineService:
         return EngineStats(
             self.boot_id, len(self.requests), len(self.waiting), self.finished, self.failed, self.state,
             self.watch.steps, self.watch.stalls, self.images.cache.stats.hits, self.images.fetched,
-            self.images.fetched_bytes, self.images.joined, self.images.pushed, self.images.pushed_bytes,
+            self.images.fetched_bytes, self.images.joined, self.images.pushed, self.images.pushed_bytes, self.displaced,
         )
 
     async def _accept(self, peer: bytes, request: GenerateRequest, received: float) -> None:
@@ -386,6 +387,7 @@ class EngineService:
         flight.task.cancel()  # vLLM aborts it, if it had it
         message = f"engine queue is full ({len(self.waiting)} requests waiting): a more urgent request took this one's place"
         self._in_background(self._send(flight.peer, GenerateFailed(victim, message, 429, "displaced")))
+        self.displaced += 1
         log.info("request %s displaced from the full queue by a more urgent one", victim)
 
     def _displaceable(self, rid: str) -> bool:

@@ -98,6 +98,7 @@ class EncoderStats(Message):
     vit_batches_most: int = 0  # the most that ever were at once (at most encoder.vit_threads)
     pins_dropped: int = 0  # tokens pinned for an engine's fetch let go early, past encoder.handoff_max_mb
     queue_bytes: int = 0  # what the waiting work's pixels hold (encoder.max_queue_bytes bounds it)
+    displaced: int = 0  # requests refused from the full queue for more urgent work (429 "displaced")
 
 
 class EngineStats(Message):
@@ -115,3 +116,4 @@ class EngineStats(Message):
     embedding_fetch_joins: int = 0  # images another request was fetching already: waited for, not fetched again
     embeddings_pushed: int = 0  # images whose tokens their encoder pushed here unasked, used by a request
     pushed_bytes: int = 0  # tensor bytes encoders pushed here
+    displaced: int = 0  # requests refused from the full queue for a more urgent one (429 "displaced")

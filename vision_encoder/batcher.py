@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,35 @@ class Batcher:
         first, and of those the latest to come."""
         jobs = [job for job in self._queue.values() if job.priority > priority]
         return sorted(jobs, key=lambda job: job.rank, reverse=True)
+
+    def giving_way(self, priority: int, fits: Callable[[int, int], bool]) -> list[Any] | None:
+        """The requests, all less urgent than `priority`, whose leaving would free the room for
+        `fits(jobs, bytes)` (the queue left): taken least urgent (and latest) first, then each one
+        not needed after all let stay (a request leaves whole, and frees every job it alone waits
+        on). None: all of them together would not free enough."""
+        jobs = self.less_urgent(priority)
+        ranked: dict[int, list] = {}  # id(request) -> [its least urgent wait's rank, the request]
+        for job in jobs:
+            for (request, _), rank in zip(job.waiters, job.joined):
+                kept = ranked.setdefault(id(request), [rank, request])
+                kept[0] = max(kept[0], rank)
+
+        def fits_without(chosen: list[Any]) -> bool:
+            gone = {id(request) for request in chosen}
+            freed = [job for job in jobs if all(id(request) in gone for request, _ in job.waiters)]
+            return fits(len(self._queue) - len(freed), self.queued_bytes - sum(job.nbytes for job in freed))
+
+        chosen: list[Any] = []
+        for _, request in sorted(ranked.values(), key=lambda kept: kept[0], reverse=True):
+            if fits_without(chosen):
+                break
+            chosen.append(request)
+        if not fits_without(chosen):
+            return None
+        for request in reversed(list(chosen)):
+            if fits_without([other for other in chosen if other is not request]):
+                chosen.remove(request)
+        return chosen
 
     def _remove(self, job: Job) -> None:
         del self._queue[job.slot]

@@ -92,6 +92,7 @@ class EncoderService:
     encodes: int = 0
     batches: int = 0
     oom_splits: int = 0
+    displaced: int = 0  # requests refused from the full queue for more urgent work
     batch_images: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_IMAGE_BUCKETS))
     batch_patches: HistogramCounter = field(default_factory=lambda: HistogramCounter(BATCH_PATCH_BUCKETS))
     video: QwenVideo | None = None  # the tower's video path, loaded at the first video
@@ -287,6 +288,7 @@ class EncoderService:
             pins_dropped=self.handoff.pins_dropped,
             queue_bytes=self.batcher.queued_bytes,
             oom_splits=self.oom_splits,
+            displaced=self.displaced,
             vit_batches_now=self.vit.in_vit.now,
             vit_batches_most=self.vit.in_vit.most,
         )
@@ -329,7 +331,8 @@ class EncoderService:
         except Exception:
             self._abandon(state)  # as above; the loop's guard answers it
             raise
-        if self._refused_as_full(state, sum(tower_image.pixels.nbytes for _, _, tower_image, _, _ in inputs), len(inputs)):
+        queued = {self._identity(digest): tower_image.pixels.nbytes for _, _, tower_image, _, digest in inputs}  # a repeat joins
+        if self._refused_as_full(state, sum(queued.values()), len(queued)):
             return
         try:
             for index, key, tower_image, patches, digest in inputs:
@@ -377,23 +380,20 @@ class EncoderService:
 
     def _displaced_for(self, state: PendingRequest, items: int, nbytes: int) -> bool:
         """Room made in the full queue for a more urgent request (a priority: where the engines schedule
-        by it), out of the least urgent queued jobs, the latest first, if they hold enough: each request
-        waiting on one is refused as a full queue refuses (429, "displaced"), so the gateway sends it to
-        another replica. Nothing is displaced for room that would still not be enough."""
-        waiting, queued, giving_way = len(self.batcher), self.batcher.queued_bytes, []
-        for job in self.batcher.less_urgent(state.priority):
-            if not self._past_bounds(waiting, queued, items, nbytes):
-                break
-            giving_way.append(job)
-            waiting, queued = waiting - 1, queued - job.nbytes
-        if self._past_bounds(waiting, queued, items, nbytes):
+        by it), out of less urgent requests' queued work, the fewest requests that free enough
+        (Batcher.giving_way): each is refused as a full queue refuses (429, "displaced"), so the gateway
+        sends it to another replica. Nothing is displaced for room that would still not be enough."""
+        giving_way = self.batcher.giving_way(state.priority, lambda jobs, held: not self._past_bounds(jobs, held, items, nbytes))
+        if not giving_way:
             return False
-        for request in {waiter[0]: None for job in giving_way for waiter in job.waiters}:  # each once, in order
-            self.pending.pop((request.peer, request.request_id), None)
+        for request in giving_way:
+            if self.pending.get(key := (request.peer, request.request_id)) is request:
+                del self.pending[key]
             self._abandon(request)
             self._send(request.peer, EncodeFailed(request.request_id, "encoder queue is full: a more urgent request "
                                                   "took this one's place", 429, "displaced"))
-        log.info("%d queued items displaced by a request of priority %d", len(giving_way), state.priority)
+        self.displaced += len(giving_way)
+        log.info("%d requests displaced from the full queue by one of priority %d", len(giving_way), state.priority)
         return True
 
     def _look_up(self, state: PendingRequest, identities: list[bytes], record: bool) -> list[int]:
@@ -442,7 +442,8 @@ class EncoderService:
             self._abandon(state)
             self._send(peer, EncodeNeedsPixels(request.request_id, lacking, state.cache_lookup_s, time.monotonic() - arrived))
             return
-        if self._refused_as_full(state, sum(items[index].job.nbytes for index in misses), len(misses)):
+        queued = {items[index].identity: items[index].job.nbytes for index in misses}  # a repeat joins
+        if self._refused_as_full(state, sum(queued.values()), len(queued)):
             return
         try:
             for index in misses:

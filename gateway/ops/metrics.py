@@ -206,9 +206,12 @@ class ServiceStatsCollector:
             yield CounterMetricFamily("prism_engine_steps", "vLLM engine-core steps seen (the stall watchdog's progress signal)", value=sum(e.steps for e in engines))
             yield from _handoff_metrics(encoders, engines)
         stalls = CounterMetricFamily("prism_stalls", "Stalls each service's watchdog declared (engine: no step; encoder: a batch far past its prediction)", labels=["service"])
+        displaced = CounterMetricFamily("prism_displaced_requests", "Requests refused from a service's full queue for more urgent ones (429 displaced)", labels=["service"])
         for service, stats in (("encoder", encoders), ("engine", engines)):
             stalls.add_metric([service], sum(s.stalls for s in stats))
+            displaced.add_metric([service], sum(s.displaced for s in stats))
         yield stalls
+        yield displaced
         yield from _replica_metrics(self.gateway.pools(retiring=False))  # a reload's old pools share the labels
         yield in_flight
         yield queue

@@ -103,3 +103,22 @@ def test_a_more_urgent_request_takes_the_place_of_less_urgent_queued_work_and_an
     assert isinstance(replies["urgent"], EncodeResult)
     assert (replies["background"].status, replies["background"].code) == (429, "displaced")
     assert (replies["as-urgent"].status, replies["as-urgent"].code) == (429, None)
+
+
+def test_an_image_sent_twice_in_one_request_counts_once_against_the_queue(encoder):
+    """The second copy joins the first's encode: one more item, not two (two would pass the bound of 3)."""
+    async def run() -> dict:
+        ctx = zmq.asyncio.Context()
+        socket = AsyncDealer(ctx, encoder, GatewayInbound)
+        try:
+            await handshake(socket)
+            await send(socket, "waiting-pair", (32, 32), 2)
+            image, frame = image_input("queue-twice", (32, 32))
+            await socket.send(EncodeRequest("twice", [image, image]), [frame, frame])
+            return await replies_to(socket, ["waiting-pair", "twice"], timeout_s=120)
+        finally:
+            socket.close()
+            ctx.term()
+
+    replies = asyncio.run(run())
+    assert isinstance(replies["twice"], EncodeResult), replies["twice"]

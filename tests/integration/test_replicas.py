@@ -252,3 +252,5 @@ def test_urgent_requests_past_a_full_engine_queue_take_the_least_urgent_places(r
     refused = collections.Counter(outcome for rid, outcome in outcomes.items() if rid.startswith("bulk"))
     assert refused == {(429, "displaced"): 4, (503, EMBEDDINGS_UNAVAILABLE): 252}
     assert {rid for rid, outcome in outcomes.items() if outcome == (429, "displaced")} == {f"bulk-{i}" for i in range(252, 256)}
+    displaced = ("prism_displaced_requests_total", (("service", "engine"),))
+    wait_until(lambda: scrape(replicated).get(displaced, 0) == 4, 10, "the engine's displaced requests in /metrics")

@@ -187,3 +187,32 @@ def test_the_jobs_less_urgent_than_a_priority_are_those_all_of_whose_waiters_are
     b.add(b"as-urgent", None, 1, ("r6", 0), priority=-2)
     assert [job.key for job in b.less_urgent(-2)] == [b"least", b"late", b"early"]
     assert b.less_urgent(7) == []
+
+
+def past_half_of(bound: int, adding: int):
+    """vision_encoder/service.py's rule, as `giving_way`'s `fits`: the queue left takes `adding` more items."""
+    return lambda jobs, _held: not (2 * jobs >= bound and jobs + adding > bound)
+
+
+def test_the_fewest_less_urgent_requests_that_free_enough_give_way():
+    """A request leaves whole: the early request of five images frees enough alone, where taking the
+    later one-image requests first would refuse four."""
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=60)
+    for i in range(5):
+        b.add(b"x%d" % i, None, 1, ("x", i), priority=5)
+    for name in ("y1", "y2", "y3"):
+        b.add(name.encode(), None, 1, (name, 0), priority=5)
+    assert b.giving_way(-1, past_half_of(8, 4)) == ["x"]
+    assert b.giving_way(-1, past_half_of(8, 2)) == ["y3", "y2"]  # enough from the latest, least urgent
+    assert b.giving_way(5, past_half_of(8, 4)) is None  # none less urgent
+    b.add(b"as-urgent", None, 1, ("u", 0), priority=-1)
+    assert b.giving_way(-1, past_half_of(2, 2)) is None  # all of it would leave the as-urgent job, half the bound: nobody gives way
+
+
+def test_a_job_a_more_urgent_request_waits_on_frees_nothing_when_its_other_waiters_give_way():
+    b = Batcher(max_images=16, max_patches=10**6, max_wait_s=60)
+    b.add(b"shared", None, 1, ("z", 0), priority=5)
+    b.join(b"shared", ("urgent-waiter", 0), priority=-3)
+    b.add(b"own", None, 1, ("z", 1), priority=5)
+    assert b.giving_way(-1, past_half_of(2, 1)) == ["z"]  # its own job alone goes: 1 left
+    assert b.giving_way(-1, past_half_of(0, 2)) is None  # the shared job stays whoever leaves

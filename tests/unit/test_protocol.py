@@ -187,7 +187,7 @@ CASES = [
     )),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "prompt is longer than max_model_len", 400, "invalid_value", "messages")),
     (GatewayInbound, GenerateFailed("chatcmpl-41", "engine core died", 503, "engine_dead")),
-    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000, 12, 655, 6_138_000_000)),
+    (GatewayInbound, EngineStats("3c1d9e", 3, 1, 1042, 2, ServiceState.STALLED, 58120, 1, 311, 740, 6_930_000_000, 12, 655, 6_138_000_000, 4)),
     (GatewayInbound, EncoderStats(
         "a8f20b",
         queue_depth=5,
@@ -217,6 +217,7 @@ CASES = [
         vit_batches_most=2,
         pins_dropped=1,
         queue_bytes=4096,
+        displaced=3,
     )),
     (SiblingInbound, FinishedRequest(1764620000.25, True, {"parse": 0.4, "encode": 12.5}, 48.2, 6.1, 1, 2)),
     (SiblingInbound, WorkerLoad(3, 17)),

@@ -17,9 +17,9 @@ from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, EncoderStat
 COUNTED = {
     EncoderStats: {"cache_hits", "cache_misses", "cache_joins", "cache_evictions", "cache_collisions", "batches", "images_encoded",
                    "jobs_dropped", "batch_images", "batch_patches", "shared_cache", "stalls", "fetches", "fetch_misses", "pushes",
-                   "push_refusals", "oom_splits", "pins_dropped"},
+                   "push_refusals", "oom_splits", "pins_dropped", "displaced"},
     EngineStats: {"finished", "failed", "steps", "stalls", "embedding_cache_hits", "embeddings_fetched", "fetched_bytes",
-                  "embedding_fetch_joins", "embeddings_pushed", "pushed_bytes"},
+                  "embedding_fetch_joins", "embeddings_pushed", "pushed_bytes", "displaced"},
     SharedTierStats: {"hits", "misses", "corrupt", "collisions", "errors", "writes", "writes_skipped", "reattaches"},
 }
 
