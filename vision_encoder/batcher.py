@@ -122,19 +122,18 @@ class Batcher:
         not needed after all let stay (a request leaves whole, and frees every job it alone waits
         on). None: all of them together would not free enough."""
         jobs = self.less_urgent(priority)
-        ranked: dict[int, list] = {}  # id(request) -> [its least urgent wait's rank, the request]
+        ranks: dict[Any, tuple[int, float]] = {}  # each request's least urgent wait
         for job in jobs:
             for (request, _), rank in zip(job.waiters, job.joined):
-                kept = ranked.setdefault(id(request), [rank, request])
-                kept[0] = max(kept[0], rank)
+                ranks[request] = max(ranks.get(request, rank), rank)
 
         def fits_without(chosen: list[Any]) -> bool:
-            gone = {id(request) for request in chosen}
-            freed = [job for job in jobs if all(id(request) in gone for request, _ in job.waiters)]
+            gone = set(chosen)
+            freed = [job for job in jobs if all(request in gone for request, _ in job.waiters)]
             return fits(len(self._queue) - len(freed), self.queued_bytes - sum(job.nbytes for job in freed))
 
         chosen: list[Any] = []
-        for _, request in sorted(ranked.values(), key=lambda kept: kept[0], reverse=True):
+        for request in sorted(ranks, key=ranks.__getitem__, reverse=True):
             if fits_without(chosen):
                 break
             chosen.append(request)
