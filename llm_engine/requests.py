@@ -28,10 +28,13 @@ class Parsing:
     # vLLM holds `tool_choice: auto` calls to a `strict` tool's schema only through its structural
     # tags: engine.strict_tool_calling on, and a tool parser that has one.
     strict_auto_calls: bool = False
+    # vLLM's reasoning config found the reasoning parser's markers among the tokenizer's tokens, so
+    # its sampler can end a reasoning at `thinking_token_budget` tokens.
+    budgets_thinking: bool = False
 
     @classmethod
     def create(cls, tool_parser: str | None, reasoning_parser: str | None, tokenizer, model: str,
-               strict_tool_calling: bool = True) -> "Parsing":
+               strict_tool_calling: bool = True, budgets_thinking: bool = False) -> "Parsing":
         from vllm.parser.parser_manager import ParserManager
 
         from common.config import ConfigError
@@ -45,7 +48,7 @@ class Parsing:
             raise ConfigError(f"engine.tool_call_parser / engine.reasoning_parser: {exc}") from None
         tool_parser_cls = getattr(parser_cls, "tool_parser_cls", None)
         tagged = getattr(tool_parser_cls, "structural_tag_model", None) is not None
-        return cls(parser_cls, tool_parser, reasoning_parser, strict_tool_calling and tagged)
+        return cls(parser_cls, tool_parser, reasoning_parser, strict_tool_calling and tagged, budgets_thinking)
 
     def for_request(self, chat, tokenizer, model_config, template_kwargs: dict):
         """A fresh parser (they are stateful: one per choice), or None when this
@@ -204,6 +207,15 @@ def check_reasoning_shown(chat, parsing: Parsing) -> None:
     if not chat.include_reasoning and parsing.reasoning_parser is None:
         raise InvalidPrompt("include_reasoning: this engine has no reasoning parser (engine.reasoning_parser), so it "
                             "cannot tell the model's reasoning from its answer to leave it out", "include_reasoning")
+
+
+def check_thinking_budget(chat, parsing: Parsing) -> None:
+    """vLLM's sampler ends the reasoning at `thinking_token_budget` tokens by the reasoning parser's
+    markers: with no parser (or one without markers) the budget could not be kept, and vLLM would
+    refuse it later, after any visual tokens were fetched."""
+    if chat.thinking_token_budget is not None and not parsing.budgets_thinking:
+        raise InvalidPrompt("thinking_token_budget: this engine cannot end a model's reasoning (it needs a reasoning parser "
+                            "that marks where reasoning ends: engine.reasoning_parser)", "thinking_token_budget")
 
 
 def check_priority(chat, scheduling_policy: str) -> None:

@@ -79,6 +79,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
+# A thinking model's (Qwen3's thinking-only checkpoints, DeepSeek-R1): the answer opens
+# inside <think>, which the model closes; `enable_thinking: false` still closes it at once.
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("</think>\n\n{% endif %}{% endif %}", "</think>\n\n{% else %}<think>\n{% endif %}{% endif %}")
 
 _WORDS = (
     "the a an image picture photo shows there is are of in on with and red green "
@@ -224,10 +227,10 @@ def ensure_demo_model(out: Path, seed: int = SEED) -> Path:
     return write_demo_model(out, seed)
 
 
-def refresh_chat_template(out: Path) -> None:
+def refresh_chat_template(out: Path, template: str = CHAT_TEMPLATE) -> None:
     path = out / "chat_template.jinja"
-    if not path.exists() or path.read_text() != CHAT_TEMPLATE:
-        path.write_text(CHAT_TEMPLATE)
+    if not path.exists() or path.read_text() != template:
+        path.write_text(template)
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ Qwen3-VL: its DeepStack layers; LLaVA-OneVision: SigLIP, anyres grid
 pinpoints up to 6 × 6 tiles and the anyres_max_9 shrink; LLaVA-NeXT: CLIP
 with its class token dropped, the second-to-last layer's features, five
 pinpoints of 1 × 2 to 3 × 1 tiles; InternVL3: InternViT, up to 12 tiles
-and a thumbnail, pixel shuffle), and a text-only Qwen2 served with no encoder,
-for tests and benchmarks on two cores. `qwen2.5-vl-7b-widths` is the
+and a thumbnail, pixel shuffle), and a text-only Qwen2 served with no encoder
+(also as a thinking model, with Qwen3's <think> markers), for tests and
+benchmarks on two cores. `qwen2.5-vl-7b-widths` is the
 benchmark profile at real widths: Qwen2.5-VL-7B's tensor sizes with one text
 layer and two vision blocks (615 MB).
 
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from common.config import REPO_ROOT
 from prism.demo_model import (
-    CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, SEED, SPECIAL_TOKENS, build_tokenizer, processor_configs,
-    refresh_chat_template,
+    CHAT_TEMPLATE, DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, SEED, SPECIAL_TOKENS, THINKING_CHAT_TEMPLATE, build_tokenizer,
+    processor_configs, refresh_chat_template,
 )
 
 QWEN2_5_VL_MODEL = REPO_ROOT / "models" / "tiny-qwen2.5-vl"
@@ -40,6 +41,8 @@ ONEVISION_TILE, ONEVISION_PATCH = 56, 14
 NEXT_MODEL = REPO_ROOT / "models" / "tiny-llava-next"
 INTERNVL_MODEL = REPO_ROOT / "models" / "tiny-internvl3"
 TEXT_MODEL = REPO_ROOT / "models" / "tiny-qwen2-text"  # no vision part: served text-only
+THINKING_MODEL = REPO_ROOT / "models" / "tiny-qwen2-thinking"  # text-only, answers open inside <think>
+THINKING_TOKENS = ["<think>", "</think>"]
 INTERNVL_TILE = 112  # InternVL3's is 448: 16 tokens a tile here instead of 256
 
 
@@ -194,8 +197,8 @@ def _save_llava(model, out: Path) -> None:
     save_file(renamed, out / "model.safetensors", metadata={"format": "pt"})
 
 
-def _finish(out: Path, seed: int, family: str) -> Path:
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+def _finish(out: Path, seed: int, family: str, template: str = CHAT_TEMPLATE) -> Path:
+    (out / "chat_template.jinja").write_text(template)
     # A sampling default as real checkpoints ship them (Qwen3-VL's sets top_k 20):
     # top_k 1 makes sampling greedy, so a test can see that it was applied.
     generation = json.loads((out / "generation_config.json").read_text())
@@ -311,10 +314,23 @@ def write_internvl(out: Path, seed: int = SEED) -> Path:
 
 
 def write_text_only(out: Path, seed: int = SEED) -> Path:
+    return _write_qwen2_text(out, seed, build_tokenizer(seed), "qwen2-text")
+
+
+def write_thinking(out: Path, seed: int = SEED) -> Path:
+    """The text-only checkpoint as a thinking model: Qwen3's <think> and </think> (added tokens
+    that are not special, so they stay in the text, as Qwen3's tokenizer has them), and a template
+    whose answer opens inside <think>. Served with vLLM's qwen3 reasoning parser."""
+    tokenizer = build_tokenizer(seed)
+    tokenizer.add_tokens(THINKING_TOKENS)
+    tokenizer.chat_template = THINKING_CHAT_TEMPLATE
+    return _write_qwen2_text(out, seed, tokenizer, "qwen2-thinking")
+
+
+def _write_qwen2_text(out: Path, seed: int, tokenizer, family: str) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_tokenizer(seed)
     text = {k: v for k, v in tiny_qwen2_text(tokenizer).items() if k != "model_type"}
     config = Qwen2Config(**text, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(seed)
@@ -322,7 +338,7 @@ def write_text_only(out: Path, seed: int = SEED) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    return _finish(out, seed, "qwen2-text")
+    return _finish(out, seed, family, tokenizer.chat_template)
 
 
 BUILDERS = {
@@ -333,7 +349,9 @@ BUILDERS = {
     "llava-next": (write_next, NEXT_MODEL),
     "internvl3": (write_internvl, INTERNVL_MODEL),
     "qwen2-text": (write_text_only, TEXT_MODEL),
+    "qwen2-thinking": (write_thinking, THINKING_MODEL),
 }
+TEMPLATES = {"qwen2-thinking": THINKING_CHAT_TEMPLATE}  # the others': CHAT_TEMPLATE
 
 
 def ensure_tiny_model(family: str, out: Path | None = None) -> Path:
@@ -341,7 +359,7 @@ def ensure_tiny_model(family: str, out: Path | None = None) -> Path:
     write, default = BUILDERS[family]
     out = out or default
     if (out / "prism_demo.json").exists():
-        refresh_chat_template(out)
+        refresh_chat_template(out, TEMPLATES.get(family, CHAT_TEMPLATE))
         return out
     return write(out)
 

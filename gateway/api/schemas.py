@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -352,6 +352,9 @@ class ChatCompletionRequest(_Strict):
     # OpenAI's; reaches the chat template as vLLM's server passes it (llm_engine/requests.py: template_kwargs)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning (engine.reasoning_parser) out of the answer
+    # vLLM's: the reasoning is ended (its end marker written) after this many tokens; -1: no budget.
+    # Strict, as vLLM's: neither true nor 3.0 is a number of tokens.
+    thinking_token_budget: Annotated[StrictInt, Field(ge=-1, le=2**63 - 1)] | None = None
     # vLLM's: how the conversation's end is rendered; continue_final_message (with add_generation_prompt
     # false) has the model go on with the last message, e.g. an assistant answer begun by the client.
     add_generation_prompt: bool = True

@@ -1,11 +1,16 @@
 """A language model without a vision part is served text-only: no encoder
 runs, text requests are answered, and a request with an image gets a 400
 naming the model before any image is fetched. Configured with encoders
-anyway, `prism serve` stops at once and says why."""
+anyway, `prism serve` stops at once and says why.
+
+The model is a thinking one, as Qwen3's text checkpoints are (its answers open
+inside <think>), served with vLLM's qwen3 reasoning parser: the reasoning
+comes apart from the answer and is counted, and `thinking_token_budget` ends it."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import httpx
 import openai
@@ -22,12 +27,13 @@ from tests.integration.conftest import ONE_PROCESS_ENGINE, STACK_OVERRIDES
 from tests.integration.helpers import embeddings_request, send_raw
 
 ENGINE_ONLY = {k: v for k, v in STACK_OVERRIDES.items() if not k.startswith("PRISM_ENCODER__")} | ONE_PROCESS_ENGINE
+THINKING = {"PRISM_ENGINE__REASONING_PARSER": "qwen3"}
 
 
 @pytest.fixture(scope="module")
 def text_stack(tmp_path_factory):
-    checkpoint = ensure_tiny_model("qwen2-text")
-    with LocalStack(tmp_path_factory.mktemp("text-only"), ENGINE_ONLY, model=checkpoint, encoder_replicas=0) as stack:
+    checkpoint = ensure_tiny_model("qwen2-thinking")
+    with LocalStack(tmp_path_factory.mktemp("text-only"), ENGINE_ONLY | THINKING, model=checkpoint, encoder_replicas=0) as stack:
         yield stack, OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -63,3 +69,54 @@ def test_prism_serve_refuses_encoders_for_a_text_only_model():
                                             "checkpoint": checkpoint}})
     with pytest.raises(SystemExit, match="text-only: list no encoder addresses"):
         service_children(config, None, checkpoint)
+
+
+@dataclass(frozen=True)
+class Thought:
+    reasoning: str | None
+    content: str | None
+    reasoning_tokens: int
+    tokens: list[str]  # every sampled token, </think> included
+
+
+def think(client: OpenAI, **fields) -> Thought:
+    """A greedy answer of 10 tokens; `fields` go in the body as they are (extra_body)."""
+    logprobs = fields.get("include_reasoning", True)  # beside hidden reasoning, a 400: they would spell it out
+    answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Say hi."}],
+                                            max_tokens=10, temperature=0, logprobs=logprobs, extra_body=fields)
+    choice = answer.choices[0]
+    tokens = [entry.token for entry in choice.logprobs.content] if logprobs else []
+    return Thought(choice.message.model_extra.get("reasoning"), choice.message.content,
+                   answer.usage.completion_tokens_details.reasoning_tokens, tokens)
+
+
+def test_a_thinking_model_s_reasoning_comes_apart_from_its_answer_and_is_counted(text_stack):
+    _, client = text_stack
+    thought = think(client)  # cut off while reasoning: no answer yet
+    assert thought.reasoning and thought.content is None and thought.reasoning_tokens == len(thought.tokens) == 10
+    assert think(client, thinking_token_budget=-1) == thought  # -1: no budget
+    hidden = think(client, include_reasoning=False)
+    assert (hidden.reasoning, hidden.content, hidden.reasoning_tokens) == (None, None, 10)  # left out, still counted
+    unthinking = think(client, chat_template_kwargs={"enable_thinking": False})  # the template closes <think> itself
+    assert (unthinking.reasoning, unthinking.content, unthinking.reasoning_tokens) == (None, thought.reasoning, 0)
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_thinking_token_budget_ends_the_reasoning_where_vllm_counts_it(text_stack, budget):
+    """The template's newline after <think> is the budget's first token, as vLLM counts the prompt's
+    tokens inside a reasoning: `budget - 1` tokens of the model's own, the ones it writes with no
+    budget, then vLLM's sampler writes </think> and the model answers."""
+    _, client = text_stack
+    free, budgeted = think(client), think(client, thinking_token_budget=budget)
+    kept = max(budget - 1, 0)
+    assert budgeted.tokens[:kept + 1] == [*free.tokens[:kept], "</think>"]
+    assert budgeted.reasoning_tokens == kept and budgeted.content  # answered after it
+    assert budgeted.reasoning == (free.reasoning[:len(budgeted.reasoning)] if kept else None)
+    stream = client.chat.completions.create(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Say hi."}],
+                                            max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"thinking_token_budget": budget})
+    chunks = list(stream)
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    reasoning = "".join(delta.model_extra.get("reasoning") or "" for delta in deltas)
+    assert (reasoning, "".join(delta.content or "" for delta in deltas)) == (budgeted.reasoning or "", budgeted.content)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == kept

@@ -109,13 +109,17 @@ def refused(body: dict | bytes) -> dict:
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"stream": True, "stream_interval": 1025}, "stream_interval"),  # a reply every 1024 tokens at most
     ({"repetition_detection": {"max_pattern_size": 1025, "min_count": 2}}, "repetition_detection.max_pattern_size"),
+    ({"thinking_token_budget": -2}, "thinking_token_budget"),  # -1 is no budget
+    ({"thinking_token_budget": True}, "thinking_token_budget"),  # vLLM's is strict: no bool, no 3.0
+    ({"thinking_token_budget": 3.0}, "thinking_token_budget"),
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
         "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
         "spaces-between-skipped-tokens", "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
         "too-many-prompt-logprobs", "chosen-logprobs-alone", "chosen-beside-top-logprobs", "too-many-chosen-logprobs",
         "repetition-seen-once", "repetition-sizes-crossed", "no-tokens-a-chunk", "request-id-in-the-body",
-        "side-without-a-cut", "cut-below-minus-one", "tokens-a-chunk-past-1024", "repetition-pattern-past-1024"])
+        "side-without-a-cut", "cut-below-minus-one", "tokens-a-chunk-past-1024", "repetition-pattern-past-1024",
+        "thinking-budget-below-minus-one", "thinking-budget-true", "thinking-budget-float"])
 def test_what_vllm_would_refuse_after_the_images_are_encoded_is_refused_at_the_door_naming_the_field(fields, param):
     assert refused(fields)["param"] == param
 
