@@ -10,6 +10,7 @@ comes apart from the answer and is counted, and `thinking_token_budget` ends it.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import httpx
@@ -120,3 +121,16 @@ def test_thinking_token_budget_ends_the_reasoning_where_vllm_counts_it(text_stac
     reasoning = "".join(delta.model_extra.get("reasoning") or "" for delta in deltas)
     assert (reasoning, "".join(delta.content or "" for delta in deltas)) == (budgeted.reasoning or "", budgeted.content)
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == kept
+
+
+def test_a_json_schema_holds_the_answer_after_a_budgeted_reasoning(text_stack):
+    """vLLM's structured outputs leave the reasoning free and hold what follows </think>."""
+    _, client = text_stack
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    answer = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Say hi."}], max_tokens=30, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "count", "schema": schema, "strict": True}},
+        extra_body={"thinking_token_budget": 3})
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning"] == think(client, thinking_token_budget=3).reasoning
+    assert isinstance(json.loads(message.content)["n"], int) and answer.choices[0].finish_reason == "stop"
