@@ -129,9 +129,10 @@ class Message(_Strict):
             raise ValueError("only assistant messages carry tool_calls")
         if self.reasoning is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry reasoning")
-        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning is not None)):
-            # an answer that stopped inside its reasoning comes back with null content (gateway/api/responses.py)
-            raise ValueError("content is required (only an assistant message with tool_calls or reasoning may omit it)")
+        if self.content is None and self.role != "assistant":
+            # an answer may come with null content (a call, or stopped inside its reasoning: gateway/api/responses.py),
+            # and is sent back so; vLLM renders it as empty
+            raise ValueError("content is required (only an assistant message may omit it)")
         if self.role != "assistant" and isinstance(self.content, list) and any(isinstance(p, RefusalPart) for p in self.content):
             raise ValueError("only assistant messages carry refusal parts")
         if self.role == "tool" and isinstance(self.content, list) and any(isinstance(p, ImagePart | VideoPart) for p in self.content):

@@ -134,3 +134,15 @@ def test_a_json_schema_holds_the_answer_after_a_budgeted_reasoning(text_stack):
     message = answer.choices[0].message
     assert message.model_extra["reasoning"] == think(client, thinking_token_budget=3).reasoning
     assert isinstance(json.loads(message.content)["n"], int) and answer.choices[0].finish_reason == "stop"
+
+
+def test_an_answer_cut_off_inside_its_hidden_reasoning_is_taken_back_as_history(text_stack):
+    """Its content is null and it has no reasoning: vLLM renders it as an empty turn."""
+    _, client = text_stack
+    name, question = client.models.list().data[0].id, {"role": "user", "content": "Say hi."}
+    reply = client.chat.completions.create(model=name, messages=[question], max_tokens=4, temperature=0,
+                                           extra_body={"include_reasoning": False}).choices[0].message
+    assert reply.content is None and "reasoning" not in reply.model_extra
+    again = client.chat.completions.create(model=name, messages=[question, reply.model_dump(), {"role": "user", "content": "More."}],
+                                           max_tokens=2, temperature=0)
+    assert again.usage.completion_tokens == 2

@@ -105,6 +105,17 @@ def test_a_vision_template_of_strings_gets_the_model_s_image_placeholders(tmp_pa
     assert content_format == "string" and ours == theirs
 
 
+@pytest.mark.parametrize("content_format", ["string", "openai"])
+def test_an_answer_sent_back_with_null_content_is_rendered_empty_as_vllm_renders_it(tmp_path, content_format):
+    """An answer cut off inside its reasoning comes with null content (and no reasoning, if hidden)."""
+    from prism.demo_model import CHAT_TEMPLATE
+
+    template = STRING_TEMPLATE if content_format == "string" else CHAT_TEMPLATE
+    conversation = [*CONVERSATION[:2], {"role": "assistant", "content": None}, CONVERSATION[3]]
+    ours, theirs, rendered_as = both_renders(checkpoint(tmp_path, "qwen2-text", template, None), conversation)
+    assert rendered_as == content_format and ours == theirs
+
+
 # A template that knows the `developer` role, and one that refuses a conversation as Qwen3's does.
 DEVELOPER_TEMPLATE = STRING_TEMPLATE.replace("message['role']", "('dev' if message['role'] == 'developer' else message['role'])")
 REFUSING_TEMPLATE = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('No user query found in messages.') }}{% endif %}" + STRING_TEMPLATE
