@@ -115,6 +115,11 @@ NO_EMBEDDINGS_IN_VLLM = {
 }
 
 
+# Models whose conversations vLLM's server renders and parses in a format of their own, not through
+# the checkpoint's chat template and vLLM's tool and reasoning parsers, as Prism's engine does.
+OWN_CONVERSATION_FORMAT = {"gpt_oss": "gpt-oss speaks OpenAI's Harmony format"}
+
+
 def supported() -> str:
     return ", ".join(f"{f.name} ({', '.join(f.towers)})" for f in FAMILIES)
 
@@ -122,6 +127,13 @@ def supported() -> str:
 def family_of(hf_config: Any) -> Family:
     """The checkpoint's family, or UnsupportedModel naming its architecture and why."""
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in OWN_CONVERSATION_FORMAT:
+        raise UnsupportedModel(
+            f"{OWN_CONVERSATION_FORMAT[model_type]}, which vLLM's server renders and parses with code of its own: Prism's "
+            f"engine renders the chat template and parses with vLLM's tool and reasoning parsers, so its answers would not "
+            f"be vLLM's (its reasoning would not even come apart). Serve it with vLLM's own server; Prism serves {supported()} "
+            f"and language models without a vision part that use a chat template"
+        )
     if getattr(hf_config, "vision_config", None) is None and model_type not in NO_EMBEDDINGS_IN_VLLM:
         return TEXT_ONLY
     for family in FAMILIES:

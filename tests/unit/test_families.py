@@ -32,6 +32,11 @@ def test_a_language_model_without_a_vision_part_is_served_text_only():
     assert all(f.takes_images for f in (family_of(Qwen2VLConfig()), family_of(AutoConfig.for_model("llava_onevision"))))
 
 
+def test_a_model_vllm_talks_to_in_a_format_of_its_own_is_refused_naming_it():
+    with pytest.raises(UnsupportedModel, match=r"gpt-oss speaks OpenAI's Harmony format.*Serve it with vLLM's own server"):
+        family_of(AutoConfig.for_model("gpt_oss"))
+
+
 def test_the_real_width_profile_has_qwen2_5_vl_7b_widths_and_a_two_core_depth():
     from prism.demo_model import SEED, build_tokenizer
     from prism.tiny_models import qwen2_5_vl_7b_widths_config
