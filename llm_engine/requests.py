@@ -218,6 +218,15 @@ def check_thinking_budget(chat, parsing: Parsing) -> None:
                             "that marks where reasoning ends: engine.reasoning_parser)", "thinking_token_budget")
 
 
+def check_special_token_spacing(chat) -> None:
+    """`spaces_between_special_tokens: false` spaces nothing where special tokens are skipped. Read
+    after the request's parser adjusted it: vLLM's reasoning parsers keep them in the text."""
+    if not chat.spaces_between_special_tokens and chat.skip_special_tokens:
+        raise InvalidPrompt("spaces_between_special_tokens: it only changes the text where special tokens are kept in it "
+                            "(skip_special_tokens: false, or an engine.reasoning_parser, which keeps them)",
+                            "spaces_between_special_tokens")
+
+
 def check_priority(chat, scheduling_policy: str) -> None:
     """A priority an engine scheduling first come first served would ignore (vLLM's does, saying
     nothing). The gateway refuses it before the request's intake (gateway/api/pipeline.py); this is

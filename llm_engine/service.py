@@ -43,8 +43,8 @@ from llm_engine.prompts import (
     render_prompt, request_tools, vllm_inputs,
 )
 from llm_engine.requests import (
-    Parsing, Read, check_priority, check_prompt_logprobs, check_reasoning_shown, check_thinking_budget, check_tool_choice, read_chat,
-    sampling_params, template_kwargs,
+    Parsing, Read, check_priority, check_prompt_logprobs, check_reasoning_shown, check_special_token_spacing, check_thinking_budget,
+    check_tool_choice, read_chat, sampling_params, template_kwargs,
 )
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
@@ -495,6 +495,7 @@ class EngineService:
 
         if (parser := new_parser()) is not None:
             chat = parser.adjust_request(chat)  # tool_choice required / named: a structured-output schema
+        check_special_token_spacing(chat)
         return Read(chat, template, kwargs, parser, new_parser)
 
     def _read_and_render(self, request: GenerateRequest) -> tuple[Read, RenderedPrompt]:

@@ -537,9 +537,6 @@ class ChatCompletionRequest(_Strict):
 
     @model_validator(mode="after")
     def _options_that_need_each_other(self) -> "ChatCompletionRequest":
-        if not self.spaces_between_special_tokens and self.skip_special_tokens:
-            raise invalid("spaces_between_special_tokens", "spaces_between_special_tokens only changes the text with "
-                          "skip_special_tokens: false (skipped tokens leave nothing to space)")
         if self.prompt_logprobs is not None and self.stream:  # vLLM's server refuses them (but 0, which it drops)
             raise invalid("prompt_logprobs", "prompt_logprobs come with a whole answer only, as on vLLM's server: send stream: false")
         # as vLLM's server says, which lets an empty one ({}) pass

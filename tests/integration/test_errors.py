@@ -64,6 +64,9 @@ BAD_REQUESTS = [
     ("unknown-reasoning-effort", body(reasoning_effort="extreme"), 400, "reasoning_effort"),
     # The demo engine has no reasoning parser to tell the reasoning from the answer.
     ("reasoning-hidden-without-a-parser", body(include_reasoning=False), 400, "include_reasoning: this engine has no reasoning parser"),
+    # Skipped special tokens leave nothing to space; a reasoning parser would keep them (test_text_only.py).
+    ("special-token-spacing-with-them-skipped", body(spaces_between_special_tokens=False), 400,
+     "spaces_between_special_tokens: it only changes the text where special tokens are kept"),
     ("thinking-budget-without-a-parser", body(thinking_token_budget=4), 400, "thinking_token_budget: this engine cannot end"),
     ("a-bad-word-of-no-token", body(bad_words=[" "]), 400, "bad_words"),
     ("an-allowed-token-outside-the-vocabulary", body(allowed_token_ids=[10**9]), 400, "allowed_token_ids"),

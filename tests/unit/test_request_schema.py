@@ -94,7 +94,6 @@ def refused(body: dict | bytes) -> dict:
     ({"allowed_token_ids": [5, -1]}, "allowed_token_ids.1"),
     ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "reasoning_effort"),
     ({"include_reasoning": False, "logprobs": True}, "logprobs"),  # vLLM drops them: they would spell the reasoning out
-    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),  # nothing to space: they are skipped
     ({"include_reasoning": False, "return_token_ids": True}, "return_token_ids"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # answered whole only, as on vLLM's server
     ({"prompt_logprobs": 21}, "prompt_logprobs"),  # past vLLM's engine's max_logprobs
@@ -115,7 +114,7 @@ def refused(body: dict | bytes) -> dict:
 ], ids=["empty-tools", "auto-without-tools", "seed-past-64-bits", "greedy-n", "schema-missing", "json-object-false",
         "empty-grammar", "continuous-usage-alone", "min-over-max", "no-allowed-token", "empty-bad-word",
         "continue-and-open-a-turn", "unknown-effort", "negative-token-id", "two-efforts", "hidden-reasoning-logprobs",
-        "spaces-between-skipped-tokens", "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
+        "hidden-reasoning-token-ids", "streamed-prompt-logprobs",
         "too-many-prompt-logprobs", "chosen-logprobs-alone", "chosen-beside-top-logprobs", "too-many-chosen-logprobs",
         "repetition-seen-once", "repetition-sizes-crossed", "no-tokens-a-chunk", "request-id-in-the-body",
         "side-without-a-cut", "cut-below-minus-one", "tokens-a-chunk-past-1024", "repetition-pattern-past-1024",
