@@ -4,8 +4,10 @@ naming the model before any image is fetched. Configured with encoders
 anyway, `prism serve` stops at once and says why.
 
 The model is a thinking one, as Qwen3's text checkpoints are (its answers open
-inside <think>), served with vLLM's qwen3 reasoning parser: the reasoning
-comes apart from the answer and is counted, and `thinking_token_budget` ends it."""
+inside <think>), served as they are, with vLLM's qwen3 reasoning parser and
+hermes tool parser: the reasoning comes apart from the answer and is counted,
+`thinking_token_budget` ends it, and a JSON schema or a forced call holds what
+follows it."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from tests.integration.conftest import ONE_PROCESS_ENGINE, STACK_OVERRIDES
 from tests.integration.helpers import embeddings_request, send_raw
 
 ENGINE_ONLY = {k: v for k, v in STACK_OVERRIDES.items() if not k.startswith("PRISM_ENCODER__")} | ONE_PROCESS_ENGINE
-THINKING = {"PRISM_ENGINE__REASONING_PARSER": "qwen3"}
+# As Qwen3's are served: vLLM's qwen3 reasoning parser, and hermes for its tool calls.
+THINKING = {"PRISM_ENGINE__REASONING_PARSER": "qwen3", "PRISM_ENGINE__TOOL_CALL_PARSER": "hermes"}
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +151,22 @@ def test_an_answer_cut_off_inside_its_hidden_reasoning_is_taken_back_as_history(
     again = client.chat.completions.create(model=name, messages=[question, reply.model_dump(), {"role": "user", "content": "More."}],
                                            max_tokens=2, temperature=0)
     assert again.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])
+def test_a_forced_call_comes_after_a_budgeted_reasoning(text_stack, tool_choice):
+    """vLLM holds the call's schema until the reasoning ends, as it holds a response_format: the
+    reasoning is the one the model writes free to call or not (`auto`, the same prompt)."""
+    _, client = text_stack
+    zones = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC"]}}, "required": ["zone"], "additionalProperties": False}}}
+    fields = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Say hi."}], max_tokens=120,
+                  temperature=0, tools=[zones], tool_choice=tool_choice, extra_body={"thinking_token_budget": 3})
+    answer = client.chat.completions.create(**fields).choices[0]
+    reasoning = client.chat.completions.create(**(fields | {"tool_choice": "auto"})).choices[0].message.model_extra["reasoning"]
+    assert answer.message.model_extra["reasoning"] == reasoning
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in answer.message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    deltas = [chunk.choices[0].delta for chunk in client.chat.completions.create(**fields, stream=True) if chunk.choices]
+    assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
+    streamed = "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls or [])
+    assert json.loads(streamed) == {"zone": "UTC"}
