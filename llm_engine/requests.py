@@ -50,6 +50,13 @@ class Parsing:
         tagged = getattr(tool_parser_cls, "structural_tag_model", None) is not None
         return cls(parser_cls, tool_parser, reasoning_parser, strict_tool_calling and tagged, budgets_thinking)
 
+    def keeps_special_tokens(self, tokenizer, model_config) -> bool:
+        """Whether a request with no tools in play keeps its special tokens in the text: some of
+        vLLM's reasoning parsers set `skip_special_tokens` false (`adjust_request`), others do not."""
+        chat = read_chat(b'{"messages": [{"role": "user", "content": "hi"}]}')
+        parser = self.for_request(chat, tokenizer, model_config, {})
+        return parser is not None and not parser.adjust_request(chat).skip_special_tokens
+
     def for_request(self, chat, tokenizer, model_config, template_kwargs: dict):
         """A fresh parser (they are stateful: one per choice), or None when this
         request needs none: no tools in play and no reasoning parser."""
@@ -212,7 +219,7 @@ def check_reasoning_shown(chat, parsing: Parsing) -> None:
 def check_thinking_budget(chat, parsing: Parsing) -> None:
     """vLLM's sampler ends the reasoning at `thinking_token_budget` tokens by the reasoning parser's
     markers: with no parser (or one without markers) the budget could not be kept, and vLLM would
-    refuse it later, after any visual tokens were fetched."""
+    refuse it later. The gateway refuses it before the request's intake (EngineReady.budgets_thinking)."""
     if chat.thinking_token_budget is not None and not parsing.budgets_thinking:
         raise InvalidPrompt("thinking_token_budget: this engine cannot end a model's reasoning (it needs a reasoning parser "
                             "that marks where reasoning ends: engine.reasoning_parser)", "thinking_token_budget")
@@ -220,11 +227,12 @@ def check_thinking_budget(chat, parsing: Parsing) -> None:
 
 def check_special_token_spacing(chat) -> None:
     """`spaces_between_special_tokens: false` spaces nothing where special tokens are skipped. Read
-    after the request's parser adjusted it: vLLM's reasoning parsers keep them in the text."""
+    after the request's parser adjusted it: some of vLLM's parsers keep them in the text. The gateway
+    refuses it before the request's intake where it can tell (protocol EngineReady.keeps_special_tokens)."""
     if not chat.spaces_between_special_tokens and chat.skip_special_tokens:
         raise InvalidPrompt("spaces_between_special_tokens: it only changes the text where special tokens are kept in it "
-                            "(skip_special_tokens: false, or an engine.reasoning_parser, which keeps them)",
-                            "spaces_between_special_tokens")
+                            "(skip_special_tokens: false, or a parser of this engine's that keeps them: some reasoning parsers "
+                            "do, e.g. vLLM's qwen3)", "spaces_between_special_tokens")
 
 
 def check_priority(chat, scheduling_policy: str) -> None:

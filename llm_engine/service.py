@@ -225,6 +225,7 @@ class EngineService:
         self.vision_weights = ""  # its checkpoint's (common/checkpoint.py), for the gateway's check against its encoders
         self.templates: ChatTemplates | None = None  # which chat template renders a request, as vLLM's server picks it
         self.parsing: Parsing | None = None  # vLLM's tool and reasoning parsers, once the tokenizer is loaded
+        self.keeps_special_tokens = False  # in a request's text with no tools in play (Parsing.keeps_special_tokens)
         self.requests: dict[str, InFlight] = {}
         # Reading and rendering a request (chat template, tokenizer) off the loop every stream
         # and heartbeat shares: a megabyte of text takes seconds. One thread, as vLLM's renderer.
@@ -277,6 +278,7 @@ class EngineService:
         reasoning = engine.vllm_config.reasoning_config  # set up by vLLM from engine.reasoning_parser
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
                                          config.strict_tool_calling, reasoning is not None and reasoning.enabled)
+        service.keeps_special_tokens = service.parsing.keeps_special_tokens(service.tokenizer, engine.model_config)
         return service
 
     async def _tokenizer(self):
@@ -347,7 +349,8 @@ class EngineService:
             takes_images = self.shape is not None
             max_images = self.shape.max_images if takes_images else None
             ready = EngineReady(self.model_name, self.config.max_model_len, takes_images, self.images.takes_pushes, max_images,
-                                self.boot_id, self.vision_weights, self.config.scheduling_policy)
+                                self.boot_id, self.vision_weights, self.config.scheduling_policy, self.parsing.budgets_thinking,
+                                self.keeps_special_tokens)
             await self._send(peer, answer_hello(message, ready), wait=False)
 
     def stats(self) -> EngineStats:

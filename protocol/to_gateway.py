@@ -121,6 +121,11 @@ class EngineReady(Message):
     vision_weights: str = ""  # its checkpoint's (common/checkpoint.py); "": a text-only model, or not read
     # engine.scheduling_policy: under "fcfs" the gateway refuses a request's priority before its intake
     scheduling_policy: str = "fcfs"
+    # What its parsers do, so the gateway refuses before its intake what they cannot: end a reasoning at
+    # `thinking_token_budget` (a reasoning parser with an end marker), and keep special tokens in the text of
+    # a request with no tools in play (vLLM's qwen3 reasoning parser does), which `spaces_between_special_tokens` spaces.
+    budgets_thinking: bool = False
+    keeps_special_tokens: bool = False
 
 
 class EngineTimings(msgspec.Struct, array_like=True, frozen=True, gc=False):

@@ -28,6 +28,8 @@ def body(**fields) -> dict:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
 
 
+UNRESOLVED = "https://no-such-host.invalid/cat.png"
+
 BAD_REQUESTS = [
     ("unsupported-field", body(best_of=2), 400, "best_of"),
     ("tool-without-function", body(tools=[{"type": "function"}]), 400, "function"),
@@ -39,7 +41,7 @@ BAD_REQUESTS = [
     ("bad-role", body(messages=[{"role": "robot", "content": "x"}]), 400, "role"),
     ("unknown-model", body(model="gpt-nothing"), 404, "gpt-nothing"),
     # As a host that resolves to a private address is answered: a client cannot map the gateway's network.
-    ("unresolvable-host", body(messages=image_message("https://no-such-host.invalid/cat.png")), 400, "does not resolve to a public address"),
+    ("unresolvable-host", body(messages=image_message(UNRESOLVED)), 400, "does not resolve to a public address"),
     ("too-many-images", body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url()}}] * 9}]), 400, "the limit is 8 (gateway.max_images_per_request)"),
     ("max-tokens-over-the-context", body(max_tokens=4097), 400, "max_tokens=4097 cannot be greater than this model's context length"),
     # Refused before it is tokenized: that held the engine's rendering thread, and every request behind it, for seconds.
@@ -64,10 +66,13 @@ BAD_REQUESTS = [
     ("unknown-reasoning-effort", body(reasoning_effort="extreme"), 400, "reasoning_effort"),
     # The demo engine has no reasoning parser to tell the reasoning from the answer.
     ("reasoning-hidden-without-a-parser", body(include_reasoning=False), 400, "include_reasoning: this engine has no reasoning parser"),
-    # Skipped special tokens leave nothing to space; a reasoning parser would keep them (test_text_only.py).
-    ("special-token-spacing-with-them-skipped", body(spaces_between_special_tokens=False), 400,
+    # What the demo engine's parsers cannot do (EngineReady), refused before an image is fetched (this host would
+    # not resolve): skipped special tokens leave nothing to space (qwen3's reasoning parser keeps them:
+    # test_text_only.py), and no reasoning parser can end a reasoning.
+    ("special-token-spacing-with-them-skipped", body(spaces_between_special_tokens=False, messages=image_message(UNRESOLVED)), 400,
      "spaces_between_special_tokens: it only changes the text where special tokens are kept"),
-    ("thinking-budget-without-a-parser", body(thinking_token_budget=4), 400, "thinking_token_budget: this engine cannot end"),
+    ("thinking-budget-without-a-parser", body(thinking_token_budget=4, messages=image_message(UNRESOLVED)), 400,
+     "thinking_token_budget: this model's engines cannot end its reasoning"),
     ("a-bad-word-of-no-token", body(bad_words=[" "]), 400, "bad_words"),
     ("an-allowed-token-outside-the-vocabulary", body(allowed_token_ids=[10**9]), 400, "allowed_token_ids"),
     ("a-refusal-in-history", body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "refusal": "no"}]),

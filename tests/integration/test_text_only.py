@@ -148,9 +148,13 @@ def test_an_answer_cut_off_inside_its_hidden_reasoning_is_taken_back_as_history(
     reply = client.chat.completions.create(model=name, messages=[question], max_tokens=4, temperature=0,
                                            extra_body={"include_reasoning": False}).choices[0].message
     assert reply.content is None and "reasoning" not in reply.model_extra
-    again = client.chat.completions.create(model=name, messages=[question, reply.model_dump(), {"role": "user", "content": "More."}],
-                                           max_tokens=2, temperature=0)
-    assert again.usage.completion_tokens == 2
+    def prompt_tokens(*turns) -> int:
+        answer = client.chat.completions.create(model=name, messages=[question, *turns, {"role": "user", "content": "More."}],
+                                                max_tokens=2, temperature=0)
+        assert answer.usage.completion_tokens == 2
+        return answer.usage.prompt_tokens
+
+    assert prompt_tokens(reply.model_dump()) == prompt_tokens({"role": "assistant", "content": ""}) > prompt_tokens()
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])

@@ -156,6 +156,28 @@ def test_include_reasoning_false_leaves_the_reasoning_out_of_a_stream_the_reason
     assert answer(stream=True, include_reasoning=False) == ("", "c", 2)
 
 
+@pytest.mark.parametrize("tool_parser,reasoning_parser,keeps", [
+    (None, "qwen3", True), ("hermes", "qwen3", True), (None, "deepseek_r1", False), ("hermes", None, False), (None, None, False),
+], ids=["qwen3", "hermes-and-qwen3", "deepseek-r1", "hermes-no-tools", "none"])
+def test_whether_a_request_with_no_tools_keeps_its_special_tokens_is_vllm_s_parsers_word(
+        thinking_tokenizer, tool_parser, reasoning_parser, keeps):
+    """What the gateway is told (EngineReady.keeps_special_tokens) to judge `spaces_between_special_tokens`."""
+    from llm_engine.requests import Parsing
+
+    parsing = Parsing.create(tool_parser, reasoning_parser, thinking_tokenizer, "prism-shapes")
+    assert parsing.keeps_special_tokens(thinking_tokenizer, None) is keeps
+
+
+def test_a_reasoning_parser_without_an_end_marker_vllm_found_cannot_budget_thinking(thinking_tokenizer):
+    from llm_engine.prompts import InvalidPrompt
+    from llm_engine.requests import Parsing, check_thinking_budget
+
+    chat = read_chat(b'{"messages": [{"role": "user", "content": "hi"}], "thinking_token_budget": 8}')
+    check_thinking_budget(chat, Parsing.create(None, "qwen3", thinking_tokenizer, "prism-shapes", budgets_thinking=True))
+    with pytest.raises(InvalidPrompt, match="thinking_token_budget: this engine cannot end"):
+        check_thinking_budget(chat, Parsing.create(None, "qwen3", thinking_tokenizer, "prism-shapes", budgets_thinking=False))
+
+
 def test_without_a_reasoning_parser_no_reasoning_tokens_are_reported(thinking_tokenizer):
     assert reasoning_counts(reasoning_choice(thinking_tokenizer, None, **CONTINUOUS), thinking_tokenizer) == [None] * 5
 

@@ -151,7 +151,8 @@ CASES = [
     (GatewayInbound, EncodeFailed("chatcmpl-41", "encoder queue is full (512 images waiting)", 429)),
     (GatewayInbound, EncodeFailed("chatcmpl-41", "vision encoder is stalled; retry shortly", 503, "encoder_stalled")),
     (GatewayInbound, EngineReady("Qwen/Qwen3-VL-8B-Instruct", 32768, takes_pushes=True, max_images=8, boot_id="3c1d9e",
-                                 vision_weights="8c1e48dbca376ab165791c9d5bff0e91", scheduling_policy="priority")),
+                                 vision_weights="8c1e48dbca376ab165791c9d5bff0e91", scheduling_policy="priority",
+                                 budgets_thinking=True, keeps_special_tokens=True)),
     (GatewayInbound, EngineReady("Qwen/Qwen2.5-0.5B-Instruct", 4096, takes_images=False)),
     (GatewayInbound, TokenDelta(
         "chatcmpl-41", [ChoiceDelta(0, "A red", token_ids=[32, 2518])], 2, 412, timings=EngineTimings(0.0031, 0.0472, 0.0),
