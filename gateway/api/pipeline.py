@@ -82,19 +82,22 @@ def engine_chat(request: ChatCompletionRequest) -> bytes:
     return msgspec.json.encode(body)
 
 
-def check_engine_can(request: ChatCompletionRequest, engine: EngineReady) -> None:
-    """What the model's engines would refuse once they read the request, refused before any image is
-    fetched or any encoder queue sees it (the engine's own checks: llm_engine/requests.py)."""
-    if request.priority and engine.scheduling_policy != "priority":
+def check_engine_can(request: ChatCompletionRequest, engines: list[EngineReady]) -> None:
+    """What every one of the model's engines in service (their handshake answers) would refuse once it
+    read the request, refused before any image is fetched or any encoder queue sees it (the engine's own
+    checks: llm_engine/requests.py). Where one can, the request goes on: while a rolling change of config
+    goes through the engines, one that cannot refuses it itself."""
+    if request.priority and not any(engine.scheduling_policy == "priority" for engine in engines):
         raise APIError(400, f"priority: this model's engines serve requests in arrival order (engine.scheduling_policy: "
-                       f"{engine.scheduling_policy}), so a priority would change nothing; send none, or run them with "
+                       f"{engines[0].scheduling_policy}), so a priority would change nothing; send none, or run them with "
                        "scheduling_policy: priority", param="priority", code="invalid_value")
-    if request.thinking_token_budget not in (None, -1) and not engine.budgets_thinking:
+    if request.thinking_token_budget not in (None, -1) and not any(engine.budgets_thinking for engine in engines):
         raise APIError(400, "thinking_token_budget: this model's engines cannot end its reasoning (they need a reasoning "
                        "parser that marks where reasoning ends: engine.reasoning_parser)", param="thinking_token_budget",
                        code="invalid_value")
     tools_in_play = bool(request.tools) and request.tool_choice != "none"  # their parser may keep special tokens: the engine judges
-    if not request.spaces_between_special_tokens and request.skip_special_tokens and not (engine.keeps_special_tokens or tools_in_play):
+    keeps_special_tokens = any(engine.keeps_special_tokens for engine in engines)
+    if not request.spaces_between_special_tokens and request.skip_special_tokens and not (keeps_special_tokens or tools_in_play):
         raise APIError(400, "spaces_between_special_tokens: it only changes the text where special tokens are kept in it "
                        "(skip_special_tokens: false, or a parser that keeps them: this model's engines run none for this "
                        "request)", param="spaces_between_special_tokens", code="invalid_value")
@@ -234,7 +237,7 @@ class ChatPipeline:
             raise APIError(400, f"{refs[0].where}: model '{self.model_name}' is served text-only and takes no images",
                            param=refs[0].where, code="images_not_supported")
         self.engine.require_up()
-        check_engine_can(request, self.engine.info)
+        check_engine_can(request, self.engine.answers())
         if refs:
             self.encoder.require_up()
         if request.n > self.config.max_n:

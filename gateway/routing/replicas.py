@@ -214,6 +214,11 @@ class ReplicaPool(Generic[C]):
         if not self.up:
             raise self.unavailable()
 
+    def answers(self) -> list:
+        """The handshake answers of the replicas in service, the pool's own where none is: they agree on
+        `same`, and may differ in the rest while a rolling change of config goes through them."""
+        return [r.info for i, r in enumerate(self.replicas) if r.up and i not in self.retired and r.info is not None] or [self.info]
+
     def candidates(self, exclude: set[int]) -> list[int]:
         return [i for i, replica in enumerate(self.replicas) if replica.up and i not in exclude and i not in self.retired]
 
