@@ -15,7 +15,7 @@ import logging
 import msgspec
 
 # Bumped whenever a wire message changes shape (tests/unit/test_wire_version.py records each shape).
-PROTOCOL = 4
+PROTOCOL = 5
 
 log = logging.getLogger("prism.protocol")
 

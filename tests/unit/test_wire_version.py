@@ -28,7 +28,8 @@ SHAPES = {
     1: "23015121599aa54f",
     2: "d0196a51e578797d",  # the handshakes carry the checkpoint's vision weights (common/checkpoint.py)
     3: "4cfd2da48c644a96",  # priority in encode requests, engines' scheduling policy, token ids and prompt logprobs in deltas
-    4: "4ab9ac6dd4848624",  # the prompt's text in deltas, generate requests' priority, empty content, displaced counts, engines' parser abilities
+    4: "dafd4dd0f0d2e37b",  # the prompt's text in deltas, generate requests' priority, empty content, displaced counts
+    5: "4ab9ac6dd4848624",  # engines' handshakes say what their parsers can do (thinking budgets, special tokens kept)
 }
 
 
