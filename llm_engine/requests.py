@@ -44,7 +44,7 @@ class Parsing:
                 tool_parser_name=tool_parser, reasoning_parser_name=reasoning_parser,
                 enable_auto_tools=tool_parser is not None, model_name=model, tokenizer=tokenizer,
             )
-        except (KeyError, ValueError, TypeError) as exc:
+        except (KeyError, ValueError, TypeError, ImportError) as exc:  # ImportError: a parser needing a package not installed
             raise ConfigError(f"engine.tool_call_parser / engine.reasoning_parser: {exc}") from None
         tool_parser_cls = getattr(parser_cls, "tool_parser_cls", None)
         tagged = getattr(tool_parser_cls, "structural_tag_model", None) is not None

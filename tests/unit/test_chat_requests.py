@@ -46,6 +46,16 @@ def test_an_unknown_parser_name_is_a_config_error_naming_the_key():
         Parsing.create("no-such-parser", None, tokenizer=None, model="m")
 
 
+def test_a_parser_whose_package_is_not_installed_is_a_config_error_naming_it():
+    from transformers import AutoTokenizer
+
+    from prism.tiny_models import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model("qwen2-thinking"))
+    with pytest.raises(ConfigError, match="engine.reasoning_parser: The Cohere Command parser requires the `cohere_melody` package"):
+        Parsing.create(None, "cohere_command3", tokenizer, model="m")
+
+
 STRICT_TOOL = {"type": "function", "function": {**TOOL["function"], "strict": True}}
 
 
