@@ -49,11 +49,23 @@ def prometheus(stack, tmp_path_factory):
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=open(workdir / "prometheus.log", "wb"), stderr=subprocess.STDOUT,
     )
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        # It listens some milliseconds after it starts: a query before that is refused, not an empty answer.
+        wait_until(lambda: answers_ready(url, process), 60, "Prometheus ready", 0.1)
+        yield url
     finally:
         process.terminate()
         process.wait(10)
+
+
+def answers_ready(url: str, process: subprocess.Popen) -> bool:
+    if process.poll() is not None:
+        raise RuntimeError(f"Prometheus exited with {process.returncode} (its prometheus.log says why)")
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def query(prometheus: str, promql: str) -> dict:
