@@ -216,6 +216,12 @@ def check_reasoning_shown(chat, parsing: Parsing) -> None:
                             "cannot tell the model's reasoning from its answer to leave it out", "include_reasoning")
 
 
+def budgets_thinking(reasoning_config) -> bool:
+    """Whether vLLM's sampler can end a reasoning (`thinking_token_budget`): its reasoning config,
+    set up from engine.reasoning_parser, found the parser's start and end markers among the tokens."""
+    return reasoning_config is not None and reasoning_config.enabled
+
+
 def check_thinking_budget(chat, parsing: Parsing) -> None:
     """vLLM's sampler ends the reasoning at `thinking_token_budget` tokens by the reasoning parser's
     markers: with no parser (or one without markers) the budget could not be kept, and vLLM would

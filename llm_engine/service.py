@@ -43,8 +43,8 @@ from llm_engine.prompts import (
     render_prompt, request_tools, vllm_inputs,
 )
 from llm_engine.requests import (
-    Parsing, Read, check_priority, check_prompt_logprobs, check_reasoning_shown, check_special_token_spacing, check_thinking_budget,
-    check_tool_choice, read_chat, sampling_params, template_kwargs,
+    Parsing, Read, budgets_thinking, check_priority, check_prompt_logprobs, check_reasoning_shown, check_special_token_spacing,
+    check_thinking_budget, check_tool_choice, read_chat, sampling_params, template_kwargs,
 )
 from llm_engine.spawned import customize_spawned_vllm_processes
 from llm_engine.templates import ChatTemplates
@@ -275,9 +275,8 @@ class EngineService:
         service.prompt_bound = PromptBound.of(service.tokenizer, engine.model_config.max_model_len)
         service.templates = ChatTemplates(service.tokenizer, engine.model_config)
         service.templates.for_request(None)  # loads the processor's template now, not on the first request
-        reasoning = engine.vllm_config.reasoning_config  # set up by vLLM from engine.reasoning_parser
         service.parsing = Parsing.create(tool_parser, config.reasoning_parser, service.tokenizer, config.model,
-                                         config.strict_tool_calling, reasoning is not None and reasoning.enabled)
+                                         config.strict_tool_calling, budgets_thinking(engine.vllm_config.reasoning_config))
         service.keeps_special_tokens = service.parsing.keeps_special_tokens(service.tokenizer, engine.model_config)
         return service
 

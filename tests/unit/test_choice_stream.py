@@ -168,6 +168,23 @@ def test_whether_a_request_with_no_tools_keeps_its_special_tokens_is_vllm_s_pars
     assert parsing.keeps_special_tokens(thinking_tokenizer, None) is keeps
 
 
+@pytest.mark.parametrize("reasoning_parser,budgets", [("qwen3", True), ("deepseek_r1", True), ("granite", False), ("deepseek_v3", False),
+                                                       (None, False)])
+def test_thinking_is_budgeted_where_vllm_s_reasoning_config_found_the_parser_s_markers(reasoning_parser, budgets):
+    """As the engine reads it at start (llm_engine/service.py): vLLM's config, set up from engine.reasoning_parser."""
+    from vllm.config import ModelConfig
+    from vllm.config.reasoning import ReasoningConfig
+
+    from llm_engine.requests import budgets_thinking
+    from prism.tiny_models import ensure_tiny_model
+
+    config = None
+    if reasoning_parser is not None:
+        config = ReasoningConfig(reasoning_parser=reasoning_parser)
+        config.initialize_token_ids(ModelConfig(model=str(ensure_tiny_model("qwen2-thinking"))))
+    assert budgets_thinking(config) is budgets
+
+
 def test_a_reasoning_parser_without_an_end_marker_vllm_found_cannot_budget_thinking(thinking_tokenizer):
     from llm_engine.prompts import InvalidPrompt
     from llm_engine.requests import Parsing, check_thinking_budget
