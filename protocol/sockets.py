@@ -71,6 +71,7 @@ def _answers(path: Path) -> bool:
 
 # Unreadable messages logged one by one; past this, one line per LOG_EVERY (a flood must not fill the disk).
 LOG_FIRST, LOG_EVERY = 10, 1000
+MAX_VERSION_DIGITS = 9  # a longer "/v…" is no version of this project's
 
 
 def _other_version(parts: list[zmq.Frame]) -> int | None:
@@ -85,7 +86,8 @@ def _other_version(parts: list[zmq.Frame]) -> int | None:
     name, _, version = tag.rpartition("/v")
     if not name:
         return 0 if tag.isidentifier() else None
-    return int(version) if version.isascii() and version.isdigit() else None  # "²" is a digit int() refuses
+    # "²" is a digit int() refuses, and int() refuses past 4,300 digits: a peer's tag must not raise here
+    return int(version) if version.isascii() and version.isdigit() and len(version) <= MAX_VERSION_DIGITS else None
 
 
 class _Typed(Generic[In]):

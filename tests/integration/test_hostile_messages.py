@@ -24,13 +24,14 @@ from protocol.to_gateway import EncodeFailed, EncoderReady, EncodeResult, Engine
 from tests.integration.helpers import ask, chat_json, child_pid, engine_pid, final_reply
 
 # Neither service takes these: empty, not msgpack, a message with an unknown tag, another service's message,
-# a message of another wire version (shaped as this one's: read, it would be answered).
+# a message of another wire version (shaped as this one's: read, it would be answered), a version no int.
 UNREADABLE = [
     [b""],
     [b"\xc1\xc1\xc1"],
     [msgspec.msgpack.encode({"type": "NoSuchMessage", "request_id": "x"})],
     pack(EngineReady("m", 1)),
     [msgspec.msgpack.encode(["StatsRequest/v999", "x"])],
+    [msgspec.msgpack.encode(["StatsRequest/v" + "9" * 5000, "x"])],  # past what int() reads
 ]
 
 

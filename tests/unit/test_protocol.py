@@ -527,6 +527,16 @@ def test_the_encoder_s_router_reports_an_unreadable_message_as_none_and_reads_on
         assert router.poll(5000) and router.recv()[1] == Hello("after")
 
 
+def test_a_tag_naming_a_version_of_any_length_is_skipped_as_unreadable():
+    """A tag's version is read with int(), which raises past 4,300 digits: out of the router's
+    recv, that would stop the encoder's loop."""
+    with encoder_router_and_peer("inproc://long-version") as (router, dealer):
+        for digits in (9, 10, 5000):
+            dealer.send(msgspec.msgpack.encode(["Hello/v" + "9" * digits, "x"]))
+            assert router.poll(5000) and router.recv() is None
+        assert router.other_version == 999_999_999  # the one it could read
+
+
 def test_the_encoder_s_router_never_waits_on_a_peer_that_stopped_reading():
     """Its loop serves every peer: with one peer's queue full, a send fails at once (zmq.Again)."""
     outcome: list = []
