@@ -64,3 +64,15 @@ def test_a_key_changes_with_the_libraries_that_decode_resize_and_encode(monkeypa
         cache.keys.library_versions.cache_clear()
     # the keys move; the handshake's fingerprint does not (replicas of two releases serve side by side)
     assert before[0] == after[0] and before[1] != after[1] and before[2] != after[2]
+
+
+@pytest.mark.parametrize("change", [{"attention": "padded"}, {"compile_blocks": True}])
+def test_a_replica_that_runs_the_vit_otherwise_keys_its_images_apart_and_is_the_same_encoder(change):
+    """Another attention kernel or fused blocks round otherwise: one replica's tokens must not be
+    served as another's from a shared cache tier, yet the gateway takes both as one encoder."""
+    from vision_encoder.towers.tower import RunOptions
+
+    checkpoint = str(ensure_demo_model(RANDOM_MODEL))
+    default, other = (load_tower(checkpoint, "float32", "cpu", options=options) for options in (RunOptions(), RunOptions(**change)))
+    assert default.fingerprint == other.fingerprint
+    assert default.key_fingerprint != other.key_fingerprint

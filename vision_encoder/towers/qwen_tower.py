@@ -93,6 +93,11 @@ class QwenTower(VisionTower):
         if options.graph_max_patches and self.device.type == "cuda" and self.attention != "loop":
             self.graphs = self._capture_graphs(options)
 
+    def arithmetic_params(self) -> dict:
+        """Its attention kernel, and the patch counts its CUDA graphs pad batches to."""
+        return super().arithmetic_params() | {
+            "attention": self.attention, "graph_max_patches": self.options.graph_max_patches if self.graphs else 0}
+
     def _capture_graphs(self, options: RunOptions) -> TowerGraphs:
         info = self.processor_info
         graphs = TowerGraphs(self.model, self._forward, options.graph_max_patches, options.max_batch_images,

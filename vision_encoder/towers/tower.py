@@ -9,6 +9,7 @@ images are preprocessed, run and measured; towers.py picks one by family.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,9 +119,6 @@ class VisionTower:
         config_bytes = (path / "config.json").read_bytes()
         self.vision_weights = vision_weights_digest(path, self.family)  # the engine's must be the same (handshakes)
         self.fingerprint = content_key(config_bytes, self.vision_weights, self.preprocessing_params()).hex()
-        # Its keys' too: the code that preprocesses and encodes. Not in the handshake's fingerprint:
-        # replicas of two releases serve side by side in a rolling upgrade, each with keys of its own.
-        self.key_fingerprint = content_key(self.fingerprint, library_versions("torch", "torchvision", "transformers")).hex()
 
     def _vision_state(self, files: list[Path]) -> dict[str, torch.Tensor]:
         from safetensors import safe_open
@@ -150,6 +148,22 @@ class VisionTower:
         if self.options.compile_blocks:
             compile_blocks(model)
         return model
+
+    @functools.cached_property
+    def key_fingerprint(self) -> str:
+        """The fingerprint in its cache keys: the handshake's, and what else makes this replica's
+        tokens its own: the code that preprocesses and encodes, and how it runs the ViT
+        (`arithmetic_params`). Not in the handshake's: replicas of two releases serve side by
+        side in a rolling upgrade, each with keys of its own. Read once the tower is built."""
+        versions = library_versions("torch", "torchvision", "transformers")
+        return content_key(self.fingerprint, versions, self.arithmetic_params()).hex()
+
+    def arithmetic_params(self) -> dict:
+        """How this replica runs the ViT, where that rounds otherwise (other kernels, fused
+        blocks, another GPU): the same pixels then give tokens a few bf16 steps apart, and a
+        shared cache tier must not serve one replica's as another's."""
+        return {"compile_blocks": self.options.compile_blocks,
+                "gpu": torch.cuda.get_device_name(self.device) if self.io.cuda else None}
 
     def release_memory(self) -> None:
         """Hand the allocator's cached device memory back (after an out-of-memory error)."""
