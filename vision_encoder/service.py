@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +58,8 @@ from vision_encoder.work import (
 
 log = logging.getLogger("prism.encoder")
 WATCH_INTERVAL_MS = 250
+# How long a process that exits on a device error gives its last answers to leave.
+DEVICE_ERROR_LINGER_MS = 2000
 # Messages handled per turn of the loop: past them it finishes and starts batches before reading on,
 # so a stream of requests faster than the loop reads them cannot keep the ViT idle.
 MESSAGES_PER_TURN = 64
@@ -195,10 +198,30 @@ class EncoderService:
                    f"{now - batch.started:.1f} s, past {self.watch.limit_s(batch.patches):.1f} s (encoder.stall_factor "
                    f"x its predicted time, at least encoder.stall_min_s); retry shortly")
         log.error("%s; failing %d requests", message, len(self.pending))
+        self._fail_every_request(message, "encoder_stalled")
+
+    def _fail_every_request(self, message: str, code: str) -> None:
+        """Every pending request answered with a 503: the gateway sends each to another replica."""
         for (peer, request_id), state in list(self.pending.items()):
             self._abandon(state)
-            self._send(peer, EncodeFailed(request_id, message, 503, "encoder_stalled"))
+            self._send(peer, EncodeFailed(request_id, message, 503, code))
         self.pending.clear()
+
+    def _exit_for_device_error(self, exc: Exception) -> None:
+        """A device error other than out of memory (an illegal address, a lost GPU) leaves
+        the process's CUDA context unusable: every later batch would fail while the heartbeats
+        said serving. Its requests fail over (503) and the process exits for its supervisor to
+        start it on a fresh context, as past a stall (encoder.stall_restart_s)."""
+        message = f"the vision encoder's device failed ({exc}); it restarts: retry shortly"
+        log.critical("%s; failing %d requests and exiting for a restart", message, len(self.pending))
+        self._fail_every_request(message, "encoder_device_error")
+        context = self.router.socket.context
+        self.router.close(linger_ms=DEVICE_ERROR_LINGER_MS)  # the answers leave before the process ends...
+        flush = threading.Thread(target=context.term, daemon=True)
+        flush.start()
+        flush.join(DEVICE_ERROR_LINGER_MS / 1000)  # ...unless another socket holds the context open
+        logging.shutdown()
+        os._exit(1)
 
     def _drain(self) -> None:
         """The messages waiting, up to MESSAGES_PER_TURN (the poller reports the rest at once)."""
@@ -525,6 +548,9 @@ class EncoderService:
         self.oom_splits += batch.times.oom_splits  # a split's halves may have failed after it
         try:
             encoded = batch.future.result()
+        except torch.AcceleratorError as exc:  # the device's context is lost: no later batch can run on it
+            self._exit_for_device_error(exc)
+            return
         except Exception as exc:  # a bad batch fails its requests, never the service
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
             self.watch.finished(batch.patches, time.monotonic() - batch.started, batch.started)
