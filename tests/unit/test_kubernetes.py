@@ -509,14 +509,28 @@ def test_only_the_gateway_reads_the_optional_secret(overlay):
 
 
 def test_the_documented_cluster_fits_the_cpu_demo_s_requests():
-    """docs/deployment.md's cluster size: every pod's memory request, and a rollout's largest surge pod beside them."""
-    gib = {"Gi": 1, "Mi": 1 / 1024}
-    requests = [float(value[:-2]) * gib[value[-2:]] for deployment in of_kind(render("cpu-demo"), "Deployment")
-                for container in deployment["spec"]["template"]["spec"]["containers"]
-                for value in [container["resources"]["requests"]["memory"]] for _ in range(deployment["spec"].get("replicas", 1))]
+    """docs/deployment.md's cluster size: every pod's requests, and a rollout's beside them: a change of
+    the image or of the shared config rolls every Deployment at once, each new pod beside its old one."""
+    units = {"Gi": 1, "Mi": 1 / 1024, "m": 1 / 1000}
+
+    def amount(value: str) -> float:
+        unit = next((u for u in units if value.endswith(u)), "")
+        return float(value.removesuffix(unit)) * units.get(unit, 1)
+
+    needs, surges = [0.0, 0.0], [0.0, 0.0]
+    for deployment in of_kind(render("cpu-demo"), "Deployment"):
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        pod = [sum(amount(c["resources"]["requests"][kind]) for c in containers) for kind in ("cpu", "memory")]
+        rolling = deployment["spec"]["strategy"]["rollingUpdate"]["maxSurge"] if any(  # Redis's is another image
+            c["image"].startswith("prism:") for c in containers) else 0
+        for i in (0, 1):
+            needs[i] += pod[i] * deployment["spec"].get("replicas", 1)
+            surges[i] += pod[i] * rolling
     text = " ".join((REPO_ROOT / "docs" / "deployment.md").read_text().split())
-    free, rolling = map(int, re.search(r"(\d+) GiB of memory free \((\d+) GiB to roll out", text).groups())
-    assert sum(requests) <= free and sum(requests) + max(requests) <= rolling, (sum(requests), max(requests))
+    free_cpu, free_gib = map(int, re.search(r"about (\d+) CPUs and (\d+) GiB of memory free", text).groups())
+    roll_cpu, roll_gib = map(int, re.search(r"about (\d+) CPUs and (\d+) GiB to roll out", text).groups())
+    assert needs[0] <= free_cpu + 0.5 and needs[1] <= free_gib, needs
+    assert needs[0] + surges[0] <= roll_cpu + 0.5 and needs[1] + surges[1] <= roll_gib, (needs, surges)
 
 
 def test_each_model_of_the_multi_model_overlay_runs_its_own_profile_s_pixel_budget(tmp_path):
