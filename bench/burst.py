@@ -8,7 +8,9 @@ of unique 4K JPEG uploads (bench/uploads.py), all at once, and a burst of slow u
 the answers by status (a failed request by its error), the time until the
 last answer (drain), the gateway's peak RSS (the kernel's high-water mark,
 reset before each burst) and the cgroup's peak usage against the limit, the
-RSS 10 s after the burst, OOM kills, and the encoder's and engine's peak RSS
+RSS 10 s after the burst, OOM kills, the peak of the kernel's buffers of the
+gateway's sockets (under cgroup v1, which does not charge them to the limit;
+v2 does: bench/cgroup.py), and the encoder's and engine's peak RSS
 (each summed over its process tree). A killed gateway is started again for
 the next burst.
 
@@ -163,7 +165,7 @@ def one_burst(services: Services, uploads: Uploads, label: str, count: int, firs
     time.sleep(settle_s if alive else 0)
     row = {"burst": label, "count": count, "answers": by_outcome(answers), "drain_s": round(drain_s, 1),
            "alive": alive, "oom_kills": services.cgroup.oom_kills - kills, "rss_before": before, "peak_rss": peak,
-           "cgroup_peak": services.cgroup.peak, "rss_after": rss(pid) if alive else None,
+           "cgroup_peak": services.cgroup.peak, "socket_peak": services.cgroup.socket_peak, "rss_after": rss(pid) if alive else None,
            "encoder_peak": sampler.peaks["vision_encoder"], "engine_peak": sampler.peaks["llm_engine"]}
     print(json.dumps(row), flush=True)
     if not alive:
@@ -176,12 +178,12 @@ def mib(value: int | None) -> str:
 
 
 def table(rows: list[dict], limit: int) -> str:
-    lines = ["| burst | answers | drain | gateway peak RSS (× limit) | cgroup peak | RSS before → 10 s after | "
-             "encoder / engine peak RSS |", "|---|---|---|---|---|---|---|"]
+    lines = ["| burst | answers | drain | gateway peak RSS (× limit) | cgroup peak | socket buffers' peak (v1) | "
+             "RSS before → 10 s after | encoder / engine peak RSS |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         answers = ", ".join(f"{n} × {what}" for what, n in r["answers"].items())
         peak = "killed" if r["peak_rss"] is None else f"{mib(r['peak_rss'])} ({r['peak_rss'] / limit:.2f})"
-        lines.append(f"| {r['burst']} | {answers} | {r['drain_s']} s | {peak} | {mib(r['cgroup_peak'])} | "
+        lines.append(f"| {r['burst']} | {answers} | {r['drain_s']} s | {peak} | {mib(r['cgroup_peak'])} | {mib(r['socket_peak'])} | "
                      f"{mib(r['rss_before'])} → {mib(r['rss_after'])} | {mib(r['encoder_peak'])} / {mib(r['engine_peak'])} |")
     return "\n".join(lines)
 
