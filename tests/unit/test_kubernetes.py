@@ -478,7 +478,9 @@ def test_what_each_service_may_hold_fits_its_containers_memory_limit(overlay, tm
             assert config.max_image_pixels * DECODE_BYTES_PER_PIXEL <= budget(container, config)
         elif module == "vision_encoder":
             queued = config.max_queue_bytes + most_one_request_holds  # the bound, and one request queued past it
-            assert ENCODER_OWN + config.cache_capacity_mb * 2**20 + queued <= limit, deployment["metadata"]["name"]
+            pinned = config.handoff_max_mb * 2**20  # references handed out, their values evicted from the LRU since
+            held = ENCODER_OWN + config.cache_capacity_mb * 2**20 + queued + pinned
+            assert held <= limit, (deployment["metadata"]["name"], held / 2**20, limit / 2**20)
         else:
             caches = (config.kv_cache_memory_mb or 0) + config.embedding_cache_mb  # KV: host memory on a CPU
             assert ENGINE_OWN + caches * 2**20 <= limit, deployment["metadata"]["name"]
