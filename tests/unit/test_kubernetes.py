@@ -544,3 +544,13 @@ def test_each_model_of_the_multi_model_overlay_runs_its_own_profile_s_pixel_budg
         profile = load_config(EncoderConfig, "encoder", REPO_ROOT / "configs" / f"{model}.yaml", {})
         pod = container_config(objects, deployment, container, module, tmp_path)
         assert (pod.min_pixels, pod.max_pixels) == (profile.min_pixels, profile.max_pixels), model
+
+
+def test_gateway_pods_of_one_model_share_its_profile_s_bound_on_visual_tokens_in_flight(tmp_path):
+    """Each gateway bounds only its own requests: two pods before one engine take half the
+    profile's bound each, or the engine's KV cache sees twice what the profile sized it for."""
+    objects = render("gpu-qwen2.5-vl-7b")
+    (gateway, container, module), = [found for found in prism_containers(objects) if found[2] == "gateway"]
+    pod = container_config(objects, gateway, container, module, tmp_path)
+    profile = load_config(GatewayConfig, "gateway", REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml", {})
+    assert pod.max_visual_tokens_in_flight * gateway["spec"]["replicas"] <= profile.max_visual_tokens_in_flight
