@@ -193,6 +193,17 @@ class GatewayConfig(FrozenConfig):
                     raise ValueError(f"models.{name}: {address} is listed with two different checkpoints")
         return self
 
+    def open_to_anyone(self) -> bool:
+        """No API keys, and listening beyond this machine (0.0.0.0, ::, or an address of the
+        network's): anyone who reaches the port uses the model. vLLM's server starts so too;
+        the gateway says so at start-up."""
+        if self.api_keys:
+            return False
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a host name: "localhost" is this machine, any other may be the network's
+            return self.host != "localhost"
+
     def routes(self) -> dict[str | None, ModelRoute]:
         """Served name → route; a None name is taken from the engine's answer."""
         if self.models:

@@ -133,6 +133,10 @@ class Gateway:
         REGISTRY.register(self.stats_collector)
         log.info("Prism ready: http://%s:%d/v1 (models %s%s)", self.config.host, self.config.port, ", ".join(map(repr, self.models)),
                  f"; worker {self.slot.index + 1} of {self.slot.count}" if self.slot.count > 1 else "")
+        if self.config.open_to_anyone():
+            log.warning("no API keys (gateway.api_keys), and listening on %s: anyone who reaches port %d can use the "
+                        "models; set keys (PRISM_GATEWAY__API_KEYS) unless a proxy in front authenticates",
+                        self.config.host, self.config.port)
 
     def _start_later(self, name: str, route: ModelRoute, error: BaseException) -> None:
         log.error("model %r did not start (%s); serving the others, and starting it again", name, error)

@@ -219,6 +219,18 @@ def test_the_gateway_s_health_check_asks_where_it_listens(host, url):
     assert str(ready_url(host, 8000)) == url
 
 
+@pytest.mark.parametrize("host,keys,open_to_anyone", [
+    ("127.0.0.1", "[]", False), ("::1", "[]", False), ("localhost", "[]", False),
+    ("0.0.0.0", "[]", True), ("::", "[]", True), ("10.0.0.5", "[]", True), ("gateway", "[]", True),
+    ("0.0.0.0", "[sk-1]", False),
+])
+def test_a_gateway_with_no_keys_listening_beyond_its_machine_is_open_to_anyone(host, keys, open_to_anyone):
+    """Said at start-up (a warning): a pod or a compose service listens on 0.0.0.0, and keys are optional."""
+    env = {"PRISM_GATEWAY__HOST": host, "PRISM_GATEWAY__API_KEYS": keys}
+    config = load_config(GatewayConfig, "gateway", REPO_ROOT / "configs" / "cpu-demo.yaml", env=env)
+    assert config.open_to_anyone() is open_to_anyone
+
+
 def test_an_encoder_device_torch_would_refuse_is_refused_at_start_up_naming_the_key():
     """`gpu` would reach torch only in the child `prism serve` starts, and fail there at every restart."""
     with pytest.raises(ConfigError, match=r"encoder\.device") as refused:
