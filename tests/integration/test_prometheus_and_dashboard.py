@@ -4,6 +4,7 @@ and the built-in dashboard renders real numbers in headless Chromium."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -94,12 +95,18 @@ def test_prometheus_scrapes_every_stage(stack, prometheus):
     assert hits and float(hits[0]["value"][1]) > 0
 
 
-def test_every_grafana_panel_query_is_valid_promql(stack, prometheus):
+def test_every_grafana_panel_query_is_valid_promql_over_series_prism_exports(stack, prometheus):
+    """Valid alone proves little: a query of a metric renamed since is valid, and draws nothing."""
     dashboard = json.loads((CONFIGS / "grafana" / "prism-dashboard.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     assert len(dashboard["panels"]) >= 8
     for expr in exprs:
         assert query(prometheus, expr.replace("$__rate_interval", "1m"))["status"] == "success", expr
+    traffic(stack)
+    # exported only where encoders have a shared tier (test_replicas.py's stack reads it; this one has none)
+    asked = {name for expr in exprs for name in re.findall(r"\bprism_[a-z0-9_]+", expr)} - {"prism_shared_cache_events_total"}
+    scraped = lambda: set(httpx.get(f"{prometheus}/api/v1/label/__name__/values", timeout=10).json()["data"])  # noqa: E731
+    wait_until(lambda: asked <= scraped(), 60, "every series the dashboard asks for scraped", 1, observe=lambda: asked - scraped())
 
 
 def test_dashboard_renders_real_numbers(stack, tmp_path):
