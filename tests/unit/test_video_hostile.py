@@ -346,6 +346,22 @@ def test_a_decode_that_cannot_end_in_time_at_the_fastest_speed_seen_is_refused_b
         asyncio.run(tight.decode(other_codec))
 
 
+def test_what_a_decode_costs_before_its_frames_does_not_slow_its_codec_s_rate(clip12):
+    """A decoder's job sent its bytes and its container opened cost a short clip as much as a long
+    one: counted in, a short clip's rate was a fraction of its codec's (15 against 397 Mpx/s for 12
+    frames of 160×120 against 60 of 1080p), and a long clip that would decode in time was refused
+    before its decode (413). Here half a second passes before the first frame comes."""
+    class SlowToStart(InProcess):
+        def frames(self, *args, **kwargs):
+            time.sleep(0.5)
+            yield from super().frames(*args, **kwargs)
+
+    intake = VideoIntake(fetcher=None, limits=LIMITS, pool=ThreadPoolExecutor(1), decoders=SlowToStart())
+    item = inspect(clip12, WHERE, VideoSampling(), LIMITS)
+    asyncio.run(intake.decode(item))
+    assert intake.speeds.best_case_s(item.source.codec, max(item.indices) + 1, 320, 240) < 0.25
+
+
 def test_a_decode_stopped_at_its_deadline_refuses_the_next_such_video_before_its_decode():
     """The first long video runs out of time (what it read by then is a speed); the same one again
     is refused at once: a client that retries is not given another thread for the deadline. The

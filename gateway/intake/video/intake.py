@@ -262,14 +262,14 @@ def _sample(source: SourceInfo, sampling: VideoSampling, where: str) -> list[int
 
 
 def decode(item: InspectedVideo, decoders: Decoders | None = None, stop: Callable[[], bool] | None = None,
-           deadline: float = float("inf")) -> SampledVideo:
+           deadline: float = float("inf"), on_frame: Callable[[int], None] | None = None) -> SampledVideo:
     """The kept frames, each resized to the planned size as it arrives (CPU-bound: run it off the
     event loop). A stream that breaks off before a kept frame is refused: vLLM would serve the
     frames it got, but a truncated upload is an error. Only a tail vLLM's loader serves without
     may be missing (`_a_tail_vllm_serves_without`): the header's last frame, or the end of a
     Matroska clip whose count is an estimate. `decoders`: where the bytes are decoded (on this
     thread where None: tests and tools). `stop`, asked before every frame, and `deadline`
-    (time.monotonic()) end the decode (Stopped)."""
+    (time.monotonic()) end the decode (Stopped). `on_frame` hears each kept frame's index as it arrives."""
     source = item.source
     kept_h, kept_w = item.frame_size or (source.height, source.width)
     frames = np.empty((len(set(item.indices)), kept_h, kept_w, 3), dtype=np.uint8)
@@ -279,6 +279,8 @@ def decode(item: InspectedVideo, decoders: Decoders | None = None, stop: Callabl
     try:
         with contextlib.closing(arriving):  # a failure here ends its job (and its decoder) at once, not at collection
             for index, rgb in arriving:
+                if on_frame is not None:
+                    on_frame(index)
                 frames[len(read)] = rgb if item.frame_size is None else resize_pixels(rgb, kept_w, kept_h)
                 read.append(index)
     except Unreadable as exc:
@@ -308,6 +310,25 @@ def digest_of(raw: bytes, sampling: VideoSampling) -> bytes:
     """The video's part of the cache key: its bytes and what decided the frames kept."""
     return content_key({"version": VIDEO_INTAKE_VERSION, "libraries": library_versions("cv2", "torch"),
                         **sampling.key_part()}, raw)
+
+
+class FirstFrame:
+    """When a decode's first kept frame arrived: its speed counts from there, so what every decode
+    costs before its frames (a decoder's job sent its bytes, the container opened, the frames
+    before the first kept one) does not make a short clip's codec look slow (speed.py)."""
+
+    def __init__(self) -> None:
+        self.index: int | None = None
+        self.at = 0.0
+
+    def heard(self, index: int) -> None:
+        if self.index is None:
+            self.index, self.at = index, time.monotonic()
+
+    def record_speed(self, speeds: DecodeSpeeds, source: SourceInfo, frames_read: int) -> None:
+        """The frames read after the first kept one, in the time since it arrived."""
+        if self.index is not None:
+            speeds.record(source.codec, frames_read - 1 - self.index, source.width, source.height, time.monotonic() - self.at)
 
 
 class VideoIntake:
@@ -357,14 +378,14 @@ class VideoIntake:
         self._refuse_past_best_case(item, frames)
 
         def decoding_on_a_thread(stop: Callable[[], bool]) -> SampledVideo:  # the clock starts with the decode
-            started = time.monotonic()
+            first = FirstFrame()
             try:
-                video = decode(item, self.decoders, stop, started + self.limits.max_decode_s)
+                video = decode(item, self.decoders, stop, time.monotonic() + self.limits.max_decode_s, first.heard)
             except Stopped as stopped:
                 if not stop():  # its deadline, not a client that left: how far it got is a speed too
-                    self.speeds.record(s.codec, stopped.frames_read, s.width, s.height, time.monotonic() - started)
+                    first.record_speed(self.speeds, s, stopped.frames_read)
                 raise
-            self.speeds.record(s.codec, frames, s.width, s.height, time.monotonic() - started)
+            first.record_speed(self.speeds, s, frames)
             return video
 
         async with working(item.decoding_bytes, f"decoding {item.where} ({len(set(item.indices))} frames of "

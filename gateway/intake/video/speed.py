@@ -5,6 +5,10 @@ A decode reads every frame up to the last kept one (gateway/intake/video/decode.
 so its work is those frames' pixels. Each codec keeps the fastest rate a decode of
 it reached here, over at least MIN_FRAMES frames: whole decodes, and those stopped
 at their deadline (how far they got), not those a client's leaving stopped. A rate
+counts from the decode's first kept frame (intake.py, FirstFrame): what comes before
+it (the job's bytes sent to a decoder process, the container opened) costs a short
+clip as much as a long one, and counted in, a short clip's rate was a fraction of
+its codec's, which then refused long clips that would have decoded in time. A rate
 measured while other decodes shared the cores is lower than the codec's, and one
 file of a codec may decode slower than another, so a video is refused only when its
 estimate at that rate is past the limit by MARGIN: one refused would have run out
