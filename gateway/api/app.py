@@ -317,7 +317,7 @@ async def end_streams_before_the_drain_deadline(gateway: Gateway, server) -> Non
         await asyncio.sleep(STOP_POLL_S)
     await asyncio.sleep(max(0.0, gateway.config.drain_timeout_s - STREAMS_END_BEFORE_DRAIN_DEADLINE_S))
     for served in [*gateway.models.values(), *gateway.retired]:
-        served.engine.fail_in_flight("the gateway is shutting down; retry shortly")
+        served.engine.stop_serving("the gateway is shutting down; retry shortly")
 
 
 async def started_unless_stopped(gateway: Gateway, app: FastAPI) -> bool:

@@ -94,6 +94,7 @@ class ReplicaPool(Generic[C]):
         self._last_served: OrderedDict[bytes, int] = OrderedDict()  # digest → replica (LRU)
         self._rotation = itertools.count()
         self.adopts = True  # takes a new answer once no replica serves the old (`accepts`)
+        self.stopped: str | None = None  # why no replica takes requests any more (`stop_serving`)
 
     async def connect(self, timeout_s: float):
         """Handshake with every replica, each for up to `timeout_s`: those that answer must agree on
@@ -197,8 +198,11 @@ class ReplicaPool(Generic[C]):
             if index not in self._free:
                 await replica.close()
 
-    def fail_in_flight(self, message: str) -> None:
-        """Every request in flight on any replica fails now, with a 503 saying `message`."""
+    def stop_serving(self, message: str) -> None:
+        """The gateway is stopping: every request in flight on any replica fails now with a 503
+        saying `message`, and no request is sent to a replica from now on, neither such a one
+        again (it would be cut, answerless, at uvicorn's deadline) nor one still in its intake."""
+        self.stopped = message
         for index, replica in enumerate(self.replicas):
             if index not in self._free:
                 replica.fail_in_flight(message)
@@ -208,7 +212,7 @@ class ReplicaPool(Generic[C]):
         return any(replica.up for i, replica in enumerate(self.replicas) if i not in self.retired)
 
     def unavailable(self):
-        return self.replicas[0].unavailable(f"{self.kind} is unavailable; retry shortly")
+        return self.replicas[0].unavailable(self.stopped or f"{self.kind} is unavailable; retry shortly")
 
     def require_up(self) -> None:
         if not self.up:
@@ -220,6 +224,8 @@ class ReplicaPool(Generic[C]):
         return [r.info for i, r in enumerate(self.replicas) if r.up and i not in self.retired and r.info is not None] or [self.info]
 
     def candidates(self, exclude: set[int]) -> list[int]:
+        if self.stopped is not None:
+            return []
         return [i for i, replica in enumerate(self.replicas) if replica.up and i not in exclude and i not in self.retired]
 
     def pick(self, digests: Sequence[bytes], exclude: set[int]) -> int | None:

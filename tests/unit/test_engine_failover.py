@@ -105,3 +105,37 @@ def test_a_hot_image_s_requests_spill_over_from_the_engine_that_served_it_past_t
 
     chosen = asyncio.run(picks())
     assert chosen[0] == 1 and max(chosen.count(i) for i in range(3)) <= 3, chosen  # LOAD_SLACK × the mean of 2, at most
+
+
+class SilentEngine(FakeEngine):
+    """Takes every request and answers none (a long prefill, a queue)."""
+
+    def __init__(self, router: AsyncRouter) -> None:
+        super().__init__(router)
+        self.asked = 0
+
+    async def generated(self, peer: bytes, request: GenerateRequest) -> None:
+        self.asked += 1
+
+
+def test_a_stopping_gateway_fails_its_requests_with_a_503_and_sends_none_to_another_engine(tmp_path):
+    """Before uvicorn's deadline the gateway fails what is in flight with a 503 (app.py,
+    end_streams_before_the_drain_deadline). Retried elsewhere as a 503 from an engine is, a request
+    was sent to the other engine and cut, answerless, at the deadline: its client got no status."""
+    async def run() -> tuple[APIError, APIError, list[int]]:
+        async with two_engines_and_a_pool(tmp_path, SilentEngine) as (engines, pool):
+            waiting = asyncio.create_task(anext(pool.generate(GenerateRequest("in-flight", b"{}"), timeout_s=30)))
+            while sum(engine.asked for engine in engines) == 0:
+                await asyncio.sleep(0.01)
+            pool.stop_serving("the gateway is shutting down; retry shortly")
+            with pytest.raises(APIError) as in_flight:
+                await asyncio.wait_for(waiting, 5)
+            with pytest.raises(APIError) as later:  # one still in its intake then
+                await anext(pool.generate(GenerateRequest("later", b"{}"), timeout_s=30))
+            await asyncio.sleep(0.1)  # time for a request to reach an engine, were one sent
+            return in_flight.value, later.value, [engine.asked for engine in engines]
+
+    in_flight, later, asked = asyncio.run(run())
+    assert sorted(asked) == [0, 1]
+    for error in (in_flight, later):
+        assert error.status == 503 and "shutting down" in error.message
