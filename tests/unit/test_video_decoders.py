@@ -190,6 +190,17 @@ def test_a_decoder_that_crashes_fails_its_video_alone_and_the_next_gets_another(
     assert asyncio.run(intake.decode(small)).num_frames == 4
 
 
+def test_a_decoder_killed_under_its_video_is_a_503_to_send_again_not_a_refusal_of_the_video(decoders, long_clip):
+    """SIGKILL (the kernel's OOM killer, an operator) says nothing of the video, unlike a crash:
+    a 400 would have the client give up on a video that decodes."""
+    intake = intake_with(decoders)
+    item = inspect(long_clip, WHERE, VideoSampling("opencv", num_frames=8), LIMITS, intake=intake)
+    error = refused_with_its_decoder_signalled(decoders, intake, item, signal.SIGKILL)
+    assert (error.status, error.code, error.headers) == (503, "video_decoder_lost", {"Retry-After": "1"}), error.message
+    assert "SIGKILL" in error.message and error.param == WHERE
+    assert asyncio.run(intake.decode(item)).num_frames == 8  # sent again, it decodes
+
+
 def test_a_decoder_that_hangs_is_killed_at_its_deadline(decoders, long_clip):
     """A decoder that stops answering (SIGSTOP: as a seek inside FFmpeg that never returns, which no
     stop flag reaches) is killed once its deadline has passed, and the video is a 413."""

@@ -64,9 +64,19 @@ MAX_HEADER_BYTES = 64 * 2**10  # a reply's header: a few numbers and an error's 
 DECODER_SLACK_BYTES = 64 * 2**20
 
 
+# Signals a decoder dies of when it crashes on what it decodes (FFmpeg on crafted bytes).
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL})
+
+
 class DecoderDied(Unreadable):
-    """The decoder's process ended during the job: a crash in FFmpeg on these bytes, or the
-    kernel's OOM killer."""
+    """The decoder's process ended during the job. `on_the_video`: it crashed (a signal of
+    CRASH_SIGNALS), on these bytes: the video is refused (400). Else it was killed (SIGKILL: the
+    kernel's OOM killer, an operator) or exited of a failure of its own (its start, its install):
+    nothing says the video is at fault, and the request may be sent again (503)."""
+
+    def __init__(self, message: str, on_the_video: bool = True) -> None:
+        super().__init__(message)
+        self.on_the_video = on_the_video
 
 
 class OutOfStep(Unreadable):
@@ -357,9 +367,10 @@ class _Process:
         except subprocess.TimeoutExpired:
             self.kill()
             code = self.process.returncode
+        crashed = code is not None and code < 0 and -code in CRASH_SIGNALS
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
         log.warning("a video decoder process ended during its job (%s)", how)
-        return DecoderDied(f"the decoder ended while reading it ({how})")
+        return DecoderDied(f"the decoder ended while reading it ({how})", on_the_video=crashed)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -50,7 +50,7 @@ from gateway.intake.resize import resize_pixels
 from gateway.intake.together import all_or_none, on_thread
 from gateway.timing import RequestTimer
 from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
-from gateway.intake.video.decoders import DecoderProcesses, Decoders
+from gateway.intake.video.decoders import DecoderDied, DecoderProcesses, Decoders
 from gateway.intake.video.limits import (VideoLimits, decoder_bytes, decoder_job_bytes, decoding_bytes,
                                          describe, refused)
 from gateway.intake.video.sampling import (NoFramesKept, SampledVideo, SourceInfo, VideoSampling, frame_indices,
@@ -233,7 +233,7 @@ def _reading(where: str, limits: VideoLimits, seconds: float, stop: Callable[[],
             raise Stopped() from None
         if cutoff():
             raise _read_too_slow(where, limits) from None
-        raise refused(where, f"cannot be read: {exc}") from None
+        raise _decoder_lost(where, exc) or refused(where, f"cannot be read: {exc}") from None
     if cutoff.told():
         raise Stopped()
     if cutoff():  # the reads ended early: what they found is not the stream's
@@ -284,7 +284,7 @@ def decode(item: InspectedVideo, decoders: Decoders | None = None, stop: Callabl
                 frames[len(read)] = rgb if item.frame_size is None else resize_pixels(rgb, kept_w, kept_h)
                 read.append(index)
     except Unreadable as exc:
-        raise refused(item.where, f"cannot be decoded: {exc}") from None
+        raise _decoder_lost(item.where, exc) or refused(item.where, f"cannot be decoded: {exc}") from None
     missing = sorted(set(item.indices) - set(read))
     if missing and not _a_tail_vllm_serves_without(item, missing, read):
         raise refused(item.where, f"is truncated or corrupt: {len(missing)} of {len(set(item.indices))} sampled "
@@ -293,6 +293,14 @@ def decode(item: InspectedVideo, decoders: Decoders | None = None, stop: Callabl
         frames = frames[: len(read)].copy()
     return SampledVideo(frames, source.fps, source.total_frames, source.duration_s, tuple(read), item.sampling,
                         digest=item.digest)
+
+
+def _decoder_lost(where: str, exc: Exception) -> APIError | None:
+    """A 503 for a decoder process lost to no fault of the video's (DecoderDied.on_the_video); None else."""
+    if not isinstance(exc, DecoderDied) or exc.on_the_video:
+        return None
+    return APIError(503, f"{where}: the video decoder process was lost while reading it ({exc}); retry shortly",
+                    param=where, code="video_decoder_lost", headers={"Retry-After": "1"})
 
 
 def _a_tail_vllm_serves_without(item: InspectedVideo, missing: list[int], read: list[int]) -> bool:
