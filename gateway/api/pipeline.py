@@ -154,8 +154,10 @@ class ChatPipeline:
             return await self._in_pool(decode_data_url, ref.url, ref.where, self.policy.limits)
         return await self.fetcher.fetch(ref.url, ref.where)  # counted while it comes, then held (ImageFetcher)
 
-    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef], record: RequestRecord) -> list[Inspected]:
-        """Fetch and judge every image by its header; nothing is decoded yet."""
+    async def _intake(self, request: ChatCompletionRequest, refs: list[ImageRef],
+                      record: RequestRecord) -> tuple[list[Inspected], list[bytes]]:
+        """Fetch and judge every image by its header, and digest its bytes (image_preprocess's
+        time, as the stage table has it); nothing is decoded yet."""
         timer = record.timer
         request_budget = self.request_budget(request)
         budgets = [self.image_budget(ref, request_budget) for ref in refs]  # a refused detail: before any fetch
@@ -169,9 +171,10 @@ class ChatPipeline:
         tokens = sum(item.visual_tokens for item in inspected)
         self._check_visual_tokens(tokens, "the images would take")
         record.ticket.reserve_visual_tokens(tokens)  # given back when the request ends
+        digests = [salted(digest_of(item, self.policy), request.cache_salt) for item in inspected]
         timer.add("image_preprocess", time.perf_counter() - fetched)
         timer.image_sizes.extend(item.size for item in inspected)
-        return inspected
+        return inspected, digests
 
     def image_limit(self) -> tuple[int, str]:
         """Images one request may carry, and the key that sets it: the gateway's limit, or the engine's
@@ -253,9 +256,8 @@ class ChatPipeline:
         chat = engine_chat(request)
         if not refs and not videos:
             return Prepared(GenerateRequest(request_id=record.id, chat=chat, priority=request.priority), None)
-        inspected = await self._intake(request, refs, record) if refs else []
+        inspected, digests = await self._intake(request, refs, record) if refs else ([], [])  # videos': at their intake
         self._reserve_planned_videos(inspected, videos, record)
-        digests = [salted(digest_of(item, self.policy), request.cache_salt) for item in inspected]  # videos': at their intake
         images = await self.handoff.deliver(record.id, inspected, digests, record.timer, videos, video_knobs(request),
                                             request.priority)
         self._count_videos(images, videos, record)

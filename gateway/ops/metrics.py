@@ -26,10 +26,13 @@ from gateway.timing import STAGES, ran
 from protocol.stats import BATCH_IMAGE_BUCKETS, BATCH_PATCH_BUCKETS, HistogramSnapshot, ServiceState
 
 # 50 µs (a cache lookup, a parse) to minutes (a long answer's end to end), with steps of at
-# most 1.5x from a second to ten, where a CPU demo's TTFT falls: a quantile there is not one
-# wide bucket's interpolation, nor one of a stage that takes a tenth of the first bucket.
-LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 5, 7.5, 10,
-                   15, 25, 60, 120, 300)
+# most 1.5x from 10 ms to ten seconds, where stages and TTFTs fall on a GPU (tens to hundreds
+# of ms) and on a CPU (seconds): histogram_quantile interpolates linearly inside a bucket, so a
+# wider step there put a p95 of 0.30 s at 0.49 s. Below 10 ms, a stage that takes a tenth of
+# the first bucket is still told apart.
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075,
+                   0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1, 1.5, 2, 3, 4, 5, 7.5, 10, 15, 25, 60, 120, 300)
 # A decode step: a few ms on a GPU to a few hundred on two cores, finely enough
 # that a quantile is not one wide bucket's interpolation; seconds where another
 # request's prefill holds every stream's next step.
@@ -47,7 +50,8 @@ STAGE_SECONDS = Histogram("prism_stage_seconds", "Time to first token by stage, 
                           buckets=LATENCY_BUCKETS)
 for _stage in STAGES:
     STAGE_SECONDS.labels(_stage)  # exported at 0 before a request runs it
-TTFT_SECONDS = Histogram("prism_ttft_seconds", "Request arrival to first token sent", buckets=LATENCY_BUCKETS)
+TTFT_SECONDS = Histogram("prism_ttft_seconds", "Request arrival to first token: sent (a stream), or at the gateway (a whole "
+                         "answer, which the client has only with its last)", buckets=LATENCY_BUCKETS)
 TPOT_SECONDS = Histogram("prism_tpot_seconds", "Time per output token after the first, per request", buckets=DECODE_BUCKETS)
 ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive token deltas", buckets=DECODE_BUCKETS)
 E2E_SECONDS = Histogram("prism_e2e_seconds", "Request arrival to last byte", buckets=LATENCY_BUCKETS)
@@ -71,7 +75,7 @@ for _service in REPLICA_REQUESTS:
 # How long a callback posted from another thread waited for the gateway's event loop (gateway/ops/loop_probe.py).
 LOOP_LAG_SECONDS = Histogram(
     "prism_gateway_loop_lag_seconds", "How long new work waited for the gateway's event loop (sampled 10 times a second)",
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),  # stalls of seconds too
 )
 # Repeated images sent to the engine by a reference this gateway process kept, with no encoder round (gateway/routing/handoff.py, Delivery.KNOWN).
 IMAGES_BY_KNOWN_REFERENCE = Counter("prism_gateway_images_by_known_reference",
