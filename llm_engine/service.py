@@ -381,6 +381,15 @@ class EngineService:
         if current is flight or current is None:  # None: the engine died and let go of every request
             self.waiting.leave(rid)
 
+    def _check_as_vllm_will(self, params) -> None:
+        """vLLM's own checks of the sampling, which its add_request runs once the request is on its
+        way in (SamplingParams.verify: the logprobs limit, a structured output's grammar, a regex
+        that does not compile): raised here, a 400 (`_failure`). vLLM runs them again: they are
+        made for params used twice (they keep the backend they resolved)."""
+        processor = self.engine.input_processor
+        params.verify(processor.model_config, processor.speculative_config, processor.structured_outputs_config,
+                      processor.tokenizer)
+
     def _take_place(self, rid: str) -> None:
         """A request let in over the full queue (llm_engine/waiting.py), now found valid, takes the
         least urgent one's place: that one is refused as a full queue refuses (QueueFull: none is)."""
@@ -529,6 +538,8 @@ class EngineService:
             fetch_s = time.monotonic() - fetch_started if request.images or request.videos else 0.0
             prompt, params = await self._plan(read.chat, template_prompt, request, tensors)
             reasoning = read.reasoning(template_prompt.token_ids)
+            if self.waiting.over_limit(rid):  # a request vLLM refuses must take no one's place
+                self._check_as_vllm_will(params)
             self._take_place(rid)
             tokens = await self._stream(peer, rid, prompt, params, (received, fetch_s), read, reasoning)
             if tokens is None:

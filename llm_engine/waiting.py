@@ -53,6 +53,11 @@ class WaitingRequests:
         """It has its first token, or its outcome is decided."""
         self._waiting.pop(rid, None)
 
+    def over_limit(self, rid: str) -> bool:
+        """Let in past the limit, and not yet given a place (`place_for`): it may displace one."""
+        waiter = self._waiting.get(rid)
+        return waiter is not None and waiter.over_limit
+
     def place_for(self, rid: str, displaceable: Callable[[str], bool]) -> str | None:
         """For a request found valid: the request whose place it takes (now out of the queue), or
         None. QueueFull where it was let in over the limit and none less urgent is left."""

@@ -9,6 +9,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from vllm.exceptions import VLLMValidationError
 
 from llm_engine.prompts import InvalidPrompt
 from llm_engine.service import EngineService
@@ -54,13 +55,28 @@ def test_no_place_is_taken_where_room_was_made_or_from_a_request_that_is_ending(
     assert "urgent" not in waiting
 
 
-async def _answers(arrivals: list[tuple[str, int, bool]], stall: bool = False) -> list[tuple[str, int, str | None]]:
+class Sampling:
+    """A request's SamplingParams as far as the engine's checks go: vLLM's own (`verify`) refuse
+    those whose id is in `refused`, as vLLM refuses a structured output's regex that does not compile."""
+
+    def __init__(self, rid: str, refused: frozenset[str]) -> None:
+        self.rid, self.refused = rid, refused
+
+    def verify(self, *configs) -> None:
+        if self.rid in self.refused:
+            raise VLLMValidationError("Invalid regular expression: missing ), unterminated subpattern", parameter="regex")
+
+
+async def _answers(arrivals: list[tuple[str, int, bool]], stall: bool = False,
+                   refused_by_vllm: frozenset[str] = frozenset()) -> list[tuple[str, int, str | None]]:
     """Every answer the requests (id, priority, valid) get from an engine whose queue holds two:
-    the valid ones go on to vLLM (here: wait there) once all have come."""
+    the valid ones go on to vLLM (here: wait there) once all have come, but for those vLLM's own
+    checks refuse (`refused_by_vllm`)."""
     config = SimpleNamespace(served_model_name="m", model="m", stall_timeout_s=600, max_waiting_requests=2,
                              scheduling_policy="priority")
     sent, arrived = Sent(), asyncio.Event()
-    service = EngineService(config=config, engine=SimpleNamespace(errored=False), router=sent,
+    processor = SimpleNamespace(model_config=None, speculative_config=None, structured_outputs_config=None, tokenizer=None)
+    service = EngineService(config=config, engine=SimpleNamespace(errored=False, input_processor=processor), router=sent,
                             watch=StallWatch(600, 600), shape=None, generation_defaults={}, images=None)
     valid = {rid: ok for rid, _, ok in arrivals}
 
@@ -74,9 +90,10 @@ async def _answers(arrivals: list[tuple[str, int, bool]], stall: bool = False) -
         return []
 
     async def plan(chat, template_prompt, request, tensors):
-        return None, None
+        return None, Sampling(request.request_id, refused_by_vllm)
 
-    async def in_vllm(peer, rid, *args):
+    async def in_vllm(peer, rid, prompt, params, *args):
+        params.verify()  # vLLM's add_request checks them again
         await asyncio.sleep(600)
 
     service._read_and_render, service._plan, service._stream = render, plan, in_vllm
@@ -99,6 +116,13 @@ async def _answers(arrivals: list[tuple[str, int, bool]], stall: bool = False) -
 def test_an_urgent_request_the_engine_refuses_takes_no_one_s_place():
     answers = asyncio.run(_answers([("a", 5, True), ("b", 5, True), ("bad-1", -1, False), ("bad-2", -1, False)]))
     assert sorted(answers) == [("bad-1", 400, None), ("bad-2", 400, None)]
+
+
+def test_an_urgent_request_vllm_s_own_checks_refuse_takes_no_one_s_place():
+    """vLLM checks the sampling (a structured output's regex, the logprobs limit) as the request goes
+    in: one it refuses is found invalid before it displaces anyone."""
+    answers = asyncio.run(_answers([("a", 5, True), ("b", 5, True), ("bad-regex", -1, True)], refused_by_vllm=frozenset({"bad-regex"})))
+    assert answers == [("bad-regex", 400, "invalid_value")]
 
 
 def test_a_valid_urgent_request_takes_the_least_urgent_place_and_the_displaced_is_answered_once():
