@@ -45,9 +45,9 @@ class RequestTimer:
     first_token_at: float | None = None
     finished_at: float | None = None
     delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
+    delta_steps: list[int] = field(default_factory=list)  # the decode steps each carries (its longest choice's tokens)
     completion_tokens: int = 0  # every choice's, as usage counts them
     choices: int = 1  # the request's n: each token step makes one token per choice
-    steps_per_delta: int = 1  # the request's stream_interval: its deltas' gaps are no inter-token latency
     choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens so far
     visual_tokens: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
@@ -75,14 +75,20 @@ class RequestTimer:
 
     def mark_delta(self, delta: TokenDelta) -> None:
         self.delta_times.append(time.perf_counter())
+        self.delta_steps.append(max((choice.tokens for choice in delta.choices), default=0))
         self.completion_tokens = delta.completion_tokens
         for choice in delta.choices:
             self.choice_tokens[choice.index] = self.choice_tokens.get(choice.index, 0) + choice.tokens
 
     def inter_token_gaps(self) -> list[float]:
-        if self.steps_per_delta > 1:
-            return []
-        return [b - a for a, b in zip(self.delta_times, self.delta_times[1:])]
+        """One gap per token after the first: a delta that carries several steps' tokens (vLLM
+        merges them while its reader lags; `stream_interval` sends every so many) spreads its gap
+        evenly over them, as they were made during it. A delta with no token (an end) has none."""
+        gaps: list[float] = []
+        for before, after, steps in zip(self.delta_times, self.delta_times[1:], self.delta_steps[1:]):
+            if steps:
+                gaps += [(after - before) / steps] * steps
+        return gaps
 
     @property
     def tpot_s(self) -> float | None:

@@ -135,7 +135,6 @@ class ChatHandler:
         body_read.set()
         record.timer.add("parse", time.perf_counter() - parse_started)
         record.timer.choices = request.n
-        record.timer.steps_per_delta = (request.stream_interval or 1) if request.stream else 1
         served = _served(gateway.models, request.model, gateway.starting)
         served.enter()
         record.ticket.on_release(served.leave)  # a stream leaves when it ends

@@ -53,7 +53,8 @@ for _stage in STAGES:
 TTFT_SECONDS = Histogram("prism_ttft_seconds", "Request arrival to first token: sent (a stream), or at the gateway (a whole "
                          "answer, which the client has only with its last)", buckets=LATENCY_BUCKETS)
 TPOT_SECONDS = Histogram("prism_tpot_seconds", "Time per output token after the first, per request", buckets=DECODE_BUCKETS)
-ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive token deltas", buckets=DECODE_BUCKETS)
+ITL_SECONDS = Histogram("prism_itl_seconds", "Gap between consecutive tokens (a delta of several spreads its gap over them)",
+                        buckets=DECODE_BUCKETS)
 E2E_SECONDS = Histogram("prism_e2e_seconds", "Request arrival to last byte", buckets=LATENCY_BUCKETS)
 VISUAL_TOKENS = Histogram("prism_visual_tokens_per_request", "Visual tokens a request's images became", buckets=TOKEN_BUCKETS)
 IMAGES = Counter("prism_images_total", "Images accepted, by original size", ["size"])

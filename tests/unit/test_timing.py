@@ -70,14 +70,17 @@ def test_stage_histograms_take_a_stage_where_it_ran_and_their_means_add_up_to_th
     assert sum(means.values()) == pytest.approx(sum(ttfts) / 2)
 
 
-def test_a_stream_of_several_tokens_a_chunk_gives_no_inter_token_gaps():
-    """vLLM's `stream_interval`: its deltas' gaps are so many tokens' (its time per output token still counts)."""
-    timer = RequestTimer(first_token_at=0.0, steps_per_delta=4)
-    for made in (1, 5, 9):
+def test_a_delta_of_several_tokens_spreads_its_gap_over_them():
+    """vLLM merges deltas while their reader lags, and `stream_interval` sends every so many steps:
+    one gap a delta counted a delta's gap as one token's (fewer, longer inter-token latencies)."""
+    timer = RequestTimer(first_token_at=0.0)
+    for made, at in ((1, 0.0), (5, 0.4), (9, 0.6)):
         timer.mark_delta(TokenDelta("r", [ChoiceDelta(0, tokens=4 if made > 1 else 1)], made, 5))
+        timer.delta_times[-1] = at
+    timer.mark_delta(TokenDelta("r", [ChoiceDelta(0, tokens=0)], 9, 5, finished=True))  # an end, no token
     timer.finished_at = 1.0
-    assert timer.inter_token_gaps() == [] and timer.tpot_s == pytest.approx(0.125)
-    assert len(RequestTimer(delta_times=[0.0, 0.1, 0.2]).inter_token_gaps()) == 2
+    assert timer.inter_token_gaps() == pytest.approx([0.1] * 4 + [0.05] * 4)  # 8 tokens after the first
+    assert timer.tpot_s == pytest.approx(0.125)
 
 
 def test_latency_buckets_step_by_at_most_half_again_from_ten_ms_to_ten_s():
