@@ -546,11 +546,15 @@ def test_each_model_of_the_multi_model_overlay_runs_its_own_profile_s_pixel_budg
         assert (pod.min_pixels, pod.max_pixels) == (profile.min_pixels, profile.max_pixels), model
 
 
-def test_gateway_pods_of_one_model_share_its_profile_s_bound_on_visual_tokens_in_flight(tmp_path):
-    """Each gateway bounds only its own requests: two pods before one engine take half the
-    profile's bound each, or the engine's KV cache sees twice what the profile sized it for."""
-    objects = render("gpu-qwen2.5-vl-7b")
+@pytest.mark.parametrize("overlay,models", [("gpu-qwen2.5-vl-7b", ["qwen2.5-vl-7b"]),
+                                            ("multi-model", ["qwen2.5-vl-7b", "qwen3-vl-8b"])])
+def test_gateway_pods_share_their_models_profiles_bound_on_visual_tokens_in_flight(tmp_path, overlay, models):
+    """Each gateway bounds only its own requests, and all of them may go to one engine: the pods
+    together stay within the bound each model's profile sized its engine's KV cache for (the
+    smallest, where several models are served)."""
+    objects = render(overlay)
     (gateway, container, module), = [found for found in prism_containers(objects) if found[2] == "gateway"]
     pod = container_config(objects, gateway, container, module, tmp_path)
-    profile = load_config(GatewayConfig, "gateway", REPO_ROOT / "configs" / "qwen2.5-vl-7b.yaml", {})
-    assert pod.max_visual_tokens_in_flight * gateway["spec"]["replicas"] <= profile.max_visual_tokens_in_flight
+    profiles = [load_config(GatewayConfig, "gateway", REPO_ROOT / "configs" / f"{model}.yaml", {}) for model in models]
+    bound = min(profile.max_visual_tokens_in_flight for profile in profiles)
+    assert pod.max_visual_tokens_in_flight * gateway["spec"]["replicas"] <= bound
