@@ -207,14 +207,19 @@ class EncoderService:
             self._send(peer, EncodeFailed(request_id, message, 503, code))
         self.pending.clear()
 
-    def _exit_for_device_error(self, exc: Exception) -> None:
-        """A device error other than out of memory (an illegal address, a lost GPU) leaves
-        the process's CUDA context unusable: every later batch would fail while the heartbeats
-        said serving. Its requests fail over (503) and the process exits for its supervisor to
-        start it on a fresh context, as past a stall (encoder.stall_restart_s)."""
-        message = f"the vision encoder's device failed ({exc}); it restarts: retry shortly"
-        log.critical("%s; failing %d requests and exiting for a restart", message, len(self.pending))
-        self._fail_every_request(message, "encoder_device_error")
+    def _exit_for_device_error(self, batch: RunningBatch, exc: Exception) -> None:
+        """A device error that the device does not get over (an illegal address, a device-side
+        assert, a GPU gone: `VisionTower.device_lost`) leaves the process's CUDA context unusable:
+        every later batch would fail while the heartbeats said serving. The process exits for its
+        supervisor to start it on a fresh context, as past a stall (encoder.stall_restart_s). The
+        batch's requests fail (500): what it held may be what brought the device down, and sent
+        to another replica would bring that one down too. The others fail over (503)."""
+        log.critical("the vision encoder's device failed (%s) on a batch of %d images; failing %d requests and exiting "
+                     "for a restart", exc, len(batch.jobs), len(self.pending))
+        self._fail_batch(batch.jobs, f"the vision encoder's device failed on this request's batch ({exc})", 500,
+                         "encoder_device_error")
+        self._fail_every_request(f"the vision encoder's device failed ({exc}); it restarts: retry shortly",
+                                 "encoder_device_error")
         context = self.router.socket.context
         self.router.close(linger_ms=DEVICE_ERROR_LINGER_MS)  # the answers leave before the process ends...
         flush = threading.Thread(target=context.term, daemon=True)
@@ -548,10 +553,10 @@ class EncoderService:
         self.oom_splits += batch.times.oom_splits  # a split's halves may have failed after it
         try:
             encoded = batch.future.result()
-        except torch.AcceleratorError as exc:  # the device's context is lost: no later batch can run on it
-            self._exit_for_device_error(exc)
-            return
         except Exception as exc:  # a bad batch fails its requests, never the service
+            if isinstance(exc, torch.AcceleratorError) and self.tower.device_lost():
+                self._exit_for_device_error(batch, exc)  # no later batch can run on this device
+                return
             log.exception("encode failed for a batch of %d images", len(batch.jobs))
             self.watch.finished(batch.patches, time.monotonic() - batch.started, batch.started)
             self._fail_batch(batch.jobs, f"encoder error: {exc}")

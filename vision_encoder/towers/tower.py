@@ -165,6 +165,19 @@ class VisionTower:
         return {"compile_blocks": self.options.compile_blocks,
                 "gpu": torch.cuda.get_device_name(self.device) if self.io.cuda else None}
 
+    def device_lost(self) -> bool:
+        """After a device error: whether the device still runs anything. A sticky error (an illegal
+        address, a device-side assert, a GPU gone) fails every later call in this process; another
+        (a launch's configuration, pinned host memory short) failed its own call only."""
+        if not self.io.cuda:
+            return False
+        try:
+            torch.ones(1, device=self.device).add_(1).cpu()
+            torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - any error here is the device's
+            return True
+        return False
+
     def release_memory(self) -> None:
         """Hand the allocator's cached device memory back (after an out-of-memory error)."""
         if self.io.cuda:
