@@ -44,8 +44,9 @@ class RequestTimer:
     cache_misses: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
-    delta_times: list[float] = field(default_factory=list)  # arrival of each token delta
-    delta_steps: list[int] = field(default_factory=list)  # the decode steps each carries (its longest choice's tokens)
+    # Each choice's deltas that carried tokens: (arrival, its tokens in it). Per choice: with n > 1 a
+    # stream's choices come in deltas of their own, one step's tokens apart by a few microseconds.
+    choice_deltas: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     completion_tokens: int = 0  # every choice's, as usage counts them
     choices: int = 1  # the request's n: each token step makes one token per choice
     choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens so far
@@ -74,20 +75,21 @@ class RequestTimer:
             self.first_token_at = time.perf_counter()
 
     def mark_delta(self, delta: TokenDelta) -> None:
-        self.delta_times.append(time.perf_counter())
-        self.delta_steps.append(max((choice.tokens for choice in delta.choices), default=0))
+        now = time.perf_counter()
         self.completion_tokens = delta.completion_tokens
         for choice in delta.choices:
             self.choice_tokens[choice.index] = self.choice_tokens.get(choice.index, 0) + choice.tokens
+            if choice.tokens:
+                self.choice_deltas.setdefault(choice.index, []).append((now, choice.tokens))
 
     def inter_token_gaps(self) -> list[float]:
-        """One gap per token after the first: a delta that carries several steps' tokens (vLLM
-        merges them while its reader lags; `stream_interval` sends every so many) spreads its gap
-        evenly over them, as they were made during it. A delta with no token (an end) has none."""
+        """Each choice's gaps, one a token after its first delta's: a delta that carries several
+        tokens (vLLM merges them while its reader lags; `stream_interval` sends every so many)
+        spreads its gap evenly over them, as they were made during it."""
         gaps: list[float] = []
-        for before, after, steps in zip(self.delta_times, self.delta_times[1:], self.delta_steps[1:]):
-            if steps:
-                gaps += [(after - before) / steps] * steps
+        for deltas in self.choice_deltas.values():
+            for (before, _), (after, tokens) in zip(deltas, deltas[1:]):
+                gaps += [(after - before) / tokens] * tokens
         return gaps
 
     @property

@@ -70,17 +70,33 @@ def test_stage_histograms_take_a_stage_where_it_ran_and_their_means_add_up_to_th
     assert sum(means.values()) == pytest.approx(sum(ttfts) / 2)
 
 
-def test_a_delta_of_several_tokens_spreads_its_gap_over_them():
+def deltas_at(monkeypatch, timer: RequestTimer, deltas: list[tuple[float, TokenDelta]]) -> None:
+    """Each delta marked as arriving at its time."""
+    for at, delta in deltas:
+        monkeypatch.setattr("gateway.timing.time.perf_counter", lambda at=at: at)
+        timer.mark_delta(delta)
+
+
+def test_a_delta_of_several_tokens_spreads_its_gap_over_them(monkeypatch):
     """vLLM merges deltas while their reader lags, and `stream_interval` sends every so many steps:
     one gap a delta counted a delta's gap as one token's (fewer, longer inter-token latencies)."""
     timer = RequestTimer(first_token_at=0.0)
-    for made, at in ((1, 0.0), (5, 0.4), (9, 0.6)):
-        timer.mark_delta(TokenDelta("r", [ChoiceDelta(0, tokens=4 if made > 1 else 1)], made, 5))
-        timer.delta_times[-1] = at
-    timer.mark_delta(TokenDelta("r", [ChoiceDelta(0, tokens=0)], 9, 5, finished=True))  # an end, no token
+    deltas_at(monkeypatch, timer, [(0.0, TokenDelta("r", [ChoiceDelta(0, tokens=1)], 1, 5)),
+                                   (0.4, TokenDelta("r", [ChoiceDelta(0, tokens=4)], 5, 5)),
+                                   (0.6, TokenDelta("r", [ChoiceDelta(0, tokens=4)], 9, 5)),
+                                   (0.7, TokenDelta("r", [ChoiceDelta(0, tokens=0)], 9, 5, finished=True))])  # an end, no token
     timer.finished_at = 1.0
     assert timer.inter_token_gaps() == pytest.approx([0.1] * 4 + [0.05] * 4)  # 8 tokens after the first
     assert timer.tpot_s == pytest.approx(0.125)
+
+
+def test_the_choices_of_a_stream_of_n_each_have_their_own_gaps(monkeypatch):
+    """With n > 1 each choice's token comes in a delta of its own, microseconds after the other's:
+    gaps between consecutive deltas were mostly those microseconds (a median near 0)."""
+    timer = RequestTimer(first_token_at=0.0)
+    deltas_at(monkeypatch, timer, [(step * 0.1 + index * 1e-6, TokenDelta("r", [ChoiceDelta(index, tokens=1)], 2 * step + index + 1, 5))
+                                   for step in range(4) for index in (0, 1)])
+    assert timer.inter_token_gaps() == pytest.approx([0.1] * 6)  # 3 gaps each
 
 
 def test_latency_buckets_step_by_at_most_half_again_from_ten_ms_to_ten_s():
