@@ -24,7 +24,7 @@ import pytest
 from common.config import REPO_ROOT
 from gateway.errors import APIError
 from gateway.intake.memory import DECODER_PROCESS_BYTES
-from gateway.intake.video.decode import Cutoff, InProcess, Stopped
+from gateway.intake.video.decode import Cutoff, InProcess, Stopped, Unreadable
 from gateway.intake.video.decoders import DECODER_SLACK_BYTES, DecoderDied, DecoderProcesses, OutOfStep
 from gateway.intake.video.intake import VideoIntake, decode
 from gateway.intake.video.limits import VideoLimits, decoder_bytes
@@ -383,6 +383,41 @@ def fake_decoders(mode: str, monkeypatch, tmp_path) -> DecoderProcesses:
     monkeypatch.setattr(module.subprocess, "Popen", lambda args, **kw: popen([sys.executable, str(script), mode, args[-1]],
                                                                               env=env, **kw))
     return DecoderProcesses()
+
+
+# The real decoder, its memory running out as it frames a frame for the gateway (past its job's cap,
+# between two frames: outside the decode's own handling of MemoryError).
+SHORT_OF_MEMORY_DECODER = """
+import sys
+from gateway.intake.video import decoder_process
+from protocol.decoder import Frame
+framed = decoder_process.framed
+def short_of_memory(reply, *args):
+    if isinstance(reply, Frame):
+        raise MemoryError
+    return framed(reply, *args)
+decoder_process.framed = short_of_memory
+decoder_process.main(int(sys.argv[-1]))
+"""
+
+
+def test_a_decoder_short_of_memory_between_frames_refuses_the_video_and_serves_on(monkeypatch, tmp_path):
+    """It exited (status 1), which says nothing of the video (a 503 to send again), where the
+    video had taken the memory its size allows: refused (400) as inside a decode, process kept."""
+    from gateway.intake.video import decoders as module
+
+    script = tmp_path / "short_of_memory.py"
+    script.write_text(SHORT_OF_MEMORY_DECODER)
+    popen, env = subprocess.Popen, {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    monkeypatch.setattr(module.subprocess, "Popen", lambda args, **kw: popen([sys.executable, str(script), args[-1]], env=env, **kw))
+    decoders = DecoderProcesses()
+    try:
+        with pytest.raises(Unreadable, match="took more memory") as caught:
+            list(decoders.frames(clip(num_frames=12), [0, 3], 240, 320, Cutoff(time.monotonic() + 30), 0))
+        assert not isinstance(caught.value, DecoderDied)
+        assert len(decoders.pids(busy=False)) == 1 and decoders.started == 1  # kept for the next video
+    finally:
+        decoders.close()
 
 
 @pytest.mark.parametrize("mode", ["a frame where figures are due", "a payload of 3 GiB", "one answer too many",

@@ -53,12 +53,15 @@ def main(fd: int) -> None:
             job, raw = received
             if isinstance(job, Stop):  # read after the job it was for had answered, or had stopped for it
                 continue
-            with _memory_capped(job.limits.memory_bytes):
-                for reply, payload in _answers(jobs, job, raw, stop_sent):
-                    if not isinstance(reply, Frame):
-                        break  # the job's last answer, sent once its memory is given back
-                    connection.sendall(framed(reply, len(payload)))
-                    connection.sendall(payload)
+            try:
+                with _memory_capped(job.limits.memory_bytes):
+                    for reply, payload in _answers(jobs, job, raw, stop_sent):
+                        if not isinstance(reply, Frame):
+                            break  # the job's last answer, sent once its memory is given back
+                        connection.sendall(framed(reply, len(payload)))
+                        connection.sendall(payload)
+            except MemoryError:  # past the job's cap between two frames: the video's doing, as inside a decode
+                reply, payload = _out_of_memory(job), b""
             del received, job, raw, payload
             trim()  # before the answer: the gateway counts an idle decoder from it on
             connection.sendall(framed(reply))
