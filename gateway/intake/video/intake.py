@@ -323,20 +323,19 @@ def digest_of(raw: bytes, sampling: VideoSampling) -> bytes:
 class FirstFrame:
     """When a decode's first kept frame arrived: its speed counts from there, so what every decode
     costs before its frames (a decoder's job sent its bytes, the container opened, the frames
-    before the first kept one) does not make a short clip's codec look slow (speed.py)."""
+    before the first kept one) does not make a short clip's codec look slow (speed.py). Until one
+    arrives (a decode stopped at its deadline before it), from the decode's start."""
 
     def __init__(self) -> None:
-        self.index: int | None = None
-        self.at = 0.0
+        self.index, self.at, self.heard_one = -1, time.monotonic(), False
 
     def heard(self, index: int) -> None:
-        if self.index is None:
-            self.index, self.at = index, time.monotonic()
+        if not self.heard_one:
+            self.index, self.at, self.heard_one = index, time.monotonic(), True
 
     def record_speed(self, speeds: DecodeSpeeds, source: SourceInfo, frames_read: int) -> None:
         """The frames read after the first kept one, in the time since it arrived."""
-        if self.index is not None:
-            speeds.record(source.codec, frames_read - 1 - self.index, source.width, source.height, time.monotonic() - self.at)
+        speeds.record(source.codec, frames_read - 1 - self.index, source.width, source.height, time.monotonic() - self.at)
 
 
 class VideoIntake:
