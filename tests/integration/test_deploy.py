@@ -183,7 +183,8 @@ def test_the_gpu_override_gives_each_service_a_gpu_of_its_own_and_the_gpu_pods_a
 @pytest.mark.parametrize("service,section", [("gateway", "gateway"), ("vision-encoder", "encoder"), ("llm-engine", "engine")])
 def test_the_gpu_override_runs_the_configs_the_gpu_overlay_runs(service, section, tmp_path):
     """One 7B deployment, whichever deploys it: the profile's tuning, the stack's addresses. The
-    drain timeout belongs to Kubernetes' grace periods."""
+    drain timeout belongs to Kubernetes' grace periods; the overlay's gateway pods share the bound
+    on visual tokens in flight that compose's one gateway holds alone."""
     binary("kubectl")
     from tests.unit.test_kubernetes import SERVICES, container_config, prism_containers, render
 
@@ -194,6 +195,10 @@ def test_the_gpu_override_runs_the_configs_the_gpu_overlay_runs(service, section
     deployment, container, _ = next(c for c in prism_containers(objects) if c[2] == module)
     kubernetes = container_config(objects, deployment, container, module, tmp_path)
     differing = {k for k in model.model_fields if getattr(compose, k) != getattr(kubernetes, k)}
+    if "max_visual_tokens_in_flight" in differing:
+        pods = deployment["spec"]["replicas"]
+        assert kubernetes.max_visual_tokens_in_flight * pods == compose.max_visual_tokens_in_flight, pods
+        differing.remove("max_visual_tokens_in_flight")
     assert differing <= {"drain_timeout_s"}, {k: (getattr(compose, k), getattr(kubernetes, k)) for k in differing}
 
 
