@@ -53,7 +53,7 @@ from vision_encoder.towers.qwen_video import QwenVideo, video_path_of
 from vision_encoder.videos import images_first, video_item
 from vision_encoder.watchdog import BatchWatch
 from vision_encoder.work import (
-    SKIPPED, Lanes, PendingRequest, RunningBatch, StageTimes, batch_stages, both_stages, prepare_into, requests_of, vit_after,
+    SKIPPED, EncodeError, Lanes, PendingRequest, RunningBatch, StageTimes, batch_stages, both_stages, prepare_into, requests_of, vit_after,
 )
 
 log = logging.getLogger("prism.encoder")
@@ -567,7 +567,7 @@ class EncoderService:
             self._requeue_joined(batch.jobs)
             return
         self.watch.finished(batch.patches, batch.times.busy_s, batch.started)
-        self.encodes += sum(result is not None for result in encoded)  # one that did not fit even alone was not
+        self.encodes += sum(isinstance(result, tuple) for result in encoded)  # one that failed even alone was not
         self.batches += 1
         self.batch_images.observe(len(batch.jobs))
         self.batch_patches.observe(sum(job.patches for job in batch.jobs))
@@ -575,6 +575,9 @@ class EncoderService:
             if result is None:  # it did not fit even alone: its requests fail, the batch's others are answered
                 self._fail_batch([job], f"the vision encoder ran out of device memory for this image ({job.patches} "
                                  "patches); retry shortly", 503, "encoder_out_of_memory")
+                continue
+            if isinstance(result, EncodeError):  # it failed alone: likewise
+                self._fail_batch([job], f"encoder error: {result.message}")
                 continue
             tensor, grid = result
             value = CachedEmbedding(tensor, grid, job.identity)  # its own memory (work.batch_stages)

@@ -138,13 +138,27 @@ class AtOnce:
                 self.now -= 1
 
 
+@dataclass(frozen=True)
+class EncodeError:
+    """An image whose encode failed alone, of an error other than out of memory: its requests fail,
+    its batch's others are answered."""
+
+    message: str
+
+
 def prepared_or_none(prepare: Callable[[], Any]):
     """A batch's preprocessed inputs (`prepare`: the preprocessing, or its future's `result`),
-    or None where preprocessing ran out of device memory: encode_splitting prepares it again,
-    in parts. The error's traceback is dropped: its frames hold the failed attempt's tensors."""
+    or None where preprocessing failed: encode_splitting prepares it again, in parts (out of
+    device memory: parts fit; another error: the image it is of fails alone). A device error is
+    the service's to judge (`VisionTower.device_lost`). The error's traceback is dropped: its
+    frames hold the failed attempt's tensors."""
     try:
         return prepare()
-    except torch.OutOfMemoryError as exc:
+    except torch.AcceleratorError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - torch.OutOfMemoryError, or one image's, maybe
+        if not isinstance(exc, torch.OutOfMemoryError):
+            log.warning("preprocessing a batch failed (%s: %s): preparing it again in parts", type(exc).__name__, exc)
         exc.__traceback__ = None
         return None
 
@@ -170,7 +184,7 @@ def prepare_into(box: list, preprocess: Callable[[], Any]) -> None:
 
 def vit_after(preprocessed: Future, box: list, vit: Callable[[list], Any]):
     """The main lane's ViT stage, once its preprocessing (`prepare_into` on the other thread) is done."""
-    preprocessed.result()  # a failure other than out-of-memory fails the batch
+    preprocessed.result()  # a device error fails the batch (prepare_into leaves others to encode_splitting)
     return vit(box)
 
 
@@ -204,7 +218,7 @@ def batch_stages(tower, jobs: list[Job], in_vit: AtOnce, times: StageTimes):
             encoded = encode_splitting(tower, jobs, box, times)
             # Each image's tokens copied out of the batch's buffer here, off the service's loop (cache.owning):
             # part of the encode (on a GPU, the copy to the host waits for the device).
-            owned = [None if result is None else (owning(result[0]), result[1]) for result in encoded]
+            owned = [(owning(result[0]), result[1]) if isinstance(result, tuple) else result for result in encoded]
             times.vit_end = time.monotonic()
         return owned
 
@@ -216,23 +230,39 @@ def encode_splitting(tower, jobs: list[Job], box: list, times: StageTimes) -> li
     batch], taken out here, or empty to make it here). A batch the device has no
     memory for is encoded as two halves, each split again if it must be: a burst
     of large images costs smaller batches, never the service. An image that does
-    not fit even alone gets None; the others in its batch are encoded all the same."""
+    not fit even alone gets None; the others in its batch are encoded all the same.
+    A batch that fails otherwise is split the same way, so that the image it fails
+    on fails alone (an EncodeError), not every request that shared its batch; a
+    device error is not split (the service judges whether the device is lost)."""
     inputs = box.pop() if box else None
+    failure = None
     try:
         if inputs is None:  # on the GPU, preprocessing takes device memory too
             inputs = prepare(tower, jobs)
         return tower.encode(inputs)
     except torch.OutOfMemoryError:
         pass  # handled below, once the except block has let go of the failed attempt's tensors
+    except torch.AcceleratorError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - split below, to find the image it is of
+        failure = f"{type(exc).__name__}: {exc}"
     inputs = None
-    tower.release_memory()
+    if failure is None:
+        tower.release_memory()
     if len(jobs) == 1:
-        log.error("out of device memory for one image (%d patches), even alone", jobs[0].patches)
-        return [None]
-    times.oom_splits += 1
+        if failure is None:
+            log.error("out of device memory for one image (%d patches), even alone", jobs[0].patches)
+            return [None]
+        log.error("encoding one image (%d patches) failed: %s", jobs[0].patches, failure)
+        return [EncodeError(failure)]
     half = len(jobs) // 2
-    log.warning("out of device memory for a batch of %d images (%d patches): encoding it as %d + %d",
-                len(jobs), sum(job.patches for job in jobs), half, len(jobs) - half)
+    if failure is None:
+        times.oom_splits += 1
+        log.warning("out of device memory for a batch of %d images (%d patches): encoding it as %d + %d",
+                    len(jobs), sum(job.patches for job in jobs), half, len(jobs) - half)
+    else:
+        log.warning("encoding a batch of %d images failed (%s): encoding it as %d + %d, so that what it fails on "
+                    "fails alone", len(jobs), failure, half, len(jobs) - half)
     return [*encode_splitting(tower, jobs[:half], [], times), *encode_splitting(tower, jobs[half:], [], times)]
 
 

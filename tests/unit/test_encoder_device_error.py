@@ -31,15 +31,16 @@ from vision_encoder import service as encoder_service
 from vision_encoder.batcher import Batcher, Job
 from vision_encoder.service import EncoderService
 from vision_encoder.watchdog import BatchWatch
-from vision_encoder.work import PendingRequest, RunningBatch, StageTimes
+from vision_encoder.work import EncodeError, PendingRequest, RunningBatch, StageTimes
 
 
 class Exited(Exception):
     pass
 
 
-def answers_to_a_device_error(monkeypatch, device_lost: bool) -> tuple[list[int], list[tuple[str, int, str | None]]]:
-    """(exit codes, (request, status, code) of every answer) after a batch fails with a device error.
+def answers_to_a_device_error(monkeypatch, device_lost: bool, encoded: list | None = None) -> tuple[list[int], list[tuple[str, int, str | None]]]:
+    """(exit codes, (request, status, code) of every answer) after a batch fails with a device error
+    (or, `encoded` given, ends with those results).
     The router's context holds another socket, as the encoder's does (its lanes' and pusher's), so the
     answers must leave while it cannot be ended."""
     monkeypatch.setattr(encoder_service, "DEVICE_ERROR_LINGER_MS", 300)
@@ -60,9 +61,14 @@ def answers_to_a_device_error(monkeypatch, device_lost: bool) -> tuple[list[int]
     in_batch, waiting = (PendingRequest(gateway.getsockopt(zmq.IDENTITY) or b"", rid, time.monotonic(), [None], [b"k"])
                          for rid in ("in-batch", "waiting"))
     failed = Future()
-    failed.set_exception(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    if encoded is None:
+        failed.set_exception(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    else:
+        failed.set_result(encoded)
     service = EncoderService.__new__(EncoderService)  # the loop's bookkeeping, no tower
     service.router, service.watch, service.oom_splits = router, BatchWatch(3.0, 1.0, 60.0), 0
+    service.encodes = service.batches = 0
+    service.batch_images = service.batch_patches = SimpleNamespace(observe=lambda value: None)
     service.batcher = Batcher(max_images=16, max_patches=4096, max_wait_s=0.01)
     service.tower = SimpleNamespace(device_lost=lambda: device_lost)
     try:
@@ -74,7 +80,7 @@ def answers_to_a_device_error(monkeypatch, device_lost: bool) -> tuple[list[int]
         with pytest.raises(Exited) if device_lost else contextlib.nullcontext():
             service._finish_batch(batch)
         answers, decoder = [], msgspec.msgpack.Decoder(GatewayInbound)
-        while gateway.poll(1000):
+        while gateway.poll(300):
             answers.append(decoder.decode(gateway.recv_multipart()[0]))
         return exits, sorted((a.request_id, a.status, a.code) for a in answers)
     finally:
@@ -99,4 +105,10 @@ def test_a_device_error_it_does_not_get_over_fails_its_batch_fails_the_rest_over
 
 def test_a_device_error_it_gets_over_fails_its_batch_alone(monkeypatch):
     exits, answers = answers_to_a_device_error(monkeypatch, device_lost=False)
+    assert exits == [] and answers == [("in-batch", 500, None)]
+
+
+def test_an_image_that_failed_alone_fails_its_requests_and_the_encoder_serves_on(monkeypatch):
+    """vision_encoder/work.py, encode_splitting: its batch was split until it failed alone."""
+    exits, answers = answers_to_a_device_error(monkeypatch, device_lost=False, encoded=[EncodeError("RuntimeError: bad")])
     assert exits == [] and answers == [("in-batch", 500, None)]

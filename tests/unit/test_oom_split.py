@@ -19,7 +19,7 @@ from prism.demo_model import RANDOM_MODEL, ensure_demo_model
 from vision_encoder.batcher import Job
 from vision_encoder.towers.tower import OutOfMemoryAbove, TowerImage
 from vision_encoder.towers import load_tower
-from vision_encoder.work import StageTimes, encode_splitting
+from vision_encoder.work import StageTimes, encode_splitting, prepare_into
 
 SIZES = [(224, 224), (280, 224), (224, 336), (252, 252), (308, 224)]  # 256 to 440 patches each
 
@@ -60,6 +60,53 @@ def test_one_image_that_does_not_fit_alone_is_none_and_the_rest_of_its_batch_is_
     for (got, _), (expected, _) in zip(together[::2], apart):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert encode_splitting(limited, jobs[1:2], [], StageTimes()) == [None]
+
+
+class FailsOnGrid:
+    """The tower, except that a batch holding an image of `grid` fails (an error other than out of
+    memory, in its preprocessing or its forward: what one malformed input could raise)."""
+
+    def __init__(self, tower, grid: tuple[int, int, int], stage: str) -> None:
+        self._tower, self._grid, self._stage = tower, list(grid), stage
+
+    def __getattr__(self, name: str):
+        return getattr(self._tower, name)
+
+    def _check(self, batch) -> None:
+        if self._grid in batch.grid_thw.tolist():
+            raise RuntimeError(f"test hook: a kernel failed on grid {self._grid}")
+
+    def preprocess(self, images):
+        batch = self._tower.preprocess(images)
+        if self._stage == "preprocess":
+            self._check(batch)
+        return batch
+
+    def encode(self, batch):
+        if self._stage == "encode":
+            self._check(batch)
+        return self._tower.encode(batch)
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "encode"])
+def test_an_image_a_batch_fails_on_fails_alone_and_the_rest_of_its_batch_is_encoded(tower, stage):
+    """An error other than out of memory failed the whole batch: every request that shared it got a
+    500. The batch is split as for out of memory, until the image it fails on fails alone."""
+    from vision_encoder.work import EncodeError, AtOnce, batch_stages
+
+    rng = np.random.default_rng(2)
+    bad = TowerImage(rng.integers(0, 255, (336, 336, 3), dtype=np.uint8), (336, 336))  # grid (1, 24, 24): its own
+    jobs = jobs_of(tower)
+    jobs.insert(2, Job(b"bad", bad, tower.num_patches(336, 336), 0.0))
+    apart = [tower.encode(tower.preprocess([job.image]))[0] for job in jobs if job.key != b"bad"]
+    failing = FailsOnGrid(tower, (1, 24, 24), stage)
+    preprocess, vit = batch_stages(failing, jobs, AtOnce(), StageTimes())
+    box: list = []
+    prepare_into(box, preprocess)
+    encoded = vit(box)
+    assert isinstance(encoded[2], EncodeError) and "failed on grid" in encoded[2].message
+    for (got, _), (expected, _) in zip(encoded[:2] + encoded[3:], apart):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_each_image_of_a_batch_comes_out_on_memory_of_its_own(tower):
@@ -147,7 +194,8 @@ def test_a_split_runs_without_the_whole_batch_s_inputs(lane, monkeypatch):
 
 
 class _OutOfMemoryThenBroken:
-    """Memory for one image at a time; the last image then meets a fault of another kind."""
+    """Memory for one image at a time; the last image then meets a device fault (not split: the
+    service judges whether the device is lost)."""
 
     def __init__(self) -> None:
         self.encoded = 0
@@ -160,7 +208,7 @@ class _OutOfMemoryThenBroken:
             raise torch.OutOfMemoryError("CUDA out of memory")
         self.encoded += 1
         if self.encoded == 4:
-            raise RuntimeError("device fault")
+            raise torch.AcceleratorError("device fault")
         return [(torch.zeros(2, 4), (1, 1, 2))]
 
     def release_memory(self) -> None:
@@ -177,6 +225,6 @@ def test_the_splits_of_a_batch_that_then_fails_are_still_counted(monkeypatch):
     jobs = [Job(bytes([i]), None, 10, 0.0) for i in range(4)]
     times = StageTimes()
     preprocess, vit = work.batch_stages(tower, jobs, work.AtOnce(), times)
-    with pytest.raises(RuntimeError, match="device fault"):
+    with pytest.raises(torch.AcceleratorError, match="device fault"):
         vit([preprocess()])
     assert times.oom_splits == 3  # the batch, then each half
