@@ -297,9 +297,11 @@ def oom(args, device: torch.device) -> None:
         seconds = time.perf_counter() - started
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, index)
+    failed = sum(not isinstance(result, tuple) for result in out)  # None: out of memory alone; EncodeError
     log(section="oom", images=count, memory_limit_gib=round(limit / 2**30, 2), quarter_gib=round(quarter / 2**30, 2),
-        splits=times.oom_splits, seconds=round(seconds, 2), rel_diff_vs_quarters=round(relative_difference(out, expected), 5),
-        all_images=len(out) == len(expected))
+        splits=times.oom_splits, seconds=round(seconds, 2), failed=failed,
+        rel_diff_vs_quarters=None if failed else round(relative_difference(out, expected), 5),
+        all_images=len(out) == len(expected) and not failed)
 
 
 # ---------------------------------------------------------------- profile

@@ -149,13 +149,11 @@ class EncodeError:
 def prepared_or_none(prepare: Callable[[], Any]):
     """A batch's preprocessed inputs (`prepare`: the preprocessing, or its future's `result`),
     or None where preprocessing failed: encode_splitting prepares it again, in parts (out of
-    device memory: parts fit; another error: the image it is of fails alone). A device error is
-    the service's to judge (`VisionTower.device_lost`). The error's traceback is dropped: its
-    frames hold the failed attempt's tensors."""
+    device memory: parts fit; another error: the image it is of fails alone; a device it finds
+    lost: the batch fails). The error's traceback is dropped: its frames hold the failed
+    attempt's tensors."""
     try:
         return prepare()
-    except torch.AcceleratorError:
-        raise
     except Exception as exc:  # noqa: BLE001 - torch.OutOfMemoryError, or one image's, maybe
         if not isinstance(exc, torch.OutOfMemoryError):
             log.warning("preprocessing a batch failed (%s: %s): preparing it again in parts", type(exc).__name__, exc)
@@ -232,8 +230,11 @@ def encode_splitting(tower, jobs: list[Job], box: list, times: StageTimes) -> li
     of large images costs smaller batches, never the service. An image that does
     not fit even alone gets None; the others in its batch are encoded all the same.
     A batch that fails otherwise is split the same way, so that the image it fails
-    on fails alone (an EncodeError), not every request that shared its batch; a
-    device error is not split (the service judges whether the device is lost)."""
+    on fails alone (an EncodeError), not every request that shared its batch; where
+    a first half of several images failed whole too, the error is not one image's,
+    and the second half fails with it unencoded (log2 of the batch's attempts, not
+    twice its images). A device error where the device is lost is raised: the
+    service exits for a restart."""
     inputs = box.pop() if box else None
     failure = None
     try:
@@ -242,9 +243,9 @@ def encode_splitting(tower, jobs: list[Job], box: list, times: StageTimes) -> li
         return tower.encode(inputs)
     except torch.OutOfMemoryError:
         pass  # handled below, once the except block has let go of the failed attempt's tensors
-    except torch.AcceleratorError:
-        raise
     except Exception as exc:  # noqa: BLE001 - split below, to find the image it is of
+        if isinstance(exc, torch.AcceleratorError) and tower.device_lost():
+            raise
         failure = f"{type(exc).__name__}: {exc}"
     inputs = None
     if failure is None:
@@ -263,7 +264,12 @@ def encode_splitting(tower, jobs: list[Job], box: list, times: StageTimes) -> li
     else:
         log.warning("encoding a batch of %d images failed (%s): encoding it as %d + %d, so that what it fails on "
                     "fails alone", len(jobs), failure, half, len(jobs) - half)
-    return [*encode_splitting(tower, jobs[:half], [], times), *encode_splitting(tower, jobs[half:], [], times)]
+    first = encode_splitting(tower, jobs[:half], [], times)
+    if failure is not None and half > 1 and all(isinstance(result, EncodeError) for result in first):
+        log.error("every image of the batch's first %d failed too: the error is not one image's; the other %d fail "
+                  "with them", half, len(jobs) - half)
+        return [*first, *[EncodeError(failure)] * (len(jobs) - half)]
+    return [*first, *encode_splitting(tower, jobs[half:], [], times)]
 
 
 class Lanes:

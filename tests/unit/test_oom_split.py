@@ -109,6 +109,57 @@ def test_an_image_a_batch_fails_on_fails_alone_and_the_rest_of_its_batch_is_enco
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+class AlwaysFails:
+    """A tower whose every forward fails: an error that is no one image's."""
+
+    def __init__(self) -> None:
+        self.encodes = 0
+
+    def preprocess(self, images):
+        return _Inputs(len(images))
+
+    def encode(self, inputs):
+        self.encodes += 1
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+    def device_lost(self) -> bool:
+        return False
+
+
+def test_an_error_that_is_no_one_image_s_fails_the_batch_in_a_few_attempts(monkeypatch):
+    """Split until one image fails alone, a batch of 16 took 31 attempts (5 times its work) to fail
+    every image; a first half of several that fails whole says the error is not one image's."""
+    from vision_encoder import work
+
+    monkeypatch.setattr(work, "prepare", lambda tower, jobs: tower.preprocess([job.image for job in jobs]))
+    tower = AlwaysFails()
+    results = work.encode_splitting(tower, [Job(bytes([i]), None, 10, 0.0) for i in range(16)], [], StageTimes())
+    assert len(results) == 16 and all(isinstance(result, work.EncodeError) for result in results)
+    assert tower.encodes == 6  # 16, 8, 4, 2, then each of the last 2's halves
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_device_error_is_raised_where_the_device_is_lost_and_split_like_any_other_where_not(monkeypatch, lost):
+    from vision_encoder import work
+
+    class DeviceError(AlwaysFails):
+        def encode(self, inputs):
+            if inputs.count > 1 or not lost:
+                raise torch.AcceleratorError("CUDA error: invalid configuration argument")
+            return [(torch.zeros(2, 4), (1, 1, 2))]
+
+        def device_lost(self) -> bool:
+            return lost
+
+    monkeypatch.setattr(work, "prepare", lambda tower, jobs: tower.preprocess([job.image for job in jobs]))
+    jobs = [Job(bytes([i]), None, 10, 0.0) for i in range(4)]
+    if lost:
+        with pytest.raises(torch.AcceleratorError):
+            work.encode_splitting(DeviceError(), jobs, [], StageTimes())
+    else:
+        assert all(isinstance(result, work.EncodeError) for result in work.encode_splitting(DeviceError(), jobs, [], StageTimes()))
+
+
 def test_each_image_of_a_batch_comes_out_on_memory_of_its_own(tower):
     """What the cache keeps: a view into the batch's buffer would hold all of it (cache.owning)."""
     from vision_encoder.work import AtOnce, batch_stages
@@ -213,6 +264,9 @@ class _OutOfMemoryThenBroken:
 
     def release_memory(self) -> None:
         pass
+
+    def device_lost(self) -> bool:
+        return True
 
 
 def test_the_splits_of_a_batch_that_then_fails_are_still_counted(monkeypatch):

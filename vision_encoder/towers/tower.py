@@ -168,13 +168,16 @@ class VisionTower:
     def device_lost(self) -> bool:
         """After a device error: whether the device still runs anything. A sticky error (an illegal
         address, a device-side assert, a GPU gone) fails every later call in this process; another
-        (a launch's configuration, pinned host memory short) failed its own call only."""
+        (a launch's configuration, pinned host memory short) failed its own call only. The probe
+        runs on a stream of its own and waits for that alone: not for another lane's batch."""
         if not self.io.cuda:
             return False
         try:
-            torch.ones(1, device=self.device).add_(1).cpu()
-            torch.cuda.synchronize(self.device)
-        except Exception:  # noqa: BLE001 - any error here is the device's
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                torch.ones(1, device=self.device).add_(1).cpu()
+        except torch.OutOfMemoryError:  # short of memory, as a batch may be: the device still runs
+            return False
+        except Exception:  # noqa: BLE001 - any other error here is the device's
             return True
         return False
 
