@@ -609,6 +609,8 @@ class EngineService:
                         prompt_logprobs=prompt_logprobs(output.prompt_logprobs) if first and not chat.stream else None,
                         prompt_text=prompt.text if first else None,
                     )
+                    if finished:  # vLLM is done with it: a last send that waits on a slow gateway is no stall
+                        self.generating.discard(rid)
                     if not await self._send(peer, delta):
                         return None  # closing the generator aborts the request in vLLM
                 first = False

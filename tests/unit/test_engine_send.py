@@ -106,3 +106,33 @@ def test_a_failure_past_vllm_s_answer_is_the_engine_s_500_not_the_request_s_400(
     (failed,) = asyncio.run(_reply_when_an_output_cannot_be_turned_into_a_delta())
     # the error's own text (paths, internals) stays in the engine's log
     assert failed.status == 500 and failed.message == ENGINE_FAILED and "a parser choked" not in failed.message, failed
+
+
+async def _busy_while_the_last_delta_waits_on_its_gateway() -> bool:
+    """Whether the stall watch still counted the request as vLLM's while its finished delta's send waited."""
+    async def generate(*_args, **_kwargs):
+        yield SimpleNamespace(outputs=[], finished=True, metrics=None, num_cached_tokens=0, prompt_token_ids=[1, 2],
+                              prompt_logprobs=None)
+
+    service = _service(router=None)
+    service.engine = SimpleNamespace(generate=generate, errored=False)
+    service.watch = SimpleNamespace(note_work_arrived=lambda *_args, **_kwargs: None)
+    busy_at_send = []
+
+    async def send(peer, message, wait=True, wait_s=None) -> bool:  # a gateway slow to read: the send waits
+        busy_at_send.append(bool(service.generating))
+        await asyncio.sleep(0.01)
+        return True
+
+    service._send = send
+    read = SimpleNamespace(chat=SimpleNamespace(priority=0, return_token_ids=False, stream=True), new_parser=lambda: None)
+    prompt = SimpleNamespace(inputs={}, num_tokens=2, max_tokens=4, text=None)
+    await service._stream(b"gateway", "r", prompt, None, (0.0, 0.0), read, {})
+    return busy_at_send == [True]
+
+
+def test_a_finished_request_whose_last_send_waits_is_no_work_of_vllm_s():
+    """The stall watch calls a stall when vLLM holds work and makes no step: a finished request
+    whose last delta waited (up to the router's 10 s) on a gateway slow to read counted as such,
+    and a stall timeout under that wait failed every request in flight with 503 engine_stalled."""
+    assert not asyncio.run(_busy_while_the_last_delta_waits_on_its_gateway())
