@@ -10,19 +10,12 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import yaml
 
 from tests.integration.helpers import child_pid, engine_core, engine_pid, log_records, scrape, wait_until
-from tests.integration.routed_stack import (
-    ENGINE_FAILOVERS, MAIN, both_engines_up, chat, image, per_engine, restarted_and_serving, routed_stack, with_image,
+from tests.integration.routed_stack import (  # noqa: F401 (routed_fixture: the module's stack, as `routed`)
+    ENGINE_FAILOVERS, MAIN, both_engines_up, chat, image, per_engine, restarted_and_serving, routed_fixture, with_image,
 )
-
-
-@pytest.fixture(scope="module")
-def routed(tmp_path_factory):
-    with routed_stack(tmp_path_factory.mktemp("models")) as stack:
-        yield stack
 
 
 def test_stopping_an_engine_under_load_loses_no_request(routed):

@@ -9,6 +9,7 @@ import contextlib
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from common.config import DEFAULT_CONFIG
@@ -27,9 +28,16 @@ def tcp_addresses(count: int) -> list[str]:
     return [f"tcp://127.0.0.1:{free_port()}" for _ in range(count)]
 
 
+@pytest.fixture(scope="module", name="routed")
+def routed_fixture(tmp_path_factory):
+    """The stack, started once for each module that imports this fixture (it asks for `routed`)."""
+    with routed_stack(tmp_path_factory.mktemp("models")) as stack:
+        yield stack
+
+
 @contextlib.contextmanager
 def routed_stack(run_dir: Path):
-    """The stack, started (a module's fixture: `with routed_stack(...) as stack: yield stack`)."""
+    """The stack, started."""
     # seed 7: greedy decoding of a story prompt runs for hundreds of tokens (no early end-of-sequence),
     # so an engine stopped under load is sure to hold requests
     main_checkpoint = write_demo_model(run_dir / "prism-demo-seed7", seed=7)

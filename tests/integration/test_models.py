@@ -16,15 +16,9 @@ import yaml
 
 from testing.stack import LocalStack
 from tests.integration.helpers import log_records, wait_until
-from tests.integration.routed_stack import (
-    ALIAS, MAIN, OTHER, chat, engine_requests, gateway_in_flight, image, routed_stack, with_image,
+from tests.integration.routed_stack import (  # noqa: F401 (routed_fixture: the module's stack, as `routed`)
+    ALIAS, MAIN, OTHER, chat, engine_requests, gateway_in_flight, image, routed_fixture, with_image,
 )
-
-
-@pytest.fixture(scope="module")
-def routed(tmp_path_factory):
-    with routed_stack(tmp_path_factory.mktemp("models")) as stack:
-        yield stack
 
 
 def test_each_model_answers_under_its_own_name(routed):
