@@ -49,7 +49,6 @@ class RequestTimer:
     choice_deltas: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
     completion_tokens: int = 0  # every choice's, as usage counts them
     choices: int = 1  # the request's n: each token step makes one token per choice
-    choice_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> its tokens so far
     visual_tokens: int = 0
     image_sizes: list[tuple[int, int]] = field(default_factory=list)  # original (width, height)
 
@@ -78,9 +77,13 @@ class RequestTimer:
         now = time.perf_counter()
         self.completion_tokens = delta.completion_tokens
         for choice in delta.choices:
-            self.choice_tokens[choice.index] = self.choice_tokens.get(choice.index, 0) + choice.tokens
             if choice.tokens:
                 self.choice_deltas.setdefault(choice.index, []).append((now, choice.tokens))
+
+    @property
+    def choice_tokens(self) -> dict[int, int]:
+        """Each choice's tokens so far."""
+        return {index: sum(tokens for _, tokens in deltas) for index, deltas in self.choice_deltas.items()}
 
     def inter_token_gaps(self) -> list[float]:
         """Each choice's gaps, one a token after its first delta's: a delta that carries several

@@ -182,7 +182,7 @@ def prepare_into(box: list, preprocess: Callable[[], Any]) -> None:
 
 def vit_after(preprocessed: Future, box: list, vit: Callable[[list], Any]):
     """The main lane's ViT stage, once its preprocessing (`prepare_into` on the other thread) is done."""
-    preprocessed.result()  # a device error fails the batch (prepare_into leaves others to encode_splitting)
+    preprocessed.result()  # done: its inputs are in `box`, or it failed and encode_splitting prepares them again
     return vit(box)
 
 

@@ -327,11 +327,11 @@ class FirstFrame:
     arrives (a decode stopped at its deadline before it), from the decode's start."""
 
     def __init__(self) -> None:
-        self.index, self.at, self.heard_one = -1, time.monotonic(), False
+        self.index, self.at = -1, time.monotonic()  # -1: none yet, so the count is of every frame read
 
     def heard(self, index: int) -> None:
-        if not self.heard_one:
-            self.index, self.at, self.heard_one = index, time.monotonic(), True
+        if self.index < 0:
+            self.index, self.at = index, time.monotonic()
 
     def record_speed(self, speeds: DecodeSpeeds, source: SourceInfo, frames_read: int) -> None:
         """The frames read after the first kept one, in the time since it arrived."""
